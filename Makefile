@@ -1,0 +1,53 @@
+# Two commands do everything on a fresh machine: `make demo` and `make test`.
+# The virtual environment is created on first use; torch==2.13.0 is installed first on machines without an NVIDIA
+# GPU so that pip never pulls the multi-GB CUDA build (GPU users install their own CUDA torch, or set TORCH_SPEC).
+
+PYTHON ?= python3
+VENV ?= .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.installed
+TORCH_SPEC ?= torch==2.13.0
+PYTEST_ARGS ?=
+
+.PHONY: demo test test-slow test-all lint format venv clean
+
+venv: $(STAMP)
+
+$(STAMP): pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install --quiet --upgrade pip
+	@if command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi >/dev/null 2>&1; then \
+		echo "NVIDIA GPU found: installing the package's torch requirement as pip resolves it (CUDA build)"; \
+	else \
+		echo "no NVIDIA GPU: installing the CPU build $(TORCH_SPEC) first"; \
+		$(BIN)/python -m pip install --quiet "$(TORCH_SPEC)"; \
+	fi
+	$(BIN)/python -m pip install --quiet -e '.[dev]'
+	touch $(STAMP)
+
+# The main job on the embedded default: 8 replicas of the tiny model on the Python standard library's sources,
+# NoLoCo against DiLoCo (heavy-ball and Nesterov), DDP and solo. About 6 minutes on 2 CPU cores.
+demo: $(STAMP)
+	$(BIN)/noloco-node simulate --compare --replicas 8 --model tiny --out runs/demo
+
+lint: $(STAMP)
+	$(BIN)/ruff check noloco_node tests
+	$(BIN)/ruff format --check noloco_node tests
+
+format: $(STAMP)
+	$(BIN)/ruff format noloco_node tests
+	$(BIN)/ruff check --fix noloco_node tests
+
+# The fast tier: unit tests plus integration tests that start real processes. pytest exits 5 when it collects no
+# tests, which fails this target like any other error.
+test: lint
+	$(BIN)/python -m pytest -m "not slow" $(PYTEST_ARGS)
+
+test-slow: $(STAMP)
+	$(BIN)/python -m pytest -m slow $(PYTEST_ARGS)
+
+test-all: lint
+	$(BIN)/python -m pytest $(PYTEST_ARGS)
+
+clean:
+	rm -rf $(VENV) runs .pytest_cache .ruff_cache *.egg-info

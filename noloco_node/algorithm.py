@@ -1,0 +1,231 @@
+"""The outer updates of NoLoCo and its baselines, as pure tensor functions (no I/O, no state, no mutation).
+
+This module is the only place the update maths lives; the simulator, the node and the tests all call it.
+
+NoLoCo (arXiv 2506.10911, eq. 3-5, with the sign of the beta term as in the paper's code and appendix; the printed
+equation has it wrong). For replica i and its group G = {i} + the peers it exchanged with this round::
+
+    Delta_i = theta_i - phi_i                                       # fast minus slow weights
+    delta_i = alpha * delta_i + beta * mean_G(Delta) - gamma * (phi_i - mean_G(phi))
+    phi_i   = phi_i + delta_i                                       # heavy-ball, not torch's Nesterov SGD
+    theta_i = phi_i                                                 # the next inner phase starts here
+
+When gamma == beta the update collapses to ``delta_i = alpha * delta_i + beta * (mean_G(theta) - phi_i)``: a
+replica needs only its partners' fast weights. With G = {i} alone it is a solo outer step.
+
+DiLoCo (Douillard et al. 2023) uses the mean over *all* replicas and identical slow weights everywhere; two outer
+optimizers are provided: heavy-ball (the NoLoCo paper's baseline) and torch ``SGD(nesterov=True)`` on the
+pseudo-gradient ``phi - mean(theta)`` (the original DiLoCo / OpenDiLoCo setting).
+
+All outer state (phi, delta) is fp32, whatever dtype the fast weights train in.
+"""
+
+from __future__ import annotations
+
+import math
+import warnings
+from collections.abc import Sequence
+
+import torch
+
+TensorList = Sequence[torch.Tensor]
+
+# Defaults from the paper's code (NoLoCo) and from DESIGN.md (DiLoCo baselines).
+NOLOCO_ALPHA = 0.5
+NOLOCO_BETA = 0.7
+NOLOCO_GAMMA = 0.7
+DILOCO_HB_ALPHA = 0.3
+DILOCO_HB_BETA = 0.7
+DILOCO_NESTEROV_LR = 0.7
+DILOCO_NESTEROV_MOMENTUM = 0.9
+
+
+def _check_same_shapes(reference: TensorList, other: TensorList, what: str) -> None:
+    if len(other) != len(reference):
+        raise ValueError(f"{what} has {len(other)} tensors, expected {len(reference)}")
+    for k, (ref, got) in enumerate(zip(reference, other, strict=True)):
+        if got.shape != ref.shape:
+            raise ValueError(f"{what}[{k}] has shape {tuple(got.shape)}, expected {tuple(ref.shape)}")
+
+
+def _group_mean(own: torch.Tensor, others: Sequence[torch.Tensor]) -> torch.Tensor:
+    """fp32 mean of one tensor over the group (own first), into a fresh buffer."""
+    total = own.to(torch.float32, copy=True)
+    for other in others:
+        total.add_(other.to(torch.float32))
+    return total.div_(1 + len(others))
+
+
+@torch.no_grad()
+def noloco_outer_step(
+    theta: TensorList,
+    phi: TensorList,
+    delta: TensorList,
+    peer_thetas: Sequence[TensorList],
+    peer_phis: Sequence[TensorList],
+    *,
+    alpha: float,
+    beta: float,
+    gamma: float,
+) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    """One NoLoCo outer step of one replica; returns ``(new_phi, new_delta)`` as fresh fp32 tensors.
+
+    Args:
+        theta: this replica's fast weights after its inner phase, one tensor per parameter (any float dtype).
+        phi: this replica's slow weights (the start of the inner phase).
+        delta: this replica's outer momentum.
+        peer_thetas: for each peer in the group, its fast weights (same order and shapes as ``theta``); may be empty.
+        peer_phis: for each peer, its slow weights. May be empty when ``gamma == beta`` (the fast path needs only the
+            peers' fast weights); otherwise one entry per peer.
+        alpha, beta, gamma: momentum decay, step size on the group's mean fast-minus-slow, and pull towards the
+            group's mean slow weights.
+
+    The caller sets ``theta = new_phi`` to start the next inner phase. Inputs are never modified.
+    """
+    _check_same_shapes(theta, phi, "phi")
+    _check_same_shapes(theta, delta, "delta")
+    for p, peer in enumerate(peer_thetas):
+        _check_same_shapes(theta, peer, f"peer_thetas[{p}]")
+    fast_path = gamma == beta
+    if not fast_path or peer_phis:
+        if len(peer_phis) != len(peer_thetas):
+            raise ValueError(
+                f"gamma ({gamma}) != beta ({beta}) needs the peers' slow weights: got {len(peer_phis)} peer_phis "
+                f"for {len(peer_thetas)} peer_thetas"
+            )
+        for p, peer in enumerate(peer_phis):
+            _check_same_shapes(theta, peer, f"peer_phis[{p}]")
+
+    new_phi: list[torch.Tensor] = []
+    new_delta: list[torch.Tensor] = []
+    for k in range(len(theta)):
+        phi_k = phi[k].to(torch.float32)
+        mean_theta = _group_mean(theta[k], [peer[k] for peer in peer_thetas])
+        if fast_path:
+            # beta*(mean(theta) - mean(phi)) - beta*(phi - mean(phi)) == beta*(mean(theta) - phi)
+            step = mean_theta.sub_(phi_k).mul_(beta)
+        else:
+            mean_phi = _group_mean(phi[k], [peer[k] for peer in peer_phis])
+            mean_fast_minus_slow = mean_theta.sub_(mean_phi)
+            pull = phi_k - mean_phi
+            step = mean_fast_minus_slow.mul_(beta).sub_(pull, alpha=gamma)
+        delta_k = step.add_(delta[k].to(torch.float32), alpha=alpha)
+        new_delta.append(delta_k)
+        new_phi.append(phi_k + delta_k)
+    return new_phi, new_delta
+
+
+@torch.no_grad()
+def diloco_heavy_ball_step(
+    phi: TensorList,
+    delta: TensorList,
+    replica_thetas: Sequence[TensorList],
+    *,
+    alpha: float = DILOCO_HB_ALPHA,
+    beta: float = DILOCO_HB_BETA,
+) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    """DiLoCo with a heavy-ball outer optimizer: ``delta = alpha*delta + beta*mean_all(theta - phi); phi += delta``.
+
+    Every replica shares ``phi`` and ``delta``, so this is NoLoCo's update with the group being all replicas (the
+    gamma term vanishes because every phi equals the mean); it is computed by the same function.
+    """
+    if not replica_thetas:
+        raise ValueError("DiLoCo needs at least one replica's fast weights")
+    first, *rest = replica_thetas
+    return noloco_outer_step(first, phi, delta, rest, [], alpha=alpha, beta=beta, gamma=beta)
+
+
+@torch.no_grad()
+def diloco_nesterov_step(
+    phi: TensorList,
+    momentum_buffer: TensorList,
+    replica_thetas: Sequence[TensorList],
+    *,
+    lr: float = DILOCO_NESTEROV_LR,
+    momentum: float = DILOCO_NESTEROV_MOMENTUM,
+) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    """DiLoCo's original outer step: torch ``SGD(lr, momentum, nesterov=True)`` on ``g = phi - mean_all(theta)``.
+
+    Torch semantics (dampening 0): ``buf = momentum*buf + g`` (``buf = g`` on the first step, which equals this
+    with a zero buffer), ``phi -= lr * (g + momentum*buf)``. Returns ``(new_phi, new_buffer)``.
+    """
+    if not replica_thetas:
+        raise ValueError("DiLoCo needs at least one replica's fast weights")
+    first, *rest = replica_thetas
+    for p, replica in enumerate(replica_thetas):
+        _check_same_shapes(phi, replica, f"replica_thetas[{p}]")
+    _check_same_shapes(phi, momentum_buffer, "momentum_buffer")
+    new_phi: list[torch.Tensor] = []
+    new_buffer: list[torch.Tensor] = []
+    for k in range(len(phi)):
+        phi_k = phi[k].to(torch.float32)
+        pseudo_grad = phi_k - _group_mean(first[k], [replica[k] for replica in rest])
+        buf = momentum_buffer[k].to(torch.float32).mul(momentum).add_(pseudo_grad)
+        direction = pseudo_grad.add_(buf, alpha=momentum)
+        new_buffer.append(buf)
+        new_phi.append(phi_k.sub(direction, alpha=lr))
+    return new_phi, new_buffer
+
+
+def outer_hyperparameter_warnings(alpha: float, beta: float, gamma: float, *, group_size: int = 2) -> list[str]:
+    """Reasons the NoLoCo hyper-parameters fall outside the paper's stability conditions (empty when they do not).
+
+    From the paper's analysis of a quadratic model: the replicas' mean converges when ``beta > alpha``; for pairs
+    (group size 2) the spread between replicas stays bounded when ``alpha < gamma < sqrt(2 + alpha**2)``.
+    Hard errors (a value no run could use) raise ValueError instead.
+    """
+    for name, value in (("alpha", alpha), ("beta", beta), ("gamma", gamma)):
+        if not math.isfinite(value):
+            raise ValueError(f"{name} must be finite, got {value}")
+    if not 0.0 <= alpha < 1.0:
+        raise ValueError(f"alpha (outer momentum) must be in [0, 1), got {alpha}")
+    if beta <= 0.0:
+        raise ValueError(f"beta (outer step size) must be > 0, got {beta}")
+    if gamma < 0.0:
+        raise ValueError(f"gamma (pull towards the group's slow weights) must be >= 0, got {gamma}")
+    if group_size < 1:
+        raise ValueError(f"group_size must be >= 1, got {group_size}")
+
+    reasons: list[str] = []
+    if not beta > alpha:
+        reasons.append(
+            f"beta ({beta}) <= alpha ({alpha}): the paper's analysis needs beta > alpha for the mean "
+            "of the replicas to converge"
+        )
+    if group_size == 2:
+        upper = math.sqrt(2.0 + alpha**2)
+        if not alpha < gamma < upper:
+            reasons.append(
+                f"gamma ({gamma}) is outside (alpha, sqrt(2 + alpha^2)) = ({alpha}, {upper:.4f}): the "
+                "paper's analysis bounds the spread between paired replicas only inside that interval"
+            )
+    return reasons
+
+
+def warn_on_unstable_hyperparameters(alpha: float, beta: float, gamma: float, *, group_size: int = 2) -> list[str]:
+    """Emit a RuntimeWarning for each stability condition the hyper-parameters break; returns the reasons."""
+    reasons = outer_hyperparameter_warnings(alpha, beta, gamma, group_size=group_size)
+    for reason in reasons:
+        warnings.warn(f"NoLoCo hyper-parameters may be unstable: {reason}", RuntimeWarning, stacklevel=2)
+    return reasons
+
+
+@torch.no_grad()
+def replica_spread(replica_weights: Sequence[TensorList]) -> float:
+    """Standard deviation of the weights across replicas, as the paper plots it.
+
+    For each parameter element the (population) standard deviation across replicas; the figure is the root mean
+    square of that over all elements. 0.0 when the replicas are identical or there is only one.
+    """
+    if len(replica_weights) < 2:
+        return 0.0
+    first = replica_weights[0]
+    for p, replica in enumerate(replica_weights[1:], start=1):
+        _check_same_shapes(first, replica, f"replica_weights[{p}]")
+    squared_sum = 0.0
+    count = 0
+    for k in range(len(first)):
+        stacked = torch.stack([replica[k].to(torch.float32) for replica in replica_weights])
+        squared_sum += stacked.var(dim=0, unbiased=False).sum().item()
+        count += first[k].numel()
+    return math.sqrt(squared_sum / max(count, 1))

@@ -1,0 +1,192 @@
+"""The ``noloco-node`` command line: ``simulate``, ``train``, ``sizes``.
+
+Flags only override settings; every default and bound lives in config.py, so a bad value is reported by the
+pydantic model with the field's name and nothing runs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from pydantic import ValidationError
+
+from noloco_node import __version__
+from noloco_node.config import (
+    ALL_METHODS,
+    MODEL_SIZES,
+    DataConfig,
+    OuterConfig,
+    SimulateConfig,
+    TrainConfig,
+    format_validation_error,
+    model_config_for,
+)
+from noloco_node.data import DataError
+
+# flag -> (settings section, field, type, help). Defaults are not repeated here: they come from config.py.
+_TRAIN_FLAGS: dict[str, tuple[str, str, type, str]] = {
+    "--model": ("train", "model_size", str, f"named model size: {', '.join(MODEL_SIZES)}"),
+    "--steps": ("train", "total_steps", int, "inner steps per replica over the whole run"),
+    "--inner-steps": ("train", "inner_steps", int, "H: inner steps between outer steps"),
+    "--batch-size": ("train", "batch_size", int, "sequences per inner step per replica"),
+    "--seq-len": ("train", "seq_len", int, "tokens per sequence"),
+    "--lr": ("train", "lr", float, "peak inner learning rate"),
+    "--warmup-steps": ("train", "warmup_steps", int, "linear warmup steps"),
+    "--eval-batches": ("train", "eval_batches", int, "validation batches per evaluation"),
+    "--seed": ("train", "seed", int, "run seed: initial weights, data order, pairings"),
+    "--device": ("train", "device", str, "auto, cpu, cuda, cuda:N"),
+    "--alpha": ("outer", "alpha", float, "NoLoCo outer momentum"),
+    "--beta": ("outer", "beta", float, "NoLoCo outer step size"),
+    "--gamma": ("outer", "gamma", float, "NoLoCo pull towards the group's slow weights (default: beta)"),
+    "--data": ("data", "source", str, "'stdlib' (default corpus), a text file or folder, or a token file"),
+    "--token-dtype": ("data", "token_dtype", str, "uint16 or uint32, for raw token files"),
+    "--vocab-size": ("data", "vocab_size", int, "vocabulary of a token file"),
+    "--max-bytes": ("data", "max_bytes", int, "cap on bytes read from a text corpus"),
+    "--cache-dir": ("data", "cache_dir", Path, "where the tokenized default corpus is cached"),
+}
+
+
+def _add_flags(parser: argparse.ArgumentParser, flags: dict[str, tuple[str, str, type, str]]) -> None:
+    for flag, (_section, _field, kind, help_text) in flags.items():
+        parser.add_argument(flag, type=kind, default=argparse.SUPPRESS, help=help_text)
+
+
+def _sections(args: argparse.Namespace, flags: dict[str, tuple[str, str, type, str]]) -> dict[str, dict[str, Any]]:
+    """The flags the user gave, grouped by settings section."""
+    given: dict[str, dict[str, Any]] = {}
+    for flag, (section, field, _kind, _help) in flags.items():
+        dest = flag.lstrip("-").replace("-", "_")
+        if hasattr(args, dest):
+            given.setdefault(section, {})[field] = getattr(args, dest)
+    return given
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="noloco-node", description=__doc__.splitlines()[0])
+    parser.add_argument("--version", action="version", version=f"noloco-node {__version__}")
+    parser.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"])
+    commands = parser.add_subparsers(dest="command", required=True)
+
+    simulate = commands.add_parser(
+        "simulate",
+        help="N replicas in one process: one method, or --compare them all",
+        description="Train N replicas in one process with NoLoCo or a baseline; --compare runs every method on "
+        "the same seeds, data and compute budget and prints a table.",
+    )
+    simulate.add_argument("--compare", action="store_true", help="run every method and print the comparison")
+    simulate.add_argument("--method", choices=ALL_METHODS, help="run one method (default with no --compare: noloco)")
+    simulate.add_argument("--methods", help=f"comma-separated subset for --compare (default: {','.join(ALL_METHODS)})")
+    simulate.add_argument("--replicas", type=int, default=argparse.SUPPRESS, help="number of replicas")
+    simulate.add_argument("--out", type=Path, default=argparse.SUPPRESS, help="folder for metrics.json, curves.png")
+    _add_flags(simulate, _TRAIN_FLAGS)
+
+    train = commands.add_parser(
+        "train",
+        help="train one replica alone (solo outer steps), with atomic checkpoints and resume",
+        description="Train one replica with NoLoCo solo outer steps (no peers), checkpointing its full state; "
+        "restarted with the same --checkpoint-dir it resumes where the last checkpoint left off.",
+    )
+    train.add_argument("--checkpoint-dir", type=Path, required=True, help="where checkpoint.pt is kept")
+    train.add_argument("--checkpoint-every", type=int, default=50, help="inner steps between checkpoints")
+    train.add_argument("--fresh", action="store_true", help="ignore an existing checkpoint and start over")
+    train.add_argument("--replica-index", type=int, default=0, help="which data shard this replica trains on")
+    train.add_argument("--num-replicas", type=int, default=1, help="how many shards the corpus is dealt into")
+    train.add_argument("--eval-every", type=int, default=0, help="inner steps between evaluations (0: each outer)")
+    _add_flags(train, _TRAIN_FLAGS)
+
+    commands.add_parser("sizes", help="list the named model sizes and their parameter counts")
+    return parser
+
+
+def _simulate(args: argparse.Namespace) -> int:
+    from noloco_node.simulate import compare
+
+    given = _sections(args, _TRAIN_FLAGS)
+    if args.compare:
+        methods = args.methods.split(",") if args.methods else list(ALL_METHODS)
+    else:
+        if args.methods:
+            raise SystemExit("noloco-node simulate: --methods needs --compare (use --method for a single one)")
+        methods = [args.method or "noloco"]
+    settings: dict[str, Any] = {
+        "methods": methods,
+        "train": given.get("train", {}),
+        "outer": given.get("outer", {}),
+        "data": given.get("data", {}),
+    }
+    if hasattr(args, "replicas"):
+        settings["replicas"] = args.replicas
+    if hasattr(args, "out"):
+        settings["out_dir"] = args.out
+    cfg = SimulateConfig(**settings)
+    comparison = compare(cfg)
+    print(comparison.table())
+    print(f"\nmetrics: {cfg.out_dir / 'metrics.json'}\ncurves:  {cfg.out_dir / 'curves.png'}")
+    return 0
+
+
+def _train(args: argparse.Namespace) -> int:
+    from noloco_node.trainer import run_training
+
+    given = _sections(args, _TRAIN_FLAGS)
+    train_cfg = TrainConfig(**given.get("train", {}))
+    outer_cfg = OuterConfig(**given.get("outer", {}))
+    data_cfg = DataConfig(**given.get("data", {}))
+    run_training(
+        train_cfg,
+        outer_cfg,
+        data_cfg,
+        checkpoint_dir=args.checkpoint_dir,
+        checkpoint_every=args.checkpoint_every,
+        fresh=args.fresh,
+        replica_index=args.replica_index,
+        num_replicas=args.num_replicas,
+        eval_every=args.eval_every,
+    )
+    return 0
+
+
+def _sizes(_args: argparse.Namespace) -> int:
+    from noloco_node.model import parameter_count
+
+    print(
+        f"{'size':>6} {'hidden':>6} {'layers':>6} {'heads':>5} {'ffn':>6}  {'params (bytes)':>15} "
+        f"{'params (32k vocab)':>19}"
+    )
+    for name, shape in MODEL_SIZES.items():
+        byte_level = parameter_count(model_config_for(name, vocab_size=256, max_seq_len=128))
+        llama_vocab = parameter_count(model_config_for(name, vocab_size=32000, max_seq_len=128))
+        print(
+            f"{name:>6} {shape['hidden_size']:>6} {shape['num_layers']:>6} {shape['num_heads']:>5} "
+            f"{shape['intermediate_size']:>6}  {byte_level:>15,} {llama_vocab:>19,}"
+        )
+    return 0
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    logging.basicConfig(
+        level=args.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s", stream=sys.stderr
+    )
+    handlers = {"simulate": _simulate, "train": _train, "sizes": _sizes}
+    try:
+        return handlers[args.command](args)
+    except ValidationError as error:
+        print(f"noloco-node {args.command}: bad configuration\n{format_validation_error(error)}", file=sys.stderr)
+        return 2
+    except DataError as error:
+        print(f"noloco-node {args.command}: {error}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print(f"noloco-node {args.command}: interrupted", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,170 @@
+"""Settings of the node and its tools, as pydantic models: one model per concern, unknown keys rejected.
+
+Every value a user can set is declared here with its bounds, so that a bad setting fails before any work starts,
+with a message naming the field (see :func:`format_validation_error`). The NoLoCo defaults are the paper's
+(arXiv 2506.10911): alpha 0.5, beta 0.7, gamma = beta, H = 50 inner Adam steps, clipping at 1.0, warmup then
+cosine decay to 0.1x the peak learning rate.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+from noloco_node import algorithm
+
+
+class _Settings(BaseModel):
+    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+
+
+class ModelConfig(BaseModel):
+    """Shape of a decoder: everything that decides the parameter shapes (and so the run fingerprint)."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    vocab_size: int = Field(256, ge=2, description="Tokenizer vocabulary size.")
+    hidden_size: int = Field(64, ge=8)
+    num_layers: int = Field(2, ge=1)
+    num_heads: int = Field(4, ge=1)
+    intermediate_size: int = Field(192, ge=8, description="Width of the SwiGLU feed-forward.")
+    max_seq_len: int = Field(128, ge=8, description="Longest sequence the RoPE tables are built for.")
+    rope_theta: float = Field(10000.0, gt=0)
+    norm_eps: float = Field(1e-5, gt=0)
+    tie_embeddings: bool = True
+    init_std: float = Field(0.02, gt=0)
+
+    @model_validator(mode="after")
+    def _heads_divide_hidden(self) -> ModelConfig:
+        if self.hidden_size % self.num_heads:
+            raise ValueError(f"hidden_size ({self.hidden_size}) must be divisible by num_heads ({self.num_heads})")
+        if (self.hidden_size // self.num_heads) % 2:
+            raise ValueError("head dimension (hidden_size / num_heads) must be even for rotary embeddings")
+        return self
+
+    @property
+    def head_dim(self) -> int:
+        return self.hidden_size // self.num_heads
+
+
+# Architecture of each named size; the vocabulary and sequence length come from the data and training settings.
+# 125m/1.3b/6.8b follow the paper (hidden 768/2048/4096, layers 12/24/32, intermediate 3072/8192/16384).
+MODEL_SIZES: dict[str, dict[str, int | bool]] = {
+    "tiny": dict(hidden_size=64, num_layers=2, num_heads=4, intermediate_size=192, tie_embeddings=True),
+    "small": dict(hidden_size=256, num_layers=4, num_heads=4, intermediate_size=704, tie_embeddings=True),
+    "125m": dict(hidden_size=768, num_layers=12, num_heads=12, intermediate_size=3072, tie_embeddings=False),
+    "1.3b": dict(hidden_size=2048, num_layers=24, num_heads=16, intermediate_size=8192, tie_embeddings=False),
+    "6.8b": dict(hidden_size=4096, num_layers=32, num_heads=32, intermediate_size=16384, tie_embeddings=False),
+}
+ModelSize = Literal["tiny", "small", "125m", "1.3b", "6.8b"]
+
+
+def model_config_for(size: str, *, vocab_size: int, max_seq_len: int, **overrides: object) -> ModelConfig:
+    """The ModelConfig of a named size for a given tokenizer vocabulary and sequence length."""
+    if size not in MODEL_SIZES:
+        raise ValueError(f"unknown model size {size!r}; choose one of {', '.join(MODEL_SIZES)}")
+    return ModelConfig(**{**MODEL_SIZES[size], "vocab_size": vocab_size, "max_seq_len": max_seq_len, **overrides})
+
+
+class DataConfig(_Settings):
+    """Where the tokens come from."""
+
+    source: str = Field(
+        "stdlib",
+        description="'stdlib' (the running interpreter's standard library sources, the embedded default), a text "
+        "file or folder, or a pre-tokenized token file (.npy, or raw .bin/.u16/.u32 with token_dtype).",
+    )
+    token_dtype: Literal["uint16", "uint32"] | None = Field(
+        None, description="dtype of a raw pre-tokenized token file (.npy files carry their own)."
+    )
+    vocab_size: int | None = Field(
+        None, ge=2, description="Vocabulary of a pre-tokenized file (default: largest token id + 1)."
+    )
+    max_bytes: int = Field(
+        32 * 2**20, ge=1024, description="Cap on the bytes read from the stdlib corpus or a text folder."
+    )
+    validation_fraction: float = Field(0.05, gt=0.0, lt=0.5)
+    cache_dir: Path | None = Field(
+        None,
+        description="Where the tokenized default corpus is cached (default: $NOLOCO_CACHE_DIR or "
+        "~/.cache/noloco-node).",
+    )
+
+
+class TrainConfig(_Settings):
+    """The inner phase: Adam without weight decay, clipping, warmup + cosine schedule, evaluation."""
+
+    model_size: ModelSize = "tiny"
+    seq_len: int = Field(128, ge=8)
+    batch_size: int = Field(8, ge=1)
+    total_steps: int = Field(600, ge=1, description="Inner steps per replica over the whole run.")
+    inner_steps: int = Field(50, ge=1, description="H: inner steps between outer steps.")
+    lr: float = Field(3e-3, gt=0.0, le=1.0, description="Peak learning rate of the inner Adam.")
+    warmup_steps: int | None = Field(None, ge=0, description="Linear warmup steps (default: 10% of total_steps).")
+    min_lr_ratio: float = Field(0.1, ge=0.0, le=1.0, description="Cosine decays to this fraction of the peak.")
+    adam_beta1: float = Field(0.9, ge=0.0, lt=1.0)
+    adam_beta2: float = Field(0.999, ge=0.0, lt=1.0)
+    adam_eps: float = Field(1e-8, gt=0.0)
+    grad_clip: float = Field(1.0, gt=0.0)
+    eval_batches: int = Field(8, ge=1, description="Validation batches per evaluation.")
+    seed: int = Field(0, ge=0, description="Seed of the run: initial weights, data order, pairings.")
+    device: str = Field("auto", description="'auto' (CUDA when available), 'cpu', 'cuda', 'cuda:1', ...")
+
+    @property
+    def effective_warmup_steps(self) -> int:
+        return self.total_steps // 10 if self.warmup_steps is None else self.warmup_steps
+
+    @model_validator(mode="after")
+    def _warmup_fits(self) -> TrainConfig:
+        if self.warmup_steps is not None and self.warmup_steps >= self.total_steps > 1:
+            raise ValueError(f"warmup_steps ({self.warmup_steps}) must be < total_steps ({self.total_steps})")
+        return self
+
+
+class OuterConfig(_Settings):
+    """The outer optimizer: NoLoCo's (alpha, beta, gamma) and the DiLoCo baselines' settings."""
+
+    alpha: float = Field(algorithm.NOLOCO_ALPHA, description="NoLoCo outer momentum decay.")
+    beta: float = Field(algorithm.NOLOCO_BETA, description="NoLoCo step on the group's mean fast-minus-slow.")
+    gamma: float | None = Field(None, description="NoLoCo pull towards the group's mean slow weights (default beta).")
+    diloco_alpha: float = Field(algorithm.DILOCO_HB_ALPHA, ge=0.0, lt=1.0)
+    diloco_beta: float = Field(algorithm.DILOCO_HB_BETA, gt=0.0)
+    nesterov_lr: float = Field(algorithm.DILOCO_NESTEROV_LR, gt=0.0)
+    nesterov_momentum: float = Field(algorithm.DILOCO_NESTEROV_MOMENTUM, ge=0.0, lt=1.0)
+
+    @property
+    def effective_gamma(self) -> float:
+        return self.beta if self.gamma is None else self.gamma
+
+    @model_validator(mode="after")
+    def _noloco_values_usable(self) -> OuterConfig:
+        # Hard errors only; the paper's stability conditions are warnings, emitted by whoever runs NoLoCo.
+        algorithm.outer_hyperparameter_warnings(self.alpha, self.beta, self.effective_gamma)
+        return self
+
+
+Method = Literal["noloco", "diloco", "diloco-nesterov", "ddp", "solo"]
+ALL_METHODS: tuple[Method, ...] = ("noloco", "diloco", "diloco-nesterov", "ddp", "solo")
+
+
+class SimulateConfig(_Settings):
+    """An in-process swarm: N replicas, one method or a side-by-side comparison."""
+
+    replicas: int = Field(8, ge=1, le=256)
+    methods: list[Method] = Field(default_factory=lambda: list(ALL_METHODS))
+    train: TrainConfig = Field(default_factory=TrainConfig)
+    outer: OuterConfig = Field(default_factory=OuterConfig)
+    data: DataConfig = Field(default_factory=DataConfig)
+    out_dir: Path = Path("runs/simulate")
+
+
+def format_validation_error(error: ValidationError, prefix: str = "") -> str:
+    """One line per bad field, naming it with its dotted path: ``train.lr: Input should be greater than 0``."""
+    lines = []
+    for item in error.errors():
+        location = ".".join(str(part) for part in item["loc"])
+        name = f"{prefix}{location}" if location else prefix.rstrip(".") or "config"
+        lines.append(f"invalid setting {name}: {item['msg']} (got {item.get('input')!r})")
+    return "\n".join(lines)

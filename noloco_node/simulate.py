@@ -1,0 +1,282 @@
+"""N replicas in one process: NoLoCo against its baselines on the same seeds, data and compute budget.
+
+Methods (outer updates from algorithm.py, inner loop from trainer.py):
+
+- ``noloco``: every outer step the replicas are paired at random (pairs re-drawn each time); each replica blends
+  with its partner with ``algorithm.noloco_outer_step`` (arXiv 2506.10911, eq. 3-5). With an odd count one
+  replica is left without a partner and takes a solo outer step, as a swarm node does when nobody answers.
+- ``diloco``: DiLoCo with the heavy-ball outer optimizer on the mean over all replicas (an all-reduce).
+- ``diloco-nesterov``: DiLoCo with torch's Nesterov SGD outer optimizer (the original DiLoCo setting).
+- ``ddp``: one set of weights, gradients averaged over one batch of every replica's shard each step.
+- ``solo``: each replica trains on its own shard with no communication at all (the floor to beat).
+
+Each replica sees only its own shard, every method runs the same number of inner steps on the same batches, and
+every method starts from the same initial weights. ``compare`` prints a table of final validation loss and
+perplexity, the paper's relative metric ``(ppl_diloco - ppl_noloco) / ppl_ddp`` and the weight spread across
+replicas, and writes the metrics as JSON and the curves as a PNG.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import numpy as np
+
+from noloco_node import algorithm
+from noloco_node.config import ModelConfig, SimulateConfig, model_config_for
+from noloco_node.data import Corpus, ReplicaShard, load_corpus, validation_batches
+from noloco_node.trainer import Replica, resolve_device
+
+ProgressFn = Callable[[str], None]
+
+
+def _print_progress(line: str) -> None:
+    print(line, file=sys.stderr, flush=True)
+
+
+@dataclass
+class MethodResult:
+    """Curves of one method; each list has one entry per evaluation (step 0, then after every outer step)."""
+
+    method: str
+    replicas: int
+    steps: list[int] = field(default_factory=list)
+    val_loss: list[float] = field(default_factory=list)  # mean over replicas
+    val_loss_min: list[float] = field(default_factory=list)
+    val_loss_max: list[float] = field(default_factory=list)
+    train_loss: list[float] = field(default_factory=list)  # mean over replicas and the phase's steps
+    spread: list[float] = field(default_factory=list)  # RMS std of the weights across replicas
+    seconds: float = 0.0
+
+    @property
+    def final_val_loss(self) -> float:
+        return self.val_loss[-1]
+
+    @property
+    def final_val_ppl(self) -> float:
+        return math.exp(self.final_val_loss)
+
+    @property
+    def final_spread(self) -> float:
+        return self.spread[-1]
+
+
+def random_groups(num_replicas: int, rng: np.random.Generator) -> list[list[int]]:
+    """A fresh random pairing of replicas; with an odd count, the one left over forms a group of its own."""
+    order = [int(i) for i in rng.permutation(num_replicas)]
+    groups = [order[i : i + 2] for i in range(0, num_replicas - 1, 2)]
+    if num_replicas % 2:
+        groups.append([order[-1]])
+    return groups
+
+
+def _noloco_round(replicas: list[Replica], rng: np.random.Generator, cfg: SimulateConfig) -> None:
+    """One NoLoCo outer step of every replica, each blending with its partner's pre-step state."""
+    outer = cfg.outer
+    results = {}
+    for group in random_groups(len(replicas), rng):
+        for i in group:
+            partners = [replicas[j] for j in group if j != i]
+            results[i] = algorithm.noloco_outer_step(
+                replicas[i].fast_weights(),
+                replicas[i].phi,
+                replicas[i].delta,
+                [p.fast_weights() for p in partners],
+                [p.phi for p in partners],
+                alpha=outer.alpha,
+                beta=outer.beta,
+                gamma=outer.effective_gamma,
+            )
+    # Apply only once every replica's update is computed from the state before the round.
+    for i, (new_phi, new_delta) in results.items():
+        replicas[i].apply_outer_step(new_phi, new_delta)
+
+
+def _diloco_round(replicas: list[Replica], cfg: SimulateConfig, *, nesterov: bool) -> None:
+    """One DiLoCo outer step: the all-replica mean, the same new slow weights everywhere."""
+    outer = cfg.outer
+    thetas = [r.fast_weights() for r in replicas]
+    shared = replicas[0]  # phi and the outer momentum are identical on every replica
+    if nesterov:
+        new_phi, new_state = algorithm.diloco_nesterov_step(
+            shared.phi, shared.delta, thetas, lr=outer.nesterov_lr, momentum=outer.nesterov_momentum
+        )
+    else:
+        new_phi, new_state = algorithm.diloco_heavy_ball_step(
+            shared.phi, shared.delta, thetas, alpha=outer.diloco_alpha, beta=outer.diloco_beta
+        )
+    for replica in replicas:
+        replica.apply_outer_step(new_phi, new_state)
+
+
+def run_method(
+    method: str,
+    cfg: SimulateConfig,
+    corpus: Corpus,
+    *,
+    progress: ProgressFn = _print_progress,
+) -> MethodResult:
+    """Train ``cfg.replicas`` replicas with one method and record its curves."""
+    train = cfg.train
+    model_cfg = simulation_model_config(cfg, corpus)
+    device = resolve_device(train.device)
+    shards = [
+        ReplicaShard(corpus.train, replica=r, num_replicas=cfg.replicas, seq_len=train.seq_len, seed=train.seed)
+        for r in range(cfg.replicas)
+    ]
+    if method == "ddp":
+        replicas = [Replica(model_cfg, train, shards, device=device)]
+    else:
+        replicas = [Replica(model_cfg, train, [shard], device=device) for shard in shards]
+    val = validation_batches(
+        corpus.validation, seq_len=train.seq_len, batch_size=train.batch_size, num_batches=train.eval_batches
+    )
+    if method == "noloco":
+        algorithm.warn_on_unstable_hyperparameters(cfg.outer.alpha, cfg.outer.beta, cfg.outer.effective_gamma)
+    pair_rng = np.random.default_rng([train.seed, 0x9A1])
+    result = MethodResult(method=method, replicas=cfg.replicas)
+    started = time.perf_counter()
+
+    def record(step: int, train_losses: list[float]) -> None:
+        losses = [r.evaluate(val) for r in replicas]
+        result.steps.append(step)
+        result.val_loss.append(float(np.mean(losses)))
+        result.val_loss_min.append(min(losses))
+        result.val_loss_max.append(max(losses))
+        result.train_loss.append(float(np.mean(train_losses)) if train_losses else float("nan"))
+        result.spread.append(algorithm.replica_spread([r.fast_weights() for r in replicas]))
+        progress(
+            f"[{method:>15}] step {step:5d}/{train.total_steps}  val {result.val_loss[-1]:.4f} "
+            f"(ppl {math.exp(result.val_loss[-1]):7.3f})  train {result.train_loss[-1]:.4f}  "
+            f"spread {result.spread[-1]:.2e}  lr {replicas[0].current_lr:.2e}  {time.perf_counter() - started:6.1f}s"
+        )
+
+    record(0, [])
+    step = 0
+    while step < train.total_steps:
+        phase = min(train.inner_steps, train.total_steps - step)
+        phase_losses = [loss for r in replicas for loss in r.train_phase(phase)]
+        step += phase
+        if method == "noloco":
+            _noloco_round(replicas, pair_rng, cfg)
+        elif method in ("diloco", "diloco-nesterov"):
+            _diloco_round(replicas, cfg, nesterov=method == "diloco-nesterov")
+        record(step, phase_losses)
+    result.seconds = time.perf_counter() - started
+    return result
+
+
+def simulation_model_config(cfg: SimulateConfig, corpus: Corpus) -> ModelConfig:
+    return model_config_for(cfg.train.model_size, vocab_size=corpus.vocab_size, max_seq_len=cfg.train.seq_len)
+
+
+@dataclass
+class Comparison:
+    results: dict[str, MethodResult]
+    relative_metric: dict[str, float]  # "(ppl_X - ppl_noloco) / ppl_ddp" for each DiLoCo variant X
+
+    def table(self) -> str:
+        """A Markdown table: the form the README quotes."""
+        ddp = self.results.get("ddp")
+        rows = [
+            "| method | val loss | val ppl | ppl vs DDP | weight spread | wall s |",
+            "|---|---:|---:|---:|---:|---:|",
+        ]
+        for name, r in self.results.items():
+            versus = f"{(r.final_val_ppl / ddp.final_val_ppl - 1) * 100:+.2f}%" if ddp else "n/a"
+            rows.append(
+                f"| {name} | {r.final_val_loss:.4f} | {r.final_val_ppl:.3f} | {versus} | "
+                f"{r.final_spread:.2e} | {r.seconds:.0f} |"
+            )
+        lines = ["\n".join(rows)]
+        for variant, value in self.relative_metric.items():
+            verdict = "NoLoCo better" if value > 0 else "NoLoCo worse" if value < 0 else "tie"
+            lines.append(f"(ppl_{variant} - ppl_noloco) / ppl_ddp = {value * 100:+.2f}%  ({verdict})")
+        return "\n".join(lines)
+
+
+def compare(cfg: SimulateConfig, *, progress: ProgressFn = _print_progress) -> Comparison:
+    """Run every method in ``cfg.methods`` on the same seeds and data; write metrics.json and curves.png."""
+    corpus = load_corpus(cfg.data)
+    progress(
+        f"corpus: {corpus.description}: {len(corpus.train):,} train / {len(corpus.validation):,} validation "
+        f"tokens; {cfg.replicas} replicas, model {cfg.train.model_size}, {cfg.train.total_steps} inner steps, "
+        f"H = {cfg.train.inner_steps}"
+    )
+    results = {method: run_method(method, cfg, corpus, progress=progress) for method in cfg.methods}
+    relative = {}
+    if "noloco" in results and "ddp" in results:
+        for variant in ("diloco", "diloco-nesterov"):
+            if variant in results:
+                relative[variant] = (results[variant].final_val_ppl - results["noloco"].final_val_ppl) / results[
+                    "ddp"
+                ].final_val_ppl
+    comparison = Comparison(results, relative)
+    write_outputs(comparison, cfg, corpus)
+    return comparison
+
+
+def write_outputs(comparison: Comparison, cfg: SimulateConfig, corpus: Corpus) -> None:
+    cfg.out_dir.mkdir(parents=True, exist_ok=True)
+    payload = {
+        "config": cfg.model_dump(mode="json"),
+        "corpus": corpus.description,
+        "model_parameters": sum(
+            p.numel()
+            for p in Replica(
+                simulation_model_config(cfg, corpus),
+                cfg.train,
+                [_single_shard(cfg, corpus)],
+                device=resolve_device("cpu"),
+            ).params
+        ),
+        "results": {
+            name: {**asdict(r), "final_val_loss": r.final_val_loss, "final_val_ppl": r.final_val_ppl}
+            for name, r in comparison.results.items()
+        },
+        "relative_metric": comparison.relative_metric,
+        "table": comparison.table(),
+    }
+    (cfg.out_dir / "metrics.json").write_text(json.dumps(payload, indent=2))
+    plot_curves(comparison, cfg.out_dir / "curves.png", title=f"{cfg.replicas} replicas, {cfg.train.model_size} model")
+
+
+def _single_shard(cfg: SimulateConfig, corpus: Corpus) -> ReplicaShard:
+    return ReplicaShard(corpus.train, replica=0, num_replicas=1, seq_len=cfg.train.seq_len, seed=cfg.train.seed)
+
+
+def plot_curves(comparison: Comparison, path: Path, *, title: str) -> None:
+    """Validation loss and weight spread against inner steps, one line per method."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (loss_ax, spread_ax) = plt.subplots(1, 2, figsize=(12, 4.5))
+    for name, r in comparison.results.items():
+        loss_ax.plot(r.steps, r.val_loss, label=name, marker=".")
+        if any(s > 0 for s in r.spread):
+            spread_ax.plot(r.steps[1:], r.spread[1:], label=name, marker=".")
+    loss_ax.set(xlabel="inner steps per replica", ylabel="validation loss (nats/token)", title=title)
+    finals = [r.final_val_loss for r in comparison.results.values()]
+    loss_ax.set_ylim(min(finals) - 0.1, max(finals) + 0.8)
+    loss_ax.legend()
+    loss_ax.grid(alpha=0.3)
+    spread_ax.set(
+        xlabel="inner steps per replica",
+        ylabel="weight std across replicas (RMS)",
+        yscale="log",
+        title="replica spread",
+    )
+    if spread_ax.lines:
+        spread_ax.legend()
+    spread_ax.grid(alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)

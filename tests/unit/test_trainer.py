@@ -1,0 +1,120 @@
+"""The inner loop's schedule, clipping and outer-state plumbing, and checkpoints that restore everything."""
+
+from __future__ import annotations
+
+import itertools
+import math
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from noloco_node import algorithm
+from noloco_node.config import TrainConfig, model_config_for
+from noloco_node.data import ReplicaShard
+from noloco_node.trainer import Replica, learning_rate, load_checkpoint, save_checkpoint
+
+TOKENS = (np.arange(200_000) * 7919 % 251).astype(np.uint8)  # deterministic, learnable-ish stream
+
+
+def make_replica(seed: int = 0, shards: int = 1, **train: object) -> Replica:
+    cfg = TrainConfig(seq_len=32, batch_size=4, total_steps=100, warmup_steps=10, seed=seed, device="cpu", **train)
+    model_cfg = model_config_for("tiny", vocab_size=256, max_seq_len=32)
+    return Replica(
+        model_cfg,
+        cfg,
+        [ReplicaShard(TOKENS, replica=r, num_replicas=shards, seq_len=32, seed=seed) for r in range(shards)],
+    )
+
+
+def test_schedule_warms_up_linearly_then_decays_by_cosine_to_a_tenth() -> None:
+    cfg = TrainConfig(lr=1e-3, warmup_steps=10, total_steps=110)
+    assert learning_rate(0, cfg) == pytest.approx(1e-4)
+    assert learning_rate(4, cfg) == pytest.approx(5e-4)
+    assert learning_rate(9, cfg) == pytest.approx(1e-3)
+    assert learning_rate(10, cfg) == pytest.approx(1e-3)
+    assert learning_rate(60, cfg) == pytest.approx(1e-3 * (0.1 + 0.9 * 0.5))  # half-way through the cosine
+    assert learning_rate(110, cfg) == pytest.approx(1e-4)
+    assert learning_rate(500, cfg) == pytest.approx(1e-4)  # stays at the floor past the end
+    values = [learning_rate(s, cfg) for s in range(10, 111)]
+    assert all(a >= b for a, b in itertools.pairwise(values))
+
+
+def test_adam_has_no_weight_decay_and_clipping_bounds_the_update() -> None:
+    replica = make_replica(grad_clip=1e-6)
+    assert all(group["weight_decay"] == 0.0 for group in replica.optimizer.param_groups)
+    replica.train_step()
+    # With a clip this small the reported pre-clip norm is large but the gradients Adam saw were clipped.
+    clipped = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(p.grad) for p in replica.params]))
+    assert replica.last_grad_norm > 1e-3
+    assert clipped.item() <= 1e-6 * 1.01
+
+
+def test_outer_step_restarts_the_inner_phase_from_the_new_slow_weights() -> None:
+    replica = make_replica()
+    start = [p.clone() for p in replica.phi]
+    replica.train_phase(5)
+    assert not torch.equal(replica.params[0].detach(), start[0])
+    new_phi, new_delta = algorithm.noloco_outer_step(
+        replica.fast_weights(), replica.phi, replica.delta, [], [], alpha=0.5, beta=0.7, gamma=0.7
+    )
+    adam_state_before = {k: v.clone() for k, v in replica.optimizer.state[replica.params[0]].items()}
+    replica.apply_outer_step(new_phi, new_delta)
+    assert replica.outer_step == 1
+    for param, phi, want in zip(replica.params, replica.phi, new_phi, strict=True):
+        assert torch.equal(param.detach(), want) and torch.equal(phi, want)
+    # Adam's state is neither reset nor averaged at an outer step.
+    for key, value in replica.optimizer.state[replica.params[0]].items():
+        assert torch.equal(value, adam_state_before[key])
+
+
+def test_ddp_replica_averages_the_gradients_of_every_shard() -> None:
+    model_cfg = model_config_for("tiny", vocab_size=256, max_seq_len=32)
+    cfg = TrainConfig(seq_len=32, batch_size=4, total_steps=100, grad_clip=1e9, device="cpu")  # no clipping
+    shard = lambda r: ReplicaShard(TOKENS, replica=r, num_replicas=3, seq_len=32, seed=0)  # noqa: E731
+    ddp = Replica(model_cfg, cfg, [shard(0), shard(1), shard(2)])
+    singles = [Replica(model_cfg, cfg, [shard(r)]) for r in range(3)]
+    ddp.train_step()
+    for single in singles:
+        single.train_step()
+    for k, param in enumerate(ddp.params):
+        mean = sum(single.params[k].grad for single in singles) / 3
+        torch.testing.assert_close(param.grad, mean, rtol=1e-4, atol=1e-8)
+
+
+def test_state_dict_restores_training_bit_exactly(tmp_path: Path) -> None:
+    a = make_replica(seed=3)
+    a.train_phase(7)
+    a.apply_outer_step(
+        *algorithm.noloco_outer_step(a.fast_weights(), a.phi, a.delta, [], [], alpha=0.5, beta=0.7, gamma=0.7)
+    )
+    a.train_phase(3)
+    save_checkpoint(tmp_path / "ckpt.pt", {"replica": a.state_dict()})
+    assert [p.name for p in tmp_path.iterdir()] == ["ckpt.pt"]  # no temporary files left behind
+    b = make_replica(seed=3)
+    b.load_state_dict(load_checkpoint(tmp_path / "ckpt.pt")["replica"])
+    assert (b.inner_step, b.outer_step) == (10, 1)
+    losses_a, losses_b = a.train_phase(6), b.train_phase(6)
+    assert losses_a == losses_b
+    for x, y in zip([*a.params, *a.phi, *a.delta], [*b.params, *b.phi, *b.delta], strict=True):
+        assert torch.equal(x, y)
+
+
+def test_loading_a_mismatched_state_changes_nothing() -> None:
+    a = make_replica()
+    state = a.state_dict()
+    state["phi"][1] = torch.zeros(3, 3)
+    b = make_replica(seed=5)
+    before = [p.clone() for p in b.params]
+    with pytest.raises(ValueError, match="shape"):
+        b.load_state_dict(state)
+    assert all(torch.equal(x, y) for x, y in zip(before, b.params, strict=True))
+    assert b.inner_step == 0
+
+
+def test_evaluate_is_a_loss_in_nats() -> None:
+    replica = make_replica()
+    batch = replica.shards[0].next_batch(4)
+    loss = replica.evaluate([batch])
+    assert abs(loss - math.log(256)) < 0.3
