@@ -30,6 +30,9 @@ import torch
 
 from noloco_node.config import DataConfig
 
+# Part of the cache key: bump it whenever the selection or split of the default corpus changes.
+CORPUS_FORMAT = 2
+
 
 class DataError(ValueError):
     """A corpus that cannot be used: a missing path, an empty corpus, a malformed token file."""
@@ -97,7 +100,8 @@ def load_stdlib_corpus(cfg: DataConfig) -> Corpus:
         raise DataError(f"no .py files found in the standard library at {root}")
     listing = sorted((str(f.relative_to(root)), f.stat().st_size) for f in files)
     key_material = json.dumps(
-        [sys.version, str(root), listing, cfg.max_bytes, cfg.validation_fraction], separators=(",", ":")
+        [CORPUS_FORMAT, sys.version, str(root), listing, cfg.max_bytes, cfg.validation_fraction],
+        separators=(",", ":"),
     )
     key = hashlib.sha256(key_material.encode()).hexdigest()[:16]
     cache = _cache_dir(cfg) / f"stdlib-{key}"

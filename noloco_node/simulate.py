@@ -31,6 +31,7 @@ import numpy as np
 from noloco_node import algorithm
 from noloco_node.config import ModelConfig, SimulateConfig, model_config_for
 from noloco_node.data import Corpus, ReplicaShard, load_corpus, validation_batches
+from noloco_node.model import parameter_count
 from noloco_node.trainer import Replica, resolve_device
 
 ProgressFn = Callable[[str], None]
@@ -227,15 +228,7 @@ def write_outputs(comparison: Comparison, cfg: SimulateConfig, corpus: Corpus) -
     payload = {
         "config": cfg.model_dump(mode="json"),
         "corpus": corpus.description,
-        "model_parameters": sum(
-            p.numel()
-            for p in Replica(
-                simulation_model_config(cfg, corpus),
-                cfg.train,
-                [_single_shard(cfg, corpus)],
-                device=resolve_device("cpu"),
-            ).params
-        ),
+        "model_parameters": parameter_count(simulation_model_config(cfg, corpus)),
         "results": {
             name: {**asdict(r), "final_val_loss": r.final_val_loss, "final_val_ppl": r.final_val_ppl}
             for name, r in comparison.results.items()
@@ -245,10 +238,6 @@ def write_outputs(comparison: Comparison, cfg: SimulateConfig, corpus: Corpus) -
     }
     (cfg.out_dir / "metrics.json").write_text(json.dumps(payload, indent=2))
     plot_curves(comparison, cfg.out_dir / "curves.png", title=f"{cfg.replicas} replicas, {cfg.train.model_size} model")
-
-
-def _single_shard(cfg: SimulateConfig, corpus: Corpus) -> ReplicaShard:
-    return ReplicaShard(corpus.train, replica=0, num_replicas=1, seq_len=cfg.train.seq_len, seed=cfg.train.seed)
 
 
 def plot_curves(comparison: Comparison, path: Path, *, title: str) -> None:
