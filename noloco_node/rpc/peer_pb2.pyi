@@ -1,0 +1,101 @@
+from google.protobuf.internal import containers as _containers
+from google.protobuf.internal import enum_type_wrapper as _enum_type_wrapper
+from google.protobuf import descriptor as _descriptor
+from google.protobuf import message as _message
+from collections.abc import Iterable as _Iterable, Mapping as _Mapping
+from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
+
+DESCRIPTOR: _descriptor.FileDescriptor
+
+class WireDType(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    WIRE_DTYPE_UNSPECIFIED: _ClassVar[WireDType]
+    WIRE_DTYPE_FLOAT32: _ClassVar[WireDType]
+    WIRE_DTYPE_BFLOAT16: _ClassVar[WireDType]
+WIRE_DTYPE_UNSPECIFIED: WireDType
+WIRE_DTYPE_FLOAT32: WireDType
+WIRE_DTYPE_BFLOAT16: WireDType
+
+class TensorSpec(_message.Message):
+    __slots__ = ("name", "shape", "dtype", "num_bytes")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    SHAPE_FIELD_NUMBER: _ClassVar[int]
+    DTYPE_FIELD_NUMBER: _ClassVar[int]
+    NUM_BYTES_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    shape: _containers.RepeatedScalarFieldContainer[int]
+    dtype: WireDType
+    num_bytes: int
+    def __init__(self, name: _Optional[str] = ..., shape: _Optional[_Iterable[int]] = ..., dtype: _Optional[_Union[WireDType, str]] = ..., num_bytes: _Optional[int] = ...) -> None: ...
+
+class Manifest(_message.Message):
+    __slots__ = ("run_fingerprint", "peer_id", "outer_step", "tensors", "metadata_json")
+    RUN_FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
+    PEER_ID_FIELD_NUMBER: _ClassVar[int]
+    OUTER_STEP_FIELD_NUMBER: _ClassVar[int]
+    TENSORS_FIELD_NUMBER: _ClassVar[int]
+    METADATA_JSON_FIELD_NUMBER: _ClassVar[int]
+    run_fingerprint: str
+    peer_id: str
+    outer_step: int
+    tensors: _containers.RepeatedCompositeFieldContainer[TensorSpec]
+    metadata_json: str
+    def __init__(self, run_fingerprint: _Optional[str] = ..., peer_id: _Optional[str] = ..., outer_step: _Optional[int] = ..., tensors: _Optional[_Iterable[_Union[TensorSpec, _Mapping]]] = ..., metadata_json: _Optional[str] = ...) -> None: ...
+
+class Chunk(_message.Message):
+    __slots__ = ("tensor_index", "offset", "data", "crc32")
+    TENSOR_INDEX_FIELD_NUMBER: _ClassVar[int]
+    OFFSET_FIELD_NUMBER: _ClassVar[int]
+    DATA_FIELD_NUMBER: _ClassVar[int]
+    CRC32_FIELD_NUMBER: _ClassVar[int]
+    tensor_index: int
+    offset: int
+    data: bytes
+    crc32: int
+    def __init__(self, tensor_index: _Optional[int] = ..., offset: _Optional[int] = ..., data: _Optional[bytes] = ..., crc32: _Optional[int] = ...) -> None: ...
+
+class End(_message.Message):
+    __slots__ = ("total_bytes",)
+    TOTAL_BYTES_FIELD_NUMBER: _ClassVar[int]
+    total_bytes: int
+    def __init__(self, total_bytes: _Optional[int] = ...) -> None: ...
+
+class Frame(_message.Message):
+    __slots__ = ("manifest", "chunk", "end")
+    MANIFEST_FIELD_NUMBER: _ClassVar[int]
+    CHUNK_FIELD_NUMBER: _ClassVar[int]
+    END_FIELD_NUMBER: _ClassVar[int]
+    manifest: Manifest
+    chunk: Chunk
+    end: End
+    def __init__(self, manifest: _Optional[_Union[Manifest, _Mapping]] = ..., chunk: _Optional[_Union[Chunk, _Mapping]] = ..., end: _Optional[_Union[End, _Mapping]] = ...) -> None: ...
+
+class StateRequest(_message.Message):
+    __slots__ = ("run_fingerprint", "peer_id")
+    RUN_FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
+    PEER_ID_FIELD_NUMBER: _ClassVar[int]
+    run_fingerprint: str
+    peer_id: str
+    def __init__(self, run_fingerprint: _Optional[str] = ..., peer_id: _Optional[str] = ...) -> None: ...
+
+class InfoRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class InfoReply(_message.Message):
+    __slots__ = ("peer_id", "run_fingerprint", "outer_step", "inner_step", "ready_to_pair", "health", "version")
+    PEER_ID_FIELD_NUMBER: _ClassVar[int]
+    RUN_FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
+    OUTER_STEP_FIELD_NUMBER: _ClassVar[int]
+    INNER_STEP_FIELD_NUMBER: _ClassVar[int]
+    READY_TO_PAIR_FIELD_NUMBER: _ClassVar[int]
+    HEALTH_FIELD_NUMBER: _ClassVar[int]
+    VERSION_FIELD_NUMBER: _ClassVar[int]
+    peer_id: str
+    run_fingerprint: str
+    outer_step: int
+    inner_step: int
+    ready_to_pair: bool
+    health: str
+    version: str
+    def __init__(self, peer_id: _Optional[str] = ..., run_fingerprint: _Optional[str] = ..., outer_step: _Optional[int] = ..., inner_step: _Optional[int] = ..., ready_to_pair: _Optional[bool] = ..., health: _Optional[str] = ..., version: _Optional[str] = ...) -> None: ...

@@ -1,0 +1,158 @@
+"""wire.py: payloads survive the round trip, and every kind of bad payload is refused with a precise status."""
+
+from __future__ import annotations
+
+import grpc
+import pytest
+import torch
+
+from noloco_node.rpc import peer_pb2 as pb
+from noloco_node.wire import (
+    MAX_CHUNK_BYTES,
+    PayloadError,
+    PayloadReceiver,
+    build_manifest,
+    iter_frames,
+    layout_of,
+)
+
+RUN = "run-abc"
+
+
+def named(seed: int = 0) -> list[tuple[str, torch.Tensor]]:
+    g = torch.Generator().manual_seed(seed)
+    return [
+        ("theta/a", torch.randn(300, 7, generator=g)),
+        ("theta/b", torch.randn(5, generator=g)),
+        ("theta/c", torch.randn(2, 3, 4, generator=g)),
+    ]
+
+
+def frames(
+    tensors: list[tuple[str, torch.Tensor]], *, wire_dtype: str = "fp32", chunk_bytes: int = 1000, run: str = RUN
+) -> list[pb.Frame]:
+    manifest = build_manifest(tensors, wire_dtype=wire_dtype, run_fingerprint=run, peer_id="peer-1", outer_step=4)
+    return list(iter_frames(manifest, [t for _, t in tensors], chunk_bytes=chunk_bytes))
+
+
+def receiver(tensors: list[tuple[str, torch.Tensor]] | None = None, **kwargs: object) -> PayloadReceiver:
+    options = {"run_fingerprint": RUN, "max_total_bytes": 10**8, **kwargs}
+    return PayloadReceiver(layout_of(tensors or named()), **options)
+
+
+def receive(stream: list[pb.Frame], rx: PayloadReceiver | None = None):
+    rx = rx or receiver()
+    for frame in stream:
+        rx.feed(frame)
+    return rx.finish()
+
+
+def refused(stream: list[pb.Frame], rx: PayloadReceiver | None = None) -> PayloadError:
+    with pytest.raises(PayloadError) as error:
+        receive(stream, rx)
+    return error.value
+
+
+def test_fp32_round_trip_is_exact_and_chunked() -> None:
+    tensors = named()
+    stream = frames(tensors, chunk_bytes=1000)
+    chunks = [f.chunk for f in stream if f.WhichOneof("body") == "chunk"]
+    assert all(len(c.data) <= 1000 for c in chunks)
+    assert len(chunks) == 9 + 1 + 1  # 8400 bytes -> 9 chunks, 20 -> 1, 96 -> 1
+    payload = receive(stream)
+    assert payload.peer_id == "peer-1" and payload.outer_step == 4
+    for name, tensor in tensors:
+        assert torch.equal(payload.tensors[name], tensor)
+
+
+def test_bf16_is_the_compact_wire_format() -> None:
+    tensors = named()
+    payload = receive(frames(tensors, wire_dtype="bf16"))
+    for name, tensor in tensors:
+        assert payload.tensors[name].dtype == torch.bfloat16
+        assert torch.equal(payload.tensors[name], tensor.to(torch.bfloat16))
+    sizes = lambda s: sum(len(f.chunk.data) for f in s if f.WhichOneof("body") == "chunk")  # noqa: E731
+    assert sizes(frames(tensors, wire_dtype="bf16")) * 2 == sizes(frames(tensors, wire_dtype="fp32"))
+
+
+def test_another_runs_payload_is_a_failed_precondition() -> None:
+    error = refused(frames(named(), run="another-run"))
+    assert error.code == grpc.StatusCode.FAILED_PRECONDITION and error.reason == "wrong_run"
+
+
+def manifest_with(mutate) -> list[pb.Frame]:
+    stream = frames(named())
+    mutate(stream[0].manifest)
+    return stream
+
+
+@pytest.mark.parametrize(
+    ("mutate", "reason"),
+    [
+        (lambda m: setattr(m.tensors[1], "name", "theta/z"), "tensor_name"),
+        (lambda m: m.tensors[0].shape.__setitem__(0, 301), "tensor_shape"),
+        (lambda m: setattr(m.tensors[2], "num_bytes", 10), "tensor_size"),
+        (lambda m: setattr(m.tensors[2], "dtype", pb.WIRE_DTYPE_UNSPECIFIED), "tensor_dtype"),
+        (lambda m: m.tensors.pop(), "tensor_count"),
+    ],
+)
+def test_manifests_that_do_not_match_are_invalid(mutate, reason: str) -> None:
+    error = refused(manifest_with(mutate))
+    assert (error.code, error.reason) == (grpc.StatusCode.INVALID_ARGUMENT, reason)
+
+
+def test_oversized_payload_is_refused_before_allocation() -> None:
+    rx = receiver(max_total_bytes=1000)
+    with pytest.raises(PayloadError) as error:
+        rx.feed(frames(named())[0])
+    assert error.value.code == grpc.StatusCode.RESOURCE_EXHAUSTED
+    assert rx._buffers == []  # nothing was allocated
+
+
+def tamper(index: int, change) -> list[pb.Frame]:
+    stream = frames(named())
+    change(stream, stream[index])
+    return stream
+
+
+@pytest.mark.parametrize(
+    ("stream_fn", "reason"),
+    [
+        (lambda: frames(named())[1:], "chunk_before_manifest"),
+        (lambda: [frames(named())[0], *frames(named())], "duplicate_manifest"),
+        (lambda: tamper(1, lambda s, f: setattr(f.chunk, "data", b"x" + f.chunk.data[1:])), "checksum"),
+        (lambda: tamper(2, lambda s, f: setattr(f.chunk, "offset", 0)), "chunk_order"),
+        (lambda: tamper(1, lambda s, f: setattr(f.chunk, "tensor_index", 9)), "chunk_index"),
+        (lambda: [f for i, f in enumerate(frames(named())) if i != 3], "chunk_order"),
+        (lambda: [f for i, f in enumerate(frames(named())) if i != 11], "incomplete"),
+        (lambda: tamper(-1, lambda s, f: setattr(f.end, "total_bytes", 1)), "total_bytes"),
+        (lambda: frames(named())[:-1], "incomplete"),
+        (lambda: [*frames(named()), pb.Frame(end=pb.End())], "frame_after_end"),
+        (lambda: [frames(named())[0], pb.Frame()], "empty_frame"),
+    ],
+)
+def test_broken_streams_are_invalid(stream_fn, reason: str) -> None:
+    error = refused(stream_fn())
+    assert (error.code, error.reason) == (grpc.StatusCode.INVALID_ARGUMENT, reason), error.message
+
+
+def test_a_chunk_that_overflows_its_tensor_is_invalid() -> None:
+    stream = frames(named())
+    last_b = next(f for f in stream if f.WhichOneof("body") == "chunk" and f.chunk.tensor_index == 1)
+    data = last_b.chunk.data + b"\0\0\0\0"
+    last_b.chunk.data, last_b.chunk.crc32 = data, __import__("zlib").crc32(data)
+    assert refused(stream).reason == "chunk_bounds"
+
+
+@pytest.mark.parametrize("bad", [float("nan"), float("inf")])
+def test_non_finite_values_are_refused(bad: float) -> None:
+    tensors = named()
+    tensors[2][1][0, 1, 2] = bad
+    error = refused(frames(tensors), receiver(named()))
+    assert (error.code, error.reason) == (grpc.StatusCode.INVALID_ARGUMENT, "not_finite")
+
+
+def test_sender_refuses_impossible_chunk_sizes() -> None:
+    manifest = build_manifest(named(), wire_dtype="fp32", run_fingerprint=RUN, peer_id="p", outer_step=0)
+    with pytest.raises(ValueError):
+        list(iter_frames(manifest, [t for _, t in named()], chunk_bytes=MAX_CHUNK_BYTES + 1))
