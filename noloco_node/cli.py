@@ -1,4 +1,4 @@
-"""The ``noloco-node`` command line: ``simulate``, ``train``, ``sizes``.
+"""The ``noloco-node`` command line: ``simulate``, ``train``, ``sizes``, ``bootstrap``.
 
 Flags only override settings; every default and bound lives in config.py, so a bad value is reported by the
 pydantic model with the field's name and nothing runs.
@@ -100,6 +100,20 @@ def build_parser() -> argparse.ArgumentParser:
     _add_flags(train, _TRAIN_FLAGS)
 
     commands.add_parser("sizes", help="list the named model sizes and their parameter counts")
+
+    bootstrap = commands.add_parser(
+        "bootstrap",
+        help="run a DHT-only bootstrap peer and print the multiaddrs to pass to --bootstrap",
+        description="Run a Hivemind DHT peer that trains nothing; nodes of any run join the swarm through it.",
+    )
+    bootstrap.add_argument(
+        "--host-maddrs",
+        nargs="+",
+        default=["/ip4/0.0.0.0/tcp/0"],
+        help="multiaddrs to listen on, e.g. /ip4/0.0.0.0/tcp/31337",
+    )
+    bootstrap.add_argument("--announce-maddrs", nargs="+", help="multiaddrs to advertise (public address, port)")
+    bootstrap.add_argument("--initial-peers", nargs="*", default=[], help="other bootstrap peers to connect to")
     return parser
 
 
@@ -168,13 +182,27 @@ def _sizes(_args: argparse.Namespace) -> int:
     return 0
 
 
+def _bootstrap(args: argparse.Namespace) -> int:
+    import signal
+    import threading
+
+    from noloco_node.discovery import run_bootstrap_peer
+
+    stop = threading.Event()
+    for signum in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(signum, lambda *_: stop.set())
+    run_bootstrap_peer(args.host_maddrs, args.announce_maddrs, stop, initial_peers=args.initial_peers)
+    print("bootstrap peer stopped", file=sys.stderr)
+    return 0
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     logging.basicConfig(
         level=args.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s", stream=sys.stderr
     )
-    handlers = {"simulate": _simulate, "train": _train, "sizes": _sizes}
+    handlers = {"simulate": _simulate, "train": _train, "sizes": _sizes, "bootstrap": _bootstrap}
     try:
         return handlers[args.command](args)
     except ValidationError as error:

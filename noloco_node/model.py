@@ -14,6 +14,8 @@ shapes. The vocabulary size is not part of a named size: it comes from the token
 from __future__ import annotations
 
 import contextlib
+import hashlib
+import json
 import math
 from collections.abc import Iterator
 
@@ -164,3 +166,18 @@ def autocast_context(device: torch.device) -> contextlib.AbstractContextManager[
     if device.type == "cuda":
         return torch.autocast(device_type="cuda", dtype=torch.bfloat16)
     return contextlib.nullcontext()
+
+
+def run_fingerprint(cfg: ModelConfig, *, run_name: str, seed: int) -> str:
+    """The identity of a run: model config, every parameter's name and shape, the run's name and seed.
+
+    Peers pair only within one fingerprint, so two nodes can never blend weights of different shapes or
+    different initialisations.
+    """
+    with torch.device("meta"):
+        model = LlamaDecoder(cfg)
+    shapes = [[name, list(p.shape)] for name, p in named_parameters_ordered(model)]
+    material = json.dumps(
+        {"model": cfg.model_dump(mode="json"), "shapes": shapes, "run": run_name, "seed": seed}, sort_keys=True
+    )
+    return hashlib.sha256(material.encode()).hexdigest()[:16]

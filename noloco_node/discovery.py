@@ -1,0 +1,193 @@
+"""Finding the run's live peers through a Hivemind DHT: namespaced, expiring records, refreshed while alive.
+
+Every node stores one record under the key ``noloco/<run fingerprint>/peers`` with its DHT peer id as the
+subkey: its gRPC address, outer and inner step, fingerprint, whether it is ready to pair, and when it wrote it.
+Records expire after ``record_ttl`` seconds unless refreshed, so a crashed node disappears on its own; a node that
+leaves writes a tombstone (the DHT keeps the entry with the latest expiration, so a record cannot simply be
+deleted) and readers skip tombstones. Peers of another run live under another key and are never seen; a record
+whose fingerprint does not match its key is ignored too.
+
+``hivemind.DHT`` forks a helper process, so a node starts its Discovery before any gRPC or torch thread exists.
+Every call into the DHT is awaited with a deadline.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass
+from typing import Any
+
+import hivemind
+from hivemind.utils.timed_storage import get_dht_time
+
+log = logging.getLogger(__name__)
+
+DEFAULT_RECORD_TTL = 30.0
+DEFAULT_DHT_TIMEOUT = 10.0
+
+
+@dataclass(frozen=True)
+class PeerRecord:
+    """What a node advertises about itself."""
+
+    peer_id: str
+    address: str  # host:port of its gRPC server
+    run_fingerprint: str
+    outer_step: int = 0
+    inner_step: int = 0
+    ready: bool = False  # ready to pair now (sync mode) / has a fresh snapshot to offer (overlap mode)
+    leaving: bool = False  # a tombstone: the node has left
+    updated: float = 0.0  # DHT time of writing
+
+    @classmethod
+    def from_value(cls, peer_id: str, value: Any) -> PeerRecord | None:
+        """A record read from the DHT, or None if it is malformed (records are written by strangers)."""
+        if not isinstance(value, dict):
+            return None
+        try:
+            record = cls(
+                peer_id=peer_id,
+                address=str(value["address"]),
+                run_fingerprint=str(value["run_fingerprint"]),
+                outer_step=int(value.get("outer_step", 0)),
+                inner_step=int(value.get("inner_step", 0)),
+                ready=bool(value.get("ready", False)),
+                leaving=bool(value.get("leaving", False)),
+                updated=float(value.get("updated", 0.0)),
+            )
+        except (KeyError, TypeError, ValueError):
+            return None
+        host, _, port = record.address.rpartition(":")
+        if not host or not port.isdigit() or not 0 < int(port) < 65536:
+            return None
+        return record
+
+    def to_value(self) -> dict[str, Any]:
+        value = asdict(self)
+        del value["peer_id"]  # it is the subkey
+        return value
+
+
+def peers_key(run_fingerprint: str) -> str:
+    return f"noloco/{run_fingerprint}/peers"
+
+
+class Discovery:
+    """One node's presence in the DHT: publish its own record, read everyone else's."""
+
+    def __init__(
+        self,
+        run_fingerprint: str,
+        *,
+        initial_peers: Sequence[str] = (),
+        host_maddrs: Sequence[str] = ("/ip4/127.0.0.1/tcp/0",),
+        announce_maddrs: Sequence[str] | None = None,
+        record_ttl: float = DEFAULT_RECORD_TTL,
+        dht_timeout: float = DEFAULT_DHT_TIMEOUT,
+    ) -> None:
+        self.run_fingerprint = run_fingerprint
+        self.key = peers_key(run_fingerprint)
+        self.record_ttl = record_ttl
+        self.dht_timeout = dht_timeout
+        self._dht_kwargs: dict[str, Any] = {
+            "initial_peers": list(initial_peers) or None,
+            "host_maddrs": list(host_maddrs),
+        }
+        if announce_maddrs:
+            self._dht_kwargs["announce_maddrs"] = list(announce_maddrs)
+        self.dht: hivemind.DHT | None = None
+        self._last_expiration = 0.0
+
+    def start(self) -> None:
+        """Start the DHT process (it forks: call this before starting gRPC servers or torch threads)."""
+        started = time.monotonic()
+        self.dht = hivemind.DHT(start=True, **self._dht_kwargs)
+        log.info(
+            "DHT up in %.1fs as %s, reachable at %s",
+            time.monotonic() - started,
+            self.peer_id,
+            " ".join(self.visible_maddrs()),
+        )
+
+    @property
+    def peer_id(self) -> str:
+        return str(self._require().peer_id)
+
+    def visible_maddrs(self) -> list[str]:
+        return [str(m) for m in self._require().get_visible_maddrs()]
+
+    def _require(self) -> hivemind.DHT:
+        if self.dht is None:
+            raise RuntimeError("Discovery.start() has not been called")
+        return self.dht
+
+    async def _await(self, future: Any, what: str) -> Any:
+        try:
+            return await asyncio.wait_for(asyncio.wrap_future(future), timeout=self.dht_timeout)
+        except asyncio.TimeoutError:
+            future.cancel()
+            raise TimeoutError(f"DHT {what} took longer than {self.dht_timeout}s") from None
+
+    async def publish(self, record: PeerRecord) -> bool:
+        """Write (or refresh) this node's record; it expires ``record_ttl`` seconds from now unless refreshed."""
+        now = get_dht_time()
+        expiration = max(now + self.record_ttl, self._last_expiration + 1e-3)
+        value = PeerRecord(**{**asdict(record), "updated": now}).to_value()
+        future = self._require().store(self.key, value, expiration, subkey=record.peer_id, return_future=True)
+        stored = bool(await self._await(future, "store"))
+        if stored:
+            self._last_expiration = expiration
+        return stored
+
+    async def withdraw(self, record: PeerRecord) -> bool:
+        """Replace this node's record with a tombstone, so that peers stop choosing it at once."""
+        tombstone = PeerRecord(**{**asdict(record), "ready": False, "leaving": True})
+        return await self.publish(tombstone)
+
+    async def live_peers(self, *, include_self: bool = False) -> list[PeerRecord]:
+        """Every unexpired, well-formed, non-tombstone record of this run, newest first."""
+        future = self._require().get(self.key, latest=True, return_future=True)
+        found = await self._await(future, "get")
+        if found is None or not isinstance(found.value, dict):
+            return []
+        own = self.peer_id
+        records = []
+        for subkey, entry in found.value.items():
+            record = PeerRecord.from_value(str(subkey), getattr(entry, "value", None))
+            if record is None or record.leaving or record.run_fingerprint != self.run_fingerprint:
+                continue
+            if record.peer_id == own and not include_self:
+                continue
+            records.append(record)
+        return sorted(records, key=lambda r: r.updated, reverse=True)
+
+    def shutdown(self) -> None:
+        if self.dht is not None:
+            self.dht.shutdown()
+            self.dht = None
+
+
+def run_bootstrap_peer(
+    host_maddrs: Sequence[str], announce_maddrs: Sequence[str] | None, stop: Any, *, initial_peers: Sequence[str] = ()
+) -> list[str]:
+    """A DHT-only peer that others join with ``--bootstrap``; prints its multiaddrs, serves until ``stop`` is set.
+
+    ``stop`` is a ``threading.Event``-like object. Returns the multiaddrs it served on.
+    """
+    kwargs: dict[str, Any] = {"host_maddrs": list(host_maddrs), "initial_peers": list(initial_peers) or None}
+    if announce_maddrs:
+        kwargs["announce_maddrs"] = list(announce_maddrs)
+    dht = hivemind.DHT(start=True, **kwargs)
+    try:
+        maddrs = [str(m) for m in dht.get_visible_maddrs()]
+        print("bootstrap peer is up; join it with:", flush=True)
+        for maddr in maddrs:
+            print(f"  --bootstrap {maddr}", flush=True)
+        while not stop.wait(1.0):
+            pass
+        return maddrs
+    finally:
+        dht.shutdown()
