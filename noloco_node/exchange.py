@@ -1,0 +1,283 @@
+"""The gRPC service between peers and its client: weight exchange, state download, peer info.
+
+``Exchange`` is a bidirectional stream: each side sends its payload (wire.py frames) while it receives the other's.
+Both directions run at once; a side that only wrote before reading would deadlock against HTTP/2 flow control
+as soon as both payloads exceed the window. A side hands the partner's payload to its node (to blend) only once
+the payload is complete and verified; a stream cut at any byte leaves both nodes' state untouched.
+
+Refusals are fast and precise: a node that is busy or not ready answers ABORTED at once (the caller tries another
+peer); a peer of another run gets FAILED_PRECONDITION; a malformed payload gets INVALID_ARGUMENT (or
+RESOURCE_EXHAUSTED when oversized), and each refusal is counted by reason in :class:`ExchangeMetrics`.
+
+The server uses grpc's synchronous API on a thread pool: handlers convert and copy tensors, which must never run
+on the node's event loop, and on loopback the synchronous stack with 1 MiB chunks is the faster one. Every call
+carries a deadline; the server bounds concurrent calls.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections import Counter
+from collections.abc import Callable, Iterator, Sequence
+from concurrent import futures
+from dataclasses import dataclass
+from typing import Protocol
+
+import grpc
+
+from noloco_node.rpc import peer_pb2 as pb
+from noloco_node.rpc import peer_pb2_grpc as pb_grpc
+from noloco_node.wire import (
+    DEFAULT_CHUNK_BYTES,
+    MAX_MESSAGE_BYTES,
+    Payload,
+    PayloadError,
+    PayloadReceiver,
+    TensorLayout,
+    iter_frames,
+)
+
+log = logging.getLogger(__name__)
+
+CHANNEL_OPTIONS = [
+    ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
+    ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
+]
+
+
+@dataclass
+class Outgoing:
+    """What a node sends in one exchange: a manifest and its tensors (a snapshot that will not change)."""
+
+    manifest: pb.Manifest
+    tensors: Sequence
+
+
+class ExchangeSession(Protocol):
+    """The node's side of one exchange, served or initiated; handed out only when the node can pair now."""
+
+    def outgoing(self) -> Outgoing: ...
+
+    def complete(self, payload: Payload) -> None:
+        """The partner's verified payload: blend with it (atomically)."""
+
+    def release(self) -> None:
+        """The exchange is over, whatever its outcome; the node may pair again."""
+
+
+class PeerNode(Protocol):
+    """What the gRPC service needs from the node it serves."""
+
+    run_fingerprint: str
+    peer_id: str
+
+    def expected_layout(self) -> Sequence[TensorLayout]: ...
+
+    def max_payload_bytes(self) -> int: ...
+
+    def open_session(self, partner_id: str, partner_outer_step: int) -> ExchangeSession | None:
+        """A session if this node can exchange with that partner now; None means busy (ABORTED)."""
+
+    def info(self) -> pb.InfoReply: ...
+
+    def state_snapshot(self) -> Outgoing | None:
+        """The full replica state at the last outer step, for joiners; None when there is none yet."""
+
+
+class ExchangeMetrics:
+    """Counters of exchanges by outcome, refused payloads by reason, and bytes: thread-safe."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self.outcomes: Counter[str] = Counter()
+        self.rejected: Counter[str] = Counter()
+        self.bytes_sent = 0
+        self.bytes_received = 0
+
+    def outcome(self, name: str) -> None:
+        with self._lock:
+            self.outcomes[name] += 1
+
+    def rejection(self, reason: str) -> None:
+        with self._lock:
+            self.rejected[reason] += 1
+
+    def add_bytes(self, sent: int = 0, received: int = 0) -> None:
+        with self._lock:
+            self.bytes_sent += sent
+            self.bytes_received += received
+
+
+def _counted(frames: Iterator[pb.Frame], on_bytes: Callable[[int], None]) -> Iterator[pb.Frame]:
+    for frame in frames:
+        if frame.WhichOneof("body") == "chunk":
+            on_bytes(len(frame.chunk.data))
+        yield frame
+
+
+class PeerService(pb_grpc.PeerServicer):
+    def __init__(self, node: PeerNode, metrics: ExchangeMetrics, *, chunk_bytes: int = DEFAULT_CHUNK_BYTES) -> None:
+        self.node = node
+        self.metrics = metrics
+        self.chunk_bytes = chunk_bytes
+
+    def _receiver(self) -> PayloadReceiver:
+        return PayloadReceiver(
+            self.node.expected_layout(),
+            run_fingerprint=self.node.run_fingerprint,
+            max_total_bytes=self.node.max_payload_bytes(),
+        )
+
+    def _refuse(self, context: grpc.ServicerContext, error: PayloadError) -> None:
+        self.metrics.rejection(error.reason)
+        self.metrics.outcome("refused_payload")
+        context.abort(error.code, error.message)
+
+    def Exchange(self, request_iterator: Iterator[pb.Frame], context: grpc.ServicerContext) -> Iterator[pb.Frame]:  # noqa: N802
+        receiver = self._receiver()
+        try:
+            first = next(request_iterator)
+            receiver.feed(first)  # the manifest: run, names, shapes and sizes are checked before anything else
+        except StopIteration:
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, "empty exchange stream")
+        except PayloadError as error:
+            self._refuse(context, error)
+        assert receiver.manifest is not None
+        session = self.node.open_session(receiver.manifest.peer_id, receiver.manifest.outer_step)
+        if session is None:
+            self.metrics.outcome("busy")
+            context.abort(grpc.StatusCode.ABORTED, f"{self.node.peer_id} is busy or not ready to pair")
+        try:
+            outcome: dict[str, object] = {}
+
+            def consume() -> None:
+                try:
+                    for frame in request_iterator:
+                        receiver.feed(frame)
+                    outcome["payload"] = receiver.finish()
+                except PayloadError as error:
+                    outcome["error"] = error
+                except Exception as error:  # the stream broke (client gone, deadline): nothing to blend
+                    outcome["broken"] = error
+
+            reader = threading.Thread(target=consume, name="exchange-reader", daemon=True)
+            reader.start()
+            outgoing = session.outgoing()
+            yield from _counted(
+                iter_frames(outgoing.manifest, outgoing.tensors, chunk_bytes=self.chunk_bytes),
+                lambda n: self.metrics.add_bytes(sent=n),
+            )
+            remaining = context.time_remaining()
+            reader.join(timeout=None if remaining is None else max(0.0, remaining))
+            self.metrics.add_bytes(received=receiver.bytes_received)
+            if reader.is_alive() or "broken" in outcome:
+                self.metrics.outcome("aborted")
+                context.abort(
+                    grpc.StatusCode.DEADLINE_EXCEEDED if reader.is_alive() else grpc.StatusCode.CANCELLED,
+                    "the partner's payload did not arrive whole",
+                )
+            if "error" in outcome:
+                self._refuse(context, outcome["error"])  # type: ignore[arg-type]
+            session.complete(outcome["payload"])  # type: ignore[arg-type]
+            self.metrics.outcome("completed")
+        finally:
+            session.release()
+
+    def GetState(self, request: pb.StateRequest, context: grpc.ServicerContext) -> Iterator[pb.Frame]:  # noqa: N802
+        if request.run_fingerprint != self.node.run_fingerprint:
+            context.abort(grpc.StatusCode.FAILED_PRECONDITION, f"this peer trains run {self.node.run_fingerprint}")
+        snapshot = self.node.state_snapshot()
+        if snapshot is None:
+            context.abort(grpc.StatusCode.UNAVAILABLE, "no outer-step snapshot to serve yet")
+        yield from _counted(
+            iter_frames(snapshot.manifest, snapshot.tensors, chunk_bytes=self.chunk_bytes),
+            lambda n: self.metrics.add_bytes(sent=n),
+        )
+
+    def Info(self, request: pb.InfoRequest, context: grpc.ServicerContext) -> pb.InfoReply:  # noqa: N802
+        return self.node.info()
+
+
+def start_server(
+    node: PeerNode,
+    metrics: ExchangeMetrics,
+    *,
+    bind: str = "127.0.0.1:0",
+    max_concurrent_calls: int = 8,
+    chunk_bytes: int = DEFAULT_CHUNK_BYTES,
+) -> tuple[grpc.Server, int]:
+    """Start the service; returns the server and the port it bound (ephemeral when the bind port is 0)."""
+    server = grpc.server(
+        futures.ThreadPoolExecutor(max_workers=max_concurrent_calls, thread_name_prefix="grpc-peer"),
+        options=CHANNEL_OPTIONS,
+        maximum_concurrent_rpcs=max_concurrent_calls,
+    )
+    pb_grpc.add_PeerServicer_to_server(PeerService(node, metrics, chunk_bytes=chunk_bytes), server)
+    port = server.add_insecure_port(bind)
+    if port == 0:
+        raise OSError(f"could not bind the gRPC server to {bind}")
+    server.start()
+    return server, port
+
+
+# ---------------------------------------------------------------------------------------------------- client
+
+
+class ExchangeError(Exception):
+    """An exchange that produced nothing to blend: refused, cut, timed out, or a bad payload from the partner."""
+
+    def __init__(self, code: grpc.StatusCode, reason: str, message: str) -> None:
+        super().__init__(f"{code.name}: {message}")
+        self.code = code
+        self.reason = reason
+
+
+def exchange_with(
+    address: str,
+    outgoing: Outgoing,
+    expected: Sequence[TensorLayout],
+    *,
+    run_fingerprint: str,
+    max_payload_bytes: int,
+    timeout: float,
+    metrics: ExchangeMetrics | None = None,
+    chunk_bytes: int = DEFAULT_CHUNK_BYTES,
+) -> Payload:
+    """Exchange payloads with the peer at ``address``; returns its verified payload or raises ExchangeError.
+
+    Blocking (call it from a worker thread); the whole call, connection included, is bounded by ``timeout``.
+    """
+    receiver = PayloadReceiver(expected, run_fingerprint=run_fingerprint, max_total_bytes=max_payload_bytes)
+    started = time.monotonic()
+    with grpc.insecure_channel(address, options=CHANNEL_OPTIONS) as channel:
+        stub = pb_grpc.PeerStub(channel)
+        frames = iter_frames(outgoing.manifest, outgoing.tensors, chunk_bytes=chunk_bytes)
+        if metrics is not None:
+            frames = _counted(frames, lambda n: metrics.add_bytes(sent=n))
+        call = stub.Exchange(frames, timeout=timeout)
+        try:
+            for frame in call:
+                receiver.feed(frame)
+            payload = receiver.finish()
+        except PayloadError as error:
+            call.cancel()
+            if metrics is not None:
+                metrics.rejection(error.reason)
+            raise ExchangeError(error.code, error.reason, f"bad payload from {address}: {error.message}") from None
+        except grpc.RpcError as error:
+            code = error.code() if hasattr(error, "code") else grpc.StatusCode.UNKNOWN
+            reason = "busy" if code == grpc.StatusCode.ABORTED else code.name.lower()
+            details = error.details() if hasattr(error, "details") else str(error)
+            raise ExchangeError(code, reason, f"{address}: {details}") from None
+        finally:
+            if metrics is not None:
+                metrics.add_bytes(received=receiver.bytes_received)
+    log.debug("exchange with %s: %d bytes in %.3fs", address, receiver.bytes_received, time.monotonic() - started)
+    return payload
+
+
+def fetch_info(address: str, *, timeout: float) -> pb.InfoReply:
+    with grpc.insecure_channel(address, options=CHANNEL_OPTIONS) as channel:
+        return pb_grpc.PeerStub(channel).Info(pb.InfoRequest(), timeout=timeout)

@@ -1,0 +1,222 @@
+"""The gRPC exchange over real sockets on 127.0.0.1: exact payloads both ways, fast refusals, bad payloads and cut
+streams that change nothing.
+
+The served side is a small holder of real tensors that records what it would blend with (the daemon in node.py
+plays that role in a swarm); everything between the two sides is the real server, client and wire format.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Iterator
+
+import grpc
+import pytest
+import torch
+
+from noloco_node.algorithm import noloco_outer_step
+from noloco_node.exchange import (
+    CHANNEL_OPTIONS,
+    ExchangeError,
+    ExchangeMetrics,
+    Outgoing,
+    exchange_with,
+    fetch_info,
+    start_server,
+)
+from noloco_node.rpc import peer_pb2 as pb
+from noloco_node.rpc import peer_pb2_grpc as pb_grpc
+from noloco_node.wire import Payload, build_manifest, iter_frames, layout_of
+
+RUN = "run-exchange-test"
+
+
+def params(seed: int, sizes: tuple[int, ...] = (1000, 37, 4096)) -> list[tuple[str, torch.Tensor]]:
+    g = torch.Generator().manual_seed(seed)
+    return [(f"theta/p{i}", torch.randn(n, generator=g)) for i, n in enumerate(sizes)]
+
+
+def outgoing(named: list[tuple[str, torch.Tensor]], peer_id: str, run: str = RUN) -> Outgoing:
+    manifest = build_manifest(named, wire_dtype="fp32", run_fingerprint=run, peer_id=peer_id, outer_step=7)
+    return Outgoing(manifest, [t for _, t in named])
+
+
+class Holder:
+    """A PeerNode holding fixed tensors; records the payloads it was asked to blend with."""
+
+    def __init__(self, named: list[tuple[str, torch.Tensor]], *, busy: bool = False) -> None:
+        self.run_fingerprint = RUN
+        self.peer_id = "holder"
+        self.named = named
+        self.busy = busy
+        self.completed: list[Payload] = []
+        self.released = threading.Event()
+
+    def expected_layout(self):
+        return layout_of(self.named)
+
+    def max_payload_bytes(self) -> int:
+        return 10**9
+
+    def open_session(self, partner_id: str, partner_outer_step: int):
+        return None if self.busy else self
+
+    def outgoing(self) -> Outgoing:
+        return outgoing(self.named, self.peer_id)
+
+    def complete(self, payload: Payload) -> None:
+        self.completed.append(payload)
+
+    def release(self) -> None:
+        self.released.set()
+
+    def info(self) -> pb.InfoReply:
+        return pb.InfoReply(peer_id=self.peer_id, run_fingerprint=RUN, outer_step=7, ready_to_pair=not self.busy)
+
+    def state_snapshot(self):
+        return None
+
+
+@pytest.fixture
+def served():
+    servers = []
+
+    def serve(holder: Holder) -> tuple[str, ExchangeMetrics]:
+        metrics = ExchangeMetrics()
+        server, port = start_server(holder, metrics, bind="127.0.0.1:0")
+        servers.append(server)
+        return f"127.0.0.1:{port}", metrics
+
+    yield serve
+    for server in servers:
+        server.stop(grace=None)
+
+
+def test_both_sides_receive_exact_tensors_and_blend_identically(served) -> None:
+    theta_a, theta_b = params(1), params(2)
+    holder = Holder(theta_a)
+    address, server_metrics = served(holder)
+    client_metrics = ExchangeMetrics()
+    got = exchange_with(
+        address,
+        outgoing(theta_b, "caller"),
+        layout_of(theta_b),
+        run_fingerprint=RUN,
+        max_payload_bytes=10**9,
+        timeout=20,
+        metrics=client_metrics,
+    )
+    assert holder.released.wait(5)
+    assert len(holder.completed) == 1 and holder.completed[0].peer_id == "caller"
+    for name, tensor in theta_a:
+        assert torch.equal(got.tensors[name], tensor)
+    for name, tensor in theta_b:
+        assert torch.equal(holder.completed[0].tensors[name], tensor)
+    # Each side's blend from what it received equals the blend from the partner's original tensors.
+    phi = [torch.zeros_like(t) for _, t in theta_a]
+    delta = [torch.zeros_like(t) for _, t in theta_a]
+    received = [got.tensors[name] for name, _ in theta_a]
+    via_wire = noloco_outer_step([t for _, t in theta_b], phi, delta, [received], [], alpha=0.5, beta=0.7, gamma=0.7)
+    direct = noloco_outer_step(
+        [t for _, t in theta_b], phi, delta, [[t for _, t in theta_a]], [], alpha=0.5, beta=0.7, gamma=0.7
+    )
+    for x, y in zip(via_wire[0], direct[0], strict=True):
+        assert torch.equal(x, y)
+    payload_bytes = sum(t.numel() * 4 for _, t in theta_a)
+    assert server_metrics.outcomes["completed"] == 1
+    assert server_metrics.bytes_sent == client_metrics.bytes_received == payload_bytes
+    assert client_metrics.bytes_sent == server_metrics.bytes_received == payload_bytes
+
+
+def test_large_payloads_both_ways_do_not_deadlock(served) -> None:
+    big_a, big_b = params(3, (6_000_000, 2_000_000)), params(4, (6_000_000, 2_000_000))  # 32 MB each way
+    holder = Holder(big_a)
+    address, _ = served(holder)
+    got = exchange_with(
+        address, outgoing(big_b, "caller"), layout_of(big_b), run_fingerprint=RUN, max_payload_bytes=10**9, timeout=60
+    )
+    assert torch.equal(got.tensors["theta/p0"], big_a[0][1])
+    assert holder.released.wait(5) and torch.equal(holder.completed[0].tensors["theta/p1"], big_b[1][1])
+
+
+def test_busy_peer_refuses_at_once(served) -> None:
+    holder = Holder(params(1), busy=True)
+    address, metrics = served(holder)
+    with pytest.raises(ExchangeError) as error:
+        exchange_with(
+            address,
+            outgoing(params(2), "caller"),
+            layout_of(params(2)),
+            run_fingerprint=RUN,
+            max_payload_bytes=10**9,
+            timeout=20,
+        )
+    assert error.value.code == grpc.StatusCode.ABORTED and error.value.reason == "busy"
+    assert holder.completed == [] and metrics.outcomes["busy"] == 1
+
+
+def test_another_runs_peer_is_refused_and_changes_nothing(served) -> None:
+    holder = Holder(params(1))
+    address, metrics = served(holder)
+    with pytest.raises(ExchangeError) as error:
+        exchange_with(
+            address,
+            outgoing(params(2), "stranger", run="other-run"),
+            layout_of(params(2)),
+            run_fingerprint="other-run",
+            max_payload_bytes=10**9,
+            timeout=20,
+        )
+    assert error.value.code == grpc.StatusCode.FAILED_PRECONDITION
+    assert holder.completed == [] and metrics.rejected["wrong_run"] == 1
+
+
+def test_a_payload_with_nan_is_refused_and_changes_nothing(served) -> None:
+    holder = Holder(params(1))
+    address, metrics = served(holder)
+    poisoned = params(2)
+    poisoned[2][1][100] = float("nan")
+    with pytest.raises(ExchangeError) as error:
+        exchange_with(
+            address,
+            outgoing(poisoned, "caller"),
+            layout_of(poisoned),
+            run_fingerprint=RUN,
+            max_payload_bytes=10**9,
+            timeout=20,
+        )
+    assert error.value.code == grpc.StatusCode.INVALID_ARGUMENT and "NaN" in str(error.value)
+    assert holder.released.wait(5)
+    assert holder.completed == [] and metrics.rejected["not_finite"] == 1
+
+
+def test_a_stream_cut_half_way_changes_nothing(served) -> None:
+    holder = Holder(params(1, (2_000_000,)))
+    address, metrics = served(holder)
+    named = params(2, (2_000_000,))
+    stop = threading.Event()
+
+    def half_then_stall() -> Iterator[pb.Frame]:
+        for i, frame in enumerate(
+            iter_frames(outgoing(named, "caller").manifest, [t for _, t in named], chunk_bytes=2**20)
+        ):
+            if i == 4:  # the manifest and 3 of 8 chunks have gone out
+                stop.wait(30)
+                return
+            yield frame
+
+    with grpc.insecure_channel(address, options=CHANNEL_OPTIONS) as channel:
+        call = pb_grpc.PeerStub(channel).Exchange(half_then_stall(), timeout=30)
+        time.sleep(1.0)
+        call.cancel()  # the caller vanishes mid-stream
+        stop.set()
+    assert holder.released.wait(10)
+    assert holder.completed == []
+    assert metrics.outcomes["completed"] == 0
+
+
+def test_info(served) -> None:
+    address, _ = served(Holder(params(1)))
+    reply = fetch_info(address, timeout=5)
+    assert (reply.peer_id, reply.run_fingerprint, reply.outer_step) == ("holder", RUN, 7)
