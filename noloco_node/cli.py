@@ -1,4 +1,4 @@
-"""The ``noloco-node`` command line: ``simulate``, ``train``, ``sizes``, ``bootstrap``.
+"""The ``noloco-node`` command line: ``join``, ``bootstrap``, ``simulate``, ``train``, ``sizes``.
 
 Flags only override settings; every default and bound lives in config.py, so a bad value is reported by the
 pydantic model with the field's name and nothing runs.
@@ -20,6 +20,7 @@ from noloco_node.config import (
     ALL_METHODS,
     MODEL_SIZES,
     DataConfig,
+    NodeConfig,
     OuterConfig,
     SimulateConfig,
     TrainConfig,
@@ -48,6 +49,26 @@ _TRAIN_FLAGS: dict[str, tuple[str, str, type, str]] = {
     "--vocab-size": ("data", "vocab_size", int, "vocabulary of a token file"),
     "--max-bytes": ("data", "max_bytes", int, "cap on bytes read from a text corpus"),
     "--cache-dir": ("data", "cache_dir", Path, "where the tokenized default corpus is cached"),
+}
+
+
+_NODE_FLAGS: dict[str, tuple[str, str, type, str]] = {
+    "--run-name": ("node", "run_name", str, "name of the run (part of its fingerprint)"),
+    "--mode": ("node", "mode", str, "pairing mode: sync or overlap"),
+    "--data-dir": ("node", "data_dir", Path, "checkpoints and status file of this node"),
+    "--grpc-host": ("node", "grpc_host", str, "address the gRPC server binds"),
+    "--grpc-port": ("node", "grpc_port", int, "gRPC port (0: ephemeral)"),
+    "--announce-host": ("node", "announce_host", str, "host peers should dial"),
+    "--announce-port": ("node", "announce_port", int, "port peers should dial (port forwarding, proxies)"),
+    "--pair-timeout": ("node", "pair_timeout", float, "sync mode: longest wait for a partner (s)"),
+    "--exchange-timeout": ("node", "exchange_timeout", float, "deadline of one exchange (s)"),
+    "--max-staleness": ("node", "max_staleness", int, "largest outer-step difference with a partner"),
+    "--wire-dtype": ("node", "wire_dtype", str, "bf16 or fp32"),
+    "--record-ttl": ("node", "record_ttl", float, "DHT record lifetime (s)"),
+    "--num-shards": ("node", "num_shards", int, "how many shards the corpus is dealt into"),
+    "--shard-index": ("node", "shard_index", int, "this node's shard (default: from its peer id)"),
+    "--torch-threads": ("node", "torch_threads", int, "torch intra-op threads (0: default)"),
+    "--checkpoint-every": ("node", "checkpoint_every", int, "outer steps between checkpoints"),
 }
 
 
@@ -100,6 +121,18 @@ def build_parser() -> argparse.ArgumentParser:
     _add_flags(train, _TRAIN_FLAGS)
 
     commands.add_parser("sizes", help="list the named model sizes and their parameter counts")
+
+    join = commands.add_parser(
+        "join",
+        help="run a swarm member: train, find peers through the DHT, blend with them",
+        description="Run the noloco-node daemon: it trains one replica and, at every outer step, blends with a "
+        "random peer of the same run found through the DHT (--bootstrap).",
+    )
+    join.add_argument("--bootstrap", nargs="*", default=[], help="multiaddrs printed by `noloco-node bootstrap`")
+    join.add_argument("--dht-host-maddrs", nargs="+", default=argparse.SUPPRESS, help="DHT listen multiaddrs")
+    join.add_argument("--dht-announce-maddrs", nargs="+", default=argparse.SUPPRESS, help="DHT public multiaddrs")
+    _add_flags(join, _NODE_FLAGS)
+    _add_flags(join, _TRAIN_FLAGS)
 
     bootstrap = commands.add_parser(
         "bootstrap",
@@ -182,6 +215,22 @@ def _sizes(_args: argparse.Namespace) -> int:
     return 0
 
 
+def _join(args: argparse.Namespace) -> int:
+    from noloco_node.node import run_node
+
+    given = _sections(args, {**_TRAIN_FLAGS, **_NODE_FLAGS})
+    node_settings = {**given.get("node", {}), "bootstrap": args.bootstrap}
+    for name in ("dht_host_maddrs", "dht_announce_maddrs"):
+        if hasattr(args, name):
+            node_settings[name] = getattr(args, name)
+    return run_node(
+        NodeConfig(**node_settings),
+        TrainConfig(**given.get("train", {})),
+        OuterConfig(**given.get("outer", {})),
+        DataConfig(**given.get("data", {})),
+    )
+
+
 def _bootstrap(args: argparse.Namespace) -> int:
     import signal
     import threading
@@ -202,7 +251,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     logging.basicConfig(
         level=args.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s", stream=sys.stderr
     )
-    handlers = {"simulate": _simulate, "train": _train, "sizes": _sizes, "bootstrap": _bootstrap}
+    handlers = {"simulate": _simulate, "train": _train, "sizes": _sizes, "bootstrap": _bootstrap, "join": _join}
     try:
         return handlers[args.command](args)
     except ValidationError as error:

@@ -168,3 +168,38 @@ def format_validation_error(error: ValidationError, prefix: str = "") -> str:
         name = f"{prefix}{location}" if location else prefix.rstrip(".") or "config"
         lines.append(f"invalid setting {name}: {item['msg']} (got {item.get('input')!r})")
     return "\n".join(lines)
+
+
+PairingMode = Literal["sync", "overlap"]
+
+
+class NodeConfig(_Settings):
+    """A swarm member: how it finds peers, pairs, exchanges and keeps its state."""
+
+    run_name: str = Field("default", min_length=1, max_length=128, description="Part of the run fingerprint.")
+    mode: PairingMode = Field("sync", description="sync: pair at the outer step; overlap: exchange in background.")
+    bootstrap: list[str] = Field(default_factory=list, description="Multiaddrs of DHT peers to join through.")
+    dht_host_maddrs: list[str] = Field(default_factory=lambda: ["/ip4/127.0.0.1/tcp/0"])
+    dht_announce_maddrs: list[str] = Field(default_factory=list)
+    grpc_host: str = Field("127.0.0.1", description="Address the gRPC server binds.")
+    grpc_port: int = Field(0, ge=0, lt=65536, description="0: an ephemeral port.")
+    announce_host: str | None = Field(None, description="Host peers should dial (default: grpc_host).")
+    announce_port: int | None = Field(None, gt=0, lt=65536, description="Port peers should dial (default: bound).")
+    data_dir: Path = Field(Path("noloco-data"), description="Checkpoints and the node's status file.")
+    pair_timeout: float = Field(10.0, gt=0, description="sync: longest wait for a partner before a solo step (s).")
+    exchange_timeout: float = Field(60.0, gt=0, description="Deadline of one exchange call (s).")
+    max_staleness: int = Field(2, ge=0, description="Largest outer-step difference with a partner.")
+    wire_dtype: Literal["bf16", "fp32"] = "bf16"
+    record_ttl: float = Field(20.0, gt=1.0, description="DHT record lifetime (s); refreshed at a third of it.")
+    avoid_seconds: float = Field(30.0, ge=0, description="How long a peer that failed is not chosen.")
+    checkpoint_every: int = Field(1, ge=1, description="Outer steps between checkpoints.")
+    num_shards: int = Field(16, ge=1, description="How many shards the corpus is dealt into.")
+    shard_index: int | None = Field(None, ge=0, description="This node's shard (default: from its peer id).")
+    torch_threads: int = Field(0, ge=0, description="Torch intra-op threads (0: torch's default).")
+    download_state: bool = Field(True, description="Joining a run in progress: download a peer's state.")
+
+    @model_validator(mode="after")
+    def _shard_in_range(self) -> NodeConfig:
+        if self.shard_index is not None and self.shard_index >= self.num_shards:
+            raise ValueError(f"shard_index ({self.shard_index}) must be < num_shards ({self.num_shards})")
+        return self

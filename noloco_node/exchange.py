@@ -16,6 +16,7 @@ carries a deadline; the server bounds concurrent calls.
 
 from __future__ import annotations
 
+import json
 import logging
 import threading
 import time
@@ -281,3 +282,43 @@ def exchange_with(
 def fetch_info(address: str, *, timeout: float) -> pb.InfoReply:
     with grpc.insecure_channel(address, options=CHANNEL_OPTIONS) as channel:
         return pb_grpc.PeerStub(channel).Info(pb.InfoRequest(), timeout=timeout)
+
+
+def download_state(
+    address: str,
+    layout: Sequence[tuple[str, tuple[int, ...]]],
+    *,
+    run_fingerprint: str,
+    peer_id: str,
+    timeout: float,
+) -> tuple[dict, dict]:
+    """A joiner's download of a donor's outer-step snapshot: verified tensors and the counters (metadata)."""
+    expected = [TensorLayout(name, tuple(shape)) for name, shape in layout]
+    max_bytes = sum(item.numel for item in expected) * 4 + 1024
+    receiver = PayloadReceiver(
+        expected, run_fingerprint=run_fingerprint, max_total_bytes=max_bytes, allowed_dtypes=("fp32",)
+    )
+    with grpc.insecure_channel(address, options=CHANNEL_OPTIONS) as channel:
+        call = pb_grpc.PeerStub(channel).GetState(
+            pb.StateRequest(run_fingerprint=run_fingerprint, peer_id=peer_id), timeout=timeout
+        )
+        try:
+            for frame in call:
+                receiver.feed(frame)
+            payload = receiver.finish()
+        except PayloadError as error:
+            call.cancel()
+            raise ExchangeError(error.code, error.reason, f"bad state from {address}: {error.message}") from None
+        except grpc.RpcError as error:
+            code = error.code() if hasattr(error, "code") else grpc.StatusCode.UNKNOWN
+            raise ExchangeError(code, code.name.lower(), f"{address}: {error}") from None
+    try:
+        metadata = json.loads(payload.manifest.metadata_json)
+        counters = {key: int(metadata[key]) for key in ("inner_step", "outer_step", "adam_step")}
+    except (ValueError, KeyError, TypeError) as error:
+        raise ExchangeError(
+            grpc.StatusCode.INVALID_ARGUMENT, "metadata", f"bad state metadata from {address}"
+        ) from error
+    if min(counters.values()) < 0:
+        raise ExchangeError(grpc.StatusCode.INVALID_ARGUMENT, "metadata", f"negative counters from {address}")
+    return payload.tensors, counters

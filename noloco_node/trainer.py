@@ -144,6 +144,58 @@ class Replica:
             param.copy_(phi)
         self.outer_step += 1
 
+    # ------------------------------------------------------------------------------------------ donor snapshot
+
+    @torch.no_grad()
+    def outer_snapshot(self) -> tuple[list[tuple[str, torch.Tensor]], dict[str, Any]]:
+        """A copy of the state a joiner needs, taken at an outer step (theta == phi there): phi, delta, Adam's
+        moments, and the counters. Copies, so that serving it never blocks or races this replica's training."""
+        named: list[tuple[str, torch.Tensor]] = []
+        for prefix, tensors in (("phi", self.phi), ("delta", self.delta)):
+            named += [
+                (f"{prefix}/{name}", t.detach().cpu().clone()) for name, t in zip(self.names, tensors, strict=True)
+            ]
+        adam_step = 0
+        for moment in ("exp_avg", "exp_avg_sq"):
+            for name, param in zip(self.names, self.params, strict=True):
+                state = self.optimizer.state.get(param, {})
+                value = state.get(moment)
+                named.append(
+                    (
+                        f"adam.{moment}/{name}",
+                        value.detach().cpu().clone() if value is not None else torch.zeros(param.shape),
+                    )
+                )
+                if "step" in state:
+                    adam_step = int(state["step"])
+        metadata = {"inner_step": self.inner_step, "outer_step": self.outer_step, "adam_step": adam_step}
+        return named, metadata
+
+    def snapshot_layout(self) -> list[tuple[str, tuple[int, ...]]]:
+        prefixes = ("phi", "delta", "adam.exp_avg", "adam.exp_avg_sq")
+        return [
+            (f"{prefix}/{name}", tuple(p.shape))
+            for prefix in prefixes
+            for name, p in zip(self.names, self.params, strict=True)
+        ]
+
+    @torch.no_grad()
+    def load_outer_snapshot(self, tensors: dict[str, torch.Tensor], metadata: dict[str, Any]) -> None:
+        """Adopt a donor's snapshot (already verified by wire.py): weights, outer state, Adam moments, counters."""
+        for name, param, phi, delta in zip(self.names, self.params, self.phi, self.delta, strict=True):
+            phi.copy_(tensors[f"phi/{name}"])
+            delta.copy_(tensors[f"delta/{name}"])
+            param.copy_(phi)
+            adam_step = int(metadata["adam_step"])
+            if adam_step > 0:
+                self.optimizer.state[param] = {
+                    "step": torch.tensor(float(adam_step)),
+                    "exp_avg": tensors[f"adam.exp_avg/{name}"].to(param.device, torch.float32).clone(),
+                    "exp_avg_sq": tensors[f"adam.exp_avg_sq/{name}"].to(param.device, torch.float32).clone(),
+                }
+        self.inner_step = int(metadata["inner_step"])
+        self.outer_step = int(metadata["outer_step"])
+
     # ------------------------------------------------------------------------------------------ evaluation
 
     @torch.no_grad()

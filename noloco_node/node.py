@@ -1,0 +1,671 @@
+"""The swarm member: an asyncio daemon (uvloop) that trains one replica and blends with random peers.
+
+Start order (DESIGN.md): the Hivemind DHT first (it forks a helper process), then the gRPC server (threads), then
+the trainer thread; shutdown on SIGINT/SIGTERM runs in reverse: the trainer stops at the next step boundary, a
+final checkpoint is written, the DHT record is replaced by a tombstone, the gRPC server and the DHT stop.
+
+Each outer step blends with ``algorithm.noloco_outer_step`` (arXiv 2506.10911, eq. 3-5) over the group that
+actually answered: this node plus the partner whose payload arrived whole, or this node alone.
+
+Pairing modes (DESIGN.md, "Asynchrony"):
+
+- ``sync``: at its outer step the node opens a *pairing round* and advertises itself ready. Incoming calls and
+  its own calls to random ready peers race for the round's exchange lock, which is only ever *tried*, never
+  waited on: a node busy with one exchange answers every other call with ABORTED at once, so two nodes that call
+  each other simultaneously both get a fast refusal and retry with random jitter instead of deadlocking. The
+  first exchange that completes is the partner; after ``pair_timeout`` without one the node takes a solo step.
+- ``overlap``: no waiting. After its outer step the node offers its projected fast weights (phi + last Delta);
+  during the next inner phase a background task swaps offers with a random peer, and at the next outer step the
+  node blends with the freshest offer it holds that is within ``max_staleness`` outer steps.
+
+Torch compute (inner steps, the blend, snapshots) runs only in the trainer thread or gRPC worker threads; the
+event loop only talks to the DHT and schedules exchanges, each under a deadline.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import hashlib
+import json
+import logging
+import math
+import random
+import signal
+import threading
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from noloco_node import __version__, algorithm
+from noloco_node.config import DataConfig, NodeConfig, OuterConfig, TrainConfig, model_config_for
+from noloco_node.data import ReplicaShard, load_corpus, validation_batches
+from noloco_node.discovery import Discovery, PeerRecord
+from noloco_node.exchange import (
+    ExchangeError,
+    ExchangeMetrics,
+    Outgoing,
+    download_state,
+    exchange_with,
+    start_server,
+)
+from noloco_node.model import run_fingerprint
+from noloco_node.rpc import peer_pb2 as pb
+from noloco_node.trainer import Replica, load_checkpoint, save_checkpoint
+from noloco_node.wire import Payload, TensorLayout, build_manifest
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class PairingRound:
+    """One outer step's chance to pair: at most one exchange at a time, the first complete one wins."""
+
+    outer_step: int
+    outgoing: Outgoing
+    lock: threading.Lock = field(default_factory=threading.Lock)
+    partner: Payload | None = None
+    closed: bool = False
+    done: threading.Event = field(default_factory=threading.Event)
+
+
+class _RoundSession:
+    """The ExchangeSession of a pairing round (sync mode), holding the round's lock until released."""
+
+    def __init__(self, pairing_round: PairingRound) -> None:
+        self.round = pairing_round
+
+    def outgoing(self) -> Outgoing:
+        return self.round.outgoing
+
+    def complete(self, payload: Payload) -> None:
+        if self.round.partner is None:
+            self.round.partner = payload
+            self.round.done.set()
+
+    def release(self) -> None:
+        self.round.lock.release()
+
+
+class _OfferSession:
+    """The ExchangeSession of overlap mode: swap offers, keep the partner's as a candidate for the next blend."""
+
+    def __init__(self, node: Node, offer: Outgoing) -> None:
+        self.node = node
+        self.offer = offer
+
+    def outgoing(self) -> Outgoing:
+        return self.offer
+
+    def complete(self, payload: Payload) -> None:
+        self.node._store_offer(payload)
+
+    def release(self) -> None:
+        self.node._offer_lock.release()
+
+
+class Node:
+    """One swarm member. Implements exchange.PeerNode for the gRPC service."""
+
+    def __init__(self, node_cfg: NodeConfig, train_cfg: TrainConfig, outer_cfg: OuterConfig, data_cfg: DataConfig):
+        self.cfg = node_cfg
+        self.train_cfg = train_cfg
+        self.outer_cfg = outer_cfg
+        self.data_cfg = data_cfg
+        self.corpus = load_corpus(data_cfg)
+        self.model_cfg = model_config_for(
+            train_cfg.model_size, vocab_size=self.corpus.vocab_size, max_seq_len=train_cfg.seq_len
+        )
+        self.run_fingerprint = run_fingerprint(self.model_cfg, run_name=node_cfg.run_name, seed=train_cfg.seed)
+        self.gamma = outer_cfg.effective_gamma
+        self.send_phi = self.gamma != outer_cfg.beta  # the fast path needs only the partner's fast weights
+        self.metrics = ExchangeMetrics()
+        self.discovery = Discovery(
+            self.run_fingerprint,
+            initial_peers=node_cfg.bootstrap,
+            host_maddrs=node_cfg.dht_host_maddrs,
+            announce_maddrs=node_cfg.dht_announce_maddrs or None,
+            record_ttl=node_cfg.record_ttl,
+        )
+        self.peer_id = ""
+        self.address = ""
+        self.replica: Replica | None = None
+        self.stop_event = threading.Event()
+        self.loop: asyncio.AbstractEventLoop | None = None
+        self._round: PairingRound | None = None
+        self._round_guard = threading.Lock()
+        self._offer: Outgoing | None = None  # overlap mode: what this node offers now
+        self._offer_lock = threading.Lock()
+        self._offers: dict[str, Payload] = {}  # overlap mode: the freshest offer of each peer
+        self._offers_guard = threading.Lock()
+        self._snapshot: tuple[Outgoing, int] | None = None
+        self._avoid_until: dict[str, float] = {}
+        self.exchange_log: list[dict[str, Any]] = []
+        self.history: list[dict[str, Any]] = []
+        self.trainer_error: BaseException | None = None
+        self.started = time.time()
+
+    # ------------------------------------------------------------------------------------------ PeerNode
+
+    def expected_layout(self) -> list[TensorLayout]:
+        assert self.replica is not None
+        names = [("theta", n, p.shape) for n, p in zip(self.replica.names, self.replica.params, strict=True)]
+        if self.send_phi:
+            names += [("phi", n, p.shape) for n, p in zip(self.replica.names, self.replica.params, strict=True)]
+        return [TensorLayout(f"{prefix}/{name}", tuple(shape)) for prefix, name, shape in names]
+
+    def max_payload_bytes(self) -> int:
+        return sum(layout.numel for layout in self.expected_layout()) * 4 + 1024
+
+    def open_session(self, partner_id: str, partner_outer_step: int) -> Any:
+        if partner_id == self.peer_id:
+            return None
+        if self.cfg.mode == "overlap":
+            offer = self._offer
+            if offer is None or not self._offer_lock.acquire(blocking=False):
+                return None
+            return _OfferSession(self, offer)
+        with self._round_guard:
+            current = self._round
+            if current is None or current.closed or current.partner is not None:
+                return None
+            if abs(partner_outer_step - current.outer_step) > self.cfg.max_staleness:
+                return None
+            if not current.lock.acquire(blocking=False):
+                return None
+        return _RoundSession(current)
+
+    def info(self) -> pb.InfoReply:
+        replica = self.replica
+        return pb.InfoReply(
+            peer_id=self.peer_id,
+            run_fingerprint=self.run_fingerprint,
+            outer_step=replica.outer_step if replica else 0,
+            inner_step=replica.inner_step if replica else 0,
+            ready_to_pair=self._ready(),
+            health=self.health(),
+            version=__version__,
+        )
+
+    def state_snapshot(self) -> Outgoing | None:
+        return self._snapshot[0] if self._snapshot else None
+
+    # ------------------------------------------------------------------------------------------ state
+
+    def _ready(self) -> bool:
+        if self.cfg.mode == "overlap":
+            return self._offer is not None
+        current = self._round
+        return current is not None and not current.closed and current.partner is None
+
+    def health(self) -> str:
+        if self.trainer_error is not None:
+            return f"failed: {self.trainer_error!r}"
+        if self.replica is None:
+            return "starting"
+        if self.replica.inner_step >= self.train_cfg.total_steps:
+            return "finished"
+        if self.stop_event.is_set():
+            return "stopping"
+        return "training"
+
+    def record(self) -> PeerRecord:
+        replica = self.replica
+        return PeerRecord(
+            peer_id=self.peer_id,
+            address=self.address,
+            run_fingerprint=self.run_fingerprint,
+            outer_step=replica.outer_step if replica else 0,
+            inner_step=replica.inner_step if replica else 0,
+            ready=self._ready(),
+        )
+
+    def _outgoing(self, theta: Sequence[torch.Tensor], phi: Sequence[torch.Tensor]) -> Outgoing:
+        assert self.replica is not None
+        named = [(f"theta/{n}", t) for n, t in zip(self.replica.names, theta, strict=True)]
+        if self.send_phi:
+            named += [(f"phi/{n}", t) for n, t in zip(self.replica.names, phi, strict=True)]
+        manifest = build_manifest(
+            named,
+            wire_dtype=self.cfg.wire_dtype,
+            run_fingerprint=self.run_fingerprint,
+            peer_id=self.peer_id,
+            outer_step=self.replica.outer_step,
+        )
+        return Outgoing(manifest, [t for _, t in named])
+
+    def _take_snapshot(self) -> None:
+        """The donor snapshot for joiners: a copy, so that serving never blocks training."""
+        assert self.replica is not None
+        named, metadata = self.replica.outer_snapshot()
+        manifest = build_manifest(
+            named,
+            wire_dtype="fp32",
+            run_fingerprint=self.run_fingerprint,
+            peer_id=self.peer_id,
+            outer_step=self.replica.outer_step,
+            metadata_json=json.dumps(metadata),
+        )
+        self._snapshot = (Outgoing(manifest, [t for _, t in named]), self.replica.outer_step)
+
+    def _store_offer(self, payload: Payload) -> None:
+        with self._offers_guard:
+            known = self._offers.get(payload.peer_id)
+            if known is None or known.outer_step <= payload.outer_step:
+                self._offers[payload.peer_id] = payload
+
+    # ------------------------------------------------------------------------------------------ outer step
+
+    def _partner_tensors(self, payload: Payload) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        assert self.replica is not None
+        theta = [payload.tensors[f"theta/{n}"] for n in self.replica.names]
+        phi = [payload.tensors[f"phi/{n}"] for n in self.replica.names] if self.send_phi else []
+        return theta, phi
+
+    def _blend(self, partner: Payload | None) -> None:
+        """The outer step over the group that answered; runs in the trainer thread."""
+        replica = self.replica
+        assert replica is not None
+        peer_thetas, peer_phis = ([], [])
+        if partner is not None:
+            theta, phi = self._partner_tensors(partner)
+            peer_thetas, peer_phis = [theta], ([phi] if phi else [])
+        new_phi, new_delta = algorithm.noloco_outer_step(
+            replica.fast_weights(),
+            replica.phi,
+            replica.delta,
+            peer_thetas,
+            peer_phis,
+            alpha=self.outer_cfg.alpha,
+            beta=self.outer_cfg.beta,
+            gamma=self.gamma,
+        )
+        if self.cfg.mode == "overlap":
+            # The offer for the next phase: projected fast weights phi_new + (theta - phi_old), in fp32.
+            projected = [
+                p + (t.float() - old) for p, t, old in zip(new_phi, replica.fast_weights(), replica.phi, strict=True)
+            ]
+        replica.apply_outer_step(new_phi, new_delta)
+        if self.cfg.mode == "overlap":
+            self._offer = self._outgoing(projected, replica.phi)
+
+    def _sync_outer_step(self) -> Payload | None:
+        """Open a pairing round, wait for a partner at most pair_timeout, close the round; returns the partner."""
+        replica = self.replica
+        assert replica is not None and self.loop is not None
+        # theta is stable while the trainer waits here, so the round sends the live weights without a copy.
+        current = PairingRound(replica.outer_step, self._outgoing(replica.fast_weights(), replica.phi))
+        with self._round_guard:
+            self._round = current
+        seeker = asyncio.run_coroutine_threadsafe(self._seek_partner(current), self.loop)
+        asyncio.run_coroutine_threadsafe(self._publish(), self.loop)
+        current.done.wait(self.cfg.pair_timeout)
+        # Close the round; an exchange still streaming holds the lock and finishes (bounded by its deadline).
+        with self._round_guard:
+            current.closed = True
+        acquired = current.lock.acquire(timeout=self.cfg.exchange_timeout + 5)
+        if acquired:
+            current.lock.release()
+        with self._round_guard:
+            self._round = None
+        seeker.cancel()
+        return current.partner
+
+    def _overlap_partner(self) -> Payload | None:
+        """The freshest held offer within the staleness bound; older ones are dropped."""
+        assert self.replica is not None
+        own = self.replica.outer_step
+        with self._offers_guard:
+            fresh = {k: v for k, v in self._offers.items() if own - v.outer_step <= self.cfg.max_staleness}
+            self._offers = {}
+        return max(fresh.values(), key=lambda p: p.outer_step) if fresh else None
+
+    # ------------------------------------------------------------------------------------------ trainer thread
+
+    def _train(self) -> None:
+        try:
+            self._train_loop()
+        except BaseException as error:  # a dead trainer must be visible, not silent
+            self.trainer_error = error
+            log.exception("trainer thread failed")
+        finally:
+            self.stop_event.set()
+
+    def _train_loop(self) -> None:
+        replica = self.replica
+        assert replica is not None
+        if self.cfg.mode == "overlap" and self._offer is None:
+            self._offer = self._outgoing([p.detach().clone() for p in replica.params], replica.phi)
+        val = validation_batches(
+            self.corpus.validation,
+            seq_len=self.train_cfg.seq_len,
+            batch_size=self.train_cfg.batch_size,
+            num_batches=self.train_cfg.eval_batches,
+        )
+        H = self.train_cfg.inner_steps
+        while replica.inner_step < self.train_cfg.total_steps and not self.stop_event.is_set():
+            started = time.monotonic()
+            losses = []
+            while not self.stop_event.is_set():
+                losses.append(replica.train_step())
+                if replica.inner_step % H == 0 or replica.inner_step >= self.train_cfg.total_steps:
+                    break
+            if self.stop_event.is_set():
+                break
+            train_seconds = time.monotonic() - started
+            wait_started = time.monotonic()
+            partner = self._sync_outer_step() if self.cfg.mode == "sync" else self._overlap_partner()
+            waited = time.monotonic() - wait_started
+            self._blend(partner)
+            self._take_snapshot()
+            val_loss = replica.evaluate(val)
+            entry = {
+                "outer_step": replica.outer_step,
+                "inner_step": replica.inner_step,
+                "train_loss": sum(losses) / len(losses),
+                "val_loss": val_loss,
+                "partner": partner.peer_id if partner else None,
+                "partner_step": partner.outer_step if partner else None,
+                "train_seconds": train_seconds,
+                "wait_seconds": waited,
+                "time": time.time(),
+            }
+            self.history.append(entry)
+            log.info(
+                "outer step %d (inner %d): train %.4f val %.4f (ppl %.2f) %s, waited %.2fs",
+                replica.outer_step,
+                replica.inner_step,
+                entry["train_loss"],
+                val_loss,
+                math.exp(val_loss),
+                f"blended with {partner.peer_id[-8:]} (step {partner.outer_step})" if partner else "solo step",
+                waited,
+            )
+            if replica.outer_step % self.cfg.checkpoint_every == 0:
+                self._checkpoint()
+            self._write_status()
+            asyncio.run_coroutine_threadsafe(self._publish(), self.loop)  # type: ignore[arg-type]
+
+    # ------------------------------------------------------------------------------------------ event loop tasks
+
+    async def _publish(self) -> None:
+        if not self.peer_id:
+            return
+        try:
+            await self.discovery.publish(self.record())
+        except (TimeoutError, OSError) as error:
+            log.warning("could not publish the DHT record: %s", error)
+
+    async def _refresh_record(self) -> None:
+        while True:
+            await asyncio.sleep(self.cfg.record_ttl / 3)
+            await self._publish()
+
+    def _choosable(self, peers: list[PeerRecord], own_step: int) -> list[PeerRecord]:
+        now = time.monotonic()
+        return [
+            p
+            for p in peers
+            if p.ready
+            and p.address
+            and self._avoid_until.get(p.peer_id, 0.0) <= now
+            and abs(p.outer_step - own_step) <= self.cfg.max_staleness
+        ]
+
+    async def _call(self, peer: PeerRecord, outgoing: Outgoing) -> Payload | None:
+        """One exchange call in a worker thread, under its deadline; failures are logged and the peer avoided."""
+        started = time.monotonic()
+        try:
+            payload = await asyncio.wait_for(
+                asyncio.to_thread(
+                    exchange_with,
+                    peer.address,
+                    outgoing,
+                    self.expected_layout(),
+                    run_fingerprint=self.run_fingerprint,
+                    max_payload_bytes=self.max_payload_bytes(),
+                    timeout=self.cfg.exchange_timeout,
+                    metrics=self.metrics,
+                ),
+                timeout=self.cfg.exchange_timeout + 5,
+            )
+        except (ExchangeError, asyncio.TimeoutError) as error:
+            reason = error.reason if isinstance(error, ExchangeError) else "timeout"
+            self.metrics.outcome("busy" if reason == "busy" else "failed")
+            if reason != "busy":
+                self._avoid_until[peer.peer_id] = time.monotonic() + self.cfg.avoid_seconds
+                log.warning("exchange with %s failed (%s): %s", peer.peer_id[-8:], reason, error)
+            self._log_exchange(peer.peer_id, started, reason)
+            return None
+        self.metrics.outcome("completed")
+        self._log_exchange(peer.peer_id, started, "completed")
+        return payload
+
+    def _log_exchange(self, peer_id: str, started: float, outcome: str) -> None:
+        self.exchange_log.append(
+            {"peer": peer_id, "outcome": outcome, "seconds": time.monotonic() - started, "time": time.time()}
+        )
+        del self.exchange_log[:-50]
+
+    async def _seek_partner(self, current: PairingRound) -> None:
+        """sync mode: call random ready peers until the round has a partner or closes."""
+        while not current.closed and current.partner is None:
+            try:
+                candidates = self._choosable(await self.discovery.live_peers(), current.outer_step)
+            except (TimeoutError, OSError) as error:
+                log.warning("DHT lookup failed: %s", error)
+                candidates = []
+            random.shuffle(candidates)
+            for peer in candidates:
+                if current.closed or current.partner is not None:
+                    return
+                if not current.lock.acquire(blocking=False):
+                    break  # someone is exchanging with us right now; see how it ends
+                try:
+                    with self._round_guard:
+                        if current.closed or current.partner is not None:
+                            return
+                    payload = await self._call(peer, current.outgoing)
+                    if payload is not None and current.partner is None:
+                        current.partner = payload
+                        current.done.set()
+                        return
+                finally:
+                    current.lock.release()
+            await asyncio.sleep(random.uniform(0.05, 0.3))  # jitter: two nodes calling each other desynchronise
+
+    async def _overlap_exchanges(self) -> None:
+        """overlap mode: once per inner phase, swap offers with a random peer in the background."""
+        exchanged_for = -1
+        while True:
+            await asyncio.sleep(random.uniform(0.2, 0.6))
+            replica, offer = self.replica, self._offer
+            if replica is None or offer is None or replica.outer_step == exchanged_for:
+                continue
+            try:
+                candidates = self._choosable(await self.discovery.live_peers(), replica.outer_step)
+            except (TimeoutError, OSError):
+                continue
+            random.shuffle(candidates)
+            for peer in candidates:
+                if not self._offer_lock.acquire(blocking=False):
+                    break
+                try:
+                    payload = await self._call(peer, offer)
+                finally:
+                    self._offer_lock.release()
+                if payload is not None:
+                    self._store_offer(payload)
+                    exchanged_for = replica.outer_step
+                    break
+
+    # ------------------------------------------------------------------------------------------ files
+
+    def _checkpoint(self) -> None:
+        assert self.replica is not None
+        save_checkpoint(
+            self.cfg.data_dir / "checkpoint.pt",
+            {
+                "run_fingerprint": self.run_fingerprint,
+                "model_config": self.model_cfg.model_dump(mode="json"),
+                "replica": self.replica.state_dict(),
+            },
+        )
+
+    def _write_status(self) -> None:
+        """A small JSON file a launcher or an operator can read (the HTTP status endpoint will serve the same)."""
+        replica = self.replica
+        status = {
+            "peer_id": self.peer_id,
+            "address": self.address,
+            "run_fingerprint": self.run_fingerprint,
+            "mode": self.cfg.mode,
+            "health": self.health(),
+            "uptime": time.time() - self.started,
+            "inner_step": replica.inner_step if replica else 0,
+            "outer_step": replica.outer_step if replica else 0,
+            "history": self.history[-200:],
+            "exchanges": self.exchange_log[-20:],
+            "outcomes": dict(self.metrics.outcomes),
+            "rejected": dict(self.metrics.rejected),
+            "bytes_sent": self.metrics.bytes_sent,
+            "bytes_received": self.metrics.bytes_received,
+        }
+        path = self.cfg.data_dir / "status.json"
+        tmp = path.with_suffix(".json.tmp")
+        tmp.write_text(json.dumps(status))
+        tmp.replace(path)
+
+    # ------------------------------------------------------------------------------------------ lifecycle
+
+    def _shard_index(self) -> int:
+        if self.cfg.shard_index is not None:
+            return self.cfg.shard_index
+        return int.from_bytes(hashlib.sha256(self.peer_id.encode()).digest()[:4], "big") % self.cfg.num_shards
+
+    async def _initial_state(self) -> None:
+        """Resume from this node's checkpoint, else download a live peer's state, else start from the seed."""
+        replica = self.replica
+        assert replica is not None
+        checkpoint = self.cfg.data_dir / "checkpoint.pt"
+        if checkpoint.exists():
+            payload = load_checkpoint(checkpoint)
+            if payload.get("run_fingerprint") != self.run_fingerprint:
+                raise ValueError(
+                    f"{checkpoint} belongs to run {payload.get('run_fingerprint')}, not "
+                    f"{self.run_fingerprint}; use another --data-dir"
+                )
+            await asyncio.to_thread(replica.load_state_dict, payload["replica"])
+            log.info("resumed from %s at outer step %d", checkpoint, replica.outer_step)
+            return
+        if self.cfg.download_state:
+            peers = [p for p in await self.discovery.live_peers() if p.outer_step > 0]
+            if peers:
+                freshest = max(p.outer_step for p in peers)
+                donors = [p for p in peers if p.outer_step == freshest]
+                random.shuffle(donors)  # joiners spread over the freshest donors
+                for donor in donors:
+                    try:
+                        tensors, metadata = await asyncio.to_thread(
+                            download_state,
+                            donor.address,
+                            replica.snapshot_layout(),
+                            run_fingerprint=self.run_fingerprint,
+                            peer_id=self.peer_id,
+                            timeout=self.cfg.exchange_timeout,
+                        )
+                    except ExchangeError as error:
+                        log.warning("state download from %s failed: %s", donor.peer_id[-8:], error)
+                        continue
+                    await asyncio.to_thread(replica.load_outer_snapshot, tensors, metadata)
+                    log.info(
+                        "joined a run in progress: state of outer step %d from %s",
+                        replica.outer_step,
+                        donor.peer_id[-8:],
+                    )
+                    return
+        log.info("starting run %s from its seed (%d)", self.run_fingerprint, self.train_cfg.seed)
+
+    async def run(self) -> int:
+        """Serve until training ends or SIGINT/SIGTERM; returns the exit code."""
+        self.loop = asyncio.get_running_loop()
+        stop_requested = asyncio.Event()
+        for signum in (signal.SIGINT, signal.SIGTERM):
+            self.loop.add_signal_handler(signum, stop_requested.set)
+        if self.cfg.torch_threads:
+            torch.set_num_threads(self.cfg.torch_threads)
+        self.cfg.data_dir.mkdir(parents=True, exist_ok=True)
+        # 1. DHT (forks), 2. gRPC server (threads), 3. trainer thread.
+        await asyncio.to_thread(self.discovery.start)
+        self.peer_id = self.discovery.peer_id
+        server, port = start_server(self, self.metrics, bind=f"{self.cfg.grpc_host}:{self.cfg.grpc_port}")
+        self.address = f"{self.cfg.announce_host or self.cfg.grpc_host}:{self.cfg.announce_port or port}"
+        tasks: list[asyncio.Task[None]] = []
+        try:
+            shard = ReplicaShard(
+                self.corpus.train,
+                replica=self._shard_index(),
+                num_replicas=self.cfg.num_shards,
+                seq_len=self.train_cfg.seq_len,
+                seed=self.train_cfg.seed,
+            )
+            self.replica = await asyncio.to_thread(Replica, self.model_cfg, self.train_cfg, [shard])
+            await self._initial_state()
+            await asyncio.to_thread(self._take_snapshot)
+            log.info(
+                "node %s up: run %s, gRPC %s, mode %s, shard %d/%d",
+                self.peer_id,
+                self.run_fingerprint,
+                self.address,
+                self.cfg.mode,
+                self._shard_index(),
+                self.cfg.num_shards,
+            )
+            await self._publish()
+            tasks.append(asyncio.create_task(self._refresh_record()))
+            if self.cfg.mode == "overlap":
+                tasks.append(asyncio.create_task(self._overlap_exchanges()))
+            trainer = threading.Thread(target=self._train, name="trainer", daemon=True)
+            trainer.start()
+            trainer_done = asyncio.create_task(asyncio.to_thread(trainer.join))
+            stop_wait = asyncio.create_task(stop_requested.wait())
+            await asyncio.wait({trainer_done, stop_wait}, return_when=asyncio.FIRST_COMPLETED)
+            if stop_requested.is_set():
+                log.info("stopping: finishing the current step")
+            self.stop_event.set()
+            await trainer_done
+            stop_wait.cancel()
+            self._checkpoint()
+            self._write_status()
+        finally:
+            for task in tasks:
+                task.cancel()
+            with contextlib.suppress(Exception):
+                await asyncio.wait_for(self.discovery.withdraw(self.record()), timeout=10)
+            server.stop(grace=2).wait(5)
+            await asyncio.to_thread(self.discovery.shutdown)
+        if self.trainer_error is not None:
+            return 1
+        return 0
+
+
+def run_node(node_cfg: NodeConfig, train_cfg: TrainConfig, outer_cfg: OuterConfig, data_cfg: DataConfig) -> int:
+    """Build the node and run it on uvloop (plain asyncio where uvloop is unavailable)."""
+    algorithm.warn_on_unstable_hyperparameters(outer_cfg.alpha, outer_cfg.beta, outer_cfg.effective_gamma)
+    node = Node(node_cfg, train_cfg, outer_cfg, data_cfg)
+    try:
+        import uvloop
+    except ImportError:
+        return asyncio.run(node.run())
+    return uvloop.run(node.run())
+
+
+def read_status(data_dir: Path) -> dict[str, Any] | None:
+    try:
+        return json.loads((data_dir / "status.json").read_text())
+    except (OSError, ValueError):
+        return None
