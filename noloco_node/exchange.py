@@ -175,6 +175,11 @@ class PeerService(pb_grpc.PeerServicer):
             self.metrics.add_bytes(received=receiver.bytes_received)
             if reader.is_alive() or "broken" in outcome:
                 self.metrics.outcome("aborted")
+                log.warning(
+                    "exchange with %s aborted: the partner's payload did not arrive whole (%s)",
+                    receiver.manifest.peer_id,
+                    outcome.get("broken", "deadline"),
+                )
                 context.abort(
                     grpc.StatusCode.DEADLINE_EXCEEDED if reader.is_alive() else grpc.StatusCode.CANCELLED,
                     "the partner's payload did not arrive whole",

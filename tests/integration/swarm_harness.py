@@ -74,7 +74,8 @@ class NodeProcess:
             self.log.flush()
 
     def output(self) -> str:
-        self.log.flush()
+        if not self.log.closed:
+            self.log.flush()
         return self.log_path.read_text()
 
     def stop(self) -> None:

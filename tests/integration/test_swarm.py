@@ -136,3 +136,85 @@ def test_two_nodes_blend_exactly_as_the_algorithm_says(bootstrap: Bootstrap, tmp
             assert torch.equal(got, want), f"phi of {name} on node {i}"
         for name, got, want in zip(saved["param_names"], saved["delta"], want_delta, strict=True):
             assert torch.equal(got, want), f"delta of {name} on node {i}"
+
+
+def test_a_peer_killed_mid_exchange_costs_the_survivor_one_round(bootstrap: Bootstrap, tmp_path: Path) -> None:
+    """Both nodes are reachable only through slow proxies, so an exchange streams for seconds; the victim is
+    killed with SIGKILL while bytes are flowing. The survivor must log it, blend with nothing from that exchange,
+    and keep training to the end."""
+    import signal
+    import threading
+
+    from .throttling_proxy import ThrottlingProxy, free_port
+
+    survivor_port, victim_port = free_port(), free_port()
+    killed = threading.Event()
+    victim_holder: list[NodeProcess] = []
+
+    def kill_victim_mid_stream(relayed: int) -> None:
+        if relayed > 150_000 and not killed.is_set() and victim_holder:
+            killed.set()
+            victim_holder[0].process.send_signal(signal.SIGKILL)
+
+    # fp32 tiny model: ~490 kB per payload, at 150 kB/s an exchange streams for about 3 seconds.
+    survivor_proxy = ThrottlingProxy(survivor_port, bytes_per_second=150_000, on_bytes=kill_victim_mid_stream)
+    victim_proxy = ThrottlingProxy(victim_port, bytes_per_second=150_000, on_bytes=kill_victim_mid_stream)
+    common = [
+        *TRAIN,
+        "--inner-steps",
+        "20",
+        "--wire-dtype",
+        "fp32",
+        "--pair-timeout",
+        "8",
+        "--exchange-timeout",
+        "20",
+        "--num-shards",
+        "2",
+    ]
+    survivor = NodeProcess(
+        "survivor",
+        bootstrap,
+        tmp_path,
+        *common,
+        "--steps",
+        "120",
+        "--shard-index",
+        "0",
+        "--grpc-port",
+        str(survivor_port),
+        "--announce-port",
+        str(survivor_proxy.port),
+    )
+    victim = NodeProcess(
+        "victim",
+        bootstrap,
+        tmp_path,
+        *common,
+        "--steps",
+        "100000",
+        "--shard-index",
+        "1",
+        "--grpc-port",
+        str(victim_port),
+        "--announce-port",
+        str(victim_proxy.port),
+    )
+    victim_holder.append(victim)
+    try:
+        assert survivor.wait(timeout=400) == 0, survivor.output()[-3000:]
+        assert killed.is_set(), "no exchange ever streamed through the proxies"
+        assert victim.process.wait(timeout=10) == -signal.SIGKILL
+    finally:
+        survivor.stop()
+        victim.stop()
+        survivor_proxy.close()
+        victim_proxy.close()
+    status = survivor.status()
+    assert status["health"] == "finished"
+    history = status["history"]
+    assert len(history) == 6 and history[-1]["inner_step"] == 120  # it trained to the end
+    assert all(h["partner"] is None for h in history), "the survivor blended with a payload from the killed peer"
+    assert status["outcomes"].get("completed", 0) == 0
+    assert status["outcomes"].get("failed", 0) + status["outcomes"].get("aborted", 0) >= 1
+    assert "failed" in survivor.output() or "did not arrive whole" in survivor.output()

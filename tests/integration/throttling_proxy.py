@@ -1,0 +1,67 @@
+"""A user-space TCP proxy for fault injection on loopback: forwards to a target at a limited rate, counts bytes,
+and lets a test act once a connection has carried a given number of bytes (this kernel has no netem)."""
+
+from __future__ import annotations
+
+import asyncio
+import socket
+import threading
+from collections.abc import Callable
+
+
+def free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
+class ThrottlingProxy:
+    """Listens on 127.0.0.1:<port> and forwards to 127.0.0.1:<target_port> at ``bytes_per_second`` per direction."""
+
+    def __init__(self, target_port: int, *, bytes_per_second: int, on_bytes: Callable[[int], None] | None = None):
+        self.target_port = target_port
+        self.rate = bytes_per_second
+        self.on_bytes = on_bytes
+        self.port = free_port()
+        self.relayed = 0
+        self._loop = asyncio.new_event_loop()
+        self._started = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread.start()
+        assert self._started.wait(10)
+
+    def _run(self) -> None:
+        asyncio.set_event_loop(self._loop)
+        self._server = self._loop.run_until_complete(asyncio.start_server(self._handle, "127.0.0.1", self.port))
+        self._started.set()
+        self._loop.run_forever()
+
+    async def _pipe(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        try:
+            while True:
+                data = await reader.read(16384)
+                if not data:
+                    break
+                writer.write(data)
+                await writer.drain()
+                self.relayed += len(data)
+                if self.on_bytes is not None:
+                    self.on_bytes(self.relayed)
+                await asyncio.sleep(len(data) / self.rate)
+        except (ConnectionError, OSError):
+            pass
+        finally:
+            writer.close()
+
+    async def _handle(self, client_reader: asyncio.StreamReader, client_writer: asyncio.StreamWriter) -> None:
+        try:
+            target_reader, target_writer = await asyncio.open_connection("127.0.0.1", self.target_port)
+        except OSError:
+            client_writer.close()
+            return
+        await asyncio.gather(self._pipe(client_reader, target_writer), self._pipe(target_reader, client_writer))
+
+    def close(self) -> None:
+        self._loop.call_soon_threadsafe(self._server.close)
+        self._loop.call_soon_threadsafe(self._loop.stop)
+        self._thread.join(timeout=5)
