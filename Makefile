@@ -9,7 +9,7 @@ STAMP := $(VENV)/.installed
 TORCH_SPEC ?= torch==2.13.0
 PYTEST_ARGS ?=
 
-.PHONY: demo test test-slow test-all lint format venv clean
+.PHONY: demo compare test test-slow test-all lint format venv clean
 
 venv: $(STAMP)
 
@@ -25,10 +25,15 @@ $(STAMP): pyproject.toml
 	$(BIN)/python -m pip install --quiet -e '.[dev]'
 	touch $(STAMP)
 
-# The main job on the embedded default: 8 replicas of the tiny model on the Python standard library's sources,
-# NoLoCo against DiLoCo (heavy-ball and Nesterov), DDP and solo. About 6 minutes on 2 CPU cores.
+# The main job on the embedded default: a bootstrap peer and 4 node processes on 127.0.0.1 training the tiny model
+# on the Python standard library's sources, pairing through the DHT and blending over gRPC. About a minute.
 demo: $(STAMP)
-	$(BIN)/noloco-node simulate --compare --replicas 8 --model tiny --out runs/demo
+	$(BIN)/noloco-node swarm --nodes 4 --out runs/demo
+
+# The algorithm study: 8 in-process replicas, NoLoCo against DiLoCo (heavy-ball and Nesterov), DDP and solo.
+# About 6 minutes on 2 CPU cores.
+compare: $(STAMP)
+	$(BIN)/noloco-node simulate --compare --replicas 8 --model tiny --out runs/compare
 
 lint: $(STAMP)
 	$(BIN)/ruff check noloco_node tests

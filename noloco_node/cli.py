@@ -1,4 +1,4 @@
-"""The ``noloco-node`` command line: ``join``, ``bootstrap``, ``simulate``, ``train``, ``sizes``.
+"""The ``noloco-node`` command line: ``swarm``, ``join``, ``bootstrap``, ``simulate``, ``train``, ``sizes``.
 
 Flags only override settings; every default and bound lives in config.py, so a bad value is reported by the
 pydantic model with the field's name and nothing runs.
@@ -72,6 +72,12 @@ _NODE_FLAGS: dict[str, tuple[str, str, type, str]] = {
 }
 
 
+_SWARM_NODE_FLAGS = {
+    flag: _NODE_FLAGS[flag]
+    for flag in ("--run-name", "--mode", "--pair-timeout", "--exchange-timeout", "--max-staleness", "--wire-dtype")
+}
+
+
 def _add_flags(parser: argparse.ArgumentParser, flags: dict[str, tuple[str, str, type, str]]) -> None:
     for flag, (_section, _field, kind, help_text) in flags.items():
         parser.add_argument(flag, type=kind, default=argparse.SUPPRESS, help=help_text)
@@ -133,6 +139,17 @@ def build_parser() -> argparse.ArgumentParser:
     join.add_argument("--dht-announce-maddrs", nargs="+", default=argparse.SUPPRESS, help="DHT public multiaddrs")
     _add_flags(join, _NODE_FLAGS)
     _add_flags(join, _TRAIN_FLAGS)
+
+    swarm = commands.add_parser(
+        "swarm",
+        help="the main job: a bootstrap peer and N node processes training together on this machine",
+        description="Start a DHT bootstrap peer and N `noloco-node join` processes on 127.0.0.1, show their "
+        "progress, stop them gracefully on Ctrl-C, and write a summary with each node's validation loss.",
+    )
+    swarm.add_argument("--nodes", type=int, default=4, help="number of node processes")
+    swarm.add_argument("--out", type=Path, default=Path("runs/swarm"), help="logs, checkpoints, summary.json")
+    _add_flags(swarm, _SWARM_NODE_FLAGS)
+    _add_flags(swarm, _TRAIN_FLAGS)
 
     bootstrap = commands.add_parser(
         "bootstrap",
@@ -231,6 +248,26 @@ def _join(args: argparse.Namespace) -> int:
     )
 
 
+def _swarm(args: argparse.Namespace) -> int:
+    from noloco_node.swarm import run_swarm
+
+    if args.nodes < 1:
+        raise SystemExit("noloco-node swarm: --nodes must be at least 1")
+    flags = {**_SWARM_NODE_FLAGS, **_TRAIN_FLAGS}
+    given = _sections(args, flags)
+    # Validate everything here, before a single process starts; each node validates again on its own.
+    NodeConfig(**given.get("node", {}))
+    TrainConfig(**given.get("train", {}))
+    OuterConfig(**given.get("outer", {}))
+    DataConfig(**given.get("data", {}))
+    passthrough: list[str] = []
+    for flag in flags:
+        dest = flag.lstrip("-").replace("-", "_")
+        if hasattr(args, dest):
+            passthrough += [flag, str(getattr(args, dest))]
+    return run_swarm(args.nodes, args.out, passthrough)
+
+
 def _bootstrap(args: argparse.Namespace) -> int:
     import signal
     import threading
@@ -251,7 +288,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     logging.basicConfig(
         level=args.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s", stream=sys.stderr
     )
-    handlers = {"simulate": _simulate, "train": _train, "sizes": _sizes, "bootstrap": _bootstrap, "join": _join}
+    handlers = {
+        "simulate": _simulate,
+        "train": _train,
+        "sizes": _sizes,
+        "bootstrap": _bootstrap,
+        "join": _join,
+        "swarm": _swarm,
+    }
     try:
         return handlers[args.command](args)
     except ValidationError as error:

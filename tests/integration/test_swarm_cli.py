@@ -1,0 +1,56 @@
+"""`noloco-node swarm`, the main job, as a user runs it: progress, Ctrl-C, graceful exits and a summary."""
+
+from __future__ import annotations
+
+import json
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+
+def test_swarm_runs_shows_progress_and_stops_cleanly_on_ctrl_c(tmp_path: Path) -> None:
+    out = tmp_path / "swarm"
+    process = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "noloco_node",
+            "swarm",
+            "--nodes",
+            "3",
+            "--out",
+            str(out),
+            "--steps",
+            "100000",
+            "--inner-steps",
+            "10",
+            "--seq-len",
+            "64",
+            "--eval-batches",
+            "2",
+        ],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
+    deadline = time.monotonic() + 240
+    while time.monotonic() < deadline:  # until every node has blended at least twice
+        statuses = [out / f"node{i}" / "status.json" for i in range(3)]
+        if all(p.exists() for p in statuses):
+            histories = [json.loads(p.read_text())["history"] for p in statuses]
+            if all(sum(1 for h in hist if h["partner"]) >= 2 for hist in histories):
+                break
+        time.sleep(0.5)
+    process.send_signal(signal.SIGINT)
+    output, _ = process.communicate(timeout=120)
+    assert process.returncode == 0, output[-3000:]
+    assert "stopping the swarm" in output and "| node0 |" in output
+    assert "node0: outer" in output  # progress was shown while it ran
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["exit_codes"] == [0, 0, 0]
+    for node in summary["nodes"]:
+        assert node["blends"] >= 2 and node["final_val_loss"] < node["first_val_loss"]
+    for i in range(3):  # each node left a final checkpoint on its way out
+        assert (out / f"node{i}" / "checkpoint.pt").exists()
