@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import sys
 from collections.abc import Sequence
 from pathlib import Path
@@ -151,6 +152,21 @@ def build_parser() -> argparse.ArgumentParser:
     _add_flags(swarm, _SWARM_NODE_FLAGS)
     _add_flags(swarm, _TRAIN_FLAGS)
 
+    bench = commands.add_parser("bench", help="benchmarks that print a figure next to a same-run reference")
+    benches = bench.add_subparsers(dest="bench", required=True)
+    exchange = benches.add_parser(
+        "exchange",
+        help="exchange a model's weights between two node processes, against raw TCP measured in the same run",
+    )
+    exchange.add_argument("--model", default="125m", choices=list(MODEL_SIZES), help="model size whose weights move")
+    exchange.add_argument("--vocab-size", type=int, default=256, help="vocabulary of that model")
+    exchange.add_argument("--wire-dtype", default="bf16", choices=["bf16", "fp32"])
+    exchange.add_argument("--chunk-bytes", type=int, default=2**20, help="bytes per chunk message")
+    exchange.add_argument("--repeats", type=int, default=3, help="runs of each measurement (the best is kept)")
+    exchange.add_argument(
+        "--link-rate", help="run over a veth pair shaped with tc tbf to this rate, e.g. 1gbit (needs root)"
+    )
+
     bootstrap = commands.add_parser(
         "bootstrap",
         help="run a DHT-only bootstrap peer and print the multiaddrs to pass to --bootstrap",
@@ -268,6 +284,23 @@ def _swarm(args: argparse.Namespace) -> int:
     return run_swarm(args.nodes, args.out, passthrough)
 
 
+def _bench(args: argparse.Namespace) -> int:
+    from noloco_node.bench.exchange import run_exchange_bench
+
+    result = run_exchange_bench(
+        args.model,
+        vocab=args.vocab_size,
+        wire_dtype=args.wire_dtype,
+        chunk_bytes=args.chunk_bytes,
+        repeats=args.repeats,
+        link_rate=args.link_rate,
+    )
+    where = f"a veth pair shaped to {args.link_rate}" if args.link_rate else "loopback"
+    print(f"noloco-node bench exchange over {where}, {os.cpu_count()} CPUs")
+    print(result.report(args.model, args.wire_dtype))
+    return 0
+
+
 def _bootstrap(args: argparse.Namespace) -> int:
     import signal
     import threading
@@ -295,6 +328,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         "bootstrap": _bootstrap,
         "join": _join,
         "swarm": _swarm,
+        "bench": _bench,
     }
     try:
         return handlers[args.command](args)

@@ -268,7 +268,18 @@ class PayloadReceiver:
             raise _invalid("incomplete", "the payload stopped before its end")
         tensors: dict[str, torch.Tensor] = {}
         for spec, want, buffer in zip(self.manifest.tensors, self.expected, self._buffers, strict=True):
-            if not bool(torch.isfinite(buffer).all()):
+            if _has_non_finite(buffer):
                 raise _invalid("not_finite", f"tensor {spec.name!r} holds NaN or infinite values")
             tensors[spec.name] = buffer.view(want.shape)
         return Payload(self.manifest, tensors)
+
+
+# IEEE exponent bits: a value is NaN or infinite exactly when all of them are set.
+_EXPONENT_MASKS = {torch.bfloat16: (np.uint16, 0x7F80), torch.float32: (np.uint32, 0x7F800000)}
+
+
+def _has_non_finite(buffer: torch.Tensor, block: int = 2**20) -> bool:
+    """Bit-pattern test on the raw integers, block by block: several times faster than torch.isfinite on bf16."""
+    int_type, mask = _EXPONENT_MASKS[buffer.dtype]
+    bits = buffer.view(torch.uint8).numpy().view(int_type)
+    return any(np.any((bits[i : i + block] & mask) == mask) for i in range(0, len(bits), block))

@@ -1,0 +1,321 @@
+"""`noloco-node bench exchange`: how fast two node processes exchange a model, against raw TCP on the same machine.
+
+Two processes each hold the fp32 weights of a named model size (random values of the right shapes) and run the
+node's own gRPC service and client (exchange.py, wire.py); one calls the other's ``Exchange``, so each direction
+carries the full payload at once, exactly as a pairing does. The reference is measured in the same run between two
+plain Python processes: a socket sending the same number of bytes one way, and the same both ways at once. The
+figure is the ratio, so it holds on a noisy machine. Peak RSS of the exchanging processes is printed next to the
+payload and model sizes (the receiver should need one payload-sized buffer, no whole-model copies).
+"""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import resource
+import socket
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from noloco_node.config import model_config_for
+from noloco_node.exchange import ExchangeMetrics, Outgoing, exchange_with, start_server
+from noloco_node.model import LlamaDecoder, named_parameters_ordered
+from noloco_node.rpc import peer_pb2 as pb
+from noloco_node.wire import Payload, TensorLayout, build_manifest, layout_of
+
+RUN = "bench-exchange"
+TCP_BUFFER = 4 * 2**20
+
+
+def _rss_mb() -> float:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # Linux reports KiB
+
+
+def _weights(size: str, vocab: int, seed: int) -> list[tuple[str, torch.Tensor]]:
+    with torch.device("meta"):
+        model = LlamaDecoder(model_config_for(size, vocab_size=vocab, max_seq_len=128))
+    generator = torch.Generator().manual_seed(seed)
+    return [(f"theta/{name}", torch.randn(p.shape, generator=generator)) for name, p in named_parameters_ordered(model)]
+
+
+class _BenchPeer:
+    """The served side: the node's exchange service over fixed weights; every exchange is accepted."""
+
+    def __init__(self, named: list[tuple[str, torch.Tensor]], wire_dtype: str) -> None:
+        self.run_fingerprint = RUN
+        self.peer_id = "bench-server"
+        self.layout = layout_of(named)
+        manifest = build_manifest(named, wire_dtype=wire_dtype, run_fingerprint=RUN, peer_id=self.peer_id, outer_step=1)
+        self._outgoing = Outgoing(manifest, [t for _, t in named])
+        self.received = 0
+
+    def expected_layout(self) -> list[TensorLayout]:
+        return self.layout
+
+    def max_payload_bytes(self) -> int:
+        return sum(item.numel for item in self.layout) * 4 + 1024
+
+    def open_session(self, partner_id: str, partner_outer_step: int) -> Any:
+        return self
+
+    def outgoing(self) -> Outgoing:
+        return self._outgoing
+
+    def complete(self, payload: Payload) -> None:
+        self.received += 1
+
+    def release(self) -> None:
+        pass
+
+    def info(self) -> pb.InfoReply:
+        return pb.InfoReply(peer_id=self.peer_id, run_fingerprint=RUN)
+
+    def state_snapshot(self) -> None:
+        return None
+
+
+def _enter(namespace: str | None) -> None:
+    if namespace:
+        from noloco_node.bench.netns import enter_namespace
+
+        enter_namespace(namespace)
+
+
+def _server_process(
+    size: str, vocab: int, wire_dtype: str, chunk_bytes: int, conn: Any, namespace: str | None, host: str
+) -> None:
+    _enter(namespace)
+    torch.set_num_threads(1)
+    named = _weights(size, vocab, seed=1)
+    peer = _BenchPeer(named, wire_dtype)
+    baseline = _rss_mb()
+    server, port = start_server(peer, ExchangeMetrics(), bind=f"{host}:0", chunk_bytes=chunk_bytes)
+    conn.send(port)
+    conn.recv()  # the client is done
+    server.stop(grace=1).wait(5)
+    conn.send({"baseline_rss_mb": baseline, "peak_rss_mb": _rss_mb(), "completed": peer.received})
+
+
+def _client_process(
+    size: str,
+    vocab: int,
+    wire_dtype: str,
+    chunk_bytes: int,
+    address: str,
+    repeats: int,
+    conn: Any,
+    namespace: str | None,
+) -> None:
+    _enter(namespace)
+    torch.set_num_threads(1)
+    named = _weights(size, vocab, seed=2)
+    manifest = build_manifest(named, wire_dtype=wire_dtype, run_fingerprint=RUN, peer_id="bench-client", outer_step=1)
+    outgoing = Outgoing(manifest, [t for _, t in named])
+    baseline = _rss_mb()
+    seconds = []
+    for _ in range(repeats):
+        started = time.perf_counter()
+        payload = exchange_with(
+            address,
+            outgoing,
+            layout_of(named),
+            run_fingerprint=RUN,
+            max_payload_bytes=sum(t.numel() for _, t in named) * 4 + 1024,
+            timeout=600,
+            chunk_bytes=chunk_bytes,
+        )
+        seconds.append(time.perf_counter() - started)
+        del payload
+    conn.send({"seconds": seconds, "baseline_rss_mb": baseline, "peak_rss_mb": _rss_mb()})
+
+
+def _tcp_receiver(total: int, listener_port: Any, both_ways: bool, conn: Any, namespace: str | None, host: str) -> None:
+    _enter(namespace)
+    listener = socket.socket()
+    listener.bind((host, 0))
+    listener.listen(1)
+    listener_port.send(listener.getsockname()[1])
+    peer, _ = listener.accept()
+    _transfer(peer, total, both_ways, send=both_ways)
+    conn.send("done")
+
+
+def _transfer(sock: socket.socket, total: int, both_ways: bool, *, send: bool) -> None:
+    """Receive ``total`` bytes (and, both ways, send as many at the same time from a thread)."""
+    import threading
+
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, TCP_BUFFER)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, TCP_BUFFER)
+    data = memoryview(bytearray(min(total, 64 * 2**20)))
+
+    def sender() -> None:
+        sent = 0
+        while sent < total:
+            n = min(len(data), total - sent)
+            sock.sendall(data[:n])
+            sent += n
+
+    thread = threading.Thread(target=sender) if send else None
+    if thread:
+        thread.start()
+    if both_ways or not send:
+        buffer = memoryview(bytearray(min(total, 64 * 2**20)))
+        received = 0
+        while received < total:
+            n = sock.recv_into(buffer, min(len(buffer), total - received))
+            if n == 0:
+                raise ConnectionError("peer closed early")
+            received += n
+    if thread:
+        thread.join()
+
+
+def _tcp_sender(
+    total: int, address: tuple[str, int], both_ways: bool, done: Any, conn: Any, namespace: str | None
+) -> None:
+    _enter(namespace)
+    sock = socket.create_connection(address)
+    started = time.perf_counter()
+    _transfer(sock, total, both_ways, send=True)
+    done.recv()
+    conn.send(time.perf_counter() - started)
+    sock.close()
+
+
+def _raw_tcp_seconds(
+    total: int, *, both_ways: bool, where: tuple[tuple[str | None, str], tuple[str | None, str]]
+) -> float:
+    """Two plain processes moving ``total`` bytes (one way, or both ways at once) over the same path."""
+    (server_ns, server_host), (client_ns, _client_host) = where
+    ctx = mp.get_context("spawn")
+    port_rx, port_tx = ctx.Pipe(duplex=False)
+    done_rx, done_tx = ctx.Pipe(duplex=False)
+    result_rx, result_tx = ctx.Pipe(duplex=False)
+    receiver = ctx.Process(target=_tcp_receiver, args=(total, port_tx, both_ways, done_tx, server_ns, server_host))
+    receiver.start()
+    port = port_rx.recv()
+    sender = ctx.Process(
+        target=_tcp_sender, args=(total, (server_host, port), both_ways, done_rx, result_tx, client_ns)
+    )
+    sender.start()
+    elapsed = result_rx.recv()
+    sender.join()
+    receiver.join()
+    return elapsed
+
+
+@dataclass
+class ExchangeBenchResult:
+    payload_bytes: int
+    model_fp32_bytes: int
+    exchange_seconds: float
+    tcp_one_way_seconds: float
+    tcp_both_ways_seconds: float
+    client_extra_rss_mb: float
+    server_extra_rss_mb: float
+    link_rate: str | None = None
+
+    def report(self, size: str, wire_dtype: str) -> str:
+        gb = self.payload_bytes / 1e9
+        lines = [
+            f"model {size}: {self.model_fp32_bytes / 1e6:.0f} MB of fp32 weights; payload per direction "
+            f"{self.payload_bytes / 1e6:.0f} MB ({wire_dtype} on the wire)",
+            f"raw TCP, one way:              {gb / self.tcp_one_way_seconds:6.2f} GB/s "
+            f"({self.tcp_one_way_seconds:.3f} s)",
+            f"raw TCP, both ways at once:    {gb / self.tcp_both_ways_seconds:6.2f} GB/s per direction "
+            f"({self.tcp_both_ways_seconds:.3f} s)",
+            f"noloco exchange (both ways):   {gb / self.exchange_seconds:6.2f} GB/s per direction "
+            f"({self.exchange_seconds:.3f} s, best of the runs)",
+            "ratio to raw TCP doing the same transfer (both ways): "
+            f"{self.tcp_both_ways_seconds / self.exchange_seconds:.0%}",
+            "ratio to raw TCP one way (the issue's reference):     "
+            f"{self.tcp_one_way_seconds / self.exchange_seconds:.0%}",
+            *(
+                [
+                    f"ratio to the nominal link rate ({self.link_rate}):             "
+                    f"{self.payload_bytes * 8 / self.exchange_seconds / _bits_per_second(self.link_rate):.0%}"
+                ]
+                if self.link_rate
+                else []
+            ),
+            f"peak RSS added by exchanging: caller {self.client_extra_rss_mb:.0f} MB, served side "
+            f"{self.server_extra_rss_mb:.0f} MB (payload {self.payload_bytes / 1e6:.0f} MB, model "
+            f"{self.model_fp32_bytes / 1e6:.0f} MB)",
+        ]
+        return "\n".join(lines)
+
+
+def run_exchange_bench(
+    size: str = "125m",
+    *,
+    vocab: int = 256,
+    wire_dtype: str = "bf16",
+    chunk_bytes: int = 2**20,
+    repeats: int = 3,
+    link_rate: str | None = None,
+) -> ExchangeBenchResult:
+    """Loopback by default; with ``link_rate`` (e.g. "1gbit") over a veth pair shaped to that rate."""
+    if link_rate is None:
+        return _run(size, vocab, wire_dtype, chunk_bytes, repeats, ((None, "127.0.0.1"), (None, "127.0.0.1")))
+    from noloco_node.bench.netns import shaped_link
+
+    with shaped_link(link_rate) as link:
+        where = ((link.namespaces[0], link.addresses[0]), (link.namespaces[1], link.addresses[1]))
+        result = _run(size, vocab, wire_dtype, chunk_bytes, repeats, where)
+    result.link_rate = link_rate
+    return result
+
+
+def _bits_per_second(rate: str) -> float:
+    """tc's rate syntax: 1gbit, 100mbit, 500kbit."""
+    units = {"gbit": 1e9, "mbit": 1e6, "kbit": 1e3, "bit": 1.0}
+    for suffix, scale in units.items():
+        if rate.lower().endswith(suffix):
+            return float(rate[: -len(suffix)]) * scale
+    raise ValueError(f"unknown rate {rate!r}: use e.g. 1gbit, 100mbit")
+
+
+Where = tuple[tuple[str | None, str], tuple[str | None, str]]
+
+
+def _run(size: str, vocab: int, wire_dtype: str, chunk_bytes: int, repeats: int, where: Where) -> ExchangeBenchResult:
+    (server_ns, server_host), (client_ns, _) = where
+    ctx = mp.get_context("spawn")
+    server_rx, server_tx = ctx.Pipe()
+    server = ctx.Process(
+        target=_server_process, args=(size, vocab, wire_dtype, chunk_bytes, server_tx, server_ns, server_host)
+    )
+    server.start()
+    port = server_rx.recv()
+    client_rx, client_tx = ctx.Pipe(duplex=False)
+    client = ctx.Process(
+        target=_client_process,
+        args=(size, vocab, wire_dtype, chunk_bytes, f"{server_host}:{port}", repeats, client_tx, client_ns),
+    )
+    client.start()
+    client_report = client_rx.recv()
+    client.join()
+    server_rx.send("stop")
+    server_report = server_rx.recv()
+    server.join()
+
+    itemsize = 2 if wire_dtype == "bf16" else 4
+    numel = sum(t.numel() for _, t in _weights_meta(size, vocab))
+    payload = numel * itemsize
+    return ExchangeBenchResult(
+        payload_bytes=payload,
+        model_fp32_bytes=numel * 4,
+        exchange_seconds=min(client_report["seconds"]),
+        tcp_one_way_seconds=min(_raw_tcp_seconds(payload, both_ways=False, where=where) for _ in range(repeats)),
+        tcp_both_ways_seconds=min(_raw_tcp_seconds(payload, both_ways=True, where=where) for _ in range(repeats)),
+        client_extra_rss_mb=client_report["peak_rss_mb"] - client_report["baseline_rss_mb"],
+        server_extra_rss_mb=server_report["peak_rss_mb"] - server_report["baseline_rss_mb"],
+    )
+
+
+def _weights_meta(size: str, vocab: int) -> list[tuple[str, torch.Tensor]]:
+    with torch.device("meta"):
+        model = LlamaDecoder(model_config_for(size, vocab_size=vocab, max_seq_len=128))
+    return list(named_parameters_ordered(model))
