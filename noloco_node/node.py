@@ -35,7 +35,6 @@ import signal
 import threading
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -54,58 +53,12 @@ from noloco_node.exchange import (
     start_server,
 )
 from noloco_node.model import run_fingerprint
+from noloco_node.pairing import OfferBook, PairingRound
 from noloco_node.rpc import peer_pb2 as pb
 from noloco_node.trainer import Replica, load_checkpoint, save_checkpoint
 from noloco_node.wire import Payload, TensorLayout, build_manifest
 
 log = logging.getLogger(__name__)
-
-
-@dataclass
-class PairingRound:
-    """One outer step's chance to pair: at most one exchange at a time, the first complete one wins."""
-
-    outer_step: int
-    outgoing: Outgoing
-    lock: threading.Lock = field(default_factory=threading.Lock)
-    partner: Payload | None = None
-    closed: bool = False
-    done: threading.Event = field(default_factory=threading.Event)
-
-
-class _RoundSession:
-    """The ExchangeSession of a pairing round (sync mode), holding the round's lock until released."""
-
-    def __init__(self, pairing_round: PairingRound) -> None:
-        self.round = pairing_round
-
-    def outgoing(self) -> Outgoing:
-        return self.round.outgoing
-
-    def complete(self, payload: Payload) -> None:
-        if self.round.partner is None:
-            self.round.partner = payload
-            self.round.done.set()
-
-    def release(self) -> None:
-        self.round.lock.release()
-
-
-class _OfferSession:
-    """The ExchangeSession of overlap mode: swap offers, keep the partner's as a candidate for the next blend."""
-
-    def __init__(self, node: Node, offer: Outgoing) -> None:
-        self.node = node
-        self.offer = offer
-
-    def outgoing(self) -> Outgoing:
-        return self.offer
-
-    def complete(self, payload: Payload) -> None:
-        self.node._store_offer(payload)
-
-    def release(self) -> None:
-        self.node._offer_lock.release()
 
 
 class Node:
@@ -136,12 +89,8 @@ class Node:
         self.replica: Replica | None = None
         self.stop_event = threading.Event()
         self.loop: asyncio.AbstractEventLoop | None = None
-        self._round: PairingRound | None = None
-        self._round_guard = threading.Lock()
-        self._offer: Outgoing | None = None  # overlap mode: what this node offers now
-        self._offer_lock = threading.Lock()
-        self._offers: dict[str, Payload] = {}  # overlap mode: the freshest offer of each peer
-        self._offers_guard = threading.Lock()
+        self._round: PairingRound | None = None  # sync mode: the open pairing round, if any
+        self._offers = OfferBook()  # overlap mode
         self._snapshot: tuple[Outgoing, int] | None = None
         self._avoid_until: dict[str, float] = {}
         self.exchange_log: list[dict[str, Any]] = []
@@ -165,19 +114,9 @@ class Node:
         if partner_id == self.peer_id:
             return None
         if self.cfg.mode == "overlap":
-            offer = self._offer
-            if offer is None or not self._offer_lock.acquire(blocking=False):
-                return None
-            return _OfferSession(self, offer)
-        with self._round_guard:
-            current = self._round
-            if current is None or current.closed or current.partner is not None:
-                return None
-            if abs(partner_outer_step - current.outer_step) > self.cfg.max_staleness:
-                return None
-            if not current.lock.acquire(blocking=False):
-                return None
-        return _RoundSession(current)
+            return self._offers.try_session()
+        current = self._round
+        return None if current is None else current.try_session(partner_outer_step, self.cfg.max_staleness)
 
     def info(self) -> pb.InfoReply:
         replica = self.replica
@@ -198,9 +137,9 @@ class Node:
 
     def _ready(self) -> bool:
         if self.cfg.mode == "overlap":
-            return self._offer is not None
+            return self._offers.offer is not None
         current = self._round
-        return current is not None and not current.closed and current.partner is None
+        return current is not None and current.open
 
     def health(self) -> str:
         if self.trainer_error is not None:
@@ -252,12 +191,6 @@ class Node:
         )
         self._snapshot = (Outgoing(manifest, [t for _, t in named]), self.replica.outer_step)
 
-    def _store_offer(self, payload: Payload) -> None:
-        with self._offers_guard:
-            known = self._offers.get(payload.peer_id)
-            if known is None or known.outer_step <= payload.outer_step:
-                self._offers[payload.peer_id] = payload
-
     # ------------------------------------------------------------------------------------------ outer step
 
     def _partner_tensors(self, payload: Payload) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
@@ -291,7 +224,7 @@ class Node:
             ]
         replica.apply_outer_step(new_phi, new_delta)
         if self.cfg.mode == "overlap":
-            self._offer = self._outgoing(projected, replica.phi)
+            self._offers.offer = self._outgoing(projected, replica.phi)
 
     def _sync_outer_step(self) -> Payload | None:
         """Open a pairing round, wait for a partner at most pair_timeout, close the round; returns the partner."""
@@ -299,30 +232,19 @@ class Node:
         assert replica is not None and self.loop is not None
         # theta is stable while the trainer waits here, so the round sends the live weights without a copy.
         current = PairingRound(replica.outer_step, self._outgoing(replica.fast_weights(), replica.phi))
-        with self._round_guard:
-            self._round = current
+        self._round = current
         seeker = asyncio.run_coroutine_threadsafe(self._seek_partner(current), self.loop)
         asyncio.run_coroutine_threadsafe(self._publish(), self.loop)
         current.done.wait(self.cfg.pair_timeout)
-        # Close the round; an exchange still streaming holds the lock and finishes (bounded by its deadline).
-        with self._round_guard:
-            current.closed = True
-        acquired = current.lock.acquire(timeout=self.cfg.exchange_timeout + 5)
-        if acquired:
-            current.lock.release()
-        with self._round_guard:
-            self._round = None
+        # An exchange still streaming holds the lock and finishes, bounded by its deadline.
+        partner = current.close(wait_for_exchange=self.cfg.exchange_timeout + 5)
+        self._round = None
         seeker.cancel()
-        return current.partner
+        return partner
 
     def _overlap_partner(self) -> Payload | None:
-        """The freshest held offer within the staleness bound; older ones are dropped."""
         assert self.replica is not None
-        own = self.replica.outer_step
-        with self._offers_guard:
-            fresh = {k: v for k, v in self._offers.items() if own - v.outer_step <= self.cfg.max_staleness}
-            self._offers = {}
-        return max(fresh.values(), key=lambda p: p.outer_step) if fresh else None
+        return self._offers.take_freshest(self.replica.outer_step, self.cfg.max_staleness)
 
     # ------------------------------------------------------------------------------------------ trainer thread
 
@@ -338,8 +260,8 @@ class Node:
     def _train_loop(self) -> None:
         replica = self.replica
         assert replica is not None
-        if self.cfg.mode == "overlap" and self._offer is None:
-            self._offer = self._outgoing([p.detach().clone() for p in replica.params], replica.phi)
+        if self.cfg.mode == "overlap" and self._offers.offer is None:
+            self._offers.offer = self._outgoing([p.detach().clone() for p in replica.params], replica.phi)
         val = validation_batches(
             self.corpus.validation,
             seq_len=self.train_cfg.seq_len,
@@ -453,7 +375,7 @@ class Node:
 
     async def _seek_partner(self, current: PairingRound) -> None:
         """sync mode: call random ready peers until the round has a partner or closes."""
-        while not current.closed and current.partner is None:
+        while current.open:
             try:
                 candidates = self._choosable(await self.discovery.live_peers(), current.outer_step)
             except (TimeoutError, OSError) as error:
@@ -461,18 +383,16 @@ class Node:
                 candidates = []
             random.shuffle(candidates)
             for peer in candidates:
-                if current.closed or current.partner is not None:
+                if not current.open:
                     return
                 if not current.lock.acquire(blocking=False):
                     break  # someone is exchanging with us right now; see how it ends
                 try:
-                    with self._round_guard:
-                        if current.closed or current.partner is not None:
-                            return
+                    if not current.open:
+                        return
                     payload = await self._call(peer, current.outgoing)
-                    if payload is not None and current.partner is None:
-                        current.partner = payload
-                        current.done.set()
+                    if payload is not None:
+                        current.set_partner(payload)
                         return
                 finally:
                     current.lock.release()
@@ -483,7 +403,7 @@ class Node:
         exchanged_for = -1
         while True:
             await asyncio.sleep(random.uniform(0.2, 0.6))
-            replica, offer = self.replica, self._offer
+            replica, offer = self.replica, self._offers.offer
             if replica is None or offer is None or replica.outer_step == exchanged_for:
                 continue
             try:
@@ -492,14 +412,14 @@ class Node:
                 continue
             random.shuffle(candidates)
             for peer in candidates:
-                if not self._offer_lock.acquire(blocking=False):
+                if not self._offers.exchange_lock.acquire(blocking=False):
                     break
                 try:
                     payload = await self._call(peer, offer)
                 finally:
-                    self._offer_lock.release()
+                    self._offers.exchange_lock.release()
                 if payload is not None:
-                    self._store_offer(payload)
+                    self._offers.store(payload)
                     exchanged_for = replica.outer_step
                     break
 
