@@ -520,7 +520,8 @@ class Node:
             torch.set_num_threads(self.cfg.torch_threads)
         self.cfg.data_dir.mkdir(parents=True, exist_ok=True)
         # 1. DHT (forks), 2. gRPC server (threads), 3. trainer thread.
-        await asyncio.to_thread(self.discovery.start)
+        if self.discovery.dht is None:  # run_node starts it before the loop exists; this is for direct callers
+            await asyncio.to_thread(self.discovery.start)
         self.peer_id = self.discovery.peer_id
         server, port = start_server(self, self.metrics, bind=f"{self.cfg.grpc_host}:{self.cfg.grpc_port}")
         self.address = f"{self.cfg.announce_host or self.cfg.grpc_host}:{self.cfg.announce_port or port}"
@@ -577,6 +578,8 @@ def run_node(node_cfg: NodeConfig, train_cfg: TrainConfig, outer_cfg: OuterConfi
     """Build the node and run it on uvloop (plain asyncio where uvloop is unavailable)."""
     algorithm.warn_on_unstable_hyperparameters(outer_cfg.alpha, outer_cfg.beta, outer_cfg.effective_gamma)
     node = Node(node_cfg, train_cfg, outer_cfg, data_cfg)
+    # The DHT forks a helper process: start it while this process has a single thread (DESIGN.md start order).
+    node.discovery.start()
     try:
         import uvloop
     except ImportError:

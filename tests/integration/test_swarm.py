@@ -289,3 +289,58 @@ def test_a_late_joiner_downloads_the_state_of_a_live_peer(bootstrap: Bootstrap, 
     assert late_history[-1]["inner_step"] == 400
     # Its first evaluation already benefits from the downloaded training.
     assert late_history[0]["val_loss"] < early[0].status()["history"][0]["val_loss"]
+
+
+def test_sigterm_leaves_gracefully_checkpoints_and_withdraws_the_record(bootstrap: Bootstrap, tmp_path: Path) -> None:
+    import asyncio
+    import signal
+    import time
+
+    from noloco_node.discovery import Discovery
+
+    nodes = [
+        NodeProcess(
+            f"node{i}",
+            bootstrap,
+            tmp_path,
+            *TRAIN,
+            "--steps",
+            "100000",
+            "--inner-steps",
+            "20",
+            "--shard-index",
+            str(i),
+            "--num-shards",
+            "2",
+        )
+        for i in range(2)
+    ]
+    observer = None
+    try:
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline:
+            statuses = [node.status() for node in nodes]
+            if all(s and s["outer_step"] >= 2 for s in statuses):
+                break
+            time.sleep(0.2)
+        fingerprint = statuses[0]["run_fingerprint"]
+        ids = [s["peer_id"] for s in statuses]
+        observer = Discovery(fingerprint, initial_peers=bootstrap.maddrs)
+        observer.start()
+
+        async def visible() -> set[str]:
+            return {r.peer_id for r in await observer.live_peers()}
+
+        assert asyncio.run(visible()) >= set(ids)
+        nodes[1].process.send_signal(signal.SIGTERM)
+        assert nodes[1].wait(timeout=60) == 0
+        leaver = nodes[1].status()
+        saved = torch.load(nodes[1].data_dir / "checkpoint.pt", weights_only=True)["replica"]
+        assert saved["inner_step"] == leaver["inner_step"] >= 40  # the final checkpoint is the last state
+        seen = asyncio.run(visible())
+        assert ids[1] not in seen and ids[0] in seen  # tombstoned at once, not left to expire
+    finally:
+        if observer is not None:
+            observer.shutdown()
+        for node in nodes:
+            node.stop()
