@@ -93,6 +93,9 @@ class Node:
         self._offers = OfferBook()  # overlap mode
         self._snapshot: tuple[Outgoing, int] | None = None
         self._avoid_until: dict[str, float] = {}
+        self._last_paired: dict[str, int] = {}  # peer id -> outer step of the last blend with it
+        self._last_partner: str | None = None
+        self._known_peers: set[str] = set()  # live peers of the run at the last DHT lookup
         self.exchange_log: list[dict[str, Any]] = []
         self.history: list[dict[str, Any]] = []
         self.trainer_error: BaseException | None = None
@@ -116,7 +119,7 @@ class Node:
         if self.cfg.mode == "overlap":
             return self._offers.try_session()
         current = self._round
-        return None if current is None else current.try_session(partner_outer_step, self.cfg.max_staleness)
+        return None if current is None else current.try_session(partner_id, partner_outer_step, self.cfg.max_staleness)
 
     def info(self) -> pb.InfoReply:
         replica = self.replica
@@ -205,6 +208,8 @@ class Node:
         assert replica is not None
         peer_thetas, peer_phis = ([], [])
         if partner is not None:
+            self._last_paired[partner.peer_id] = replica.outer_step
+            self._last_partner = partner.peer_id
             theta, phi = self._partner_tensors(partner)
             peer_thetas, peer_phis = [theta], ([phi] if phi else [])
         new_phi, new_delta = algorithm.noloco_outer_step(
@@ -226,12 +231,16 @@ class Node:
         if self.cfg.mode == "overlap":
             self._offers.offer = self._outgoing(projected, replica.phi)
 
-    def _sync_outer_step(self) -> Payload | None:
+    def _sync_outer_step(self, phase_seconds: float) -> Payload | None:
         """Open a pairing round, wait for a partner at most pair_timeout, close the round; returns the partner."""
         replica = self.replica
         assert replica is not None and self.loop is not None
         # theta is stable while the trainer waits here, so the round sends the live weights without a copy.
         current = PairingRound(replica.outer_step, self._outgoing(replica.fast_weights(), replica.phi))
+        if self._known_peers - {self._last_partner, None}:
+            # Others exist: give them a moment to become ready before blending with the last partner again.
+            grace = min(self.cfg.pair_timeout / 2, phase_seconds / 2)
+            current.last_partner, current.repeat_after = self._last_partner, time.monotonic() + grace
         self._round = current
         seeker = asyncio.run_coroutine_threadsafe(self._seek_partner(current), self.loop)
         asyncio.run_coroutine_threadsafe(self._publish(), self.loop)
@@ -280,7 +289,7 @@ class Node:
                 break
             train_seconds = time.monotonic() - started
             wait_started = time.monotonic()
-            partner = self._sync_outer_step() if self.cfg.mode == "sync" else self._overlap_partner()
+            partner = self._sync_outer_step(train_seconds) if self.cfg.mode == "sync" else self._overlap_partner()
             waited = time.monotonic() - wait_started
             self._blend(partner)
             self._take_snapshot()
@@ -373,15 +382,26 @@ class Node:
         )
         del self.exchange_log[:-50]
 
+    def _partner_order(self, candidates: list[PeerRecord]) -> list[PeerRecord]:
+        """Random among the least recently paired first. Nodes of equal speed reach their outer steps in lockstep
+        and would otherwise keep finding their last partner ready first, splitting the swarm into fixed pairs that
+        never mix (seen in a 4-node swarm before this ordering)."""
+        random.shuffle(candidates)
+        return sorted(candidates, key=lambda p: self._last_paired.get(p.peer_id, -1))
+
     async def _seek_partner(self, current: PairingRound) -> None:
-        """sync mode: call random ready peers until the round has a partner or closes."""
+        """sync mode: call ready peers (least recently paired first) until the round has a partner or closes."""
+        # Let the other nodes reaching this outer step publish their readiness before choosing among them.
+        await asyncio.sleep(random.uniform(0.05, 0.25))
         while current.open:
             try:
-                candidates = self._choosable(await self.discovery.live_peers(), current.outer_step)
+                live = await self.discovery.live_peers()
+                self._known_peers = {p.peer_id for p in live}
+                candidates = self._choosable(live, current.outer_step)
             except (TimeoutError, OSError) as error:
                 log.warning("DHT lookup failed: %s", error)
                 candidates = []
-            random.shuffle(candidates)
+            candidates = [p for p in self._partner_order(candidates) if current.may_pair_with(p.peer_id)]
             for peer in candidates:
                 if not current.open:
                     return

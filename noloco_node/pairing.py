@@ -13,6 +13,7 @@ the outer step the node takes the freshest one within the staleness bound and th
 from __future__ import annotations
 
 import threading
+import time
 from dataclasses import dataclass, field
 
 from noloco_node.exchange import Outgoing
@@ -25,6 +26,10 @@ class PairingRound:
 
     outer_step: int
     outgoing: Outgoing
+    # The last partner is not taken again before this (monotonic) time when others may become ready: nodes that
+    # blend together restart together and would otherwise stay phase-locked in the same pairs forever.
+    last_partner: str | None = None
+    repeat_after: float = 0.0
     lock: threading.Lock = field(default_factory=threading.Lock)
     guard: threading.Lock = field(default_factory=threading.Lock)
     partner: Payload | None = None
@@ -35,10 +40,15 @@ class PairingRound:
     def open(self) -> bool:
         return not self.closed and self.partner is None
 
-    def try_session(self, partner_outer_step: int, max_staleness: int) -> RoundSession | None:
-        """A session for an incoming call, or None (busy, closed, paired, or too far apart in steps)."""
+    def may_pair_with(self, peer_id: str) -> bool:
+        return peer_id != self.last_partner or time.monotonic() >= self.repeat_after
+
+    def try_session(self, partner_id: str, partner_outer_step: int, max_staleness: int) -> RoundSession | None:
+        """A session for an incoming call, or None (busy, closed, paired, too far apart, or a too-early repeat)."""
         with self.guard:
             if not self.open or abs(partner_outer_step - self.outer_step) > max_staleness:
+                return None
+            if not self.may_pair_with(partner_id):
                 return None
             if not self.lock.acquire(blocking=False):
                 return None

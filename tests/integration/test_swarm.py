@@ -54,6 +54,7 @@ def test_three_nodes_discover_each_other_exchange_and_learn(bootstrap: Bootstrap
             assert history[-1]["inner_step"] == 200 and len(history) >= 7  # a late starter may join in progress
             partners = [h["partner"] for h in history if h["partner"]]
             assert len(partners) >= 3, f"{node.name} blended only {len(partners)} times"
+            assert len(set(partners)) == 2, f"{node.name} always blended with the same peer: pairs do not mix"
             assert status["outcomes"].get("completed", 0) >= 1 or status["bytes_received"] > 0
             first, last = history[0]["val_loss"], history[-1]["val_loss"]
             assert last < first - 0.3 and last < math.log(256) - 2
