@@ -52,7 +52,7 @@ from noloco_node.exchange import (
     exchange_with,
     start_server,
 )
-from noloco_node.model import run_fingerprint
+from noloco_node.model import LlamaDecoder, named_parameters_ordered, run_fingerprint
 from noloco_node.pairing import OfferBook, PairingRound
 from noloco_node.rpc import peer_pb2 as pb
 from noloco_node.trainer import Replica, load_checkpoint, save_checkpoint
@@ -76,6 +76,9 @@ class Node:
         self.run_fingerprint = run_fingerprint(self.model_cfg, run_name=node_cfg.run_name, seed=train_cfg.seed)
         self.gamma = outer_cfg.effective_gamma
         self.send_phi = self.gamma != outer_cfg.beta  # the fast path needs only the partner's fast weights
+        with torch.device("meta"):
+            shapes_model = LlamaDecoder(self.model_cfg)
+        self._param_shapes = [(n, tuple(p.shape)) for n, p in named_parameters_ordered(shapes_model)]
         self.metrics = ExchangeMetrics()
         self.discovery = Discovery(
             self.run_fingerprint,
@@ -104,11 +107,9 @@ class Node:
     # ------------------------------------------------------------------------------------------ PeerNode
 
     def expected_layout(self) -> list[TensorLayout]:
-        assert self.replica is not None
-        names = [("theta", n, p.shape) for n, p in zip(self.replica.names, self.replica.params, strict=True)]
-        if self.send_phi:
-            names += [("phi", n, p.shape) for n, p in zip(self.replica.names, self.replica.params, strict=True)]
-        return [TensorLayout(f"{prefix}/{name}", tuple(shape)) for prefix, name, shape in names]
+        """Known from the model config alone, so that a call arriving while the node starts is refused cleanly."""
+        prefixes = ("theta", "phi") if self.send_phi else ("theta",)
+        return [TensorLayout(f"{prefix}/{name}", shape) for prefix in prefixes for name, shape in self._param_shapes]
 
     def max_payload_bytes(self) -> int:
         return sum(layout.numel for layout in self.expected_layout()) * 4 + 1024
@@ -328,8 +329,8 @@ class Node:
             return
         try:
             await self.discovery.publish(self.record())
-        except (TimeoutError, OSError) as error:
-            log.warning("could not publish the DHT record: %s", error)
+        except Exception as error:  # the DHT failing must not end the refresh loop; the next attempt may work
+            log.warning("could not publish the DHT record: %r", error)
 
     async def _refresh_record(self) -> None:
         while True:

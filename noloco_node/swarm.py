@@ -103,7 +103,7 @@ def summary_table(summary: dict[str, Any]) -> str:
     return "\n".join(rows)
 
 
-def run_swarm(num_nodes: int, out_dir: Path, node_args: Sequence[str], *, progress_every: float = 5.0) -> int:
+def run_swarm(num_nodes: int, out_dir: Path, node_args: Sequence[str], *, progress_every: float = 2.0) -> int:
     """Run the swarm to the end of training (or Ctrl-C); returns 0 when every node exited cleanly."""
     out_dir.mkdir(parents=True, exist_ok=True)
     bootstrap, maddrs = _start_bootstrap(out_dir / "bootstrap.log")
