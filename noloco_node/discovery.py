@@ -15,9 +15,12 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import subprocess
+import sys
 import time
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass
+from pathlib import Path
 from typing import Any
 
 import hivemind
@@ -191,3 +194,27 @@ def run_bootstrap_peer(
         return maddrs
     finally:
         dht.shutdown()
+
+
+def start_bootstrap_process(log_path: Path, *, timeout: float = 60.0) -> tuple[subprocess.Popen[str], list[str]]:
+    """Start `noloco-node bootstrap` on 127.0.0.1 as a child process; returns it and the multiaddrs it printed."""
+    with log_path.open("w") as log:
+        process = subprocess.Popen(
+            [sys.executable, "-m", "noloco_node", "bootstrap", "--host-maddrs", "/ip4/127.0.0.1/tcp/0"],
+            stdout=subprocess.PIPE,
+            stderr=log,
+            text=True,
+        )
+    maddrs: list[str] = []
+    deadline = time.monotonic() + timeout
+    assert process.stdout is not None
+    while time.monotonic() < deadline and not maddrs:
+        line = process.stdout.readline()
+        if not line:
+            break
+        if "--bootstrap" in line:
+            maddrs.append(line.split("--bootstrap", 1)[1].strip())
+    if not maddrs:
+        process.kill()
+        raise RuntimeError(f"the bootstrap peer did not start; see {log_path}")
+    return process, maddrs

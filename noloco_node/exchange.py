@@ -24,7 +24,7 @@ from collections import Counter
 from collections.abc import Callable, Iterator, Sequence
 from concurrent import futures
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Any, Protocol
 
 import grpc
 
@@ -240,6 +240,24 @@ class ExchangeError(Exception):
         self.reason = reason
 
 
+def _receive(call: Any, receiver: PayloadReceiver, address: str, what: str, metrics: ExchangeMetrics | None) -> Payload:
+    """Feed a response stream into its receiver; any failure becomes an ExchangeError naming the peer."""
+    try:
+        for frame in call:
+            receiver.feed(frame)
+        return receiver.finish()
+    except PayloadError as error:
+        call.cancel()
+        if metrics is not None:
+            metrics.rejection(error.reason)
+        raise ExchangeError(error.code, error.reason, f"bad {what} from {address}: {error.message}") from None
+    except grpc.RpcError as error:
+        code = error.code() if hasattr(error, "code") else grpc.StatusCode.UNKNOWN
+        reason = "busy" if code == grpc.StatusCode.ABORTED else code.name.lower()
+        details = error.details() if hasattr(error, "details") else str(error)
+        raise ExchangeError(code, reason, f"{address}: {details}") from None
+
+
 def exchange_with(
     address: str,
     outgoing: Outgoing,
@@ -264,19 +282,7 @@ def exchange_with(
             frames = _counted(frames, lambda n: metrics.add_bytes(sent=n))
         call = stub.Exchange(frames, timeout=timeout)
         try:
-            for frame in call:
-                receiver.feed(frame)
-            payload = receiver.finish()
-        except PayloadError as error:
-            call.cancel()
-            if metrics is not None:
-                metrics.rejection(error.reason)
-            raise ExchangeError(error.code, error.reason, f"bad payload from {address}: {error.message}") from None
-        except grpc.RpcError as error:
-            code = error.code() if hasattr(error, "code") else grpc.StatusCode.UNKNOWN
-            reason = "busy" if code == grpc.StatusCode.ABORTED else code.name.lower()
-            details = error.details() if hasattr(error, "details") else str(error)
-            raise ExchangeError(code, reason, f"{address}: {details}") from None
+            payload = _receive(call, receiver, address, "payload", metrics)
         finally:
             if metrics is not None:
                 metrics.add_bytes(received=receiver.bytes_received)
@@ -307,16 +313,7 @@ def download_state(
         call = pb_grpc.PeerStub(channel).GetState(
             pb.StateRequest(run_fingerprint=run_fingerprint, peer_id=peer_id), timeout=timeout
         )
-        try:
-            for frame in call:
-                receiver.feed(frame)
-            payload = receiver.finish()
-        except PayloadError as error:
-            call.cancel()
-            raise ExchangeError(error.code, error.reason, f"bad state from {address}: {error.message}") from None
-        except grpc.RpcError as error:
-            code = error.code() if hasattr(error, "code") else grpc.StatusCode.UNKNOWN
-            raise ExchangeError(code, code.name.lower(), f"{address}: {error}") from None
+        payload = _receive(call, receiver, address, "state", None)
     try:
         metadata = json.loads(payload.manifest.metadata_json)
         counters = {key: int(metadata[key]) for key in ("inner_step", "outer_step", "adam_step")}

@@ -18,30 +18,8 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from noloco_node.discovery import start_bootstrap_process
 from noloco_node.node import read_status
-
-
-def _start_bootstrap(log_path: Path) -> tuple[subprocess.Popen[str], list[str]]:
-    log = log_path.open("w")
-    process = subprocess.Popen(
-        [sys.executable, "-m", "noloco_node", "bootstrap", "--host-maddrs", "/ip4/127.0.0.1/tcp/0"],
-        stdout=subprocess.PIPE,
-        stderr=log,
-        text=True,
-    )
-    maddrs: list[str] = []
-    deadline = time.monotonic() + 60
-    assert process.stdout is not None
-    while time.monotonic() < deadline and not maddrs:
-        line = process.stdout.readline()
-        if not line:
-            break
-        if "--bootstrap" in line:
-            maddrs.append(line.split("--bootstrap", 1)[1].strip())
-    if not maddrs:
-        process.kill()
-        raise RuntimeError(f"the bootstrap peer did not start; see {log_path}")
-    return process, maddrs
 
 
 def _progress_line(statuses: list[dict[str, Any] | None]) -> str:
@@ -106,7 +84,7 @@ def summary_table(summary: dict[str, Any]) -> str:
 def run_swarm(num_nodes: int, out_dir: Path, node_args: Sequence[str], *, progress_every: float = 2.0) -> int:
     """Run the swarm to the end of training (or Ctrl-C); returns 0 when every node exited cleanly."""
     out_dir.mkdir(parents=True, exist_ok=True)
-    bootstrap, maddrs = _start_bootstrap(out_dir / "bootstrap.log")
+    bootstrap, maddrs = start_bootstrap_process(out_dir / "bootstrap.log")
     print(f"bootstrap peer: {maddrs[0]}", flush=True)
     nodes: list[subprocess.Popen[bytes]] = []
     interrupted = False

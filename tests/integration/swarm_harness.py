@@ -6,29 +6,14 @@ import json
 import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
+
+from noloco_node.discovery import start_bootstrap_process
 
 
 class Bootstrap:
     def __init__(self, log_dir: Path) -> None:
-        self.log = (log_dir / "bootstrap.log").open("w")
-        self.process = subprocess.Popen(
-            [sys.executable, "-m", "noloco_node", "bootstrap", "--host-maddrs", "/ip4/127.0.0.1/tcp/0"],
-            stdout=subprocess.PIPE,
-            stderr=self.log,
-            text=True,
-        )
-        self.maddrs: list[str] = []
-        deadline = time.monotonic() + 60
-        assert self.process.stdout is not None
-        while time.monotonic() < deadline and not self.maddrs:
-            line = self.process.stdout.readline()
-            if not line:
-                break
-            if "--bootstrap" in line:
-                self.maddrs.append(line.split("--bootstrap", 1)[1].strip())
-        assert self.maddrs, "the bootstrap peer printed no multiaddr"
+        self.process, self.maddrs = start_bootstrap_process(log_dir / "bootstrap.log")
 
     def stop(self) -> None:
         self.process.send_signal(signal.SIGTERM)
@@ -36,7 +21,6 @@ class Bootstrap:
             self.process.wait(timeout=20)
         except subprocess.TimeoutExpired:
             self.process.kill()
-        self.log.close()
 
 
 class NodeProcess:

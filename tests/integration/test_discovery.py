@@ -4,34 +4,20 @@ from __future__ import annotations
 
 import asyncio
 import signal
-import subprocess
-import sys
 import time
 from collections.abc import Iterator
 
 import pytest
 from hivemind.utils.timed_storage import get_dht_time
 
-from noloco_node.discovery import Discovery, PeerRecord, peers_key
+from noloco_node.discovery import Discovery, PeerRecord, peers_key, start_bootstrap_process
 
 
 @pytest.fixture(scope="module")
-def bootstrap() -> Iterator[list[str]]:
-    process = subprocess.Popen(
-        [sys.executable, "-m", "noloco_node", "bootstrap", "--host-maddrs", "/ip4/127.0.0.1/tcp/0"],
-        stdout=subprocess.PIPE,
-        text=True,
-    )
-    maddrs: list[str] = []
-    deadline = time.monotonic() + 60
-    assert process.stdout is not None
-    while time.monotonic() < deadline and not maddrs:
-        line = process.stdout.readline()
-        if not line:
-            break
-        if "--bootstrap /ip4/127.0.0.1/" in line:
-            maddrs.append(line.split("--bootstrap", 1)[1].strip())
-    assert maddrs, "the bootstrap peer printed no multiaddr"
+def bootstrap(tmp_path_factory: pytest.TempPathFactory) -> Iterator[list[str]]:
+    """A real `noloco-node bootstrap` process; SIGTERM must stop it cleanly."""
+    process, maddrs = start_bootstrap_process(tmp_path_factory.mktemp("bootstrap") / "bootstrap.log")
+    assert all(m.startswith("/ip4/127.0.0.1/") for m in maddrs)
     yield maddrs
     process.send_signal(signal.SIGTERM)
     assert process.wait(timeout=30) == 0
