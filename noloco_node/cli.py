@@ -338,6 +338,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     except DataError as error:
         print(f"noloco-node {args.command}: {error}", file=sys.stderr)
         return 2
+    except Exception as error:
+        from noloco_node.node import NodeError
+
+        if not isinstance(error, NodeError):
+            raise
+        print(f"noloco-node {args.command}: {error}", file=sys.stderr)
+        return 2
     except KeyboardInterrupt:
         print(f"noloco-node {args.command}: interrupted", file=sys.stderr)
         return 130

@@ -119,10 +119,19 @@ def _counted(frames: Iterator[pb.Frame], on_bytes: Callable[[int], None]) -> Ite
 
 
 class PeerService(pb_grpc.PeerServicer):
-    def __init__(self, node: PeerNode, metrics: ExchangeMetrics, *, chunk_bytes: int = DEFAULT_CHUNK_BYTES) -> None:
+    def __init__(
+        self,
+        node: PeerNode,
+        metrics: ExchangeMetrics,
+        *,
+        chunk_bytes: int = DEFAULT_CHUNK_BYTES,
+        max_call_seconds: float = 120.0,
+    ) -> None:
         self.node = node
         self.metrics = metrics
         self.chunk_bytes = chunk_bytes
+        # A caller that sets no deadline (or a huge one) must not hold a worker thread and the pairing lock forever.
+        self.max_call_seconds = max_call_seconds
 
     def _receiver(self) -> PayloadReceiver:
         return PayloadReceiver(
@@ -171,7 +180,8 @@ class PeerService(pb_grpc.PeerServicer):
                 lambda n: self.metrics.add_bytes(sent=n),
             )
             remaining = context.time_remaining()
-            reader.join(timeout=None if remaining is None else max(0.0, remaining))
+            limit = self.max_call_seconds if remaining is None else min(remaining, self.max_call_seconds)
+            reader.join(timeout=max(0.0, limit))
             self.metrics.add_bytes(received=receiver.bytes_received)
             if reader.is_alive() or "broken" in outcome:
                 self.metrics.outcome("aborted")
@@ -213,6 +223,7 @@ def start_server(
     bind: str = "127.0.0.1:0",
     max_concurrent_calls: int = 8,
     chunk_bytes: int = DEFAULT_CHUNK_BYTES,
+    max_call_seconds: float = 120.0,
 ) -> tuple[grpc.Server, int]:
     """Start the service; returns the server and the port it bound (ephemeral when the bind port is 0)."""
     server = grpc.server(
@@ -220,7 +231,8 @@ def start_server(
         options=CHANNEL_OPTIONS,
         maximum_concurrent_rpcs=max_concurrent_calls,
     )
-    pb_grpc.add_PeerServicer_to_server(PeerService(node, metrics, chunk_bytes=chunk_bytes), server)
+    service = PeerService(node, metrics, chunk_bytes=chunk_bytes, max_call_seconds=max_call_seconds)
+    pb_grpc.add_PeerServicer_to_server(service, server)
     port = server.add_insecure_port(bind)
     if port == 0:
         raise OSError(f"could not bind the gRPC server to {bind}")

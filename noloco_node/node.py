@@ -61,6 +61,10 @@ from noloco_node.wire import Payload, TensorLayout, build_manifest
 log = logging.getLogger(__name__)
 
 
+class NodeError(Exception):
+    """A node that cannot start as configured (the message says why and what to change)."""
+
+
 class Node:
     """One swarm member. Implements exchange.PeerNode for the gRPC service."""
 
@@ -496,7 +500,7 @@ class Node:
         if checkpoint.exists():
             payload = load_checkpoint(checkpoint)
             if payload.get("run_fingerprint") != self.run_fingerprint:
-                raise ValueError(
+                raise NodeError(
                     f"{checkpoint} belongs to run {payload.get('run_fingerprint')}, not "
                     f"{self.run_fingerprint}; use another --data-dir"
                 )
@@ -544,7 +548,12 @@ class Node:
         if self.discovery.dht is None:  # run_node starts it before the loop exists; this is for direct callers
             await asyncio.to_thread(self.discovery.start)
         self.peer_id = self.discovery.peer_id
-        server, port = start_server(self, self.metrics, bind=f"{self.cfg.grpc_host}:{self.cfg.grpc_port}")
+        server, port = start_server(
+            self,
+            self.metrics,
+            bind=f"{self.cfg.grpc_host}:{self.cfg.grpc_port}",
+            max_call_seconds=self.cfg.exchange_timeout,
+        )
         self.address = f"{self.cfg.announce_host or self.cfg.grpc_host}:{self.cfg.announce_port or port}"
         tasks: list[asyncio.Task[None]] = []
         try:

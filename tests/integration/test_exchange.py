@@ -220,3 +220,28 @@ def test_info(served) -> None:
     address, _ = served(Holder(params(1)))
     reply = fetch_info(address, timeout=5)
     assert (reply.peer_id, reply.run_fingerprint, reply.outer_step) == ("holder", RUN, 7)
+
+
+def test_a_caller_that_stalls_without_a_deadline_is_cut_off(served) -> None:
+    """Slow-loris: a manifest, then nothing, and no deadline. The server gives up after its own limit."""
+    holder = Holder(params(1))
+    metrics = ExchangeMetrics()
+    server, port = start_server(holder, metrics, bind="127.0.0.1:0", max_call_seconds=1.0)
+    stop = threading.Event()
+
+    def manifest_then_silence() -> Iterator[pb.Frame]:
+        yield next(iter_frames(outgoing(params(2), "loris").manifest, [t for _, t in params(2)]))
+        stop.wait(30)
+
+    try:
+        with grpc.insecure_channel(f"127.0.0.1:{port}", options=CHANNEL_OPTIONS) as channel:
+            call = pb_grpc.PeerStub(channel).Exchange(manifest_then_silence())  # no timeout on purpose
+            with pytest.raises(grpc.RpcError) as error:
+                for _ in call:
+                    pass
+            assert error.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+        assert holder.released.wait(5) and holder.completed == []
+        assert metrics.outcomes["aborted"] == 1
+    finally:
+        stop.set()
+        server.stop(grace=None)

@@ -345,3 +345,50 @@ def test_sigterm_leaves_gracefully_checkpoints_and_withdraws_the_record(bootstra
             observer.shutdown()
         for node in nodes:
             node.stop()
+
+
+def test_a_data_dir_of_another_run_is_refused_by_name(tmp_path: Path) -> None:
+    import subprocess
+    import sys
+
+    data_dir = tmp_path / "node"
+    subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "noloco_node",
+            "--log-level",
+            "ERROR",
+            "train",
+            "--checkpoint-dir",
+            str(data_dir),
+            "--steps",
+            "2",
+            "--seq-len",
+            "64",
+        ],
+        check=True,
+        timeout=120,
+    )
+    done = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "noloco_node",
+            "--log-level",
+            "ERROR",
+            "join",
+            "--data-dir",
+            str(data_dir),
+            "--steps",
+            "10",
+            "--seq-len",
+            "64",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
+    assert done.returncode == 2, done.stderr[-2000:]
+    assert "checkpoint.pt belongs to run" in done.stderr and "use another --data-dir" in done.stderr
