@@ -21,7 +21,7 @@ import logging
 import threading
 import time
 from collections import Counter
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Iterator, Sequence
 from concurrent import futures
 from dataclasses import dataclass
 from typing import Any, Protocol
@@ -111,13 +111,6 @@ class ExchangeMetrics:
             self.bytes_received += received
 
 
-def _counted(frames: Iterator[pb.Frame], on_bytes: Callable[[int], None]) -> Iterator[pb.Frame]:
-    for frame in frames:
-        if frame.WhichOneof("body") == "chunk":
-            on_bytes(len(frame.chunk.data))
-        yield frame
-
-
 class PeerService(pb_grpc.PeerServicer):
     def __init__(
         self,
@@ -175,9 +168,11 @@ class PeerService(pb_grpc.PeerServicer):
             reader = threading.Thread(target=consume, name="exchange-reader", daemon=True)
             reader.start()
             outgoing = session.outgoing()
-            yield from _counted(
-                iter_frames(outgoing.manifest, outgoing.tensors, chunk_bytes=self.chunk_bytes),
-                lambda n: self.metrics.add_bytes(sent=n),
+            yield from iter_frames(
+                outgoing.manifest,
+                outgoing.tensors,
+                chunk_bytes=self.chunk_bytes,
+                on_chunk=lambda n: self.metrics.add_bytes(sent=n),
             )
             remaining = context.time_remaining()
             limit = self.max_call_seconds if remaining is None else min(remaining, self.max_call_seconds)
@@ -207,9 +202,11 @@ class PeerService(pb_grpc.PeerServicer):
         snapshot = self.node.state_snapshot()
         if snapshot is None:
             context.abort(grpc.StatusCode.UNAVAILABLE, "no outer-step snapshot to serve yet")
-        yield from _counted(
-            iter_frames(snapshot.manifest, snapshot.tensors, chunk_bytes=self.chunk_bytes),
-            lambda n: self.metrics.add_bytes(sent=n),
+        yield from iter_frames(
+            snapshot.manifest,
+            snapshot.tensors,
+            chunk_bytes=self.chunk_bytes,
+            on_chunk=lambda n: self.metrics.add_bytes(sent=n),
         )
 
     def Info(self, request: pb.InfoRequest, context: grpc.ServicerContext) -> pb.InfoReply:  # noqa: N802
@@ -289,9 +286,8 @@ def exchange_with(
     started = time.monotonic()
     with grpc.insecure_channel(address, options=CHANNEL_OPTIONS) as channel:
         stub = pb_grpc.PeerStub(channel)
-        frames = iter_frames(outgoing.manifest, outgoing.tensors, chunk_bytes=chunk_bytes)
-        if metrics is not None:
-            frames = _counted(frames, lambda n: metrics.add_bytes(sent=n))
+        count_sent = None if metrics is None else (lambda n: metrics.add_bytes(sent=n))
+        frames = iter_frames(outgoing.manifest, outgoing.tensors, chunk_bytes=chunk_bytes, on_chunk=count_sent)
         call = stub.Exchange(frames, timeout=timeout)
         try:
             payload = _receive(call, receiver, address, "payload", metrics)

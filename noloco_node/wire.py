@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import math
 import zlib
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 
 import grpc
@@ -97,6 +97,7 @@ def iter_frames(
     tensors: Sequence[torch.Tensor],
     *,
     chunk_bytes: int = DEFAULT_CHUNK_BYTES,
+    on_chunk: Callable[[int], None] | None = None,
 ) -> Iterator[pb.Frame]:
     """The frames of one payload: the manifest, every tensor's chunks in order, the end.
 
@@ -116,6 +117,8 @@ def iter_frames(
             raise ValueError(f"tensor {spec.name} has {len(raw)} bytes, manifest says {spec.num_bytes}")
         for offset in range(0, len(raw), chunk_bytes):
             data = bytes(raw[offset : offset + chunk_bytes])
+            if on_chunk is not None:
+                on_chunk(len(data))
             yield pb.Frame(chunk=pb.Chunk(tensor_index=index, offset=offset, data=data, crc32=zlib.crc32(data)))
         total += len(raw)
     yield pb.Frame(end=pb.End(total_bytes=total))
@@ -238,17 +241,18 @@ class PayloadReceiver:
             raise _invalid(
                 "chunk_order", f"chunk of {spec.name!r} at offset {chunk.offset}, expected {self._filled[index]}"
             )
-        size = len(chunk.data)
+        data = chunk.data  # each access to a protobuf bytes field copies it: read it once
+        size = len(data)
         if size == 0 or chunk.offset + size > spec.num_bytes:
             raise _invalid(
                 "chunk_bounds",
                 f"chunk of {size} bytes at offset {chunk.offset} does not fit tensor "
                 f"{spec.name!r} of {spec.num_bytes} bytes",
             )
-        if zlib.crc32(chunk.data) != chunk.crc32:
+        if zlib.crc32(data) != chunk.crc32:
             raise _invalid("checksum", f"CRC-32 mismatch in tensor {spec.name!r} at offset {chunk.offset}")
         # One copy, straight from the message's bytes into the tensor's storage.
-        self._byte_views[index][chunk.offset : chunk.offset + size] = np.frombuffer(chunk.data, dtype=np.uint8)
+        self._byte_views[index][chunk.offset : chunk.offset + size] = np.frombuffer(data, dtype=np.uint8)
         self._filled[index] += size
         self.bytes_received += size
 
