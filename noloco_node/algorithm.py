@@ -229,3 +229,18 @@ def replica_spread(replica_weights: Sequence[TensorList]) -> float:
         squared_sum += stacked.var(dim=0, unbiased=False).sum().item()
         count += first[k].numel()
     return math.sqrt(squared_sum / max(count, 1))
+
+
+@torch.no_grad()
+def projected_fast_weights(new_phi: TensorList, theta: TensorList, old_phi: TensorList) -> list[torch.Tensor]:
+    """What a replica offers in overlap mode: its fast weights one phase ahead, ``phi_new + (theta - phi_old)``.
+
+    A partner blends with this at its next outer step, one inner phase after it was made; assuming the next
+    phase moves about as far as the last one (Delta), it estimates the fast weights the replica will then hold.
+    """
+    _check_same_shapes(new_phi, theta, "theta")
+    _check_same_shapes(new_phi, old_phi, "old_phi")
+    return [
+        p.to(torch.float32) + (t.to(torch.float32) - o.to(torch.float32))
+        for p, t, o in zip(new_phi, theta, old_phi, strict=True)
+    ]

@@ -229,9 +229,7 @@ class Node:
         )
         if self.cfg.mode == "overlap":
             # The offer for the next phase: projected fast weights phi_new + (theta - phi_old), in fp32.
-            projected = [
-                p + (t.float() - old) for p, t, old in zip(new_phi, replica.fast_weights(), replica.phi, strict=True)
-            ]
+            projected = algorithm.projected_fast_weights(new_phi, replica.fast_weights(), replica.phi)
         replica.apply_outer_step(new_phi, new_delta)
         if self.cfg.mode == "overlap":
             self._offers.offer = self._outgoing(projected, replica.phi)

@@ -229,3 +229,8 @@ def test_replica_spread() -> None:
     assert replica_spread([t(0.0, 1.0), t(2.0, 3.0)]) == pytest.approx(1.0)  # per-element std 1
     assert replica_spread([t(1.0), t(1.0), t(1.0)]) == 0.0
     assert replica_spread([t(5.0)]) == 0.0
+
+
+def test_projected_fast_weights_add_the_last_phase_to_the_new_slow_weights() -> None:
+    (got,) = algorithm.projected_fast_weights(t(2.0), t(5.0), t(1.0))  # 2 + (5 - 1)
+    assert got.item() == pytest.approx(6.0) and got.dtype == torch.float32
