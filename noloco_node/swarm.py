@@ -22,6 +22,23 @@ from noloco_node.discovery import start_bootstrap_process
 from noloco_node.node import read_status
 
 
+def join_command(maddrs: Sequence[str], data_dir: Path, *args: str) -> list[str]:
+    """The command line of one local swarm member: one torch thread, its own data directory."""
+    return [
+        sys.executable,
+        "-m",
+        "noloco_node",
+        "join",
+        "--bootstrap",
+        *maddrs,
+        "--data-dir",
+        str(data_dir),
+        "--torch-threads",
+        "1",
+        *args,
+    ]
+
+
 def _progress_line(statuses: list[dict[str, Any] | None]) -> str:
     cells = []
     for i, status in enumerate(statuses):
@@ -96,23 +113,9 @@ def run_swarm(num_nodes: int, out_dir: Path, node_args: Sequence[str], *, progre
     previous = signal.signal(signal.SIGINT, on_interrupt)
     try:
         for i in range(num_nodes):
-            command = [
-                sys.executable,
-                "-m",
-                "noloco_node",
-                "join",
-                "--bootstrap",
-                *maddrs,
-                "--data-dir",
-                str(out_dir / f"node{i}"),
-                "--torch-threads",
-                "1",
-                "--shard-index",
-                str(i),
-                "--num-shards",
-                str(num_nodes),
-                *node_args,
-            ]
+            command = join_command(
+                maddrs, out_dir / f"node{i}", "--shard-index", str(i), "--num-shards", str(num_nodes), *node_args
+            )
             with (out_dir / f"node{i}.log").open("w") as log:
                 nodes.append(subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT))
         print(

@@ -5,10 +5,10 @@ from __future__ import annotations
 import json
 import signal
 import subprocess
-import sys
 from pathlib import Path
 
 from noloco_node.discovery import start_bootstrap_process
+from noloco_node.swarm import join_command
 
 
 class Bootstrap:
@@ -30,19 +30,7 @@ class NodeProcess:
         self.data_dir.mkdir(parents=True, exist_ok=True)
         self.log_path = base / f"{name}.log"
         self.log = self.log_path.open("w")
-        self.command = [
-            sys.executable,
-            "-m",
-            "noloco_node",
-            "join",
-            "--bootstrap",
-            *bootstrap.maddrs,
-            "--data-dir",
-            str(self.data_dir),
-            "--torch-threads",
-            "1",
-            *args,
-        ]
+        self.command = join_command(bootstrap.maddrs, self.data_dir, *args)
         self.process = subprocess.Popen(self.command, stdout=self.log, stderr=subprocess.STDOUT)
 
     def status(self) -> dict | None:
