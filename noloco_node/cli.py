@@ -162,7 +162,7 @@ def build_parser() -> argparse.ArgumentParser:
     exchange.add_argument("--vocab-size", type=int, default=256, help="vocabulary of that model")
     exchange.add_argument("--wire-dtype", default="bf16", choices=["bf16", "fp32"])
     exchange.add_argument("--chunk-bytes", type=int, default=2**20, help="bytes per chunk message")
-    exchange.add_argument("--repeats", type=int, default=3, help="runs of each measurement (the best is kept)")
+    exchange.add_argument("--repeats", type=int, default=5, help="runs of each measurement (the best is kept)")
     exchange.add_argument(
         "--link-rate", help="run over a veth pair shaped with tc tbf to this rate, e.g. 1gbit (needs root)"
     )

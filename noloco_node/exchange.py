@@ -36,6 +36,7 @@ from noloco_node.wire import (
     Payload,
     PayloadError,
     PayloadReceiver,
+    ReceiveBuffers,
     TensorLayout,
     iter_frames,
 )
@@ -46,6 +47,13 @@ CHANNEL_OPTIONS = [
     ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
     ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
 ]
+
+# The service of proto/noloco/v1/peer.proto. Frames cross gRPC as encoded bytes (wire.py writes and reads them),
+# so the streaming methods are registered and called without protobuf (de)serializers; a client built from the
+# generated stubs still interoperates, since the bytes are the proto's own encoding.
+SERVICE = "noloco.v1.Peer"
+EXCHANGE_METHOD = f"/{SERVICE}/Exchange"
+GET_STATE_METHOD = f"/{SERVICE}/GetState"
 
 
 @dataclass
@@ -73,6 +81,7 @@ class PeerNode(Protocol):
 
     run_fingerprint: str
     peer_id: str
+    receive_buffers: ReceiveBuffers  # reused from one exchange to the next
 
     def expected_layout(self) -> Sequence[TensorLayout]: ...
 
@@ -111,7 +120,7 @@ class ExchangeMetrics:
             self.bytes_received += received
 
 
-class PeerService(pb_grpc.PeerServicer):
+class PeerService:
     def __init__(
         self,
         node: PeerNode,
@@ -131,6 +140,7 @@ class PeerService(pb_grpc.PeerServicer):
             self.node.expected_layout(),
             run_fingerprint=self.node.run_fingerprint,
             max_total_bytes=self.node.max_payload_bytes(),
+            buffers=self.node.receive_buffers,
         )
 
     def _refuse(self, context: grpc.ServicerContext, error: PayloadError) -> None:
@@ -138,7 +148,7 @@ class PeerService(pb_grpc.PeerServicer):
         self.metrics.outcome("refused_payload")
         context.abort(error.code, error.message)
 
-    def Exchange(self, request_iterator: Iterator[pb.Frame], context: grpc.ServicerContext) -> Iterator[pb.Frame]:  # noqa: N802
+    def Exchange(self, request_iterator: Iterator[bytes], context: grpc.ServicerContext) -> Iterator[bytes]:  # noqa: N802
         receiver = self._receiver()
         try:
             first = next(request_iterator)
@@ -150,8 +160,10 @@ class PeerService(pb_grpc.PeerServicer):
         assert receiver.manifest is not None
         session = self.node.open_session(receiver.manifest.peer_id, receiver.manifest.outer_step)
         if session is None:
+            receiver.discard()
             self.metrics.outcome("busy")
             context.abort(grpc.StatusCode.ABORTED, f"{self.node.peer_id} is busy or not ready to pair")
+        reader: threading.Thread | None = None
         try:
             outcome: dict[str, object] = {}
 
@@ -195,8 +207,10 @@ class PeerService(pb_grpc.PeerServicer):
             self.metrics.outcome("completed")
         finally:
             session.release()
+            if reader is None or not reader.is_alive():  # a reader still running owns the buffers until it stops
+                receiver.discard()  # a no-op once the payload was handed over
 
-    def GetState(self, request: pb.StateRequest, context: grpc.ServicerContext) -> Iterator[pb.Frame]:  # noqa: N802
+    def GetState(self, request: pb.StateRequest, context: grpc.ServicerContext) -> Iterator[bytes]:  # noqa: N802
         if request.run_fingerprint != self.node.run_fingerprint:
             context.abort(grpc.StatusCode.FAILED_PRECONDITION, f"this peer trains run {self.node.run_fingerprint}")
         snapshot = self.node.state_snapshot()
@@ -211,6 +225,23 @@ class PeerService(pb_grpc.PeerServicer):
 
     def Info(self, request: pb.InfoRequest, context: grpc.ServicerContext) -> pb.InfoReply:  # noqa: N802
         return self.node.info()
+
+
+def _handlers(service: PeerService) -> grpc.GenericRpcHandler:
+    return grpc.method_handlers_generic_handler(
+        SERVICE,
+        {
+            "Exchange": grpc.stream_stream_rpc_method_handler(service.Exchange),  # encoded frames both ways
+            "GetState": grpc.unary_stream_rpc_method_handler(
+                service.GetState, request_deserializer=pb.StateRequest.FromString
+            ),
+            "Info": grpc.unary_unary_rpc_method_handler(
+                service.Info,
+                request_deserializer=pb.InfoRequest.FromString,
+                response_serializer=pb.InfoReply.SerializeToString,
+            ),
+        },
+    )
 
 
 def start_server(
@@ -229,7 +260,7 @@ def start_server(
         maximum_concurrent_rpcs=max_concurrent_calls,
     )
     service = PeerService(node, metrics, chunk_bytes=chunk_bytes, max_call_seconds=max_call_seconds)
-    pb_grpc.add_PeerServicer_to_server(service, server)
+    server.add_generic_rpc_handlers((_handlers(service),))
     port = server.add_insecure_port(bind)
     if port == 0:
         raise OSError(f"could not bind the gRPC server to {bind}")
@@ -252,9 +283,13 @@ class ExchangeError(Exception):
 def _receive(call: Any, receiver: PayloadReceiver, address: str, what: str, metrics: ExchangeMetrics | None) -> Payload:
     """Feed a response stream into its receiver; any failure becomes an ExchangeError naming the peer."""
     try:
-        for frame in call:
-            receiver.feed(frame)
-        return receiver.finish()
+        try:
+            for frame in call:
+                receiver.feed(frame)
+            return receiver.finish()
+        except BaseException:
+            receiver.discard()  # nothing to blend: the buffers may take the next payload
+            raise
     except PayloadError as error:
         call.cancel()
         if metrics is not None:
@@ -277,18 +312,20 @@ def exchange_with(
     timeout: float,
     metrics: ExchangeMetrics | None = None,
     chunk_bytes: int = DEFAULT_CHUNK_BYTES,
+    buffers: ReceiveBuffers | None = None,
 ) -> Payload:
     """Exchange payloads with the peer at ``address``; returns its verified payload or raises ExchangeError.
 
     Blocking (call it from a worker thread); the whole call, connection included, is bounded by ``timeout``.
     """
-    receiver = PayloadReceiver(expected, run_fingerprint=run_fingerprint, max_total_bytes=max_payload_bytes)
+    receiver = PayloadReceiver(
+        expected, run_fingerprint=run_fingerprint, max_total_bytes=max_payload_bytes, buffers=buffers
+    )
     started = time.monotonic()
     with grpc.insecure_channel(address, options=CHANNEL_OPTIONS) as channel:
-        stub = pb_grpc.PeerStub(channel)
         count_sent = None if metrics is None else (lambda n: metrics.add_bytes(sent=n))
         frames = iter_frames(outgoing.manifest, outgoing.tensors, chunk_bytes=chunk_bytes, on_chunk=count_sent)
-        call = stub.Exchange(frames, timeout=timeout)
+        call = channel.stream_stream(EXCHANGE_METHOD)(frames, timeout=timeout)
         try:
             payload = _receive(call, receiver, address, "payload", metrics)
         finally:
@@ -318,9 +355,8 @@ def download_state(
         expected, run_fingerprint=run_fingerprint, max_total_bytes=max_bytes, allowed_dtypes=("fp32",)
     )
     with grpc.insecure_channel(address, options=CHANNEL_OPTIONS) as channel:
-        call = pb_grpc.PeerStub(channel).GetState(
-            pb.StateRequest(run_fingerprint=run_fingerprint, peer_id=peer_id), timeout=timeout
-        )
+        get_state = channel.unary_stream(GET_STATE_METHOD, request_serializer=pb.StateRequest.SerializeToString)
+        call = get_state(pb.StateRequest(run_fingerprint=run_fingerprint, peer_id=peer_id), timeout=timeout)
         payload = _receive(call, receiver, address, "state", None)
     try:
         metadata = json.loads(payload.manifest.metadata_json)

@@ -56,7 +56,7 @@ from noloco_node.model import LlamaDecoder, named_parameters_ordered, run_finger
 from noloco_node.pairing import OfferBook, PairingRound
 from noloco_node.rpc import peer_pb2 as pb
 from noloco_node.trainer import Replica, load_checkpoint, save_checkpoint
-from noloco_node.wire import Payload, TensorLayout, build_manifest
+from noloco_node.wire import Payload, ReceiveBuffers, TensorLayout, build_manifest
 
 log = logging.getLogger(__name__)
 
@@ -84,6 +84,7 @@ class Node:
             shapes_model = LlamaDecoder(self.model_cfg)
         self._param_shapes = [(n, tuple(p.shape)) for n, p in named_parameters_ordered(shapes_model)]
         self.metrics = ExchangeMetrics()
+        self.receive_buffers = ReceiveBuffers(max_idle_bytes=self.max_payload_bytes())
         self.discovery = Discovery(
             self.run_fingerprint,
             initial_peers=node_cfg.bootstrap,
@@ -295,6 +296,8 @@ class Node:
             partner = self._sync_outer_step(train_seconds) if self.cfg.mode == "sync" else self._overlap_partner()
             waited = time.monotonic() - wait_started
             self._blend(partner)
+            if partner is not None:
+                partner.release()  # blended: its buffers can take the next outer step's payload
             self._take_snapshot()
             val_loss = replica.evaluate(val)
             entry = {
@@ -364,6 +367,7 @@ class Node:
                     max_payload_bytes=self.max_payload_bytes(),
                     timeout=self.cfg.exchange_timeout,
                     metrics=self.metrics,
+                    buffers=self.receive_buffers,
                 ),
                 timeout=self.cfg.exchange_timeout + 5,
             )

@@ -10,20 +10,24 @@ payload and model sizes (the receiver should need one payload-sized buffer, no w
 
 from __future__ import annotations
 
+import json
 import multiprocessing as mp
 import resource
 import socket
+import threading
 import time
+from concurrent import futures
 from dataclasses import dataclass
 from typing import Any
 
+import grpc
 import torch
 
 from noloco_node.config import model_config_for
-from noloco_node.exchange import ExchangeMetrics, Outgoing, exchange_with, start_server
+from noloco_node.exchange import CHANNEL_OPTIONS, ExchangeMetrics, Outgoing, download_state, exchange_with, start_server
 from noloco_node.model import LlamaDecoder, named_parameters_ordered
 from noloco_node.rpc import peer_pb2 as pb
-from noloco_node.wire import Payload, TensorLayout, build_manifest, layout_of
+from noloco_node.wire import Payload, ReceiveBuffers, TensorLayout, build_manifest, layout_of
 
 RUN = "bench-exchange"
 TCP_BUFFER = 4 * 2**20
@@ -50,6 +54,7 @@ class _BenchPeer:
         manifest = build_manifest(named, wire_dtype=wire_dtype, run_fingerprint=RUN, peer_id=self.peer_id, outer_step=1)
         self._outgoing = Outgoing(manifest, [t for _, t in named])
         self.received = 0
+        self.receive_buffers = ReceiveBuffers(max_idle_bytes=self.max_payload_bytes())
 
     def expected_layout(self) -> list[TensorLayout]:
         return self.layout
@@ -65,6 +70,7 @@ class _BenchPeer:
 
     def complete(self, payload: Payload) -> None:
         self.received += 1
+        payload.release()  # as a node does once it has blended
 
     def release(self) -> None:
         pass
@@ -72,8 +78,16 @@ class _BenchPeer:
     def info(self) -> pb.InfoReply:
         return pb.InfoReply(peer_id=self.peer_id, run_fingerprint=RUN)
 
-    def state_snapshot(self) -> None:
-        return None
+    def state_snapshot(self) -> Outgoing:
+        return self._state
+
+    def serve_state(self, named: list[tuple[str, torch.Tensor]]) -> None:
+        """A joiner's download, one way: the weights in fp32, as a donor serves its snapshot."""
+        metadata = json.dumps({"inner_step": 0, "outer_step": 1, "adam_step": 0})
+        manifest = build_manifest(
+            named, wire_dtype="fp32", run_fingerprint=RUN, peer_id=self.peer_id, outer_step=1, metadata_json=metadata
+        )
+        self._state = Outgoing(manifest, [t for _, t in named])
 
 
 def _enter(namespace: str | None) -> None:
@@ -90,6 +104,7 @@ def _server_process(
     torch.set_num_threads(1)
     named = _weights(size, vocab, seed=1)
     peer = _BenchPeer(named, wire_dtype)
+    peer.serve_state(named)
     baseline = _rss_mb()
     server, port = start_server(peer, ExchangeMetrics(), bind=f"{host}:0", chunk_bytes=chunk_bytes)
     conn.send(port)
@@ -113,6 +128,7 @@ def _client_process(
     named = _weights(size, vocab, seed=2)
     manifest = build_manifest(named, wire_dtype=wire_dtype, run_fingerprint=RUN, peer_id="bench-client", outer_step=1)
     outgoing = Outgoing(manifest, [t for _, t in named])
+    buffers = ReceiveBuffers(max_idle_bytes=sum(t.numel() for _, t in named) * 4)
     baseline = _rss_mb()
     seconds = []
     for _ in range(repeats):
@@ -125,10 +141,27 @@ def _client_process(
             max_payload_bytes=sum(t.numel() for _, t in named) * 4 + 1024,
             timeout=600,
             chunk_bytes=chunk_bytes,
+            buffers=buffers,
         )
         seconds.append(time.perf_counter() - started)
-        del payload
-    conn.send({"seconds": seconds, "baseline_rss_mb": baseline, "peak_rss_mb": _rss_mb()})
+        payload.release()
+    exchange_peak = _rss_mb()
+    download_seconds = []
+    for _ in range(repeats):
+        started = time.perf_counter()
+        tensors, _ = download_state(
+            address, [(n, tuple(t.shape)) for n, t in named], run_fingerprint=RUN, peer_id="bench-client", timeout=600
+        )
+        download_seconds.append(time.perf_counter() - started)
+        del tensors
+    conn.send(
+        {
+            "seconds": seconds,
+            "download_seconds": download_seconds,
+            "baseline_rss_mb": baseline,
+            "peak_rss_mb": exchange_peak,
+        }
+    )
 
 
 def _tcp_receiver(total: int, listener_port: Any, both_ways: bool, conn: Any, namespace: str | None, host: str) -> None:
@@ -206,6 +239,64 @@ def _raw_tcp_seconds(
     return elapsed
 
 
+def _bare_grpc_server(chunks: int, chunk_bytes: int, conn: Any, namespace: str | None, host: str) -> None:
+    """gRPC alone: a bidirectional stream of ready-made byte messages, nothing converted, checked or copied."""
+    _enter(namespace)
+    blob = b"\0" * chunk_bytes
+
+    def echo(requests: Any, context: Any) -> Any:
+        reader = threading.Thread(target=lambda: sum(1 for _ in requests))
+        reader.start()
+        for _ in range(chunks):
+            yield blob
+        reader.join()
+
+    handler = grpc.method_handlers_generic_handler("bench.Bare", {"Both": grpc.stream_stream_rpc_method_handler(echo)})
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=4), options=CHANNEL_OPTIONS)
+    server.add_generic_rpc_handlers((handler,))
+    conn.send(server.add_insecure_port(f"{host}:0"))
+    server.start()
+    conn.recv()
+    server.stop(grace=None)
+
+
+def _bare_grpc_seconds(total: int, chunk_bytes: int, repeats: int, where: Where) -> float:
+    """The floor any gRPC transport has on this path: ``total`` bytes each way in ``chunk_bytes`` messages."""
+    (server_ns, server_host), (client_ns, _) = where
+    chunks = -(-total // chunk_bytes)
+    ctx = mp.get_context("spawn")
+    server_rx, server_tx = ctx.Pipe()
+    server = ctx.Process(target=_bare_grpc_server, args=(chunks, chunk_bytes, server_tx, server_ns, server_host))
+    server.start()
+    port = server_rx.recv()
+    result_rx, result_tx = ctx.Pipe(duplex=False)
+    client = ctx.Process(
+        target=_bare_grpc_client, args=(chunks, chunk_bytes, f"{server_host}:{port}", repeats, result_tx, client_ns)
+    )
+    client.start()
+    seconds = result_rx.recv()
+    client.join()
+    server_rx.send("stop")
+    server.join()
+    return seconds
+
+
+def _bare_grpc_client(
+    chunks: int, chunk_bytes: int, address: str, repeats: int, conn: Any, namespace: str | None
+) -> None:
+    _enter(namespace)
+    blob = b"\0" * chunk_bytes
+    with grpc.insecure_channel(address, options=CHANNEL_OPTIONS) as channel:
+        both = channel.stream_stream("/bench.Bare/Both")
+        seconds = []
+        for _ in range(repeats):
+            started = time.perf_counter()
+            for _ in both(iter([blob] * chunks), timeout=600):
+                pass
+            seconds.append(time.perf_counter() - started)
+    conn.send(min(seconds))
+
+
 @dataclass
 class ExchangeBenchResult:
     payload_bytes: int
@@ -213,28 +304,43 @@ class ExchangeBenchResult:
     exchange_seconds: float
     tcp_one_way_seconds: float
     tcp_both_ways_seconds: float
+    bare_grpc_seconds: float
+    download_seconds: float
+    tcp_download_seconds: float
     client_extra_rss_mb: float
     server_extra_rss_mb: float
     link_rate: str | None = None
 
     def report(self, size: str, wire_dtype: str) -> str:
-        gb = self.payload_bytes / 1e9
+        gb, state_gb = self.payload_bytes / 1e9, self.model_fp32_bytes / 1e9
+
+        def rate(label: str, seconds: float, amount: float = gb, unit: str = "per direction") -> str:
+            return f"  {label:<36}{amount / seconds:6.2f} GB/s {unit} ({seconds:.3f} s)"
+
         lines = [
-            f"model {size}: {self.model_fp32_bytes / 1e6:.0f} MB of fp32 weights; payload per direction "
-            f"{self.payload_bytes / 1e6:.0f} MB ({wire_dtype} on the wire)",
-            f"raw TCP, one way:              {gb / self.tcp_one_way_seconds:6.2f} GB/s "
-            f"({self.tcp_one_way_seconds:.3f} s)",
-            f"raw TCP, both ways at once:    {gb / self.tcp_both_ways_seconds:6.2f} GB/s per direction "
-            f"({self.tcp_both_ways_seconds:.3f} s)",
-            f"noloco exchange (both ways):   {gb / self.exchange_seconds:6.2f} GB/s per direction "
-            f"({self.exchange_seconds:.3f} s, best of the runs)",
-            "ratio to raw TCP doing the same transfer (both ways): "
+            f"model {size}: {self.model_fp32_bytes / 1e6:.0f} MB of fp32 weights; exchange payload "
+            f"{self.payload_bytes / 1e6:.0f} MB per direction ({wire_dtype} on the wire)",
+            "exchange: both directions at once, as a pairing does",
+            rate("raw TCP, one way:", self.tcp_one_way_seconds, unit="         "),
+            rate("raw TCP, both ways at once:", self.tcp_both_ways_seconds),
+            rate("bare gRPC, both ways (no work):", self.bare_grpc_seconds),
+            rate("noloco exchange, both ways:", self.exchange_seconds),
+            f"  ratio to raw TCP doing the same transfer (both ways):    "
             f"{self.tcp_both_ways_seconds / self.exchange_seconds:.0%}",
-            "ratio to raw TCP one way (the issue's reference):     "
+            f"  ratio to raw TCP one way, per direction:                 "
             f"{self.tcp_one_way_seconds / self.exchange_seconds:.0%}",
+            f"  ratio to raw TCP one way, bytes moved (both directions): "
+            f"{2 * self.tcp_one_way_seconds / self.exchange_seconds:.0%}",
+            f"  ratio to bare gRPC both ways (gRPC's own ceiling here):  "
+            f"{self.bare_grpc_seconds / self.exchange_seconds:.0%}",
+            "state download: one way, fp32 weights, as a joiner fetches a donor's snapshot (GetState)",
+            rate("raw TCP, one way:", self.tcp_download_seconds, state_gb, "         "),
+            rate("noloco GetState, one way:", self.download_seconds, state_gb, "         "),
+            f"  ratio to raw TCP one way:                                "
+            f"{self.tcp_download_seconds / self.download_seconds:.0%}",
             *(
                 [
-                    f"ratio to the nominal link rate ({self.link_rate}):             "
+                    f"ratio of the exchange to the nominal link rate ({self.link_rate}), per direction: "
                     f"{self.payload_bytes * 8 / self.exchange_seconds / _bits_per_second(self.link_rate):.0%}"
                 ]
                 if self.link_rate
@@ -310,6 +416,9 @@ def _run(size: str, vocab: int, wire_dtype: str, chunk_bytes: int, repeats: int,
         exchange_seconds=min(client_report["seconds"]),
         tcp_one_way_seconds=min(_raw_tcp_seconds(payload, both_ways=False, where=where) for _ in range(repeats)),
         tcp_both_ways_seconds=min(_raw_tcp_seconds(payload, both_ways=True, where=where) for _ in range(repeats)),
+        bare_grpc_seconds=_bare_grpc_seconds(payload, chunk_bytes, repeats, where),
+        download_seconds=min(client_report["download_seconds"]),
+        tcp_download_seconds=min(_raw_tcp_seconds(numel * 4, both_ways=False, where=where) for _ in range(repeats)),
         client_extra_rss_mb=client_report["peak_rss_mb"] - client_report["baseline_rss_mb"],
         server_extra_rss_mb=server_report["peak_rss_mb"] - server_report["baseline_rss_mb"],
     )

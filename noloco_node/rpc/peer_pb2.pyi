@@ -43,16 +43,16 @@ class Manifest(_message.Message):
     def __init__(self, run_fingerprint: _Optional[str] = ..., peer_id: _Optional[str] = ..., outer_step: _Optional[int] = ..., tensors: _Optional[_Iterable[_Union[TensorSpec, _Mapping]]] = ..., metadata_json: _Optional[str] = ...) -> None: ...
 
 class Chunk(_message.Message):
-    __slots__ = ("tensor_index", "offset", "data", "crc32")
+    __slots__ = ("tensor_index", "offset", "data", "checksum")
     TENSOR_INDEX_FIELD_NUMBER: _ClassVar[int]
     OFFSET_FIELD_NUMBER: _ClassVar[int]
     DATA_FIELD_NUMBER: _ClassVar[int]
-    CRC32_FIELD_NUMBER: _ClassVar[int]
+    CHECKSUM_FIELD_NUMBER: _ClassVar[int]
     tensor_index: int
     offset: int
     data: bytes
-    crc32: int
-    def __init__(self, tensor_index: _Optional[int] = ..., offset: _Optional[int] = ..., data: _Optional[bytes] = ..., crc32: _Optional[int] = ...) -> None: ...
+    checksum: int
+    def __init__(self, tensor_index: _Optional[int] = ..., offset: _Optional[int] = ..., data: _Optional[bytes] = ..., checksum: _Optional[int] = ...) -> None: ...
 
 class End(_message.Message):
     __slots__ = ("total_bytes",)

@@ -11,7 +11,10 @@ from noloco_node.wire import (
     MAX_CHUNK_BYTES,
     PayloadError,
     PayloadReceiver,
+    ReceiveBuffers,
     build_manifest,
+    chunk_checksum,
+    encode_chunk_frame,
     iter_frames,
     layout_of,
 )
@@ -28,11 +31,16 @@ def named(seed: int = 0) -> list[tuple[str, torch.Tensor]]:
     ]
 
 
-def frames(
+def encoded(
     tensors: list[tuple[str, torch.Tensor]], *, wire_dtype: str = "fp32", chunk_bytes: int = 1000, run: str = RUN
-) -> list[pb.Frame]:
+) -> list[bytes]:
     manifest = build_manifest(tensors, wire_dtype=wire_dtype, run_fingerprint=run, peer_id="peer-1", outer_step=4)
     return list(iter_frames(manifest, [t for _, t in tensors], chunk_bytes=chunk_bytes))
+
+
+def frames(tensors: list[tuple[str, torch.Tensor]], **kwargs: object) -> list[pb.Frame]:
+    """The same payload as protobuf objects (parsed by protobuf itself), for tests that tamper with fields."""
+    return [pb.Frame.FromString(raw) for raw in encoded(tensors, **kwargs)]
 
 
 def receiver(tensors: list[tuple[str, torch.Tensor]] | None = None, **kwargs: object) -> PayloadReceiver:
@@ -40,14 +48,15 @@ def receiver(tensors: list[tuple[str, torch.Tensor]] | None = None, **kwargs: ob
     return PayloadReceiver(layout_of(tensors or named()), **options)
 
 
-def receive(stream: list[pb.Frame], rx: PayloadReceiver | None = None):
+def receive(stream: list[pb.Frame] | list[bytes], rx: PayloadReceiver | None = None):
+    """Feed a stream; protobuf objects are serialized by protobuf, so both encoders' output is read."""
     rx = rx or receiver()
     for frame in stream:
-        rx.feed(frame)
+        rx.feed(frame if isinstance(frame, bytes) else frame.SerializeToString())
     return rx.finish()
 
 
-def refused(stream: list[pb.Frame], rx: PayloadReceiver | None = None) -> PayloadError:
+def refused(stream: list[pb.Frame] | list[bytes], rx: PayloadReceiver | None = None) -> PayloadError:
     with pytest.raises(PayloadError) as error:
         receive(stream, rx)
     return error.value
@@ -59,10 +68,43 @@ def test_fp32_round_trip_is_exact_and_chunked() -> None:
     chunks = [f.chunk for f in stream if f.WhichOneof("body") == "chunk"]
     assert all(len(c.data) <= 1000 for c in chunks)
     assert len(chunks) == 9 + 1 + 1  # 8400 bytes -> 9 chunks, 20 -> 1, 96 -> 1
-    payload = receive(stream)
-    assert payload.peer_id == "peer-1" and payload.outer_step == 4
-    for name, tensor in tensors:
-        assert torch.equal(payload.tensors[name], tensor)
+    for fed in (stream, encoded(tensors, chunk_bytes=1000)):  # re-encoded by protobuf, and the hand-written bytes
+        payload = receive(fed)
+        assert payload.peer_id == "peer-1" and payload.outer_step == 4
+        for name, tensor in tensors:
+            assert torch.equal(payload.tensors[name], tensor)
+
+
+def test_hand_encoded_chunk_frames_are_the_protos_encoding() -> None:
+    """What protobuf parses from our bytes is what we meant, and protobuf's own encoding reads back the same."""
+    data = bytes(range(256)) * 3
+    raw = encode_chunk_frame(5, 3 * 2**40, data, 2**64 - 1)
+    frame = pb.Frame.FromString(raw)
+    assert frame.WhichOneof("body") == "chunk"
+    assert (frame.chunk.tensor_index, frame.chunk.offset, frame.chunk.data, frame.chunk.checksum) == (
+        5,
+        3 * 2**40,
+        data,
+        2**64 - 1,
+    )
+    assert pb.Frame.FromString(frame.SerializeToString()) == frame
+
+
+def test_frames_protobuf_would_refuse_are_malformed() -> None:
+    stream = encoded(named())
+    chunk = stream[1]
+    two_bodies = chunk + stream[-1]  # protobuf would merge these; a conforming sender never writes them
+    bad_wire_type = bytes([0x12, 2, (3 << 3) | 0, 1])  # a chunk whose data field is a varint
+    for frame in (chunk[: len(chunk) // 2], two_bodies, bad_wire_type, b"\x12\xff"):
+        error = refused([stream[0], frame])
+        assert (error.code, error.reason) == (grpc.StatusCode.INVALID_ARGUMENT, "malformed_frame"), error.message
+
+
+def test_a_chunk_that_splits_a_value_is_refused() -> None:
+    stream = encoded(named())  # fp32: 4 bytes a value
+    data = b"\0" * 6
+    error = refused([stream[0], encode_chunk_frame(0, 0, data, chunk_checksum(data))])
+    assert error.reason == "chunk_alignment"
 
 
 def test_bf16_is_the_compact_wire_format() -> None:
@@ -104,7 +146,7 @@ def test_manifests_that_do_not_match_are_invalid(mutate, reason: str) -> None:
 def test_oversized_payload_is_refused_before_allocation() -> None:
     rx = receiver(max_total_bytes=1000)
     with pytest.raises(PayloadError) as error:
-        rx.feed(frames(named())[0])
+        rx.feed(encoded(named())[0])
     assert error.value.code == grpc.StatusCode.RESOURCE_EXHAUSTED
     assert rx._buffers == []  # nothing was allocated
 
@@ -140,7 +182,7 @@ def test_a_chunk_that_overflows_its_tensor_is_invalid() -> None:
     stream = frames(named())
     last_b = next(f for f in stream if f.WhichOneof("body") == "chunk" and f.chunk.tensor_index == 1)
     data = last_b.chunk.data + b"\0\0\0\0"
-    last_b.chunk.data, last_b.chunk.crc32 = data, __import__("zlib").crc32(data)
+    last_b.chunk.data, last_b.chunk.checksum = data, chunk_checksum(data)
     assert refused(stream).reason == "chunk_bounds"
 
 
@@ -155,4 +197,32 @@ def test_non_finite_values_are_refused(bad: float) -> None:
 def test_sender_refuses_impossible_chunk_sizes() -> None:
     manifest = build_manifest(named(), wire_dtype="fp32", run_fingerprint=RUN, peer_id="p", outer_step=0)
     with pytest.raises(ValueError):
-        list(iter_frames(manifest, [t for _, t in named()], chunk_bytes=MAX_CHUNK_BYTES + 1))
+        list(iter_frames(manifest, [t for _, t in named()], chunk_bytes=MAX_CHUNK_BYTES + 4))
+    with pytest.raises(ValueError):
+        list(iter_frames(manifest, [t for _, t in named()], chunk_bytes=1001))  # would split values
+
+
+def test_released_buffers_take_the_next_payload_and_live_ones_are_never_shared() -> None:
+    pool = ReceiveBuffers(max_idle_bytes=10**6)
+    first = receive(encoded(named(1)), receiver(buffers=pool))
+    second = receive(encoded(named(2)), receiver(buffers=pool))  # the first is still held: fresh buffers
+    pointers = lambda p: {t.untyped_storage().data_ptr() for t in p.tensors.values()}  # noqa: E731
+    first_pointers = pointers(first)
+    assert not first_pointers & pointers(second) and pool.reused == 0
+    first.release()
+    third = receive(encoded(named(3)), receiver(buffers=pool))
+    assert pointers(third) == first_pointers and pool.reused == 3
+    for name, tensor in named(3):
+        assert torch.equal(third.tensors[name], tensor)
+    assert torch.equal(second.tensors["theta/a"], named(2)[0][1])  # untouched by the reuse
+
+
+def test_a_refused_payload_gives_its_buffers_back_and_the_pool_is_bounded() -> None:
+    pool = ReceiveBuffers(max_idle_bytes=8400)  # room for tensor a (8400 bytes in fp32) only
+    rx = receiver(buffers=pool)
+    stream = tamper(1, lambda s, f: setattr(f.chunk, "checksum", f.chunk.checksum ^ 1))
+    with pytest.raises(PayloadError):
+        for frame in stream:
+            rx.feed(frame.SerializeToString())
+    rx.discard()
+    assert receive(encoded(named()), receiver(buffers=pool)) is not None and pool.reused == 1
