@@ -7,7 +7,6 @@ pydantic model with the field's name and nothing runs.
 from __future__ import annotations
 
 import argparse
-import logging
 import os
 import sys
 from collections.abc import Sequence
@@ -29,6 +28,8 @@ from noloco_node.config import (
     model_config_for,
 )
 from noloco_node.data import DataError
+from noloco_node.logs import configure_logging
+from noloco_node.status_client import StatusClientError
 
 # flag -> (settings section, field, type, help). Defaults are not repeated here: they come from config.py.
 _TRAIN_FLAGS: dict[str, tuple[str, str, type, str]] = {
@@ -70,6 +71,12 @@ _NODE_FLAGS: dict[str, tuple[str, str, type, str]] = {
     "--shard-index": ("node", "shard_index", int, "this node's shard (default: from its peer id)"),
     "--torch-threads": ("node", "torch_threads", int, "torch intra-op threads (0: default)"),
     "--checkpoint-every": ("node", "checkpoint_every", int, "outer steps between checkpoints"),
+    "--status-host": ("node", "status_host", str, "address the HTTP status endpoint binds (0.0.0.0: public)"),
+    "--status-port": ("node", "status_port", int, "HTTP status port: /, /status, /metrics, /healthz (0: ephemeral)"),
+    "--degraded-after": ("node", "degraded_after", float, "seconds without peers before health says degraded"),
+    "--stall-after": ("node", "stall_after", float, "seconds without trainer progress before /healthz is 503"),
+    "--failure-linger": ("node", "failure_linger", float, "seconds to keep serving status after the trainer dies"),
+    "--fail-at-inner-step": ("node", "fail_at_inner_step", int, "fault injection: the trainer raises at this step"),
 }
 
 
@@ -98,6 +105,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="noloco-node", description=__doc__.splitlines()[0])
     parser.add_argument("--version", action="version", version=f"noloco-node {__version__}")
     parser.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"])
+    parser.add_argument(
+        "--log-format", default="text", choices=["text", "json"], help="text lines, or one JSON object per line"
+    )
     commands = parser.add_subparsers(dest="command", required=True)
 
     simulate = commands.add_parser(
@@ -166,6 +176,36 @@ def build_parser() -> argparse.ArgumentParser:
     exchange.add_argument(
         "--link-rate", help="run over a veth pair shaped with tc tbf to this rate, e.g. 1gbit (needs root)"
     )
+    status_bench = benches.add_parser(
+        "status",
+        help="training throughput of a real node with and without a client polling /status 10 times a second",
+    )
+    status_bench.add_argument("--model", default="tiny", choices=list(MODEL_SIZES), help="model size the node trains")
+    status_bench.add_argument("--window", type=float, default=20.0, help="seconds of each measured phase")
+    status_bench.add_argument("--rounds", type=int, default=3, help="alternations of quiet and polled phases")
+    status_bench.add_argument("--poll-hz", type=float, default=10.0, help="requests per second while polled")
+
+    status = commands.add_parser(
+        "status",
+        help="one node's status as a readable table (from its status endpoint or its data directory)",
+        description="Read GET /status of a running node (or status.json in a data directory), check it against "
+        "the schema and print it; exit 1 when the node's /healthz would answer 503.",
+    )
+    source = status.add_mutually_exclusive_group()
+    source.add_argument("--url", default="http://127.0.0.1:8470", help="the node's status endpoint")
+    source.add_argument("--data-dir", type=Path, help="read status.json from this node data directory instead")
+    status.add_argument("--json", action="store_true", help="print the status document as JSON")
+    status.add_argument("--schema", action="store_true", help="print the status JSON Schema and exit")
+
+    peers = commands.add_parser(
+        "peers",
+        help="the swarm as seen from the DHT: live peers of a run, their steps, addresses and record age",
+        description="Join the DHT as a read-only client and list the live peers of a run. The run is given by "
+        "--run-fingerprint, or taken (with the bootstrap addresses) from a node's status endpoint with --url.",
+    )
+    peers.add_argument("--bootstrap", nargs="*", default=[], help="multiaddrs of DHT peers")
+    peers.add_argument("--run-fingerprint", help="the run (printed by `noloco-node status`)")
+    peers.add_argument("--url", help="a node's status endpoint: its run and DHT addresses are used")
 
     bootstrap = commands.add_parser(
         "bootstrap",
@@ -284,7 +324,39 @@ def _swarm(args: argparse.Namespace) -> int:
     return run_swarm(args.nodes, args.out, passthrough)
 
 
+def _status(args: argparse.Namespace) -> int:
+    from noloco_node.status_client import fetch_status, format_status, read_status_file, status_schema
+
+    if args.schema:
+        print(status_schema())
+        return 0
+    status = read_status_file(args.data_dir) if args.data_dir else fetch_status(args.url)
+    print(status.model_dump_json(indent=2) if args.json else format_status(status))
+    return 0 if status.health.ok else 1
+
+
+def _peers(args: argparse.Namespace) -> int:
+    from noloco_node.status_client import fetch_status, format_peers, list_peers
+
+    bootstrap, fingerprint = list(args.bootstrap), args.run_fingerprint
+    if args.url:
+        status = fetch_status(args.url)
+        bootstrap = bootstrap or status.dht_maddrs
+        fingerprint = fingerprint or status.run_fingerprint
+    if not fingerprint or not bootstrap:
+        raise SystemExit("noloco-node peers: give --bootstrap and --run-fingerprint, or --url of a running node")
+    print(format_peers(list_peers(bootstrap, fingerprint), fingerprint))
+    return 0
+
+
 def _bench(args: argparse.Namespace) -> int:
+    if args.bench == "status":
+        from noloco_node.bench.status import run_status_bench
+
+        print(f"noloco-node bench status: model {args.model}, {os.cpu_count()} CPUs")
+        result = run_status_bench(args.model, window=args.window, rounds=args.rounds, poll_hz=args.poll_hz)
+        print(result.report())
+        return 0
     from noloco_node.bench.exchange import run_exchange_bench
 
     result = run_exchange_bench(
@@ -318,9 +390,7 @@ def _bootstrap(args: argparse.Namespace) -> int:
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
-    logging.basicConfig(
-        level=args.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s", stream=sys.stderr
-    )
+    configure_logging(args.log_level, args.log_format)
     handlers = {
         "simulate": _simulate,
         "train": _train,
@@ -329,13 +399,15 @@ def main(argv: Sequence[str] | None = None) -> int:
         "join": _join,
         "swarm": _swarm,
         "bench": _bench,
+        "status": _status,
+        "peers": _peers,
     }
     try:
         return handlers[args.command](args)
     except ValidationError as error:
         print(f"noloco-node {args.command}: bad configuration\n{format_validation_error(error)}", file=sys.stderr)
         return 2
-    except DataError as error:
+    except (DataError, StatusClientError) as error:
         print(f"noloco-node {args.command}: {error}", file=sys.stderr)
         return 2
     except Exception as error:

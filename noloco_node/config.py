@@ -197,6 +197,16 @@ class NodeConfig(_Settings):
     shard_index: int | None = Field(None, ge=0, description="This node's shard (default: from its peer id).")
     torch_threads: int = Field(0, ge=0, description="Torch intra-op threads (0: torch's default).")
     download_state: bool = Field(True, description="Joining a run in progress: download a peer's state.")
+    status_host: str = Field("127.0.0.1", description="Address the HTTP status endpoint binds (0.0.0.0: public).")
+    status_port: int = Field(8470, ge=0, lt=65536, description="HTTP status port (0: an ephemeral port).")
+    degraded_after: float = Field(600.0, gt=0, description="Seconds without any live peer before health degrades.")
+    stall_after: float = Field(600.0, gt=0, description="Seconds without trainer progress before /healthz answers 503.")
+    failure_linger: float = Field(
+        60.0, ge=0, description="After the trainer dies, seconds to keep serving status (the reason) before exit."
+    )
+    fail_at_inner_step: int | None = Field(
+        None, ge=1, description="Fault injection for tests and drills: the trainer raises at this inner step."
+    )
 
     @model_validator(mode="after")
     def _shard_in_range(self) -> NodeConfig:

@@ -90,6 +90,7 @@ class Discovery:
         announce_maddrs: Sequence[str] | None = None,
         record_ttl: float = DEFAULT_RECORD_TTL,
         dht_timeout: float = DEFAULT_DHT_TIMEOUT,
+        client_mode: bool = False,
     ) -> None:
         self.run_fingerprint = run_fingerprint
         self.key = peers_key(run_fingerprint)
@@ -98,6 +99,7 @@ class Discovery:
         self._dht_kwargs: dict[str, Any] = {
             "initial_peers": list(initial_peers) or None,
             "host_maddrs": list(host_maddrs),
+            "client_mode": client_mode,  # a reader only (`noloco-node peers`): dials out, accepts nothing
         }
         if announce_maddrs:
             self._dht_kwargs["announce_maddrs"] = list(announce_maddrs)

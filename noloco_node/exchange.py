@@ -20,7 +20,7 @@ import json
 import logging
 import threading
 import time
-from collections import Counter
+from collections import Counter, deque
 from collections.abc import Iterator, Sequence
 from concurrent import futures
 from dataclasses import dataclass
@@ -96,15 +96,27 @@ class PeerNode(Protocol):
         """The full replica state at the last outer step, for joiners; None when there is none yet."""
 
 
-class ExchangeMetrics:
-    """Counters of exchanges by outcome, refused payloads by reason, and bytes: thread-safe."""
+# Upper bounds (s) of the exchange-duration histogram's buckets: loopback exchanges of small models take
+# milliseconds, a 1.3B model over a 100 Mbit/s link takes minutes.
+DURATION_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0)
 
-    def __init__(self) -> None:
+
+class ExchangeMetrics:
+    """Exchanges by outcome, refused payloads by reason, bytes, a duration histogram and the last exchanges.
+
+    Thread-safe: the gRPC server's threads, the callers' worker threads and the status endpoint all touch it.
+    """
+
+    def __init__(self, keep_recent: int = 50) -> None:
         self._lock = threading.Lock()
         self.outcomes: Counter[str] = Counter()
         self.rejected: Counter[str] = Counter()
         self.bytes_sent = 0
         self.bytes_received = 0
+        self.recent: deque[dict[str, Any]] = deque(maxlen=keep_recent)
+        self.duration_bucket_counts = [0] * len(DURATION_BUCKETS)  # cumulative, as Prometheus wants them
+        self.duration_sum = 0.0
+        self.duration_count = 0
 
     def outcome(self, name: str) -> None:
         with self._lock:
@@ -118,6 +130,41 @@ class ExchangeMetrics:
         with self._lock:
             self.bytes_sent += sent
             self.bytes_received += received
+
+    def record(self, *, peer: str, role: str, outcome: str, seconds: float, sent: int, received: int) -> None:
+        """One finished exchange: counted by outcome, timed, and kept in the recent list."""
+        with self._lock:
+            self.outcomes[outcome] += 1
+            self.duration_sum += seconds
+            self.duration_count += 1
+            for index, bound in enumerate(DURATION_BUCKETS):
+                if seconds <= bound:
+                    self.duration_bucket_counts[index] += 1
+            self.recent.append(
+                {
+                    "peer": peer,
+                    "role": role,
+                    "outcome": outcome,
+                    "seconds": seconds,
+                    "bytes_sent": sent,
+                    "bytes_received": received,
+                    "time": time.time(),
+                }
+            )
+
+    def snapshot(self) -> dict[str, Any]:
+        """A consistent copy of everything, for the status endpoint and the metrics page."""
+        with self._lock:
+            return {
+                "outcomes": dict(self.outcomes),
+                "rejected": dict(self.rejected),
+                "bytes_sent": self.bytes_sent,
+                "bytes_received": self.bytes_received,
+                "recent": list(self.recent),
+                "duration_buckets": list(zip(DURATION_BUCKETS, self.duration_bucket_counts, strict=True)),
+                "duration_sum": self.duration_sum,
+                "duration_count": self.duration_count,
+            }
 
 
 class PeerService:
@@ -158,10 +205,29 @@ class PeerService:
         except PayloadError as error:
             self._refuse(context, error)
         assert receiver.manifest is not None
-        session = self.node.open_session(receiver.manifest.peer_id, receiver.manifest.outer_step)
+        partner = receiver.manifest.peer_id
+        started = time.monotonic()
+        sent = 0
+
+        def count_sent(n: int) -> None:
+            nonlocal sent
+            sent += n
+            self.metrics.add_bytes(sent=n)
+
+        def finish(outcome: str) -> None:
+            self.metrics.record(
+                peer=partner,
+                role="served",
+                outcome=outcome,
+                seconds=time.monotonic() - started,
+                sent=sent,
+                received=receiver.bytes_received,
+            )
+
+        session = self.node.open_session(partner, receiver.manifest.outer_step)
         if session is None:
             receiver.discard()
-            self.metrics.outcome("busy")
+            finish("busy")
             context.abort(grpc.StatusCode.ABORTED, f"{self.node.peer_id} is busy or not ready to pair")
         reader: threading.Thread | None = None
         try:
@@ -180,21 +246,22 @@ class PeerService:
             reader = threading.Thread(target=consume, name="exchange-reader", daemon=True)
             reader.start()
             outgoing = session.outgoing()
-            yield from iter_frames(
-                outgoing.manifest,
-                outgoing.tensors,
-                chunk_bytes=self.chunk_bytes,
-                on_chunk=lambda n: self.metrics.add_bytes(sent=n),
-            )
+            try:
+                yield from iter_frames(
+                    outgoing.manifest, outgoing.tensors, chunk_bytes=self.chunk_bytes, on_chunk=count_sent
+                )
+            except GeneratorExit:  # the caller went away while we were still sending
+                finish("aborted")
+                raise
             remaining = context.time_remaining()
             limit = self.max_call_seconds if remaining is None else min(remaining, self.max_call_seconds)
             reader.join(timeout=max(0.0, limit))
             self.metrics.add_bytes(received=receiver.bytes_received)
             if reader.is_alive() or "broken" in outcome:
-                self.metrics.outcome("aborted")
+                finish("aborted")
                 log.warning(
                     "exchange with %s aborted: the partner's payload did not arrive whole (%s)",
-                    receiver.manifest.peer_id,
+                    partner,
                     outcome.get("broken", "deadline"),
                 )
                 context.abort(
@@ -202,9 +269,13 @@ class PeerService:
                     "the partner's payload did not arrive whole",
                 )
             if "error" in outcome:
-                self._refuse(context, outcome["error"])  # type: ignore[arg-type]
+                error = outcome["error"]
+                assert isinstance(error, PayloadError)
+                self.metrics.rejection(error.reason)
+                finish("refused_payload")
+                context.abort(error.code, error.message)
             session.complete(outcome["payload"])  # type: ignore[arg-type]
-            self.metrics.outcome("completed")
+            finish("completed")
         finally:
             session.release()
             if reader is None or not reader.is_alive():  # a reader still running owns the buffers until it stops
@@ -313,24 +384,46 @@ def exchange_with(
     metrics: ExchangeMetrics | None = None,
     chunk_bytes: int = DEFAULT_CHUNK_BYTES,
     buffers: ReceiveBuffers | None = None,
+    peer: str | None = None,
 ) -> Payload:
     """Exchange payloads with the peer at ``address``; returns its verified payload or raises ExchangeError.
 
-    Blocking (call it from a worker thread); the whole call, connection included, is bounded by ``timeout``.
+    Blocking (call it from a worker thread); the whole call, connection included, is bounded by ``timeout``. With
+    ``metrics``, the exchange is recorded under ``peer`` (default: the address) whatever its outcome.
     """
     receiver = PayloadReceiver(
         expected, run_fingerprint=run_fingerprint, max_total_bytes=max_payload_bytes, buffers=buffers
     )
     started = time.monotonic()
-    with grpc.insecure_channel(address, options=CHANNEL_OPTIONS) as channel:
-        count_sent = None if metrics is None else (lambda n: metrics.add_bytes(sent=n))
-        frames = iter_frames(outgoing.manifest, outgoing.tensors, chunk_bytes=chunk_bytes, on_chunk=count_sent)
-        call = channel.stream_stream(EXCHANGE_METHOD)(frames, timeout=timeout)
-        try:
+    sent = 0
+
+    def count_sent(n: int) -> None:
+        nonlocal sent
+        sent += n
+        if metrics is not None:
+            metrics.add_bytes(sent=n)
+
+    outcome = "failed"
+    try:
+        with grpc.insecure_channel(address, options=CHANNEL_OPTIONS) as channel:
+            frames = iter_frames(outgoing.manifest, outgoing.tensors, chunk_bytes=chunk_bytes, on_chunk=count_sent)
+            call = channel.stream_stream(EXCHANGE_METHOD)(frames, timeout=timeout)
             payload = _receive(call, receiver, address, "payload", metrics)
-        finally:
-            if metrics is not None:
-                metrics.add_bytes(received=receiver.bytes_received)
+        outcome = "completed"
+    except ExchangeError as error:
+        outcome = "busy" if error.reason == "busy" else "failed"
+        raise
+    finally:
+        if metrics is not None:
+            metrics.add_bytes(received=receiver.bytes_received)
+            metrics.record(
+                peer=peer or address,
+                role="caller",
+                outcome=outcome,
+                seconds=time.monotonic() - started,
+                sent=sent,
+                received=receiver.bytes_received,
+            )
     log.debug("exchange with %s: %d bytes in %.3fs", address, receiver.bytes_received, time.monotonic() - started)
     return payload
 

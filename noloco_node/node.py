@@ -50,11 +50,16 @@ from noloco_node.exchange import (
     Outgoing,
     download_state,
     exchange_with,
+    fetch_info,
     start_server,
 )
+from noloco_node.metrics import render_metrics
 from noloco_node.model import LlamaDecoder, named_parameters_ordered, run_fingerprint
 from noloco_node.pairing import OfferBook, PairingRound
 from noloco_node.rpc import peer_pb2 as pb
+from noloco_node.status import ExchangeRecord, Health, NodeStatus, OuterStepRecord
+from noloco_node.status_server import StatusServer, status_page
+from noloco_node.telemetry import HealthInputs, Telemetry
 from noloco_node.trainer import Replica, load_checkpoint, save_checkpoint
 from noloco_node.wire import Payload, ReceiveBuffers, TensorLayout, build_manifest
 
@@ -104,10 +109,15 @@ class Node:
         self._last_paired: dict[str, int] = {}  # peer id -> outer step of the last blend with it
         self._last_partner: str | None = None
         self._known_peers: set[str] = set()  # live peers of the run at the last DHT lookup
-        self.exchange_log: list[dict[str, Any]] = []
-        self.history: list[dict[str, Any]] = []
+        self.telemetry = Telemetry(
+            tokens_per_step=train_cfg.batch_size * train_cfg.seq_len,
+            degraded_after=node_cfg.degraded_after,
+            stall_after=node_cfg.stall_after,
+        )
+        self.trainer: threading.Thread | None = None
         self.trainer_error: BaseException | None = None
-        self.started = time.time()
+        self.status_url = ""
+        self.dht_maddrs: list[str] = []
 
     # ------------------------------------------------------------------------------------------ PeerNode
 
@@ -129,14 +139,26 @@ class Node:
 
     def info(self) -> pb.InfoReply:
         replica = self.replica
+        train_loss, val_loss = self.telemetry.train_loss(), self.telemetry.val_loss()
         return pb.InfoReply(
             peer_id=self.peer_id,
             run_fingerprint=self.run_fingerprint,
             outer_step=replica.outer_step if replica else 0,
             inner_step=replica.inner_step if replica else 0,
             ready_to_pair=self._ready(),
-            health=self.health(),
+            health=str(self.health()),
             version=__version__,
+            train_loss=train_loss,
+            val_loss=val_loss,
+            history=[
+                pb.LossPoint(
+                    inner_step=point.inner_step,
+                    train_loss=point.train_loss,
+                    val_loss=math.nan if point.val_loss is None else point.val_loss,
+                    time=point.time,
+                )
+                for point in self.telemetry.loss_points(100)
+            ],
         )
 
     def state_snapshot(self) -> Outgoing | None:
@@ -150,16 +172,57 @@ class Node:
         current = self._round
         return current is not None and current.open
 
-    def health(self) -> str:
-        if self.trainer_error is not None:
-            return f"failed: {self.trainer_error!r}"
-        if self.replica is None:
-            return "starting"
-        if self.replica.inner_step >= self.train_cfg.total_steps:
-            return "finished"
-        if self.stop_event.is_set():
-            return "stopping"
-        return "training"
+    def health(self) -> Health:
+        replica = self.replica
+        dht = self.discovery.dht
+        return self.telemetry.health(
+            HealthInputs(
+                trainer_started=self.trainer is not None,
+                trainer_alive=self.trainer is not None and self.trainer.is_alive(),
+                trainer_error=self.trainer_error,
+                stopping=self.stop_event.is_set(),
+                finished=replica is not None and replica.inner_step >= self.train_cfg.total_steps,
+                dht_alive=dht is not None and dht.is_alive(),
+            )
+        )
+
+    def status(self) -> NodeStatus:
+        """What GET /status serves and status.json holds; plain numbers only, cheap enough for any event loop."""
+        replica = self.replica
+        counters = self.metrics.snapshot()
+        val_loss = self.telemetry.val_loss()
+        last_checkpoint = self.telemetry.last_checkpoint
+        return NodeStatus(
+            peer_id=self.peer_id,
+            run_name=self.cfg.run_name,
+            run_fingerprint=self.run_fingerprint,
+            version=__version__,
+            mode=self.cfg.mode,
+            model_size=self.train_cfg.model_size,
+            address=self.address,
+            status_url=self.status_url,
+            dht_maddrs=self.dht_maddrs,
+            started_at=self.telemetry.started,
+            uptime_seconds=time.time() - self.telemetry.started,
+            inner_step=replica.inner_step if replica else 0,
+            outer_step=replica.outer_step if replica else 0,
+            total_steps=self.train_cfg.total_steps,
+            learning_rate=self.telemetry.learning_rate,
+            train_loss=self.telemetry.train_loss(),
+            val_loss=val_loss,
+            val_perplexity=math.exp(min(val_loss, 50.0)) if val_loss is not None else None,
+            tokens_per_second=self.telemetry.tokens_per_second(),
+            comm_wait_fraction=self.telemetry.comm_wait_fraction(),
+            checkpoint_age_seconds=time.time() - last_checkpoint if last_checkpoint else None,
+            bytes_sent=counters["bytes_sent"],
+            bytes_received=counters["bytes_received"],
+            exchange_outcomes=counters["outcomes"],
+            rejected_payloads=counters["rejected"],
+            exchanges=[ExchangeRecord(**entry) for entry in counters["recent"][-20:]],
+            peers=self.telemetry.known_peers(),
+            history=[OuterStepRecord(**entry) for entry in self.telemetry.history_list(200)],
+            health=self.health(),
+        )
 
     def record(self) -> PeerRecord:
         replica = self.replica
@@ -286,7 +349,13 @@ class Node:
             started = time.monotonic()
             losses = []
             while not self.stop_event.is_set():
+                step_started = time.monotonic()
                 losses.append(replica.train_step())
+                self.telemetry.on_inner_step(
+                    replica.inner_step, losses[-1], time.monotonic() - step_started, replica.current_lr
+                )
+                if self.cfg.fail_at_inner_step is not None and replica.inner_step >= self.cfg.fail_at_inner_step:
+                    raise RuntimeError(f"injected fault at inner step {replica.inner_step} (fail_at_inner_step)")
                 if replica.inner_step % H == 0 or replica.inner_step >= self.train_cfg.total_steps:
                     break
             if self.stop_event.is_set():
@@ -311,7 +380,7 @@ class Node:
                 "wait_seconds": waited,
                 "time": time.time(),
             }
-            self.history.append(entry)
+            self.telemetry.on_outer_step(entry)
             log.info(
                 "outer step %d (inner %d): train %.4f val %.4f (ppl %.2f) %s, waited %.2fs",
                 replica.outer_step,
@@ -354,10 +423,10 @@ class Node:
         ]
 
     async def _call(self, peer: PeerRecord, outgoing: Outgoing) -> Payload | None:
-        """One exchange call in a worker thread, under its deadline; failures are logged and the peer avoided."""
-        started = time.monotonic()
+        """One exchange call in a worker thread, under its deadline; a peer that failed is avoided for a while.
+        exchange_with records the exchange (outcome, bytes, duration) in the node's metrics."""
         try:
-            payload = await asyncio.wait_for(
+            return await asyncio.wait_for(
                 asyncio.to_thread(
                     exchange_with,
                     peer.address,
@@ -368,26 +437,16 @@ class Node:
                     timeout=self.cfg.exchange_timeout,
                     metrics=self.metrics,
                     buffers=self.receive_buffers,
+                    peer=peer.peer_id,
                 ),
                 timeout=self.cfg.exchange_timeout + 5,
             )
         except (ExchangeError, asyncio.TimeoutError) as error:
             reason = error.reason if isinstance(error, ExchangeError) else "timeout"
-            self.metrics.outcome("busy" if reason == "busy" else "failed")
             if reason != "busy":
                 self._avoid_until[peer.peer_id] = time.monotonic() + self.cfg.avoid_seconds
                 log.warning("exchange with %s failed (%s): %s", peer.peer_id[-8:], reason, error)
-            self._log_exchange(peer.peer_id, started, reason)
             return None
-        self.metrics.outcome("completed")
-        self._log_exchange(peer.peer_id, started, "completed")
-        return payload
-
-    def _log_exchange(self, peer_id: str, started: float, outcome: str) -> None:
-        self.exchange_log.append(
-            {"peer": peer_id, "outcome": outcome, "seconds": time.monotonic() - started, "time": time.time()}
-        )
-        del self.exchange_log[:-50]
 
     def _partner_order(self, candidates: list[PeerRecord]) -> list[PeerRecord]:
         """Random among the least recently paired first. Nodes of equal speed reach their outer steps in lockstep
@@ -404,6 +463,7 @@ class Node:
             try:
                 live = await self.discovery.live_peers()
                 self._known_peers = {p.peer_id for p in live}
+                self.telemetry.on_peers(live)
                 candidates = self._choosable(live, current.outer_step)
             except (TimeoutError, OSError) as error:
                 log.warning("DHT lookup failed: %s", error)
@@ -462,30 +522,36 @@ class Node:
                 "replica": self.replica.state_dict(),
             },
         )
+        self.telemetry.on_checkpoint()
 
     def _write_status(self) -> None:
-        """A small JSON file a launcher or an operator can read (the HTTP status endpoint will serve the same)."""
-        replica = self.replica
-        status = {
-            "peer_id": self.peer_id,
-            "address": self.address,
-            "run_fingerprint": self.run_fingerprint,
-            "mode": self.cfg.mode,
-            "health": self.health(),
-            "uptime": time.time() - self.started,
-            "inner_step": replica.inner_step if replica else 0,
-            "outer_step": replica.outer_step if replica else 0,
-            "history": self.history[-200:],
-            "exchanges": self.exchange_log[-20:],
-            "outcomes": dict(self.metrics.outcomes),
-            "rejected": dict(self.metrics.rejected),
-            "bytes_sent": self.metrics.bytes_sent,
-            "bytes_received": self.metrics.bytes_received,
-        }
+        """status.json in the data dir: the same document as GET /status, for launchers and post-mortems."""
         path = self.cfg.data_dir / "status.json"
         tmp = path.with_suffix(".json.tmp")
-        tmp.write_text(json.dumps(status))
+        tmp.write_text(self.status().model_dump_json())
         tmp.replace(path)
+
+    async def _watch_peers(self, every: float = 5.0, max_info_calls: int = 16) -> None:
+        """Keep the view of the swarm fresh for the status page: DHT records, then each peer's Info (its curve)."""
+        while True:
+            try:
+                self.telemetry.on_peers(await self.discovery.live_peers())
+            except (TimeoutError, OSError) as error:
+                log.debug("DHT lookup for the status page failed: %s", error)
+            peers = self.telemetry.peer_addresses()
+            random.shuffle(peers)
+
+            async def ask(peer_id: str, address: str) -> None:
+                try:
+                    reply = await asyncio.wait_for(asyncio.to_thread(fetch_info, address, timeout=2.0), timeout=3.0)
+                except Exception as error:  # an unreachable peer is shown without its curve, not an error here
+                    log.debug("Info from %s failed: %r", peer_id[-8:], error)
+                    return
+                if reply.peer_id == peer_id and reply.run_fingerprint == self.run_fingerprint:
+                    self.telemetry.on_info(peer_id, reply)
+
+            await asyncio.gather(*(ask(peer_id, address) for peer_id, address in peers[:max_info_calls]))
+            await asyncio.sleep(every)
 
     # ------------------------------------------------------------------------------------------ lifecycle
 
@@ -516,6 +582,7 @@ class Node:
                 donors = [p for p in peers if p.outer_step == freshest]
                 random.shuffle(donors)  # joiners spread over the freshest donors
                 for donor in donors:
+                    self.telemetry.phase = f"downloading state of outer step {freshest} from {donor.peer_id[-8:]}"
                     try:
                         tensors, metadata = await asyncio.to_thread(
                             download_state,
@@ -557,7 +624,22 @@ class Node:
             max_call_seconds=self.cfg.exchange_timeout,
         )
         self.address = f"{self.cfg.announce_host or self.cfg.grpc_host}:{self.cfg.announce_port or port}"
-        tasks: list[asyncio.Task[None]] = []
+        self.dht_maddrs = await asyncio.to_thread(self.discovery.visible_maddrs)
+        status_server = StatusServer(
+            {
+                "/status": lambda: ("application/json", self.status().model_dump_json().encode()),
+                "/metrics": lambda: (
+                    "text/plain; version=0.0.4; charset=utf-8",
+                    render_metrics(self.status(), self.metrics.snapshot()),
+                ),
+                "/": lambda: ("text/html; charset=utf-8", status_page()),
+            },
+            healthz=self.health,
+        )
+        status_port = await status_server.start(self.cfg.status_host, self.cfg.status_port)
+        self.status_url = f"http://{self.cfg.status_host}:{status_port}"
+        log.info("status endpoint: %s/ (JSON at /status, Prometheus at /metrics, /healthz)", self.status_url)
+        tasks: list[asyncio.Task[None]] = [asyncio.create_task(self._watch_peers())]
         try:
             shard = ReplicaShard(
                 self.corpus.train,
@@ -567,6 +649,7 @@ class Node:
                 seed=self.train_cfg.seed,
             )
             self.replica = await asyncio.to_thread(Replica, self.model_cfg, self.train_cfg, [shard])
+            self.telemetry.phase = "looking for a checkpoint or a donor's state"
             await self._initial_state()
             await asyncio.to_thread(self._take_snapshot)
             log.info(
@@ -583,16 +666,23 @@ class Node:
             if self.cfg.mode == "overlap":
                 tasks.append(asyncio.create_task(self._overlap_exchanges()))
             trainer = threading.Thread(target=self._train, name="trainer", daemon=True)
+            self.trainer = trainer
             trainer.start()
             trainer_done = asyncio.create_task(asyncio.to_thread(trainer.join))
             stop_wait = asyncio.create_task(stop_requested.wait())
             await asyncio.wait({trainer_done, stop_wait}, return_when=asyncio.FIRST_COMPLETED)
+            if self.trainer_error is not None and not stop_requested.is_set():
+                # Keep answering: /healthz says 503 and /status says why, so an operator or a probe can see it.
+                log.error("trainer failed; serving status for %.0f s before exiting", self.cfg.failure_linger)
+                with contextlib.suppress(asyncio.TimeoutError):
+                    await asyncio.wait_for(stop_requested.wait(), timeout=self.cfg.failure_linger)
             if stop_requested.is_set():
                 log.info("stopping: finishing the current step")
             self.stop_event.set()
             await trainer_done
             stop_wait.cancel()
-            self._checkpoint()
+            if self.trainer_error is None:  # a trainer that died mid-step may leave half-updated state: keep the last
+                self._checkpoint()
             self._write_status()
         finally:
             for task in tasks:
@@ -600,6 +690,7 @@ class Node:
             with contextlib.suppress(Exception):
                 await asyncio.wait_for(self.discovery.withdraw(self.record()), timeout=10)
             server.stop(grace=2).wait(5)
+            await status_server.close()
             await asyncio.to_thread(self.discovery.shutdown)
         if self.trainer_error is not None:
             return 1

@@ -35,6 +35,8 @@ def join_command(maddrs: Sequence[str], data_dir: Path, *args: str) -> list[str]
         str(data_dir),
         "--torch-threads",
         "1",
+        "--status-port",
+        "0",  # many nodes on one machine: each gets an ephemeral status port (logged, and in its status.json)
         *args,
     ]
 
@@ -63,7 +65,8 @@ def summarize(out_dir: Path, num_nodes: int) -> dict[str, Any]:
             {
                 "node": f"node{i}",
                 "peer_id": status["peer_id"],
-                "health": status["health"],
+                "health": str(status["health"]["state"]),
+                "status_url": status["status_url"],
                 "inner_steps": status["inner_step"],
                 "outer_steps": status["outer_step"],
                 "first_val_loss": history[0]["val_loss"],
@@ -75,7 +78,7 @@ def summarize(out_dir: Path, num_nodes: int) -> dict[str, Any]:
                 "train_seconds": sum(h["train_seconds"] for h in history),
                 "bytes_sent": status["bytes_sent"],
                 "bytes_received": status["bytes_received"],
-                "rejected": status["rejected"],
+                "rejected": status["rejected_payloads"],
             }
         )
     return {"nodes": nodes}

@@ -82,8 +82,20 @@ class InfoRequest(_message.Message):
     __slots__ = ()
     def __init__(self) -> None: ...
 
+class LossPoint(_message.Message):
+    __slots__ = ("inner_step", "train_loss", "val_loss", "time")
+    INNER_STEP_FIELD_NUMBER: _ClassVar[int]
+    TRAIN_LOSS_FIELD_NUMBER: _ClassVar[int]
+    VAL_LOSS_FIELD_NUMBER: _ClassVar[int]
+    TIME_FIELD_NUMBER: _ClassVar[int]
+    inner_step: int
+    train_loss: float
+    val_loss: float
+    time: float
+    def __init__(self, inner_step: _Optional[int] = ..., train_loss: _Optional[float] = ..., val_loss: _Optional[float] = ..., time: _Optional[float] = ...) -> None: ...
+
 class InfoReply(_message.Message):
-    __slots__ = ("peer_id", "run_fingerprint", "outer_step", "inner_step", "ready_to_pair", "health", "version")
+    __slots__ = ("peer_id", "run_fingerprint", "outer_step", "inner_step", "ready_to_pair", "health", "version", "train_loss", "val_loss", "history")
     PEER_ID_FIELD_NUMBER: _ClassVar[int]
     RUN_FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
     OUTER_STEP_FIELD_NUMBER: _ClassVar[int]
@@ -91,6 +103,9 @@ class InfoReply(_message.Message):
     READY_TO_PAIR_FIELD_NUMBER: _ClassVar[int]
     HEALTH_FIELD_NUMBER: _ClassVar[int]
     VERSION_FIELD_NUMBER: _ClassVar[int]
+    TRAIN_LOSS_FIELD_NUMBER: _ClassVar[int]
+    VAL_LOSS_FIELD_NUMBER: _ClassVar[int]
+    HISTORY_FIELD_NUMBER: _ClassVar[int]
     peer_id: str
     run_fingerprint: str
     outer_step: int
@@ -98,4 +113,7 @@ class InfoReply(_message.Message):
     ready_to_pair: bool
     health: str
     version: str
-    def __init__(self, peer_id: _Optional[str] = ..., run_fingerprint: _Optional[str] = ..., outer_step: _Optional[int] = ..., inner_step: _Optional[int] = ..., ready_to_pair: _Optional[bool] = ..., health: _Optional[str] = ..., version: _Optional[str] = ...) -> None: ...
+    train_loss: float
+    val_loss: float
+    history: _containers.RepeatedCompositeFieldContainer[LossPoint]
+    def __init__(self, peer_id: _Optional[str] = ..., run_fingerprint: _Optional[str] = ..., outer_step: _Optional[int] = ..., inner_step: _Optional[int] = ..., ready_to_pair: _Optional[bool] = ..., health: _Optional[str] = ..., version: _Optional[str] = ..., train_loss: _Optional[float] = ..., val_loss: _Optional[float] = ..., history: _Optional[_Iterable[_Union[LossPoint, _Mapping]]] = ...) -> None: ...

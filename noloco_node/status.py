@@ -1,0 +1,107 @@
+"""The status of one node, as served on `GET /status` and written to `status.json` in its data directory.
+
+This pydantic model is the schema: `noloco-node status --schema` prints it as JSON Schema, and every field carries
+its description there. It holds numbers a node already has (no torch work): what it trains, how far it is, how
+well it learns, how much it talks to whom, and a health verdict with its reason.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import BaseModel, Field
+
+HealthState = Literal["starting", "training", "degraded", "failed", "stopping", "finished"]
+
+
+class Health(BaseModel):
+    state: HealthState = Field(description="starting, training, degraded, failed, stopping or finished.")
+    reason: str = Field(description="Why, in words: 'no peers for 10 min', 'trainer thread died: ...'.")
+    ok: bool = Field(description="What GET /healthz answers: true (200) when training and every loop is alive.")
+
+    def __str__(self) -> str:
+        return self.state if not self.reason else f"{self.state}: {self.reason}"
+
+
+class LossPoint(BaseModel):
+    """One outer step of a node's curve."""
+
+    inner_step: int
+    train_loss: float = Field(description="Mean training loss over the inner phase that ended here.")
+    val_loss: float | None = Field(None, description="Validation loss after the outer step.")
+    time: float = Field(description="Unix time.")
+
+
+class OuterStepRecord(BaseModel):
+    """What happened at one outer step of this node."""
+
+    outer_step: int
+    inner_step: int
+    train_loss: float
+    val_loss: float
+    partner: str | None = Field(description="Peer id blended with, or null for a solo step.")
+    partner_step: int | None = None
+    train_seconds: float = Field(description="Wall time of the inner phase.")
+    wait_seconds: float = Field(description="Time the trainer waited for communication at this outer step.")
+    time: float
+
+
+class ExchangeRecord(BaseModel):
+    """One exchange this node took part in, as caller or as the called side."""
+
+    peer: str
+    role: Literal["caller", "served"]
+    outcome: str = Field(description="completed, busy, failed, aborted, refused_payload, timeout, ...")
+    seconds: float
+    bytes_sent: int
+    bytes_received: int
+    time: float
+
+
+class KnownPeer(BaseModel):
+    """A peer of the same run as this node sees it: its DHT record, and what its Info call last said."""
+
+    peer_id: str
+    address: str
+    outer_step: int
+    inner_step: int
+    ready: bool = Field(description="Ready to pair now (sync) or holding a fresh offer (overlap).")
+    record_age_seconds: float = Field(description="Since the peer last wrote its DHT record.")
+    health: str | None = Field(None, description="From the peer's Info call; null until one answered.")
+    train_loss: float | None = None
+    val_loss: float | None = None
+    history: list[LossPoint] = Field(default_factory=list, description="The peer's recent curve (from Info).")
+    info_age_seconds: float | None = Field(None, description="Since the last Info answer.")
+
+
+class NodeStatus(BaseModel):
+    schema_version: Literal[1] = 1
+    peer_id: str
+    run_name: str
+    run_fingerprint: str
+    version: str
+    mode: str = Field(description="Pairing mode: sync or overlap.")
+    model_size: str
+    address: str = Field(description="gRPC address peers dial.")
+    status_url: str = Field(description="Where this endpoint is served.")
+    dht_maddrs: list[str] = Field(description="This node's DHT multiaddrs (usable as --bootstrap).")
+    started_at: float = Field(description="Unix time the node started.")
+    uptime_seconds: float
+    inner_step: int
+    outer_step: int
+    total_steps: int
+    learning_rate: float | None
+    train_loss: float | None = Field(description="Mean training loss over the last inner steps (up to 50).")
+    val_loss: float | None = Field(description="Validation loss at the last outer step.")
+    val_perplexity: float | None
+    tokens_per_second: float | None = Field(description="Training throughput over the last inner steps.")
+    comm_wait_fraction: float = Field(description="Share of the trainer's wall time spent waiting on communication.")
+    checkpoint_age_seconds: float | None = Field(description="Since the last checkpoint was written; null: none.")
+    bytes_sent: int
+    bytes_received: int
+    exchange_outcomes: dict[str, int] = Field(description="Exchanges by outcome since start.")
+    rejected_payloads: dict[str, int] = Field(description="Refused payloads by reason since start.")
+    exchanges: list[ExchangeRecord] = Field(description="The last exchanges, oldest first (up to 20).")
+    peers: list[KnownPeer] = Field(description="Live peers of the run in the DHT, as this node last saw them.")
+    history: list[OuterStepRecord] = Field(description="The last outer steps, oldest first (up to 200).")
+    health: Health
