@@ -63,6 +63,7 @@ _NODE_FLAGS: dict[str, tuple[str, str, type, str]] = {
     "--announce-host": ("node", "announce_host", str, "host peers should dial"),
     "--announce-port": ("node", "announce_port", int, "port peers should dial (port forwarding, proxies)"),
     "--pair-timeout": ("node", "pair_timeout", float, "sync mode: longest wait for a partner (s)"),
+    "--alone-grace": ("node", "alone_grace", float, "sync mode: wait with no other live peer before a solo step (s)"),
     "--exchange-timeout": ("node", "exchange_timeout", float, "deadline of one exchange (s)"),
     "--max-staleness": ("node", "max_staleness", int, "largest outer-step difference with a partner"),
     "--wire-dtype": ("node", "wire_dtype", str, "bf16 or fp32"),

@@ -187,6 +187,9 @@ class NodeConfig(_Settings):
     announce_port: int | None = Field(None, gt=0, lt=65536, description="Port peers should dial (default: bound).")
     data_dir: Path = Field(Path("noloco-data"), description="Checkpoints and the node's status file.")
     pair_timeout: float = Field(10.0, gt=0, description="sync: longest wait for a partner before a solo step (s).")
+    alone_grace: float = Field(
+        1.0, ge=0, description="sync: with no other live peer in the DHT, wait only this long before a solo step (s)."
+    )
     exchange_timeout: float = Field(60.0, gt=0, description="Deadline of one exchange call (s).")
     max_staleness: int = Field(2, ge=0, description="Largest outer-step difference with a partner.")
     wire_dtype: Literal["bf16", "fp32"] = "bf16"

@@ -459,6 +459,7 @@ class Node:
         """sync mode: call ready peers (least recently paired first) until the round has a partner or closes."""
         # Let the other nodes reaching this outer step publish their readiness before choosing among them.
         await asyncio.sleep(random.uniform(0.05, 0.25))
+        alone_until = time.monotonic() + self.cfg.alone_grace
         while current.open:
             try:
                 live = await self.discovery.live_peers()
@@ -467,7 +468,12 @@ class Node:
                 candidates = self._choosable(live, current.outer_step)
             except (TimeoutError, OSError) as error:
                 log.warning("DHT lookup failed: %s", error)
-                candidates = []
+                live, candidates = [], []
+            if not live and time.monotonic() >= alone_until:
+                # Nobody else in the run: waiting the whole pair_timeout would only idle the trainer. A peer that
+                # joins now is found at the next outer step.
+                current.done.set()
+                return
             candidates = [p for p in self._partner_order(candidates) if current.may_pair_with(p.peer_id)]
             for peer in candidates:
                 if not current.open:
@@ -639,6 +645,7 @@ class Node:
         status_port = await status_server.start(self.cfg.status_host, self.cfg.status_port)
         self.status_url = f"http://{self.cfg.status_host}:{status_port}"
         log.info("status endpoint: %s/ (JSON at /status, Prometheus at /metrics, /healthz)", self.status_url)
+        self._write_status()  # launchers find the status URL in status.json from the start
         tasks: list[asyncio.Task[None]] = [asyncio.create_task(self._watch_peers())]
         try:
             shard = ReplicaShard(

@@ -48,14 +48,14 @@ def test_three_nodes_discover_each_other_exchange_and_learn(bootstrap: Bootstrap
         peer_ids = set()
         for node in nodes:
             status = node.status()
-            assert status is not None and status["health"] == "finished"
+            assert status is not None and status["health"]["state"] == "finished"
             peer_ids.add(status["peer_id"])
             history = status["history"]
             assert history[-1]["inner_step"] == 200 and len(history) >= 7  # a late starter may join in progress
             partners = [h["partner"] for h in history if h["partner"]]
             assert len(partners) >= 3, f"{node.name} blended only {len(partners)} times"
             assert len(set(partners)) == 2, f"{node.name} always blended with the same peer: pairs do not mix"
-            assert status["outcomes"].get("completed", 0) >= 1 or status["bytes_received"] > 0
+            assert status["exchange_outcomes"].get("completed", 0) >= 1 or status["bytes_received"] > 0
             first, last = history[0]["val_loss"], history[-1]["val_loss"]
             assert last < first - 0.3 and last < math.log(256) - 2
         for node in nodes:  # every partner is another node of this swarm
@@ -212,12 +212,12 @@ def test_a_peer_killed_mid_exchange_costs_the_survivor_one_round(bootstrap: Boot
         survivor_proxy.close()
         victim_proxy.close()
     status = survivor.status()
-    assert status["health"] == "finished"
+    assert status["health"]["state"] == "finished"
     history = status["history"]
     assert len(history) == 6 and history[-1]["inner_step"] == 120  # it trained to the end
     assert all(h["partner"] is None for h in history), "the survivor blended with a payload from the killed peer"
-    assert status["outcomes"].get("completed", 0) == 0
-    assert status["outcomes"].get("failed", 0) + status["outcomes"].get("aborted", 0) >= 1
+    assert status["exchange_outcomes"].get("completed", 0) == 0
+    assert status["exchange_outcomes"].get("failed", 0) + status["exchange_outcomes"].get("aborted", 0) >= 1
     assert "failed" in survivor.output() or "did not arrive whole" in survivor.output()
 
 
