@@ -537,7 +537,7 @@ class Node:
         tmp.write_text(self.status().model_dump_json())
         tmp.replace(path)
 
-    async def _watch_peers(self, every: float = 5.0, max_info_calls: int = 16) -> None:
+    async def _watch_peers(self, every: float = 3.0, max_info_calls: int = 16) -> None:
         """Keep the view of the swarm fresh for the status page: DHT records, then each peer's Info (its curve)."""
         while True:
             try:

@@ -1,0 +1,61 @@
+"""The live page `GET /` in real headless Chromium: it must draw a 2-node swarm's curves from live data.
+
+The screenshot is kept with the test's files; set NOLOCO_SCREENSHOT=path to copy it somewhere (the README's
+docs/status-page.png is made this way).
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import time
+from pathlib import Path
+
+import pytest
+
+from .swarm_harness import Bootstrap, NodeProcess
+from .webdriver import Browser, browser_missing
+
+TRAIN = ["--model", "tiny", "--seq-len", "64", "--batch-size", "8", "--eval-batches", "2", "--inner-steps", "25"]
+
+
+def test_the_live_page_draws_both_nodes_curves_in_chromium(tmp_path: Path) -> None:
+    missing = browser_missing()
+    if missing:
+        pytest.skip(missing)
+    bootstrap = Bootstrap(tmp_path)
+    nodes = [
+        NodeProcess(f"node{i}", bootstrap, tmp_path, *TRAIN, "--steps", "100000", "--shard-index", str(i))
+        for i in range(2)
+    ]
+    browser = None
+    try:
+        deadline = time.monotonic() + 60
+        while not ((status := nodes[0].status()) and status.get("status_url")):
+            assert time.monotonic() < deadline, "node0 never wrote its status URL"
+            time.sleep(0.2)
+        browser = Browser(tmp_path / "chromedriver.log")
+        browser.open(status["status_url"] + "/")
+        # The page polls /status every 2 s; wait until its chart holds this node's and the peer's curves.
+        deadline = time.monotonic() + 120
+        while True:
+            series, points = browser.run("return [document.body.dataset.series, document.body.dataset.points]")
+            if int(series) >= 2 and int(points) >= 12:
+                break
+            assert time.monotonic() < deadline, f"the chart never drew both curves (series {series}, points {points})"
+            time.sleep(1.0)
+        time.sleep(2.5)  # one more refresh, so the screenshot shows a settled page
+        health = browser.run("return document.getElementById('health').textContent")
+        peer_rows = browser.run("return document.querySelectorAll('#peers tr').length - 1")
+        assert health == "training" and peer_rows == 1
+        shot = tmp_path / "status-page.png"
+        browser.screenshot(shot)
+        assert shot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and shot.stat().st_size > 20_000
+        if os.environ.get("NOLOCO_SCREENSHOT"):
+            shutil.copy(shot, os.environ["NOLOCO_SCREENSHOT"])
+    finally:
+        if browser is not None:
+            browser.close()
+        for node in nodes:
+            node.stop()
+        bootstrap.stop()
