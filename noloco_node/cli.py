@@ -72,6 +72,7 @@ _NODE_FLAGS: dict[str, tuple[str, str, type, str]] = {
     "--shard-index": ("node", "shard_index", int, "this node's shard (default: from its peer id)"),
     "--torch-threads": ("node", "torch_threads", int, "torch intra-op threads (0: default)"),
     "--checkpoint-every": ("node", "checkpoint_every", int, "outer steps between checkpoints"),
+    "--log-every": ("node", "log_every", float, "seconds between progress lines (0: one per outer step)"),
     "--status-host": ("node", "status_host", str, "address the HTTP status endpoint binds (0.0.0.0: public)"),
     "--status-port": ("node", "status_port", int, "HTTP status port: /, /status, /metrics, /healthz (0: ephemeral)"),
     "--degraded-after": ("node", "degraded_after", float, "seconds without peers before health says degraded"),

@@ -200,6 +200,7 @@ class NodeConfig(_Settings):
     shard_index: int | None = Field(None, ge=0, description="This node's shard (default: from its peer id).")
     torch_threads: int = Field(0, ge=0, description="Torch intra-op threads (0: torch's default).")
     download_state: bool = Field(True, description="Joining a run in progress: download a peer's state.")
+    log_every: float = Field(10.0, ge=0, description="Seconds between progress lines (0: one per outer step).")
     status_host: str = Field("127.0.0.1", description="Address the HTTP status endpoint binds (0.0.0.0: public).")
     status_port: int = Field(8470, ge=0, lt=65536, description="HTTP status port (0: an ephemeral port).")
     degraded_after: float = Field(600.0, gt=0, description="Seconds without any live peer before health degrades.")

@@ -15,13 +15,16 @@ from typing import Literal
 
 LogFormat = Literal["text", "json"]
 _TEXT_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
+_LEVEL_NAMES = {logging.DEBUG: "DEBUG", logging.INFO: "INFO", logging.WARNING: "WARNING", logging.ERROR: "ERROR"}
+_LEVEL_NAMES[logging.CRITICAL] = "CRITICAL"
 
 
 class JsonLineFormatter(logging.Formatter):
     def format(self, record: logging.LogRecord) -> str:
         entry = {
             "time": datetime.fromtimestamp(record.created, tz=timezone.utc).isoformat(timespec="milliseconds"),
-            "level": record.levelname,
+            # The standard names, whatever a library renamed them to (hivemind prints WARN for WARNING).
+            "level": _LEVEL_NAMES.get(record.levelno, record.levelname),
             "logger": record.name,
             "message": record.getMessage(),
         }

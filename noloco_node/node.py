@@ -118,6 +118,8 @@ class Node:
         self.trainer_error: BaseException | None = None
         self.status_url = ""
         self.dht_maddrs: list[str] = []
+        self._last_line = 0.0  # monotonic time of the last progress line (0: none yet)
+        self._since_line: dict[str, Any] = {"outer_steps": 0, "blends": 0, "waited": 0.0}
 
     # ------------------------------------------------------------------------------------------ PeerNode
 
@@ -381,20 +383,39 @@ class Node:
                 "time": time.time(),
             }
             self.telemetry.on_outer_step(entry)
-            log.info(
-                "outer step %d (inner %d): train %.4f val %.4f (ppl %.2f) %s, waited %.2fs",
-                replica.outer_step,
-                replica.inner_step,
-                entry["train_loss"],
-                val_loss,
-                math.exp(val_loss),
-                f"blended with {partner.peer_id[-8:]} (step {partner.outer_step})" if partner else "solo step",
-                waited,
-            )
+            self._log_progress(entry, partner)
             if replica.outer_step % self.cfg.checkpoint_every == 0:
                 self._checkpoint()
             self._write_status()
             asyncio.run_coroutine_threadsafe(self._publish(), self.loop)  # type: ignore[arg-type]
+
+    def _log_progress(self, entry: dict[str, Any], partner: Payload | None) -> None:
+        """One line per outer step at most every ``log_every`` seconds, summing up the steps in between: a person
+        watching the terminal follows along, and a week-long run does not fill a disk with tiny-model steps."""
+        since = self._since_line
+        since["outer_steps"] += 1
+        since["blends"] += partner is not None
+        since["waited"] += entry["wait_seconds"]
+        last = entry["inner_step"] >= self.train_cfg.total_steps
+        now = time.monotonic()
+        if self._last_line and not last and now - self._last_line < self.cfg.log_every:
+            return
+        tokens = self.telemetry.tokens_per_second()
+        log.info(
+            "outer step %d (inner %d/%d): train %.4f val %.4f (ppl %.2f), %s; %s, waited %.1fs, %s tokens/s",
+            entry["outer_step"],
+            entry["inner_step"],
+            self.train_cfg.total_steps,
+            entry["train_loss"],
+            entry["val_loss"],
+            math.exp(min(entry["val_loss"], 50.0)),
+            f"blended with {partner.peer_id[-8:]} (step {partner.outer_step})" if partner else "solo step",
+            f"{since['blends']}/{since['outer_steps']} outer steps blended since the last line",
+            since["waited"],
+            "-" if tokens is None else f"{tokens:.0f}",
+        )
+        self._last_line = now
+        self._since_line = {"outer_steps": 0, "blends": 0, "waited": 0.0}
 
     # ------------------------------------------------------------------------------------------ event loop tasks
 

@@ -21,6 +21,8 @@ TRAIN = ["--model", "tiny", "--seq-len", "64", "--batch-size", "8", "--eval-batc
 
 def test_the_live_page_draws_both_nodes_curves_in_chromium(tmp_path: Path) -> None:
     missing = browser_missing()
+    if missing and os.environ.get("NOLOCO_REQUIRE_BROWSER"):
+        pytest.fail(f"NOLOCO_REQUIRE_BROWSER is set (CI) but {missing}")
     if missing:
         pytest.skip(missing)
     bootstrap = Bootstrap(tmp_path)

@@ -1,0 +1,87 @@
+"""JSON log lines, hivemind's records routed through them, and /metrics text that Prometheus' parser reads."""
+
+from __future__ import annotations
+
+import io
+import json
+import logging
+
+from prometheus_client.parser import text_string_to_metric_families
+
+from noloco_node.logs import configure_logging
+from noloco_node.metrics import render_metrics
+from noloco_node.status import Health, NodeStatus
+
+
+def test_json_lines_for_ours_and_hivemind(monkeypatch) -> None:
+    stream = io.StringIO()
+    monkeypatch.setattr("sys.stderr", stream)
+    configure_logging("INFO", "json")
+    try:
+        logging.getLogger("noloco_node.node").info("outer step %d", 3)
+        logging.getLogger("hivemind.dht.node").warning("a hivemind warning")
+        try:
+            raise ValueError("bad")
+        except ValueError:
+            logging.getLogger("noloco_node.x").exception("failed")
+    finally:
+        configure_logging("INFO", "text")
+    lines = [json.loads(line) for line in stream.getvalue().splitlines()]
+    assert lines[0]["message"] == "outer step 3" and lines[0]["level"] == "INFO" and "T" in lines[0]["time"]
+    assert lines[1]["logger"] == "hivemind.dht.node" and lines[1]["level"] == "WARNING"
+    assert "ValueError: bad" in lines[2]["exception"]
+
+
+def status(**changes: object) -> NodeStatus:
+    base = dict(
+        peer_id="p",
+        run_name="r",
+        run_fingerprint="f",
+        version="0",
+        mode="sync",
+        model_size="tiny",
+        address="a",
+        status_url="u",
+        dht_maddrs=[],
+        started_at=0.0,
+        uptime_seconds=5.0,
+        inner_step=120,
+        outer_step=6,
+        total_steps=1000,
+        learning_rate=1e-3,
+        train_loss=2.5,
+        val_loss=None,
+        val_perplexity=None,
+        tokens_per_second=100.0,
+        comm_wait_fraction=0.1,
+        checkpoint_age_seconds=None,
+        bytes_sent=10,
+        bytes_received=20,
+        exchange_outcomes={"completed": 4, "busy": 1},
+        rejected_payloads={"not_finite": 2},
+        exchanges=[],
+        peers=[],
+        history=[],
+        health=Health(state="training", reason="", ok=True),
+    )
+    return NodeStatus(**{**base, **changes})
+
+
+def test_metrics_parse_and_leave_absent_values_out() -> None:
+    exchanges = {
+        "outcomes": {"completed": 4, "busy": 1},
+        "rejected": {"not_finite": 2},
+        "bytes_sent": 10,
+        "bytes_received": 20,
+        "duration_buckets": [(0.1, 3), (1.0, 5)],
+        "duration_sum": 2.0,
+        "duration_count": 5,
+    }
+    families = {f.name: f for f in text_string_to_metric_families(render_metrics(status(), exchanges).decode())}
+    samples = {(s.name, tuple(sorted(s.labels.items()))): s.value for f in families.values() for s in f.samples}
+    assert samples[("noloco_exchanges_total", (("outcome", "completed"),))] == 4
+    assert samples[("noloco_rejected_payloads_total", (("reason", "not_finite"),))] == 2
+    assert samples[("noloco_exchange_duration_seconds_bucket", (("le", "+Inf"),))] == 5
+    assert samples[("noloco_inner_steps_total", ())] == 120 and samples[("noloco_train_loss", ())] == 2.5
+    assert "noloco_val_loss" not in families and "noloco_checkpoint_age_seconds" not in families
+    assert families["noloco_node_info"].samples[0].labels["run_fingerprint"] == "f"

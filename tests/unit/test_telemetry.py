@@ -1,0 +1,88 @@
+"""telemetry.py: the health verdict and its reasons, and the numbers /status reports."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+
+from noloco_node.discovery import PeerRecord
+from noloco_node.rpc import peer_pb2 as pb
+from noloco_node.telemetry import HealthInputs, Telemetry
+
+HEALTHY = HealthInputs(
+    trainer_started=True, trainer_alive=True, trainer_error=None, stopping=False, finished=False, dht_alive=True
+)
+
+
+def telemetry(**kwargs: float) -> Telemetry:
+    return Telemetry(tokens_per_step=512, degraded_after=kwargs.get("degraded_after", 600), stall_after=60)
+
+
+def facts(**changes: object) -> HealthInputs:
+    return HealthInputs(**{**HEALTHY.__dict__, **changes})
+
+
+@pytest.mark.parametrize(
+    ("changes", "state", "ok", "reason"),
+    [
+        ({}, "training", True, ""),
+        ({"trainer_error": RuntimeError("boom")}, "failed", False, "trainer thread died: RuntimeError('boom')"),
+        ({"finished": True}, "finished", False, "reached total_steps"),
+        ({"stopping": True}, "stopping", False, "shutting down"),
+        ({"trainer_started": False, "trainer_alive": False}, "starting", False, "loading the model"),
+        ({"trainer_alive": False}, "failed", False, "not running"),
+        ({"dht_alive": False}, "degraded", False, "DHT process died"),
+    ],
+)
+def test_health_states_say_why(changes: dict, state: str, ok: bool, reason: str) -> None:
+    health = telemetry().health(facts(**changes))
+    assert (health.state, health.ok) == (state, ok) and reason in health.reason
+
+
+def test_a_stalled_trainer_is_unhealthy_and_no_peers_only_degrades() -> None:
+    watch = telemetry(degraded_after=600)
+    watch.last_progress = time.monotonic() - 61
+    stalled = watch.health(HEALTHY)
+    assert (stalled.state, stalled.ok) == ("degraded", False) and "no progress for 61 s" in stalled.reason
+    watch.beat()
+    watch.last_peer_seen = time.monotonic() - 601
+    alone = watch.health(HEALTHY)
+    assert (alone.state, alone.ok) == ("degraded", True) and alone.reason == "no peers for 10 min"
+    assert str(alone) == "degraded: no peers for 10 min"
+
+
+def test_losses_throughput_and_waiting() -> None:
+    watch = telemetry()
+    assert watch.train_loss() is None and watch.tokens_per_second() is None and watch.comm_wait_fraction() == 0
+    for step in range(1, 61):
+        watch.on_inner_step(step, float(step), 0.5, 1e-3)
+    assert watch.train_loss() == pytest.approx(sum(range(11, 61)) / 50)  # the last 50 steps only
+    assert watch.tokens_per_second() == pytest.approx(512 / 0.5)
+    watch.on_outer_step(
+        {"train_seconds": 3.0, "wait_seconds": 1.0, "val_loss": 2.5, "inner_step": 60, "time": 0.0, "train_loss": 3.0}
+    )
+    assert watch.comm_wait_fraction() == pytest.approx(0.25) and watch.val_loss() == 2.5
+    assert [p.inner_step for p in watch.loss_points(10)] == [60]
+
+
+def test_peers_come_and_go_with_their_info() -> None:
+    watch = telemetry()
+    a = PeerRecord(peer_id="a", address="h:1", run_fingerprint="r", outer_step=3, updated=time.time() - 2)
+    b = PeerRecord(peer_id="b", address="h:2", run_fingerprint="r", outer_step=4, updated=time.time())
+    watch.on_peers([a, b])
+    watch.on_info(
+        "a",
+        pb.InfoReply(
+            peer_id="a",
+            health="training",
+            val_loss=2.0,
+            history=[pb.LossPoint(inner_step=10, train_loss=3.0, val_loss=float("nan"), time=1.0)],
+        ),
+    )
+    peers = {p.peer_id: p for p in watch.known_peers()}
+    assert peers["a"].health == "training" and peers["a"].val_loss == 2.0 and peers["a"].train_loss is None
+    assert peers["a"].history[0].val_loss is None  # NaN on the wire means "not evaluated"
+    assert peers["a"].record_age_seconds == pytest.approx(2, abs=0.5) and peers["b"].health is None
+    watch.on_peers([b])
+    assert [p.peer_id for p in watch.known_peers()] == ["b"]
