@@ -14,7 +14,11 @@ Every call into the DHT is awaited with a deadline.
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import ctypes
 import logging
+import os
+import signal
 import subprocess
 import sys
 import time
@@ -27,6 +31,33 @@ import hivemind
 from hivemind.utils.timed_storage import get_dht_time
 
 log = logging.getLogger(__name__)
+
+_PR_SET_PDEATHSIG = 1
+
+
+class _TiedDHT(hivemind.DHT):
+    """hivemind.DHT whose helper process (and the p2pd daemon it spawns) dies with the node.
+
+    hivemind forks the DHT into a child process that starts p2pd. A node killed with SIGKILL gets no chance to shut
+    them down, and both were left running, orphaned, for good. Here the child asks the kernel for SIGTERM when its
+    parent dies (Linux prctl PR_SET_PDEATHSIG), leads its own process group so that p2pd is in it, and answers
+    SIGTERM by killing that group.
+    """
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        self._node_pid = os.getpid()  # set before hivemind forks the child in super().__init__(start=True)
+        super().__init__(*args, **kwargs)
+
+    def run(self) -> None:
+        if sys.platform.startswith("linux"):
+            with contextlib.suppress(OSError, AttributeError):
+                os.setpgid(0, 0)
+                ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
+            signal.signal(signal.SIGTERM, lambda *_: os.killpg(0, signal.SIGKILL))
+            if os.getppid() != self._node_pid:  # the node died before the prctl took effect
+                os.killpg(0, signal.SIGKILL)
+        super().run()
+
 
 DEFAULT_RECORD_TTL = 30.0
 DEFAULT_DHT_TIMEOUT = 10.0
@@ -109,7 +140,7 @@ class Discovery:
     def start(self) -> None:
         """Start the DHT process (it forks: call this before starting gRPC servers or torch threads)."""
         started = time.monotonic()
-        self.dht = hivemind.DHT(start=True, **self._dht_kwargs)
+        self.dht = _TiedDHT(start=True, **self._dht_kwargs)
         log.info(
             "DHT up in %.1fs as %s, reachable at %s",
             time.monotonic() - started,
@@ -185,7 +216,7 @@ def run_bootstrap_peer(
     kwargs: dict[str, Any] = {"host_maddrs": list(host_maddrs), "initial_peers": list(initial_peers) or None}
     if announce_maddrs:
         kwargs["announce_maddrs"] = list(announce_maddrs)
-    dht = hivemind.DHT(start=True, **kwargs)
+    dht = _TiedDHT(start=True, **kwargs)
     try:
         maddrs = [str(m) for m in dht.get_visible_maddrs()]
         print("bootstrap peer is up; join it with:", flush=True)

@@ -29,7 +29,6 @@ import contextlib
 import hashlib
 import json
 import logging
-import math
 import random
 import signal
 import threading
@@ -40,7 +39,7 @@ from typing import Any
 
 import torch
 
-from noloco_node import __version__, algorithm
+from noloco_node import algorithm, report
 from noloco_node.config import DataConfig, NodeConfig, OuterConfig, TrainConfig, model_config_for
 from noloco_node.data import ReplicaShard, load_corpus, validation_batches
 from noloco_node.discovery import Discovery, PeerRecord
@@ -50,14 +49,13 @@ from noloco_node.exchange import (
     Outgoing,
     download_state,
     exchange_with,
-    fetch_info,
     start_server,
 )
 from noloco_node.metrics import render_metrics
 from noloco_node.model import LlamaDecoder, named_parameters_ordered, run_fingerprint
 from noloco_node.pairing import OfferBook, PairingRound
 from noloco_node.rpc import peer_pb2 as pb
-from noloco_node.status import ExchangeRecord, Health, NodeStatus, OuterStepRecord
+from noloco_node.status import Health, NodeStatus
 from noloco_node.status_server import StatusServer, status_page
 from noloco_node.telemetry import HealthInputs, Telemetry
 from noloco_node.trainer import Replica, load_checkpoint, save_checkpoint
@@ -118,8 +116,7 @@ class Node:
         self.trainer_error: BaseException | None = None
         self.status_url = ""
         self.dht_maddrs: list[str] = []
-        self._last_line = 0.0  # monotonic time of the last progress line (0: none yet)
-        self._since_line: dict[str, Any] = {"outer_steps": 0, "blends": 0, "waited": 0.0}
+        self._progress = report.ProgressLog(every=node_cfg.log_every, total_steps=train_cfg.total_steps)
 
     # ------------------------------------------------------------------------------------------ PeerNode
 
@@ -140,35 +137,14 @@ class Node:
         return None if current is None else current.try_session(partner_id, partner_outer_step, self.cfg.max_staleness)
 
     def info(self) -> pb.InfoReply:
-        replica = self.replica
-        train_loss, val_loss = self.telemetry.train_loss(), self.telemetry.val_loss()
-        return pb.InfoReply(
-            peer_id=self.peer_id,
-            run_fingerprint=self.run_fingerprint,
-            outer_step=replica.outer_step if replica else 0,
-            inner_step=replica.inner_step if replica else 0,
-            ready_to_pair=self._ready(),
-            health=str(self.health()),
-            version=__version__,
-            train_loss=train_loss,
-            val_loss=val_loss,
-            history=[
-                pb.LossPoint(
-                    inner_step=point.inner_step,
-                    train_loss=point.train_loss,
-                    val_loss=math.nan if point.val_loss is None else point.val_loss,
-                    time=point.time,
-                )
-                for point in self.telemetry.loss_points(100)
-            ],
-        )
+        return report.info_reply(self)
 
     def state_snapshot(self) -> Outgoing | None:
         return self._snapshot[0] if self._snapshot else None
 
     # ------------------------------------------------------------------------------------------ state
 
-    def _ready(self) -> bool:
+    def ready_to_pair(self) -> bool:
         if self.cfg.mode == "overlap":
             return self._offers.offer is not None
         current = self._round
@@ -189,42 +165,8 @@ class Node:
         )
 
     def status(self) -> NodeStatus:
-        """What GET /status serves and status.json holds; plain numbers only, cheap enough for any event loop."""
-        replica = self.replica
-        counters = self.metrics.snapshot()
-        val_loss = self.telemetry.val_loss()
-        last_checkpoint = self.telemetry.last_checkpoint
-        return NodeStatus(
-            peer_id=self.peer_id,
-            run_name=self.cfg.run_name,
-            run_fingerprint=self.run_fingerprint,
-            version=__version__,
-            mode=self.cfg.mode,
-            model_size=self.train_cfg.model_size,
-            address=self.address,
-            status_url=self.status_url,
-            dht_maddrs=self.dht_maddrs,
-            started_at=self.telemetry.started,
-            uptime_seconds=time.time() - self.telemetry.started,
-            inner_step=replica.inner_step if replica else 0,
-            outer_step=replica.outer_step if replica else 0,
-            total_steps=self.train_cfg.total_steps,
-            learning_rate=self.telemetry.learning_rate,
-            train_loss=self.telemetry.train_loss(),
-            val_loss=val_loss,
-            val_perplexity=math.exp(min(val_loss, 50.0)) if val_loss is not None else None,
-            tokens_per_second=self.telemetry.tokens_per_second(),
-            comm_wait_fraction=self.telemetry.comm_wait_fraction(),
-            checkpoint_age_seconds=time.time() - last_checkpoint if last_checkpoint else None,
-            bytes_sent=counters["bytes_sent"],
-            bytes_received=counters["bytes_received"],
-            exchange_outcomes=counters["outcomes"],
-            rejected_payloads=counters["rejected"],
-            exchanges=[ExchangeRecord(**entry) for entry in counters["recent"][-20:]],
-            peers=self.telemetry.known_peers(),
-            history=[OuterStepRecord(**entry) for entry in self.telemetry.history_list(200)],
-            health=self.health(),
-        )
+        """What GET /status serves and status.json holds (report.py builds it)."""
+        return report.node_status(self)
 
     def record(self) -> PeerRecord:
         replica = self.replica
@@ -234,7 +176,7 @@ class Node:
             run_fingerprint=self.run_fingerprint,
             outer_step=replica.outer_step if replica else 0,
             inner_step=replica.inner_step if replica else 0,
-            ready=self._ready(),
+            ready=self.ready_to_pair(),
         )
 
     def _outgoing(self, theta: Sequence[torch.Tensor], phi: Sequence[torch.Tensor]) -> Outgoing:
@@ -383,39 +325,11 @@ class Node:
                 "time": time.time(),
             }
             self.telemetry.on_outer_step(entry)
-            self._log_progress(entry, partner)
+            self._progress.outer_step(entry, partner, self.telemetry.tokens_per_second())
             if replica.outer_step % self.cfg.checkpoint_every == 0:
                 self._checkpoint()
             self._write_status()
             asyncio.run_coroutine_threadsafe(self._publish(), self.loop)  # type: ignore[arg-type]
-
-    def _log_progress(self, entry: dict[str, Any], partner: Payload | None) -> None:
-        """One line per outer step at most every ``log_every`` seconds, summing up the steps in between: a person
-        watching the terminal follows along, and a week-long run does not fill a disk with tiny-model steps."""
-        since = self._since_line
-        since["outer_steps"] += 1
-        since["blends"] += partner is not None
-        since["waited"] += entry["wait_seconds"]
-        last = entry["inner_step"] >= self.train_cfg.total_steps
-        now = time.monotonic()
-        if self._last_line and not last and now - self._last_line < self.cfg.log_every:
-            return
-        tokens = self.telemetry.tokens_per_second()
-        log.info(
-            "outer step %d (inner %d/%d): train %.4f val %.4f (ppl %.2f), %s; %s, waited %.1fs, %s tokens/s",
-            entry["outer_step"],
-            entry["inner_step"],
-            self.train_cfg.total_steps,
-            entry["train_loss"],
-            entry["val_loss"],
-            math.exp(min(entry["val_loss"], 50.0)),
-            f"blended with {partner.peer_id[-8:]} (step {partner.outer_step})" if partner else "solo step",
-            f"{since['blends']}/{since['outer_steps']} outer steps blended since the last line",
-            since["waited"],
-            "-" if tokens is None else f"{tokens:.0f}",
-        )
-        self._last_line = now
-        self._since_line = {"outer_steps": 0, "blends": 0, "waited": 0.0}
 
     # ------------------------------------------------------------------------------------------ event loop tasks
 
@@ -558,28 +472,6 @@ class Node:
         tmp.write_text(self.status().model_dump_json())
         tmp.replace(path)
 
-    async def _watch_peers(self, every: float = 3.0, max_info_calls: int = 16) -> None:
-        """Keep the view of the swarm fresh for the status page: DHT records, then each peer's Info (its curve)."""
-        while True:
-            try:
-                self.telemetry.on_peers(await self.discovery.live_peers())
-            except (TimeoutError, OSError) as error:
-                log.debug("DHT lookup for the status page failed: %s", error)
-            peers = self.telemetry.peer_addresses()
-            random.shuffle(peers)
-
-            async def ask(peer_id: str, address: str) -> None:
-                try:
-                    reply = await asyncio.wait_for(asyncio.to_thread(fetch_info, address, timeout=2.0), timeout=3.0)
-                except Exception as error:  # an unreachable peer is shown without its curve, not an error here
-                    log.debug("Info from %s failed: %r", peer_id[-8:], error)
-                    return
-                if reply.peer_id == peer_id and reply.run_fingerprint == self.run_fingerprint:
-                    self.telemetry.on_info(peer_id, reply)
-
-            await asyncio.gather(*(ask(peer_id, address) for peer_id, address in peers[:max_info_calls]))
-            await asyncio.sleep(every)
-
     # ------------------------------------------------------------------------------------------ lifecycle
 
     def _shard_index(self) -> int:
@@ -667,7 +559,9 @@ class Node:
         self.status_url = f"http://{self.cfg.status_host}:{status_port}"
         log.info("status endpoint: %s/ (JSON at /status, Prometheus at /metrics, /healthz)", self.status_url)
         self._write_status()  # launchers find the status URL in status.json from the start
-        tasks: list[asyncio.Task[None]] = [asyncio.create_task(self._watch_peers())]
+        tasks: list[asyncio.Task[None]] = [
+            asyncio.create_task(report.watch_peers(self.discovery, self.telemetry, self.run_fingerprint))
+        ]
         try:
             shard = ReplicaShard(
                 self.corpus.train,

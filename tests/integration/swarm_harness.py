@@ -33,6 +33,22 @@ class NodeProcess:
         self.command = join_command(bootstrap.maddrs, self.data_dir, *args)
         self.process = subprocess.Popen(self.command, stdout=self.log, stderr=subprocess.STDOUT)
 
+    def descendants(self) -> list[int]:
+        """Every process below this node (its DHT helper and the p2pd daemon it runs), from /proc."""
+        children: dict[int, list[int]] = {}
+        for stat in Path("/proc").glob("[0-9]*/stat"):
+            try:
+                fields = stat.read_text().rsplit(")", 1)[1].split()
+            except OSError:
+                continue
+            children.setdefault(int(fields[1]), []).append(int(stat.parent.name))
+        found, frontier = [], [self.process.pid]
+        while frontier:
+            below = children.get(frontier.pop(), [])
+            found += below
+            frontier += below
+        return found
+
     def status(self) -> dict | None:
         try:
             return json.loads((self.data_dir / "status.json").read_text())

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import time
 from pathlib import Path
 
 import pytest
@@ -151,10 +152,12 @@ def test_a_peer_killed_mid_exchange_costs_the_survivor_one_round(bootstrap: Boot
     survivor_port, victim_port = free_port(), free_port()
     killed = threading.Event()
     victim_holder: list[NodeProcess] = []
+    orphans: list[int] = []
 
     def kill_victim_mid_stream(relayed: int) -> None:
         if relayed > 150_000 and not killed.is_set() and victim_holder:
             killed.set()
+            orphans.extend(victim_holder[0].descendants())
             victim_holder[0].process.send_signal(signal.SIGKILL)
 
     # fp32 tiny model: ~490 kB per payload, at 150 kB/s an exchange streams for about 3 seconds.
@@ -206,6 +209,12 @@ def test_a_peer_killed_mid_exchange_costs_the_survivor_one_round(bootstrap: Boot
         assert survivor.wait(timeout=400) == 0, survivor.output()[-3000:]
         assert killed.is_set(), "no exchange ever streamed through the proxies"
         assert victim.process.wait(timeout=10) == -signal.SIGKILL
+        # Its DHT helper process and p2pd die with it instead of running on, orphaned.
+        assert len(orphans) >= 2, orphans
+        deadline = time.monotonic() + 15
+        while (alive := [pid for pid in orphans if Path(f"/proc/{pid}").exists()]) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert not alive, f"processes of the SIGKILLed node still running: {alive}"
     finally:
         survivor.stop()
         victim.stop()
