@@ -24,13 +24,15 @@ class Bootstrap:
 
 
 class NodeProcess:
-    def __init__(self, name: str, bootstrap: Bootstrap, base: Path, *args: str) -> None:
+    def __init__(self, name: str, bootstrap: Bootstrap, base: Path, *args: str, log_format: str = "text") -> None:
         self.name = name
         self.data_dir = base / name
         self.data_dir.mkdir(parents=True, exist_ok=True)
         self.log_path = base / f"{name}.log"
         self.log = self.log_path.open("w")
         self.command = join_command(bootstrap.maddrs, self.data_dir, *args)
+        join_at = self.command.index("join")
+        self.command[join_at:join_at] = ["--log-format", log_format]  # a global flag: before the subcommand
         self.process = subprocess.Popen(self.command, stdout=self.log, stderr=subprocess.STDOUT)
 
     def descendants(self) -> list[int]:

@@ -143,7 +143,7 @@ def test_status_metrics_and_commands_on_a_live_two_node_swarm(bootstrap: Bootstr
 
 def test_healthz_turns_503_with_the_reason_when_the_trainer_thread_dies(bootstrap: Bootstrap, tmp_path: Path) -> None:
     dies_at = ["--fail-at-inner-step", "400", "--failure-linger", "60"]
-    node = NodeProcess("node0", bootstrap, tmp_path, *TRAIN, "--steps", "100000", *dies_at)
+    node = NodeProcess("node0", bootstrap, tmp_path, *TRAIN, "--steps", "100000", *dies_at, log_format="json")
     try:
         url = wait_for(lambda: status_url(node), 60, "the status URL")
         wait_for(lambda: get(url + "/healthz")[0] == 200, 60, "a healthy trainer")
@@ -164,3 +164,7 @@ def test_healthz_turns_503_with_the_reason_when_the_trainer_thread_dies(bootstra
     assert node.process.returncode == 1  # a dead trainer is a failed node, not a clean exit
     final = json.loads((node.data_dir / "status.json").read_text())
     assert final["health"]["state"] == "failed"
+    # --log-format json: every line the node printed, hivemind's included, is one JSON object.
+    lines = [json.loads(line) for line in node.output().splitlines()]
+    failure = [line for line in lines if line["message"] == "trainer thread failed"]
+    assert failure and failure[0]["level"] == "ERROR" and "injected fault" in failure[0]["exception"]
