@@ -161,6 +161,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     swarm.add_argument("--nodes", type=int, default=4, help="number of node processes")
     swarm.add_argument("--out", type=Path, default=Path("runs/swarm"), help="logs, checkpoints, summary.json")
+    swarm.add_argument("--resume", action="store_true", help="continue the swarm in --out instead of replacing it")
     _add_flags(swarm, _SWARM_NODE_FLAGS)
     _add_flags(swarm, _TRAIN_FLAGS)
 
@@ -323,7 +324,7 @@ def _swarm(args: argparse.Namespace) -> int:
         dest = flag.lstrip("-").replace("-", "_")
         if hasattr(args, dest):
             passthrough += [flag, str(getattr(args, dest))]
-    return run_swarm(args.nodes, args.out, passthrough)
+    return run_swarm(args.nodes, args.out, passthrough, resume=args.resume)
 
 
 def _status(args: argparse.Namespace) -> int:

@@ -57,7 +57,7 @@ from noloco_node.pairing import OfferBook, PairingRound
 from noloco_node.rpc import peer_pb2 as pb
 from noloco_node.status import Health, NodeStatus
 from noloco_node.status_server import StatusServer, status_page
-from noloco_node.telemetry import HealthInputs, Telemetry
+from noloco_node.telemetry import KEEP_OUTER_STEPS, HealthInputs, Telemetry
 from noloco_node.trainer import Replica, load_checkpoint, save_checkpoint
 from noloco_node.wire import Payload, ReceiveBuffers, TensorLayout, build_manifest
 
@@ -461,6 +461,7 @@ class Node:
                 "run_fingerprint": self.run_fingerprint,
                 "model_config": self.model_cfg.model_dump(mode="json"),
                 "replica": self.replica.state_dict(),
+                "history": self.telemetry.history_list(KEEP_OUTER_STEPS),  # so /status keeps its curve on restart
             },
         )
         self.telemetry.on_checkpoint()
@@ -492,6 +493,7 @@ class Node:
                     f"{self.run_fingerprint}; use another --data-dir"
                 )
             await asyncio.to_thread(replica.load_state_dict, payload["replica"])
+            self.telemetry.restore_history(payload.get("history", []))
             log.info("resumed from %s at outer step %d", checkpoint, replica.outer_step)
             return
         if self.cfg.download_state:

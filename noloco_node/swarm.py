@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import math
+import shutil
 import signal
 import subprocess
 import sys
@@ -101,9 +102,22 @@ def summary_table(summary: dict[str, Any]) -> str:
     return "\n".join(rows)
 
 
-def run_swarm(num_nodes: int, out_dir: Path, node_args: Sequence[str], *, progress_every: float = 2.0) -> int:
-    """Run the swarm to the end of training (or Ctrl-C); returns 0 when every node exited cleanly."""
+def run_swarm(
+    num_nodes: int, out_dir: Path, node_args: Sequence[str], *, progress_every: float = 2.0, resume: bool = False
+) -> int:
+    """Run the swarm to the end of training (or Ctrl-C); returns 0 when every node exited cleanly.
+
+    A previous swarm's files in ``out_dir`` are replaced, unless ``resume``: then each node resumes from its
+    checkpoint there (a finished run stays finished).
+    """
     out_dir.mkdir(parents=True, exist_ok=True)
+    previous_run = [path for path in out_dir.glob("node*") if path.is_dir()]
+    if previous_run and not resume:
+        print(f"replacing the previous swarm in {out_dir}/ (--resume continues it instead)", flush=True)
+        for path in previous_run:
+            shutil.rmtree(path)
+        for path in [*out_dir.glob("node*.log"), out_dir / "summary.json"]:
+            path.unlink(missing_ok=True)
     bootstrap, maddrs = start_bootstrap_process(out_dir / "bootstrap.log")
     print(f"bootstrap peer: {maddrs[0]}", flush=True)
     nodes: list[subprocess.Popen[bytes]] = []

@@ -77,6 +77,14 @@ class Telemetry:
             self.wait_seconds_total += record["wait_seconds"]
             self.last_progress = time.monotonic()
 
+    def restore_history(self, records: list[dict[str, Any]]) -> None:
+        """The outer steps of this node's earlier life, from its checkpoint (their times count in the totals)."""
+        with self._lock:
+            for record in records:
+                self.history.append(record)
+                self.train_seconds_total += record["train_seconds"]
+                self.wait_seconds_total += record["wait_seconds"]
+
     def on_checkpoint(self) -> None:
         self.last_checkpoint = time.time()
 
