@@ -190,7 +190,19 @@ class NodeConfig(_Settings):
     alone_grace: float = Field(
         1.0, ge=0, description="sync: with no other live peer in the DHT, wait only this long before a solo step (s)."
     )
-    exchange_timeout: float = Field(60.0, gt=0, description="Deadline of one exchange call (s).")
+    exchange_timeout: float = Field(
+        60.0, gt=0, description="Longest deadline of one exchange call (s); shorter once peers' timings are known."
+    )
+    min_exchange_deadline: float = Field(
+        5.0, gt=0, description="Shortest deadline an exchange gets, however fast earlier ones were (s)."
+    )
+    max_behind: int = Field(
+        5, ge=0, description="A restarted node whose checkpoint is more outer steps behind the swarm downloads state."
+    )
+    max_state_downloads: int = Field(2, ge=1, description="Joiners served at once; more are told busy.")
+    slow_factor: float = Field(
+        1.0, ge=1.0, description="Fault injection for tests and drills: every inner step takes this many times longer."
+    )
     max_staleness: int = Field(2, ge=0, description="Largest outer-step difference with a partner.")
     wire_dtype: Literal["bf16", "fp32"] = "bf16"
     record_ttl: float = Field(20.0, gt=1.0, description="DHT record lifetime (s); refreshed at a third of it.")

@@ -175,8 +175,10 @@ class PeerService:
         *,
         chunk_bytes: int = DEFAULT_CHUNK_BYTES,
         max_call_seconds: float = 120.0,
+        max_state_downloads: int = 2,
     ) -> None:
         self.node = node
+        self.downloads = threading.BoundedSemaphore(max_state_downloads)
         self.metrics = metrics
         self.chunk_bytes = chunk_bytes
         # A caller that sets no deadline (or a huge one) must not hold a worker thread and the pairing lock forever.
@@ -287,12 +289,29 @@ class PeerService:
         snapshot = self.node.state_snapshot()
         if snapshot is None:
             context.abort(grpc.StatusCode.UNAVAILABLE, "no outer-step snapshot to serve yet")
-        yield from iter_frames(
-            snapshot.manifest,
-            snapshot.tensors,
-            chunk_bytes=self.chunk_bytes,
-            on_chunk=lambda n: self.metrics.add_bytes(sent=n),
-        )
+        if request.from_tensor and request.outer_step != snapshot.manifest.outer_step:
+            context.abort(
+                grpc.StatusCode.FAILED_PRECONDITION,
+                f"cannot resume a download of outer step {request.outer_step}: this snapshot is of outer step "
+                f"{snapshot.manifest.outer_step}",
+            )
+        if request.from_tensor > len(snapshot.manifest.tensors):
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"no tensor {request.from_tensor} to resume from")
+        # Downloads are served from a snapshot (never blocking training) but cost CPU and bandwidth: a few at a time.
+        if not self.downloads.acquire(blocking=False):
+            self.metrics.outcome("download_busy")
+            context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, "busy: serving its maximum of state downloads")
+        try:
+            yield from iter_frames(
+                snapshot.manifest,
+                snapshot.tensors,
+                chunk_bytes=self.chunk_bytes,
+                on_chunk=lambda n: self.metrics.add_bytes(sent=n),
+                from_tensor=request.from_tensor,
+            )
+            self.metrics.outcome("download_served")
+        finally:
+            self.downloads.release()
 
     def Info(self, request: pb.InfoRequest, context: grpc.ServicerContext) -> pb.InfoReply:  # noqa: N802
         return self.node.info()
@@ -323,6 +342,7 @@ def start_server(
     max_concurrent_calls: int = 8,
     chunk_bytes: int = DEFAULT_CHUNK_BYTES,
     max_call_seconds: float = 120.0,
+    max_state_downloads: int = 2,
 ) -> tuple[grpc.Server, int]:
     """Start the service; returns the server and the port it bound (ephemeral when the bind port is 0)."""
     server = grpc.server(
@@ -330,7 +350,13 @@ def start_server(
         options=CHANNEL_OPTIONS,
         maximum_concurrent_rpcs=max_concurrent_calls,
     )
-    service = PeerService(node, metrics, chunk_bytes=chunk_bytes, max_call_seconds=max_call_seconds)
+    service = PeerService(
+        node,
+        metrics,
+        chunk_bytes=chunk_bytes,
+        max_call_seconds=max_call_seconds,
+        max_state_downloads=max_state_downloads,
+    )
     server.add_generic_rpc_handlers((_handlers(service),))
     port = server.add_insecure_port(bind)
     if port == 0:
@@ -433,6 +459,81 @@ def fetch_info(address: str, *, timeout: float) -> pb.InfoReply:
         return pb_grpc.PeerStub(channel).Info(pb.InfoRequest(), timeout=timeout)
 
 
+class StateDownload:
+    """A joiner's download of a donor's outer-step snapshot, resumable tensor by tensor from another donor.
+
+    Each tensor arrives whole and verified or not at all; when a donor fails mid-transfer, the tensors already
+    complete are kept and the next donor is asked for the rest, but only if its snapshot is of the same outer step
+    (its counters must match too). Another step means starting over: a state is never stitched across steps.
+    """
+
+    def __init__(self, layout: Sequence[tuple[str, tuple[int, ...]]], *, run_fingerprint: str, peer_id: str) -> None:
+        self.expected = [TensorLayout(name, tuple(shape)) for name, shape in layout]
+        self.run_fingerprint = run_fingerprint
+        self.peer_id = peer_id
+        self.done: list = []  # leading tensors received whole
+        self.counters: dict[str, int] | None = None  # of the snapshot being downloaded
+        self.resumed = 0  # downloads that continued where another donor stopped
+
+    def fetch(self, address: str, *, timeout: float) -> tuple[dict, dict[str, int]]:
+        """Download (the rest of) the snapshot from ``address``; returns the tensors and the counters, or raises
+        ExchangeError with what is complete so far kept for the next donor."""
+        max_bytes = sum(item.numel for item in self.expected) * 4 + 1024
+        resuming = bool(self.done) and self.counters is not None
+        receiver = PayloadReceiver(
+            self.expected,
+            run_fingerprint=self.run_fingerprint,
+            max_total_bytes=max_bytes,
+            allowed_dtypes=("fp32",),
+            prefilled=self.done if resuming else (),
+        )
+        request = pb.StateRequest(
+            run_fingerprint=self.run_fingerprint,
+            peer_id=self.peer_id,
+            from_tensor=len(self.done) if resuming else 0,
+            outer_step=self.counters["outer_step"] if resuming and self.counters else 0,
+        )
+        try:
+            with grpc.insecure_channel(address, options=CHANNEL_OPTIONS) as channel:
+                get_state = channel.unary_stream(GET_STATE_METHOD, request_serializer=pb.StateRequest.SerializeToString)
+                for frame in get_state(request, timeout=timeout):
+                    had_manifest = receiver.manifest is not None
+                    receiver.feed(frame)
+                    if not had_manifest and receiver.manifest is not None:
+                        self._check_counters(receiver.manifest, address, resuming)
+                payload = receiver.finish()
+        except PayloadError as error:
+            self.done = [] if error.reason == "resume_mismatch" else receiver.complete_prefix()
+            raise ExchangeError(error.code, error.reason, f"bad state from {address}: {error.message}") from None
+        except grpc.RpcError as error:
+            code = error.code() if hasattr(error, "code") else grpc.StatusCode.UNKNOWN
+            if resuming and code == grpc.StatusCode.FAILED_PRECONDITION:  # its snapshot is of another step
+                self.done, self.counters = [], None
+            else:
+                self.done = receiver.complete_prefix()
+            reason = "busy" if code == grpc.StatusCode.RESOURCE_EXHAUSTED else code.name.lower()
+            details = error.details() if hasattr(error, "details") else str(error)
+            raise ExchangeError(code, reason, f"{address}: {details}") from None
+        self.resumed += resuming
+        assert self.counters is not None
+        return payload.tensors, self.counters
+
+    def _check_counters(self, manifest: pb.Manifest, address: str, resuming: bool) -> None:
+        try:
+            metadata = json.loads(manifest.metadata_json)
+            counters = {key: int(metadata[key]) for key in ("inner_step", "outer_step", "adam_step")}
+        except (ValueError, KeyError, TypeError):
+            raise PayloadError(
+                grpc.StatusCode.INVALID_ARGUMENT, "metadata", f"bad state metadata from {address}"
+            ) from None
+        if min(counters.values()) < 0 or counters["outer_step"] != manifest.outer_step:
+            raise PayloadError(grpc.StatusCode.INVALID_ARGUMENT, "metadata", f"inconsistent counters from {address}")
+        if resuming and counters != self.counters:
+            self.done, self.counters = [], None  # another step after all: start over with the next donor
+            raise PayloadError(grpc.StatusCode.FAILED_PRECONDITION, "resume_mismatch", f"{address} moved on")
+        self.counters = counters
+
+
 def download_state(
     address: str,
     layout: Sequence[tuple[str, tuple[int, ...]]],
@@ -441,23 +542,5 @@ def download_state(
     peer_id: str,
     timeout: float,
 ) -> tuple[dict, dict]:
-    """A joiner's download of a donor's outer-step snapshot: verified tensors and the counters (metadata)."""
-    expected = [TensorLayout(name, tuple(shape)) for name, shape in layout]
-    max_bytes = sum(item.numel for item in expected) * 4 + 1024
-    receiver = PayloadReceiver(
-        expected, run_fingerprint=run_fingerprint, max_total_bytes=max_bytes, allowed_dtypes=("fp32",)
-    )
-    with grpc.insecure_channel(address, options=CHANNEL_OPTIONS) as channel:
-        get_state = channel.unary_stream(GET_STATE_METHOD, request_serializer=pb.StateRequest.SerializeToString)
-        call = get_state(pb.StateRequest(run_fingerprint=run_fingerprint, peer_id=peer_id), timeout=timeout)
-        payload = _receive(call, receiver, address, "state", None)
-    try:
-        metadata = json.loads(payload.manifest.metadata_json)
-        counters = {key: int(metadata[key]) for key in ("inner_step", "outer_step", "adam_step")}
-    except (ValueError, KeyError, TypeError) as error:
-        raise ExchangeError(
-            grpc.StatusCode.INVALID_ARGUMENT, "metadata", f"bad state metadata from {address}"
-        ) from error
-    if min(counters.values()) < 0:
-        raise ExchangeError(grpc.StatusCode.INVALID_ARGUMENT, "metadata", f"negative counters from {address}")
-    return payload.tensors, counters
+    """A joiner's download of a donor's whole outer-step snapshot: verified tensors and the counters."""
+    return StateDownload(layout, run_fingerprint=run_fingerprint, peer_id=peer_id).fetch(address, timeout=timeout)

@@ -47,13 +47,14 @@ from noloco_node.exchange import (
     ExchangeError,
     ExchangeMetrics,
     Outgoing,
-    download_state,
+    StateDownload,
     exchange_with,
     start_server,
 )
 from noloco_node.metrics import render_metrics
 from noloco_node.model import LlamaDecoder, named_parameters_ordered, run_fingerprint
 from noloco_node.pairing import OfferBook, PairingRound
+from noloco_node.peer_policy import PeerPolicy
 from noloco_node.rpc import peer_pb2 as pb
 from noloco_node.status import Health, NodeStatus
 from noloco_node.status_server import StatusServer, status_page
@@ -103,7 +104,11 @@ class Node:
         self._round: PairingRound | None = None  # sync mode: the open pairing round, if any
         self._offers = OfferBook()  # overlap mode
         self._snapshot: tuple[Outgoing, int] | None = None
-        self._avoid_until: dict[str, float] = {}
+        self.policy = PeerPolicy(
+            exchange_timeout=node_cfg.exchange_timeout,
+            min_deadline=node_cfg.min_exchange_deadline,
+            avoid_seconds=node_cfg.avoid_seconds,
+        )
         self._last_paired: dict[str, int] = {}  # peer id -> outer step of the last blend with it
         self._last_partner: str | None = None
         self._known_peers: set[str] = set()  # live peers of the run at the last DHT lookup
@@ -295,6 +300,8 @@ class Node:
             while not self.stop_event.is_set():
                 step_started = time.monotonic()
                 losses.append(replica.train_step())
+                if self.cfg.slow_factor > 1.0:  # fault injection: a straggler (a slower GPU, a busy machine)
+                    time.sleep((self.cfg.slow_factor - 1.0) * (time.monotonic() - step_started))
                 self.telemetry.on_inner_step(
                     replica.inner_step, losses[-1], time.monotonic() - step_started, replica.current_lr
                 )
@@ -347,21 +354,23 @@ class Node:
             await self._publish()
 
     def _choosable(self, peers: list[PeerRecord], own_step: int) -> list[PeerRecord]:
-        now = time.monotonic()
+        self.policy.forget({p.peer_id for p in peers})
         return [
             p
             for p in peers
             if p.ready
             and p.address
-            and self._avoid_until.get(p.peer_id, 0.0) <= now
+            and not self.policy.avoided(p.peer_id)
             and abs(p.outer_step - own_step) <= self.cfg.max_staleness
         ]
 
     async def _call(self, peer: PeerRecord, outgoing: Outgoing) -> Payload | None:
-        """One exchange call in a worker thread, under its deadline; a peer that failed is avoided for a while.
-        exchange_with records the exchange (outcome, bytes, duration) in the node's metrics."""
+        """One exchange call in a worker thread, under a deadline learnt from earlier exchanges (peer_policy.py); a
+        peer that fails is avoided, longer after each failure. exchange_with records the exchange in the metrics."""
+        deadline = self.policy.deadline(peer.peer_id)
+        started = time.monotonic()
         try:
-            return await asyncio.wait_for(
+            payload = await asyncio.wait_for(
                 asyncio.to_thread(
                     exchange_with,
                     peer.address,
@@ -369,19 +378,28 @@ class Node:
                     self.expected_layout(),
                     run_fingerprint=self.run_fingerprint,
                     max_payload_bytes=self.max_payload_bytes(),
-                    timeout=self.cfg.exchange_timeout,
+                    timeout=deadline,
                     metrics=self.metrics,
                     buffers=self.receive_buffers,
                     peer=peer.peer_id,
                 ),
-                timeout=self.cfg.exchange_timeout + 5,
+                timeout=deadline + 5,
             )
         except (ExchangeError, asyncio.TimeoutError) as error:
             reason = error.reason if isinstance(error, ExchangeError) else "timeout"
             if reason != "busy":
-                self._avoid_until[peer.peer_id] = time.monotonic() + self.cfg.avoid_seconds
-                log.warning("exchange with %s failed (%s): %s", peer.peer_id[-8:], reason, error)
+                avoid = self.policy.failed(peer.peer_id)
+                log.warning(
+                    "exchange with %s failed (%s, deadline %.1fs), avoided for %.0fs: %s",
+                    peer.peer_id[-8:],
+                    reason,
+                    deadline,
+                    avoid,
+                    error,
+                )
             return None
+        self.policy.succeeded(peer.peer_id, time.monotonic() - started)
+        return payload
 
     def _partner_order(self, candidates: list[PeerRecord]) -> list[PeerRecord]:
         """Random among the least recently paired first. Nodes of equal speed reach their outer steps in lockstep
@@ -481,7 +499,8 @@ class Node:
         return int.from_bytes(hashlib.sha256(self.peer_id.encode()).digest()[:4], "big") % self.cfg.num_shards
 
     async def _initial_state(self) -> None:
-        """Resume from this node's checkpoint, else download a live peer's state, else start from the seed."""
+        """Resume from this node's checkpoint unless the swarm has moved far ahead of it; else download a live
+        donor's state; else start from the run's seed."""
         replica = self.replica
         assert replica is not None
         checkpoint = self.cfg.data_dir / "checkpoint.pt"
@@ -495,35 +514,73 @@ class Node:
             await asyncio.to_thread(replica.load_state_dict, payload["replica"])
             self.telemetry.restore_history(payload.get("history", []))
             log.info("resumed from %s at outer step %d", checkpoint, replica.outer_step)
+            if not self.cfg.download_state:
+                return
+            peers = await self._donor_candidates()
+            front = max((p.outer_step for p in peers), default=replica.outer_step)
+            if front - replica.outer_step <= self.cfg.max_behind:
+                return
+            log.info(
+                "the checkpoint is %d outer steps behind the swarm (more than --max-behind %d): downloading state",
+                front - replica.outer_step,
+                self.cfg.max_behind,
+            )
+            if not await self._download_state():
+                log.warning("no donor could serve its state: training on from the checkpoint")
             return
-        if self.cfg.download_state:
-            peers = [p for p in await self.discovery.live_peers() if p.outer_step > 0]
-            if peers:
-                freshest = max(p.outer_step for p in peers)
-                donors = [p for p in peers if p.outer_step == freshest]
-                random.shuffle(donors)  # joiners spread over the freshest donors
-                for donor in donors:
-                    self.telemetry.phase = f"downloading state of outer step {freshest} from {donor.peer_id[-8:]}"
-                    try:
-                        tensors, metadata = await asyncio.to_thread(
-                            download_state,
-                            donor.address,
-                            replica.snapshot_layout(),
-                            run_fingerprint=self.run_fingerprint,
-                            peer_id=self.peer_id,
-                            timeout=self.cfg.exchange_timeout,
-                        )
-                    except ExchangeError as error:
-                        log.warning("state download from %s failed: %s", donor.peer_id[-8:], error)
-                        continue
-                    await asyncio.to_thread(replica.load_outer_snapshot, tensors, metadata)
-                    log.info(
-                        "joined a run in progress: state of outer step %d from %s",
-                        replica.outer_step,
-                        donor.peer_id[-8:],
-                    )
-                    return
+        if self.cfg.download_state and await self._download_state():
+            return
         log.info("starting run %s from its seed (%d)", self.run_fingerprint, self.train_cfg.seed)
+
+    async def _donor_candidates(self) -> list[PeerRecord]:
+        try:
+            return [p for p in await self.discovery.live_peers() if p.outer_step > 0 and p.address]
+        except (TimeoutError, OSError) as error:
+            log.warning("DHT lookup for donors failed: %s", error)
+            return []
+
+    async def _download_state(self, rounds: int = 3) -> bool:
+        """Adopt a fresh donor's snapshot. Donors are drawn at random among the freshest (within one outer step of
+        the swarm's front), so joiners spread out; a busy or failing donor is followed by the next one, which
+        continues the download where the last stopped when its snapshot is of the same outer step."""
+        replica = self.replica
+        assert replica is not None
+        download = StateDownload(replica.snapshot_layout(), run_fingerprint=self.run_fingerprint, peer_id=self.peer_id)
+        for attempt in range(rounds):
+            peers = await self._donor_candidates()
+            if not peers:
+                return False
+            front = max(p.outer_step for p in peers)
+            donors = [p for p in peers if p.outer_step >= front - 1]
+            random.shuffle(donors)
+            if download.counters is not None:  # a partial download resumes best at its own outer step
+                donors.sort(key=lambda p: p.outer_step != download.counters["outer_step"])  # type: ignore[index]
+            for donor in donors:
+                self.telemetry.phase = f"downloading state of outer step {donor.outer_step} from {donor.peer_id[-8:]}"
+                try:
+                    tensors, counters = await asyncio.to_thread(
+                        download.fetch, donor.address, timeout=self.cfg.exchange_timeout
+                    )
+                except ExchangeError as error:
+                    log.warning(
+                        "state download from %s failed (%s); %d tensors kept for the next donor",
+                        donor.peer_id[-8:],
+                        error,
+                        len(download.done),
+                    )
+                    continue
+                await asyncio.to_thread(replica.load_outer_snapshot, tensors, counters)
+                self.metrics.outcome("state_downloaded")
+                log.info(
+                    "joined a run in progress: state of outer step %d from %s%s",
+                    replica.outer_step,
+                    donor.peer_id[-8:],
+                    " (resumed where another donor stopped)" if download.resumed else "",
+                )
+                return True
+            if attempt + 1 < rounds:
+                await asyncio.sleep(2.0)
+        return False
 
     async def run(self) -> int:
         """Serve until training ends or SIGINT/SIGTERM; returns the exit code."""
@@ -543,6 +600,7 @@ class Node:
             self.metrics,
             bind=f"{self.cfg.grpc_host}:{self.cfg.grpc_port}",
             max_call_seconds=self.cfg.exchange_timeout,
+            max_state_downloads=self.cfg.max_state_downloads,
         )
         self.address = f"{self.cfg.announce_host or self.cfg.grpc_host}:{self.cfg.announce_port or port}"
         self.dht_maddrs = await asyncio.to_thread(self.discovery.visible_maddrs)

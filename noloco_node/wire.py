@@ -148,12 +148,15 @@ def iter_frames(
     *,
     chunk_bytes: int = DEFAULT_CHUNK_BYTES,
     on_chunk: Callable[[int], None] | None = None,
+    from_tensor: int = 0,
 ) -> Iterator[bytes]:
     """The encoded frames of one payload: the manifest, every tensor's chunks in order, the end.
 
     CPU tensors are converted to the wire dtype one chunk at a time into a small reused staging buffer (no second
     copy of the model, and the converted bytes are still in cache when the checksum and the frame read them). A
-    tensor on an accelerator is converted there and copied to the host whole, one tensor at a time.
+    tensor on an accelerator is converted there and copied to the host whole, one tensor at a time. With
+    ``from_tensor`` the manifest still lists every tensor but only those from that index on are sent (a resumed
+    state download); the end frame counts the bytes actually sent.
     """
     if not 0 < chunk_bytes <= MAX_CHUNK_BYTES or chunk_bytes % 4:
         raise ValueError(f"chunk_bytes must be a multiple of 4 in (0, {MAX_CHUNK_BYTES}], got {chunk_bytes}")
@@ -163,6 +166,8 @@ def iter_frames(
     total = 0
     staging: dict[torch.dtype, torch.Tensor] = {}
     for index, (spec, tensor) in enumerate(zip(manifest.tensors, tensors, strict=True)):
+        if index < from_tensor:
+            continue
         dtype = _TORCH_DTYPE_OF_WIRE[spec.dtype]
         itemsize = torch.empty((), dtype=dtype).element_size()
         if (size := tensor.numel() * itemsize) != spec.num_bytes:
@@ -362,9 +367,13 @@ class PayloadReceiver:
         max_total_bytes: int,
         allowed_dtypes: Sequence[str] = ("bf16", "fp32"),
         buffers: ReceiveBuffers | None = None,
+        prefilled: Sequence[torch.Tensor] = (),
     ) -> None:
         self.expected = list(expected)
         self.pool = buffers
+        # Leading tensors already received whole from another sender (a resumed state download): the manifest
+        # must still match all of them, but their chunks are not sent again.
+        self.prefilled = list(prefilled)
         self.run_fingerprint = run_fingerprint
         self.max_total_bytes = max_total_bytes
         self.allowed_codes = {WIRE_DTYPES[name][0] for name in allowed_dtypes}
@@ -430,17 +439,35 @@ class PayloadReceiver:
                 f"payload declares {total} bytes, the limit is {self.max_total_bytes}",
             )
         # Only now, with every size checked, is memory committed: one buffer per tensor, in wire dtype.
+        for index, given in enumerate(self.prefilled):
+            if given.dtype != _TORCH_DTYPE_OF_WIRE[manifest.tensors[index].dtype]:
+                raise _invalid("tensor_dtype", f"tensor {manifest.tensors[index].name!r} changed dtype on resume")
         self._buffers = [
-            self._allocate(_TORCH_DTYPE_OF_WIRE[spec.dtype], want.numel)
-            for spec, want in zip(manifest.tensors, self.expected, strict=True)
+            self.prefilled[index].view(-1)
+            if index < len(self.prefilled)
+            else self._allocate(_TORCH_DTYPE_OF_WIRE[spec.dtype], want.numel)
+            for index, (spec, want) in enumerate(zip(manifest.tensors, self.expected, strict=True))
         ]
         self._byte_views = [buffer.view(torch.uint8).numpy() for buffer in self._buffers]
         self._itemsizes = [buffer.element_size() for buffer in self._buffers]
-        self._filled = [0] * len(self._buffers)
+        self._filled = [
+            spec.num_bytes if index < len(self.prefilled) else 0 for index, spec in enumerate(manifest.tensors)
+        ]
         self.manifest = manifest
 
     def _allocate(self, dtype: torch.dtype, numel: int) -> torch.Tensor:
         return torch.empty(numel, dtype=dtype) if self.pool is None else self.pool.take(dtype, numel)
+
+    def complete_prefix(self) -> list[torch.Tensor]:
+        """The leading tensors received whole so far (in wire dtype, flat): what a resumed download keeps."""
+        if self.manifest is None:
+            return list(self.prefilled)
+        prefix = []
+        for buffer, filled, spec in zip(self._buffers, self._filled, self.manifest.tensors, strict=True):
+            if filled != spec.num_bytes:
+                break
+            prefix.append(buffer)
+        return prefix
 
     def discard(self) -> None:
         """The payload will not be finished (refused, cut): its buffers go back to the pool. Idempotent."""

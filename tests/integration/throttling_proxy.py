@@ -1,5 +1,6 @@
 """A user-space TCP proxy for fault injection on loopback: forwards to a target at a limited rate, counts bytes,
-and lets a test act once a connection has carried a given number of bytes (this kernel has no netem)."""
+lets a test act once a connection has carried a given number of bytes, and can cut every connection after a given
+number of bytes, mid-message (this kernel has no netem)."""
 
 from __future__ import annotations
 
@@ -18,8 +19,17 @@ def free_port() -> int:
 class ThrottlingProxy:
     """Listens on 127.0.0.1:<port> and forwards to 127.0.0.1:<target_port> at ``bytes_per_second`` per direction."""
 
-    def __init__(self, target_port: int, *, bytes_per_second: int, on_bytes: Callable[[int], None] | None = None):
+    def __init__(
+        self,
+        target_port: int,
+        *,
+        bytes_per_second: int,
+        on_bytes: Callable[[int], None] | None = None,
+        cut_after_bytes: int | None = None,
+    ):
         self.target_port = target_port
+        self.cut_after_bytes = cut_after_bytes
+        self.cuts = 0
         self.rate = bytes_per_second
         self.on_bytes = on_bytes
         self.port = free_port()
@@ -36,12 +46,21 @@ class ThrottlingProxy:
         self._started.set()
         self._loop.run_forever()
 
-    async def _pipe(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+    async def _pipe(
+        self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, other: asyncio.StreamWriter
+    ) -> None:
+        carried = 0
         try:
             while True:
                 data = await reader.read(16384)
                 if not data:
                     break
+                if self.cut_after_bytes is not None and carried + len(data) > self.cut_after_bytes:
+                    writer.write(data[: self.cut_after_bytes - carried])  # the cut falls inside a message
+                    self.cuts += 1
+                    other.close()
+                    break
+                carried += len(data)
                 writer.write(data)
                 await writer.drain()
                 self.relayed += len(data)
@@ -59,7 +78,10 @@ class ThrottlingProxy:
         except OSError:
             client_writer.close()
             return
-        await asyncio.gather(self._pipe(client_reader, target_writer), self._pipe(target_reader, client_writer))
+        await asyncio.gather(
+            self._pipe(client_reader, target_writer, client_writer),
+            self._pipe(target_reader, client_writer, target_writer),
+        )
 
     def close(self) -> None:
         self._loop.call_soon_threadsafe(self._server.close)

@@ -1,0 +1,78 @@
+"""Which peers to call and how long to wait for them: deadlines learnt from observed exchanges, and backoff.
+
+Fixed guesses fail both ways on the internet: a 60 s deadline lets one stalled peer eat a minute of every outer
+step, and a short one cuts healthy exchanges of a big model over a slow link. Each completed exchange updates an
+exponentially weighted mean of its duration, per peer and overall; the deadline for the next call is a multiple of
+that (with a floor, so that jitter does not cut healthy calls, and the configured exchange timeout as the ceiling).
+A peer that fails is avoided, for twice as long after each consecutive failure (up to a cap); one success clears
+its record. A busy answer is not a failure.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from dataclasses import dataclass
+
+EWMA_WEIGHT = 0.3  # of the newest observation
+DEADLINE_FACTOR = 4.0  # deadline = factor * typical duration + slack
+DEADLINE_SLACK = 2.0
+MAX_BACKOFF_DOUBLINGS = 5  # avoid at most avoid_seconds * 32
+
+
+@dataclass
+class _PeerRecord:
+    typical: float | None = None
+    failures: int = 0
+    avoid_until: float = 0.0
+
+
+class PeerPolicy:
+    def __init__(self, *, exchange_timeout: float, min_deadline: float, avoid_seconds: float) -> None:
+        self.exchange_timeout = exchange_timeout
+        self.min_deadline = min_deadline
+        self.avoid_seconds = avoid_seconds
+        self._lock = threading.Lock()
+        self._peers: dict[str, _PeerRecord] = {}
+        self._typical: float | None = None  # over all peers: the first call to a new peer uses it
+
+    def deadline(self, peer_id: str) -> float:
+        """Seconds to allow the next exchange with this peer."""
+        with self._lock:
+            record = self._peers.get(peer_id)
+            typical = record.typical if record and record.typical is not None else self._typical
+        if typical is None:
+            return self.exchange_timeout  # nothing observed yet: the configured ceiling
+        return min(self.exchange_timeout, max(self.min_deadline, DEADLINE_FACTOR * typical + DEADLINE_SLACK))
+
+    def succeeded(self, peer_id: str, seconds: float) -> None:
+        with self._lock:
+            record = self._peers.setdefault(peer_id, _PeerRecord())
+            record.typical = seconds if record.typical is None else _blend(record.typical, seconds)
+            record.failures, record.avoid_until = 0, 0.0
+            self._typical = seconds if self._typical is None else _blend(self._typical, seconds)
+
+    def failed(self, peer_id: str) -> float:
+        """Record a failure; returns how long the peer is now avoided (s)."""
+        with self._lock:
+            record = self._peers.setdefault(peer_id, _PeerRecord())
+            record.failures += 1
+            avoid = self.avoid_seconds * 2 ** min(record.failures - 1, MAX_BACKOFF_DOUBLINGS)
+            record.avoid_until = time.monotonic() + avoid
+            return avoid
+
+    def avoided(self, peer_id: str) -> bool:
+        with self._lock:
+            record = self._peers.get(peer_id)
+            return record is not None and record.avoid_until > time.monotonic()
+
+    def forget(self, live_peer_ids: set[str]) -> None:
+        """Drop what is known of peers that left, so that a long run's bookkeeping does not grow without bound."""
+        with self._lock:
+            for gone in set(self._peers) - live_peer_ids:
+                if self._peers[gone].avoid_until <= time.monotonic():
+                    del self._peers[gone]
+
+
+def _blend(old: float, new: float) -> float:
+    return (1 - EWMA_WEIGHT) * old + EWMA_WEIGHT * new

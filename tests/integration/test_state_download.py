@@ -1,0 +1,152 @@
+"""State downloads over real gRPC: resumed tensor by tensor from a second donor when the first is cut mid-transfer,
+started over when the second donor's snapshot is of another step, and refused with "busy" past a donor's cap."""
+
+from __future__ import annotations
+
+import json
+import threading
+
+import grpc
+import pytest
+import torch
+
+from noloco_node.exchange import ExchangeError, ExchangeMetrics, Outgoing, StateDownload, start_server
+from noloco_node.rpc import peer_pb2 as pb
+from noloco_node.wire import ReceiveBuffers, build_manifest
+
+from .throttling_proxy import ThrottlingProxy
+
+RUN = "run-state-test"
+SHAPES = [("phi/a", (300, 100)), ("phi/b", (200,)), ("delta/a", (300, 100)), ("delta/b", (200,))]
+
+
+class Donor:
+    """A PeerNode that serves a fixed snapshot (the role node.py's outer-step snapshot plays)."""
+
+    def __init__(self, seed: int, outer_step: int, *, slow: threading.Event | None = None) -> None:
+        g = torch.Generator().manual_seed(seed)
+        self.named = [(name, torch.randn(shape, generator=g)) for name, shape in SHAPES]
+        self.run_fingerprint = RUN
+        self.peer_id = f"donor-{seed}"
+        self.receive_buffers = ReceiveBuffers(max_idle_bytes=0)
+        self.outer_step = outer_step
+        self.slow = slow
+        metadata = {"inner_step": outer_step * 10, "outer_step": outer_step, "adam_step": outer_step * 10}
+        manifest = build_manifest(
+            self.named,
+            wire_dtype="fp32",
+            run_fingerprint=RUN,
+            peer_id=self.peer_id,
+            outer_step=outer_step,
+            metadata_json=json.dumps(metadata),
+        )
+        self.snapshot = Outgoing(manifest, _Gated([t for _, t in self.named], slow))
+
+    def state_snapshot(self) -> Outgoing:
+        return self.snapshot
+
+    def info(self) -> pb.InfoReply:
+        return pb.InfoReply(peer_id=self.peer_id, run_fingerprint=RUN)
+
+    def expected_layout(self) -> list:
+        return []
+
+    def max_payload_bytes(self) -> int:
+        return 0
+
+    def open_session(self, partner_id: str, partner_outer_step: int) -> None:
+        return None
+
+
+class _Gated(list):
+    """The snapshot's tensors; with a gate, serving waits on it before the second tensor (a stalled download)."""
+
+    def __init__(self, tensors: list[torch.Tensor], gate: threading.Event | None) -> None:
+        super().__init__(tensors)
+        self.gate = gate
+
+    def __iter__(self):
+        for index, tensor in enumerate(list.__iter__(self)):
+            if index == 1 and self.gate is not None:
+                self.gate.wait(20)
+            yield tensor
+
+
+@pytest.fixture
+def serve():
+    servers = []
+
+    def start(donor: Donor, **options: int) -> tuple[str, int]:
+        server, port = start_server(donor, ExchangeMetrics(), bind="127.0.0.1:0", **options)
+        servers.append(server)
+        return f"127.0.0.1:{port}", port
+
+    yield start
+    for server in servers:
+        server.stop(grace=None)
+
+
+def test_a_download_cut_mid_transfer_resumes_from_another_donor_of_the_same_step(serve) -> None:
+    first, second = Donor(1, outer_step=6), Donor(2, outer_step=6)
+    _, first_port = serve(first)
+    second_address, _ = serve(second)
+    # 120 kB of the first donor's 481 kB pass: phi/a (120 kB) and a little more, then the connection is cut.
+    cutter = ThrottlingProxy(first_port, bytes_per_second=10**9, cut_after_bytes=125_000)
+    download = StateDownload(SHAPES, run_fingerprint=RUN, peer_id="joiner")
+    try:
+        with pytest.raises(ExchangeError):
+            download.fetch(f"127.0.0.1:{cutter.port}", timeout=20)
+    finally:
+        cutter.close()
+    assert cutter.cuts >= 1 and len(download.done) == 1  # phi/a arrived whole and is kept; the rest is not
+    tensors, counters = download.fetch(second_address, timeout=20)
+    assert download.resumed == 1 and counters == {"inner_step": 60, "outer_step": 6, "adam_step": 60}
+    assert torch.equal(tensors["phi/a"], first.named[0][1])  # kept from the first donor
+    for index in (1, 2, 3):  # the rest from the second
+        assert torch.equal(tensors[SHAPES[index][0]], second.named[index][1])
+
+
+def test_a_donor_at_another_step_restarts_the_download_instead_of_mixing_steps(serve) -> None:
+    first, later = Donor(1, outer_step=6), Donor(3, outer_step=7)
+    _, first_port = serve(first)
+    later_address, _ = serve(later)
+    cutter = ThrottlingProxy(first_port, bytes_per_second=10**9, cut_after_bytes=125_000)
+    download = StateDownload(SHAPES, run_fingerprint=RUN, peer_id="joiner")
+    try:
+        with pytest.raises(ExchangeError):
+            download.fetch(f"127.0.0.1:{cutter.port}", timeout=20)
+    finally:
+        cutter.close()
+    with pytest.raises(ExchangeError) as refused:
+        download.fetch(later_address, timeout=20)  # asks to resume step 6; the donor is at step 7
+    assert refused.value.code == grpc.StatusCode.FAILED_PRECONDITION and download.done == []
+    tensors, counters = download.fetch(later_address, timeout=20)  # so it starts over, whole, at step 7
+    assert counters["outer_step"] == 7 and download.resumed == 0
+    assert all(torch.equal(tensors[name], t) for name, t in later.named)
+
+
+def test_a_donor_serving_its_maximum_of_downloads_answers_busy(serve) -> None:
+    gate = threading.Event()
+    donor = Donor(1, outer_step=3, slow=gate)
+    address, _ = serve(donor, max_state_downloads=1)
+    stalled = StateDownload(SHAPES, run_fingerprint=RUN, peer_id="first-joiner")
+    holder = threading.Thread(target=lambda: stalled.fetch(address, timeout=30))
+    holder.start()
+    try:
+        busy = None
+        for _ in range(50):  # until the first download holds the donor's only slot
+            second = StateDownload(SHAPES, run_fingerprint=RUN, peer_id="second-joiner")
+            try:
+                second.fetch(address, timeout=10)
+            except ExchangeError as error:
+                if error.reason != "busy":
+                    raise
+                busy = error
+                break
+        assert busy is not None, "the donor never answered busy"
+        assert busy.code == grpc.StatusCode.RESOURCE_EXHAUSTED
+    finally:
+        gate.set()
+        holder.join(30)
+    tensors, _ = StateDownload(SHAPES, run_fingerprint=RUN, peer_id="third").fetch(address, timeout=20)
+    assert torch.equal(tensors["phi/a"], donor.named[0][1])  # the slot is free again

@@ -1,0 +1,41 @@
+"""peer_policy.py: deadlines learnt from observed exchanges, and backoff for peers that keep failing."""
+
+from __future__ import annotations
+
+import pytest
+
+from noloco_node.peer_policy import PeerPolicy
+
+
+def policy() -> PeerPolicy:
+    return PeerPolicy(exchange_timeout=60.0, min_deadline=5.0, avoid_seconds=10.0)
+
+
+def test_deadlines_follow_observed_timings_between_floor_and_ceiling() -> None:
+    rules = policy()
+    assert rules.deadline("a") == 60.0  # nothing known: the configured ceiling
+    rules.succeeded("a", 0.1)
+    assert rules.deadline("a") == 5.0  # fast exchanges: the floor, never less
+    assert rules.deadline("b") == 5.0  # an unknown peer gets what peers in general take
+    for _ in range(20):
+        rules.succeeded("slow", 8.0)
+    assert rules.deadline("slow") == pytest.approx(4 * 8.0 + 2.0)
+    for _ in range(20):
+        rules.succeeded("slower", 30.0)
+    assert rules.deadline("slower") == 60.0  # capped by exchange_timeout
+
+
+def test_failing_peers_are_avoided_longer_each_time_and_forgiven_by_a_success() -> None:
+    rules = policy()
+    assert [rules.failed("a") for _ in range(8)] == [10, 20, 40, 80, 160, 320, 320, 320]
+    assert rules.avoided("a") and not rules.avoided("b")
+    rules.succeeded("a", 1.0)
+    assert not rules.avoided("a") and rules.failed("a") == 10
+
+
+def test_peers_that_left_are_forgotten_unless_still_avoided() -> None:
+    rules = policy()
+    rules.succeeded("gone", 1.0)
+    rules.failed("bad")
+    rules.forget(set())
+    assert "gone" not in rules._peers and "bad" in rules._peers
