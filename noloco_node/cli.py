@@ -193,6 +193,27 @@ def build_parser() -> argparse.ArgumentParser:
     status_bench.add_argument("--rounds", type=int, default=3, help="alternations of quiet and polled phases")
     status_bench.add_argument("--poll-hz", type=float, default=10.0, help="requests per second while polled")
 
+    chaos = benches.add_parser(
+        "chaos",
+        help="a local swarm trains while nodes are SIGKILLed and come back; against the same run without faults",
+    )
+    chaos.add_argument("--minutes", type=float, default=4.0, help="length of the run without faults (and of the kills)")
+    chaos.add_argument("--nodes", type=int, default=6, help="swarm size")
+    chaos.add_argument("--model", default="tiny", choices=list(MODEL_SIZES), help="model size the swarm trains")
+    chaos.add_argument("--kill-every", type=float, default=60.0, help="mean seconds between SIGKILLs")
+    chaos.add_argument("--no-baseline", action="store_true", help="only the faulty run, for --minutes (a soak)")
+    chaos.add_argument("--seed", type=int, default=0, help="seed of the fault schedule")
+    chaos.add_argument("--out", type=Path, help="keep logs, checkpoints and chaos.json here")
+
+    straggler = benches.add_parser(
+        "straggler",
+        help="the inner-step throughput of a swarm with one node N times slower, against the same swarm without it",
+    )
+    straggler.add_argument("--nodes", type=int, default=3, help="normal-speed nodes")
+    straggler.add_argument("--slow-factor", type=float, default=5.0, help="how much slower the straggler is")
+    straggler.add_argument("--steps", type=int, default=1000, help="inner steps each normal node trains")
+    straggler.add_argument("--model", default="tiny", choices=list(MODEL_SIZES), help="model size")
+
     status = commands.add_parser(
         "status",
         help="one node's status as a readable table (from its status endpoint or its data directory)",
@@ -358,6 +379,29 @@ def _peers(args: argparse.Namespace) -> int:
 
 
 def _bench(args: argparse.Namespace) -> int:
+    if args.bench == "chaos":
+        from noloco_node.bench.chaos import run_chaos_bench
+
+        print(f"noloco-node bench chaos: {args.nodes} nodes, model {args.model}, {os.cpu_count()} CPUs", flush=True)
+        if args.out:
+            args.out.mkdir(parents=True, exist_ok=True)
+        chaos_result = run_chaos_bench(
+            minutes=args.minutes,
+            nodes=args.nodes,
+            model=args.model,
+            kill_every=args.kill_every,
+            baseline=not args.no_baseline,
+            seed=args.seed,
+            out=args.out,
+        )
+        print(chaos_result.report())
+        return 0
+    if args.bench == "straggler":
+        from noloco_node.bench.straggler import run_straggler_bench
+
+        print(f"noloco-node bench straggler: {args.nodes} nodes + 1 at {args.slow_factor:g}x slower", flush=True)
+        print(run_straggler_bench(args.nodes, args.slow_factor, args.steps, args.model).report())
+        return 0
     if args.bench == "status":
         from noloco_node.bench.status import run_status_bench
 

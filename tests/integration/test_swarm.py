@@ -14,6 +14,7 @@ from noloco_node.config import DataConfig, TrainConfig, model_config_for
 from noloco_node.data import ReplicaShard, load_corpus
 
 from .swarm_harness import Bootstrap, NodeProcess
+from .throttling_proxy import ThrottlingProxy, free_port
 
 TRAIN = ["--model", "tiny", "--seq-len", "64", "--batch-size", "8", "--eval-batches", "4"]
 
@@ -147,8 +148,6 @@ def test_a_peer_killed_mid_exchange_costs_the_survivor_one_round(bootstrap: Boot
     import signal
     import threading
 
-    from .throttling_proxy import ThrottlingProxy, free_port
-
     survivor_port, victim_port = free_port(), free_port()
     killed = threading.Event()
     victim_holder: list[NodeProcess] = []
@@ -267,12 +266,29 @@ def test_overlap_mode_blends_without_waiting_for_partners(bootstrap: Bootstrap, 
         assert history[-1]["val_loss"] < history[0]["val_loss"] - 0.3
 
 
-def test_a_late_joiner_downloads_the_state_of_a_live_peer(bootstrap: Bootstrap, tmp_path: Path) -> None:
-    import time
-
+def test_a_late_joiner_trains_from_a_donors_state_and_the_donor_never_pauses(
+    bootstrap: Bootstrap, tmp_path: Path
+) -> None:
+    """The joiner starts after the others' 3rd outer step. Donors are reached through 400 kB/s proxies, so the
+    2 MB fp32 state takes about 5 s to download: a donor that paused for it would show a 5 s inner phase."""
     args = [*TRAIN, "--inner-steps", "20", "--num-shards", "3", "--pair-timeout", "3"]
+    ports = [free_port(), free_port()]
+    proxies = [ThrottlingProxy(port, bytes_per_second=400_000) for port in ports]
     early = [
-        NodeProcess(f"early{i}", bootstrap, tmp_path, *args, "--steps", "400", "--shard-index", str(i))
+        NodeProcess(
+            f"early{i}",
+            bootstrap,
+            tmp_path,
+            *args,
+            "--steps",
+            "500",
+            "--shard-index",
+            str(i),
+            "--grpc-port",
+            str(ports[i]),
+            "--announce-port",
+            str(proxies[i].port),
+        )
         for i in range(2)
     ]
     late = None
@@ -283,22 +299,32 @@ def test_a_late_joiner_downloads_the_state_of_a_live_peer(bootstrap: Bootstrap, 
             if status and status["outer_step"] >= 4:
                 break
             time.sleep(0.2)
-        late = NodeProcess("late", bootstrap, tmp_path, *args, "--steps", "400", "--shard-index", "2")
+        late = NodeProcess("late", bootstrap, tmp_path, *args, "--steps", "500", "--shard-index", "2")
         assert late.wait(timeout=300) == 0, late.output()[-3000:]
         for node in early:
             assert node.wait(timeout=120) == 0
     finally:
         for node in [*early, *([late] if late else [])]:
             node.stop()
+        for proxy in proxies:
+            proxy.close()
     output = late.output()
     assert "joined a run in progress: state of outer step" in output
     joined_at = int(output.split("joined a run in progress: state of outer step")[1].split()[0])
-    assert joined_at >= 4
+    donor_tail = output.split("joined a run in progress: state of outer step")[1].split()[2][:8]
+    assert joined_at >= 3
     late_history = late.status()["history"]
     assert late_history[0]["outer_step"] == joined_at + 1  # it resumed the run's counters, not step 0
-    assert late_history[-1]["inner_step"] == 400
-    # Its first evaluation already benefits from the downloaded training.
-    assert late_history[0]["val_loss"] < early[0].status()["history"][0]["val_loss"]
+    assert late_history[-1]["inner_step"] == 500
+    donor = next(node for node in early if node.status()["peer_id"].endswith(donor_tail))
+    donor_history = {h["outer_step"]: h for h in donor.status()["history"]}
+    fresh_first = min(node.status()["history"][0]["val_loss"] for node in early)  # one phase from scratch
+    # Its first evaluation is the donor's level, far below what a fresh model reaches in one phase.
+    assert late_history[0]["val_loss"] <= donor_history[joined_at]["val_loss"] + 0.1
+    assert late_history[0]["val_loss"] < fresh_first - 0.5
+    # The donor kept training while it served: no inner phase of it stalled for the 5 s download.
+    phases = [h["train_seconds"] for h in donor_history.values()]
+    assert max(phases) < 3.0, phases
 
 
 def test_sigterm_leaves_gracefully_checkpoints_and_withdraws_the_record(bootstrap: Bootstrap, tmp_path: Path) -> None:

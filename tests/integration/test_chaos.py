@@ -1,0 +1,33 @@
+"""Churn on real processes: a 6-node swarm trains while nodes are SIGKILLed and come back (slow tier), and one
+node 5x slower than the others does not slow them down."""
+
+from __future__ import annotations
+
+import pytest
+
+from noloco_node.bench.chaos import run_chaos_bench
+from noloco_node.bench.straggler import run_straggler_bench
+
+
+@pytest.mark.slow
+def test_chaos_six_nodes_killed_and_restarted_at_random(tmp_path) -> None:
+    result = run_chaos_bench(minutes=3.0, nodes=6, kill_every=40.0, seed=1, out=tmp_path)
+    chaos, clean = result.chaos, result.baseline
+    print(result.report())
+    assert clean is not None and clean.steps >= 200
+    assert chaos.kills >= 3 and chaos.restarts + chaos.newcomers == chaos.kills
+    assert chaos.crashes == [], chaos.crashes  # no node ever failed on its own
+    assert chaos.non_finite == []
+    assert chaos.joins_by_download >= 1 if chaos.newcomers else True
+    assert chaos.outcomes.get("completed", 0) > 0
+    assert len(chaos.final_val_losses) == 6  # every place in the swarm reached the end
+    assert chaos.mean_val_loss <= clean.mean_val_loss * 1.05
+
+
+def test_a_five_times_slower_node_does_not_slow_the_others() -> None:
+    result = run_straggler_bench(nodes=3, slow_factor=5.0, steps=400, model="tiny")
+    print(result.report())
+    assert result.straggler_steps_per_second < min(result.with_straggler) / 2  # it really was slow
+    # A loose bound: on 2 shared cores the straggler's own CPU use is part of this ratio. The precise figure is
+    # what `noloco-node bench straggler` prints (README).
+    assert result.ratio >= 0.8, result.report()
