@@ -188,7 +188,7 @@ class NodeConfig(_Settings):
     data_dir: Path = Field(Path("noloco-data"), description="Checkpoints and the node's status file.")
     pair_timeout: float = Field(10.0, gt=0, description="sync: longest wait for a partner before a solo step (s).")
     alone_grace: float = Field(
-        1.0, ge=0, description="sync: with no other live peer in the DHT, wait only this long before a solo step (s)."
+        1.0, ge=0, description="sync: with no live peer within max_staleness, wait this long before a solo step (s)."
     )
     exchange_timeout: float = Field(
         60.0, gt=0, description="Longest deadline of one exchange call (s); shorter once peers' timings are known."

@@ -260,7 +260,10 @@ class Node:
         self._round = current
         seeker = asyncio.run_coroutine_threadsafe(self._seek_partner(current), self.loop)
         asyncio.run_coroutine_threadsafe(self._publish(), self.loop)
-        current.done.wait(self.cfg.pair_timeout)
+        deadline = time.monotonic() + self.cfg.pair_timeout
+        # Wait for a partner, but not past a shutdown request: a leaving node does not sit out its pair timeout.
+        while not current.done.wait(0.2) and not self.stop_event.is_set() and time.monotonic() < deadline:
+            self.telemetry.beat()
         # An exchange still streaming holds the lock and finishes, bounded by its deadline.
         partner = current.close(wait_for_exchange=self.cfg.exchange_timeout + 5)
         self._round = None
@@ -422,9 +425,11 @@ class Node:
             except (TimeoutError, OSError) as error:
                 log.warning("DHT lookup failed: %s", error)
                 live, candidates = [], []
-            if not live and time.monotonic() >= alone_until:
-                # Nobody else in the run: waiting the whole pair_timeout would only idle the trainer. A peer that
-                # joins now is found at the next outer step.
+            within_reach = [p for p in live if abs(p.outer_step - current.outer_step) <= self.cfg.max_staleness]
+            if not within_reach and time.monotonic() >= alone_until:
+                # Nobody else in the run within the staleness bound (alone, or every other node far ahead or far
+                # behind): waiting the whole pair_timeout would only idle the trainer. A peer that comes within
+                # reach is found at the next outer step.
                 current.done.set()
                 return
             candidates = [p for p in self._partner_order(candidates) if current.may_pair_with(p.peer_id)]

@@ -248,3 +248,31 @@ def test_a_caller_that_stalls_without_a_deadline_is_cut_off(served) -> None:
     finally:
         stop.set()
         server.stop(grace=None)
+
+
+@pytest.mark.parametrize("cut_at", [40, 700, 9_000, 600_000, 1_500_000, 2_400_000])
+def test_a_connection_cut_at_any_byte_leaves_both_sides_unchanged(served, cut_at: int) -> None:
+    """All-or-nothing: wherever the connection breaks (in the manifest, a chunk header, a chunk's data, the end),
+    the caller gets an error and the served side blends nothing."""
+    from .throttling_proxy import ThrottlingProxy
+
+    named = params(2, (300_000, 7, 300_000))  # 2.4 MB in fp32 each way
+    holder = Holder(params(1, (300_000, 7, 300_000)))
+    address, metrics = served(holder)
+    cutter = ThrottlingProxy(int(address.rsplit(":", 1)[1]), bytes_per_second=10**9, cut_after_bytes=cut_at)
+    try:
+        with pytest.raises(ExchangeError):
+            exchange_with(
+                f"127.0.0.1:{cutter.port}",
+                outgoing(named, "caller"),
+                layout_of(named),
+                run_fingerprint=RUN,
+                max_payload_bytes=10**9,
+                timeout=10,
+            )
+    finally:
+        cutter.close()
+    assert cutter.cuts >= 1
+    if holder.released.wait(3):  # a server that saw the manifest released its session
+        assert holder.completed == [] and metrics.outcomes["completed"] == 0
+    assert holder.completed == []
