@@ -64,10 +64,12 @@ class _Gated(list):
     def __init__(self, tensors: list[torch.Tensor], gate: threading.Event | None) -> None:
         super().__init__(tensors)
         self.gate = gate
+        self.waiting = threading.Event()  # a download is being held at the gate
 
     def __iter__(self):
         for index, tensor in enumerate(list.__iter__(self)):
             if index == 1 and self.gate is not None:
+                self.waiting.set()
                 self.gate.wait(20)
             yield tensor
 
@@ -90,7 +92,7 @@ def test_a_download_cut_mid_transfer_resumes_from_another_donor_of_the_same_step
     first, second = Donor(1, outer_step=6), Donor(2, outer_step=6)
     _, first_port = serve(first)
     second_address, _ = serve(second)
-    # 120 kB of the first donor's 481 kB pass: phi/a (120 kB) and a little more, then the connection is cut.
+    # 125 kB of the first donor's 481 kB pass: phi/a (120 kB), phi/b (0.8 kB), then the connection is cut.
     cutter = ThrottlingProxy(first_port, bytes_per_second=10**9, cut_after_bytes=125_000)
     download = StateDownload(SHAPES, run_fingerprint=RUN, peer_id="joiner")
     try:
@@ -98,12 +100,15 @@ def test_a_download_cut_mid_transfer_resumes_from_another_donor_of_the_same_step
             download.fetch(f"127.0.0.1:{cutter.port}", timeout=20)
     finally:
         cutter.close()
-    assert cutter.cuts >= 1 and len(download.done) == 1  # phi/a arrived whole and is kept; the rest is not
+    # phi/a (and perhaps phi/b) arrived whole and is kept; delta/a was cut. How many whole tensors gRPC delivers
+    # before it reports the broken connection varies, so the check is on whatever was kept.
+    kept = len(download.done)
+    assert cutter.cuts >= 1 and 1 <= kept <= 2
     tensors, counters = download.fetch(second_address, timeout=20)
     assert download.resumed == 1 and counters == {"inner_step": 60, "outer_step": 6, "adam_step": 60}
-    assert torch.equal(tensors["phi/a"], first.named[0][1])  # kept from the first donor
-    for index in (1, 2, 3):  # the rest from the second
-        assert torch.equal(tensors[SHAPES[index][0]], second.named[index][1])
+    for index, (name, _) in enumerate(SHAPES):
+        source = first if index < kept else second  # the kept ones from the first donor, the rest from the second
+        assert torch.equal(tensors[name], source.named[index][1]), name
 
 
 def test_a_donor_at_another_step_restarts_the_download_instead_of_mixing_steps(serve) -> None:
@@ -133,17 +138,13 @@ def test_a_donor_serving_its_maximum_of_downloads_answers_busy(serve) -> None:
     holder = threading.Thread(target=lambda: stalled.fetch(address, timeout=30))
     holder.start()
     try:
+        assert donor.snapshot.tensors.waiting.wait(20), "the first download never reached the donor"
         busy = None
-        for _ in range(50):  # until the first download holds the donor's only slot
-            second = StateDownload(SHAPES, run_fingerprint=RUN, peer_id="second-joiner")
-            try:
-                second.fetch(address, timeout=10)
-            except ExchangeError as error:
-                if error.reason != "busy":
-                    raise
-                busy = error
-                break
-        assert busy is not None, "the donor never answered busy"
+        try:
+            StateDownload(SHAPES, run_fingerprint=RUN, peer_id="second-joiner").fetch(address, timeout=10)
+        except ExchangeError as error:
+            busy = error
+        assert busy is not None and busy.reason == "busy", busy
         assert busy.code == grpc.StatusCode.RESOURCE_EXHAUSTED
     finally:
         gate.set()
