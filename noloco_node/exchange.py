@@ -295,8 +295,18 @@ class PeerService:
                 f"cannot resume a download of outer step {request.outer_step}: this snapshot is of outer step "
                 f"{snapshot.manifest.outer_step}",
             )
-        if request.from_tensor > len(snapshot.manifest.tensors):
-            context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"no tensor {request.from_tensor} to resume from")
+        if request.from_tensor > len(snapshot.manifest.tensors) or (
+            request.from_offset
+            and (
+                request.from_tensor >= len(snapshot.manifest.tensors)
+                or request.from_offset % 4
+                or request.from_offset >= snapshot.manifest.tensors[request.from_tensor].num_bytes
+            )
+        ):
+            context.abort(
+                grpc.StatusCode.INVALID_ARGUMENT,
+                f"cannot resume at tensor {request.from_tensor}, byte {request.from_offset}",
+            )
         # Downloads are served from a snapshot (never blocking training) but cost CPU and bandwidth: a few at a time.
         if not self.downloads.acquire(blocking=False):
             self.metrics.outcome("download_busy")
@@ -308,6 +318,7 @@ class PeerService:
                 chunk_bytes=self.chunk_bytes,
                 on_chunk=lambda n: self.metrics.add_bytes(sent=n),
                 from_tensor=request.from_tensor,
+                from_offset=request.from_offset,
             )
             self.metrics.outcome("download_served")
         finally:
@@ -460,18 +471,21 @@ def fetch_info(address: str, *, timeout: float) -> pb.InfoReply:
 
 
 class StateDownload:
-    """A joiner's download of a donor's outer-step snapshot, resumable tensor by tensor from another donor.
+    """A joiner's download of a donor's outer-step snapshot, resumable chunk-wise from another donor.
 
-    Each tensor arrives whole and verified or not at all; when a donor fails mid-transfer, the tensors already
-    complete are kept and the next donor is asked for the rest, but only if its snapshot is of the same outer step
-    (its counters must match too). Another step means starting over: a state is never stitched across steps.
+    Every chunk is verified as it arrives; when a donor fails mid-transfer, what arrived is kept and the next donor
+    is asked for the rest (from the tensor and byte where the first stopped), but only if its snapshot is of the
+    same outer step (its counters must match too). The result then holds parts of two replicas of that step, which
+    differ only by the swarm's replica spread; another step means starting over: a state is never stitched across
+    steps.
     """
 
     def __init__(self, layout: Sequence[tuple[str, tuple[int, ...]]], *, run_fingerprint: str, peer_id: str) -> None:
         self.expected = [TensorLayout(name, tuple(shape)) for name, shape in layout]
         self.run_fingerprint = run_fingerprint
         self.peer_id = peer_id
-        self.done: list = []  # leading tensors received whole
+        self.done: list = []  # leading tensors received, the last only in part when partial_bytes is not 0
+        self.partial_bytes = 0
         self.counters: dict[str, int] | None = None  # of the snapshot being downloaded
         self.resumed = 0  # downloads that continued where another donor stopped
 
@@ -486,11 +500,13 @@ class StateDownload:
             max_total_bytes=max_bytes,
             allowed_dtypes=("fp32",),
             prefilled=self.done if resuming else (),
+            prefilled_partial_bytes=self.partial_bytes if resuming else 0,
         )
         request = pb.StateRequest(
             run_fingerprint=self.run_fingerprint,
             peer_id=self.peer_id,
-            from_tensor=len(self.done) if resuming else 0,
+            from_tensor=len(self.done) - (1 if self.partial_bytes else 0) if resuming else 0,
+            from_offset=self.partial_bytes if resuming else 0,
             outer_step=self.counters["outer_step"] if resuming and self.counters else 0,
         )
         try:
@@ -503,20 +519,26 @@ class StateDownload:
                         self._check_counters(receiver.manifest, address, resuming)
                 payload = receiver.finish()
         except PayloadError as error:
-            self.done = [] if error.reason == "resume_mismatch" else receiver.complete_prefix()
+            if error.reason == "resume_mismatch":
+                self.done, self.partial_bytes = [], 0
+            else:
+                self._keep(receiver)
             raise ExchangeError(error.code, error.reason, f"bad state from {address}: {error.message}") from None
         except grpc.RpcError as error:
             code = error.code() if hasattr(error, "code") else grpc.StatusCode.UNKNOWN
             if resuming and code == grpc.StatusCode.FAILED_PRECONDITION:  # its snapshot is of another step
-                self.done, self.counters = [], None
+                self.done, self.partial_bytes, self.counters = [], 0, None
             else:
-                self.done = receiver.complete_prefix()
+                self._keep(receiver)
             reason = "busy" if code == grpc.StatusCode.RESOURCE_EXHAUSTED else code.name.lower()
             details = error.details() if hasattr(error, "details") else str(error)
             raise ExchangeError(code, reason, f"{address}: {details}") from None
         self.resumed += resuming
         assert self.counters is not None
         return payload.tensors, self.counters
+
+    def _keep(self, receiver: PayloadReceiver) -> None:
+        self.done, self.partial_bytes = receiver.received_so_far()
 
     def _check_counters(self, manifest: pb.Manifest, address: str, resuming: bool) -> None:
         try:
@@ -529,7 +551,7 @@ class StateDownload:
         if min(counters.values()) < 0 or counters["outer_step"] != manifest.outer_step:
             raise PayloadError(grpc.StatusCode.INVALID_ARGUMENT, "metadata", f"inconsistent counters from {address}")
         if resuming and counters != self.counters:
-            self.done, self.counters = [], None  # another step after all: start over with the next donor
+            self.done, self.partial_bytes, self.counters = [], 0, None  # another step: start over elsewhere
             raise PayloadError(grpc.StatusCode.FAILED_PRECONDITION, "resume_mismatch", f"{address} moved on")
         self.counters = counters
 

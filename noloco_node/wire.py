@@ -149,14 +149,15 @@ def iter_frames(
     chunk_bytes: int = DEFAULT_CHUNK_BYTES,
     on_chunk: Callable[[int], None] | None = None,
     from_tensor: int = 0,
+    from_offset: int = 0,
 ) -> Iterator[bytes]:
     """The encoded frames of one payload: the manifest, every tensor's chunks in order, the end.
 
     CPU tensors are converted to the wire dtype one chunk at a time into a small reused staging buffer (no second
     copy of the model, and the converted bytes are still in cache when the checksum and the frame read them). A
     tensor on an accelerator is converted there and copied to the host whole, one tensor at a time. With
-    ``from_tensor`` the manifest still lists every tensor but only those from that index on are sent (a resumed
-    state download); the end frame counts the bytes actually sent.
+    ``from_tensor`` and ``from_offset`` the manifest still lists every tensor but only the bytes from that point on
+    are sent (a resumed state download); the end frame counts the bytes actually sent.
     """
     if not 0 < chunk_bytes <= MAX_CHUNK_BYTES or chunk_bytes % 4:
         raise ValueError(f"chunk_bytes must be a multiple of 4 in (0, {MAX_CHUNK_BYTES}], got {chunk_bytes}")
@@ -170,6 +171,9 @@ def iter_frames(
             continue
         dtype = _TORCH_DTYPE_OF_WIRE[spec.dtype]
         itemsize = torch.empty((), dtype=dtype).element_size()
+        skip = from_offset if index == from_tensor else 0
+        if skip % itemsize or (skip and skip >= spec.num_bytes):
+            raise ValueError(f"cannot resume tensor {spec.name} at byte {skip}")
         if (size := tensor.numel() * itemsize) != spec.num_bytes:
             raise ValueError(f"tensor {spec.name} has {size} bytes, manifest says {spec.num_bytes}")
         flat = tensor.detach()
@@ -185,7 +189,7 @@ def iter_frames(
             buffer = staging[dtype]
             buffer_bytes = memoryview(buffer.view(torch.uint8).numpy())
         step = chunk_bytes // itemsize
-        for start in range(0, flat.numel(), step):
+        for start in range(skip // itemsize, flat.numel(), step):
             count = min(step, flat.numel() - start)
             if direct:
                 data = raw[start * itemsize : (start + count) * itemsize]
@@ -195,7 +199,7 @@ def iter_frames(
             if on_chunk is not None:
                 on_chunk(len(data))
             yield encode_chunk_frame(index, start * itemsize, data, chunk_checksum(data))
-        total += spec.num_bytes
+        total += spec.num_bytes - skip
     yield pb.Frame(end=pb.End(total_bytes=total)).SerializeToString()
 
 
@@ -368,12 +372,15 @@ class PayloadReceiver:
         allowed_dtypes: Sequence[str] = ("bf16", "fp32"),
         buffers: ReceiveBuffers | None = None,
         prefilled: Sequence[torch.Tensor] = (),
+        prefilled_partial_bytes: int = 0,
     ) -> None:
         self.expected = list(expected)
         self.pool = buffers
-        # Leading tensors already received whole from another sender (a resumed state download): the manifest
-        # must still match all of them, but their chunks are not sent again.
+        # Leading tensors already received from another sender (a resumed state download), the last one only up
+        # to ``prefilled_partial_bytes`` when that is not 0: the manifest must still match all of them, but what
+        # arrived is not sent again.
         self.prefilled = list(prefilled)
+        self.prefilled_partial_bytes = prefilled_partial_bytes
         self.run_fingerprint = run_fingerprint
         self.max_total_bytes = max_total_bytes
         self.allowed_codes = {WIRE_DTYPES[name][0] for name in allowed_dtypes}
@@ -453,21 +460,28 @@ class PayloadReceiver:
         self._filled = [
             spec.num_bytes if index < len(self.prefilled) else 0 for index, spec in enumerate(manifest.tensors)
         ]
+        if self.prefilled and self.prefilled_partial_bytes:
+            self._filled[len(self.prefilled) - 1] = self.prefilled_partial_bytes
         self.manifest = manifest
 
     def _allocate(self, dtype: torch.dtype, numel: int) -> torch.Tensor:
         return torch.empty(numel, dtype=dtype) if self.pool is None else self.pool.take(dtype, numel)
 
-    def complete_prefix(self) -> list[torch.Tensor]:
-        """The leading tensors received whole so far (in wire dtype, flat): what a resumed download keeps."""
+    def received_so_far(self) -> tuple[list[torch.Tensor], int]:
+        """What a resumed download keeps: the leading tensors received (flat, in wire dtype), the last of them only
+        in part when the second value (its bytes received) is not 0."""
         if self.manifest is None:
-            return list(self.prefilled)
-        prefix = []
+            return list(self.prefilled), self.prefilled_partial_bytes
+        kept: list[torch.Tensor] = []
         for buffer, filled, spec in zip(self._buffers, self._filled, self.manifest.tensors, strict=True):
-            if filled != spec.num_bytes:
-                break
-            prefix.append(buffer)
-        return prefix
+            if filled == spec.num_bytes:
+                kept.append(buffer)
+                continue
+            if filled:
+                kept.append(buffer)
+                return kept, filled
+            break
+        return kept, 0
 
     def discard(self) -> None:
         """The payload will not be finished (refused, cut): its buffers go back to the pool. Idempotent."""

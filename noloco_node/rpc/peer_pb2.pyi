@@ -71,16 +71,18 @@ class Frame(_message.Message):
     def __init__(self, manifest: _Optional[_Union[Manifest, _Mapping]] = ..., chunk: _Optional[_Union[Chunk, _Mapping]] = ..., end: _Optional[_Union[End, _Mapping]] = ...) -> None: ...
 
 class StateRequest(_message.Message):
-    __slots__ = ("run_fingerprint", "peer_id", "from_tensor", "outer_step")
+    __slots__ = ("run_fingerprint", "peer_id", "from_tensor", "outer_step", "from_offset")
     RUN_FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
     PEER_ID_FIELD_NUMBER: _ClassVar[int]
     FROM_TENSOR_FIELD_NUMBER: _ClassVar[int]
     OUTER_STEP_FIELD_NUMBER: _ClassVar[int]
+    FROM_OFFSET_FIELD_NUMBER: _ClassVar[int]
     run_fingerprint: str
     peer_id: str
     from_tensor: int
     outer_step: int
-    def __init__(self, run_fingerprint: _Optional[str] = ..., peer_id: _Optional[str] = ..., from_tensor: _Optional[int] = ..., outer_step: _Optional[int] = ...) -> None: ...
+    from_offset: int
+    def __init__(self, run_fingerprint: _Optional[str] = ..., peer_id: _Optional[str] = ..., from_tensor: _Optional[int] = ..., outer_step: _Optional[int] = ..., from_offset: _Optional[int] = ...) -> None: ...
 
 class InfoRequest(_message.Message):
     __slots__ = ()
