@@ -100,10 +100,15 @@ def _rss_summary(samples: list[tuple[float, float]]) -> str:
     warm = [(t, rss) for t, rss in samples if t >= 120] or samples
     first, last = warm[0], warm[-1]
     slope = (last[1] - first[1]) / max(1.0, last[0] - first[0]) * 600
+    marks, next_mark = [], 0.0
+    for t, rss in samples:  # one reading every 5 minutes, for a long run's curve
+        if t >= next_mark:
+            marks.append(f"{t / 60:.0f} min {rss:.0f} MB")
+            next_mark = t + 300
     return (
         f"  node0 RSS after warm-up (from {first[0]:.0f} s): {first[1]:.0f} MB -> {last[1]:.0f} MB at "
         f"{last[0]:.0f} s, min {min(r for _, r in warm):.0f}, max {max(r for _, r in warm):.0f}, "
-        f"trend {slope:+.1f} MB per 10 min"
+        f"trend {slope:+.1f} MB per 10 min\n  node0 RSS over the run: " + ", ".join(marks)
     )
 
 
