@@ -66,6 +66,7 @@ _NODE_FLAGS: dict[str, tuple[str, str, type, str]] = {
     "--alone-grace": ("node", "alone_grace", float, "sync mode: wait with no other live peer before a solo step (s)"),
     "--exchange-timeout": ("node", "exchange_timeout", float, "longest deadline of one exchange (s)"),
     "--min-exchange-deadline": ("node", "min_exchange_deadline", float, "shortest deadline of one exchange (s)"),
+    "--min-link-rate": ("node", "min_link_rate", float, "slowest peer link (bytes/s) that deadlines allow for"),
     "--avoid-seconds": ("node", "avoid_seconds", float, "how long a failed peer is avoided (doubles per failure)"),
     "--max-behind": ("node", "max_behind", int, "outer steps behind the swarm before a restart downloads state"),
     "--max-state-downloads": ("node", "max_state_downloads", int, "joiners served at once (more are told busy)"),

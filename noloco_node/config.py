@@ -193,6 +193,12 @@ class NodeConfig(_Settings):
     exchange_timeout: float = Field(
         60.0, gt=0, description="Longest deadline of one exchange call (s); shorter once peers' timings are known."
     )
+    min_link_rate: float = Field(
+        5e6,
+        gt=0,
+        description="Slowest link (bytes/s) a peer may have: deadlines never fall below the time a payload or a "
+        "state download takes at this rate, whatever exchange_timeout says (a 1.3b payload is 2.6 GB).",
+    )
     min_exchange_deadline: float = Field(
         5.0, gt=0, description="Shortest deadline an exchange gets, however fast earlier ones were (s)."
     )

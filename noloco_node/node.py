@@ -29,6 +29,7 @@ import contextlib
 import hashlib
 import json
 import logging
+import math
 import random
 import signal
 import threading
@@ -105,7 +106,7 @@ class Node:
         self._offers = OfferBook()  # overlap mode
         self._snapshot: tuple[Outgoing, int] | None = None
         self.policy = PeerPolicy(
-            exchange_timeout=node_cfg.exchange_timeout,
+            exchange_timeout=self.exchange_ceiling(),
             min_deadline=node_cfg.min_exchange_deadline,
             avoid_seconds=node_cfg.avoid_seconds,
         )
@@ -129,6 +130,17 @@ class Node:
         """Known from the model config alone, so that a call arriving while the node starts is refused cleanly."""
         prefixes = ("theta", "phi") if self.send_phi else ("theta",)
         return [TensorLayout(f"{prefix}/{name}", shape) for prefix in prefixes for name, shape in self._param_shapes]
+
+    def exchange_ceiling(self) -> float:
+        """The longest an exchange may take: --exchange-timeout, or longer when the payload needs it at
+        --min-link-rate (both directions share nothing on a full-duplex link, so one payload's time)."""
+        payload = sum(layout.numel for layout in self.expected_layout()) * (2 if self.cfg.wire_dtype == "bf16" else 4)
+        return max(self.cfg.exchange_timeout, payload / self.cfg.min_link_rate + 10.0)
+
+    def download_timeout(self) -> float:
+        """The deadline of one state download: the fp32 state (4 model-sized tensors) at --min-link-rate."""
+        state = 4 * 4 * sum(math.prod(shape) for _, shape in self._param_shapes)
+        return max(self.cfg.exchange_timeout, state / self.cfg.min_link_rate + 10.0)
 
     def max_payload_bytes(self) -> int:
         return sum(layout.numel for layout in self.expected_layout()) * 4 + 1024
@@ -265,7 +277,7 @@ class Node:
         while not current.done.wait(0.2) and not self.stop_event.is_set() and time.monotonic() < deadline:
             self.telemetry.beat()
         # An exchange still streaming holds the lock and finishes, bounded by its deadline.
-        partner = current.close(wait_for_exchange=self.cfg.exchange_timeout + 5)
+        partner = current.close(wait_for_exchange=self.exchange_ceiling() + 5)
         self._round = None
         seeker.cancel()
         return partner
@@ -564,7 +576,7 @@ class Node:
                 self.telemetry.phase = f"downloading state of outer step {donor.outer_step} from {donor.peer_id[-8:]}"
                 try:
                     tensors, counters = await asyncio.to_thread(
-                        download.fetch, donor.address, timeout=self.cfg.exchange_timeout
+                        download.fetch, donor.address, timeout=self.download_timeout()
                     )
                 except ExchangeError as error:
                     log.warning(
@@ -604,7 +616,7 @@ class Node:
             self,
             self.metrics,
             bind=f"{self.cfg.grpc_host}:{self.cfg.grpc_port}",
-            max_call_seconds=self.cfg.exchange_timeout,
+            max_call_seconds=self.exchange_ceiling(),
             max_state_downloads=self.cfg.max_state_downloads,
         )
         self.address = f"{self.cfg.announce_host or self.cfg.grpc_host}:{self.cfg.announce_port or port}"
