@@ -191,7 +191,10 @@ def _calibrate(base: Path, nodes: int, model: str, inner_steps: int, minutes: fl
     finally:
         swarm.stop()
     rates = [steps_per_second((swarm.status(slot) or {}).get("history", [])) for slot in swarm.slots]
-    rate = min((r for r in rates if r > 0), default=1.0)
+    swarm.poll()
+    if any(slot.crashes for slot in swarm.slots) or not any(r > 0 for r in rates):
+        raise RuntimeError(f"the calibration swarm did not train; see the node logs in {base}")
+    rate = min(r for r in rates if r > 0)
     return max(inner_steps * 5, int(rate * minutes * 60 / inner_steps) * inner_steps)
 
 
