@@ -53,6 +53,12 @@ def status_url(node: NodeProcess) -> str | None:
     return status["status_url"] if status and status.get("status_url") else None
 
 
+def cli(*args: str, timeout: float = 90) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "noloco_node", *args], capture_output=True, text=True, timeout=timeout, check=False
+    )
+
+
 def fetch(url: str) -> NodeStatus:
     code, body = get(url + "/status")
     assert code == 200
@@ -117,22 +123,10 @@ def test_status_metrics_and_commands_on_a_live_two_node_swarm(bootstrap: Bootstr
         page_code, page = get(url + "/")
         assert page_code == 200 and b"<canvas" in page and b"http" not in page.split(b"<script>")[1]  # no CDN
 
-        shown = subprocess.run(
-            [sys.executable, "-m", "noloco_node", "status", "--url", url],
-            capture_output=True,
-            text=True,
-            timeout=60,
-            check=False,
-        )
+        shown = cli("status", "--url", url)
         assert shown.returncode == 0, shown.stderr
         assert "health" in shown.stdout and "training" in shown.stdout and other["peer_id"][-8:] in shown.stdout
-        listed = subprocess.run(
-            [sys.executable, "-m", "noloco_node", "peers", "--url", url],
-            capture_output=True,
-            text=True,
-            timeout=90,
-            check=False,
-        )
+        listed = cli("peers", "--url", url)
         assert listed.returncode == 0, listed.stderr
         assert "2 live peer(s)" in listed.stdout
         assert other["peer_id"] in listed.stdout and later.peer_id in listed.stdout
@@ -151,13 +145,7 @@ def test_healthz_turns_503_with_the_reason_when_the_trainer_thread_dies(bootstra
         assert b"trainer thread died" in body and b"injected fault at inner step 400" in body
         status = fetch(url)
         assert status.health.state == "failed" and not status.health.ok and status.inner_step == 400
-        shown = subprocess.run(
-            [sys.executable, "-m", "noloco_node", "status", "--url", url],
-            capture_output=True,
-            text=True,
-            timeout=60,
-            check=False,
-        )
+        shown = cli("status", "--url", url)
         assert shown.returncode == 1 and "trainer thread died" in shown.stdout
     finally:
         node.stop()
