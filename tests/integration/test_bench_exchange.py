@@ -1,10 +1,35 @@
-"""`noloco-node bench exchange` runs two real processes and prints its figure next to raw TCP from the same run."""
+"""`noloco-node bench exchange` runs two real processes and prints its figure next to raw TCP from the same run.
+
+The test checks that every figure is measured and that each printed ratio is the quotient of the printed times;
+it does not bound the ratios, since a 7 MB transfer on a shared 2-core CI machine is noise-dominated (CI once
+measured raw TCP at 0.01 GB/s). Speed targets live in the bench's own output and the README.
+"""
 
 from __future__ import annotations
 
 import re
 import subprocess
 import sys
+
+
+def _seconds(out: str, label: str, section: str) -> float:
+    block = out.split(section, 1)[1]
+    match = re.search(rf"{re.escape(label)}\s+[\d.]+ GB/s[^(]*\(([\d.]+) s\)", block)
+    assert match, f"no time for {label!r} after {section!r}:\n{out}"
+    return float(match.group(1))
+
+
+def _ratio(out: str, label: str) -> int:
+    match = re.search(rf"ratio to {label}[^\n]*:\s+(\d+)%", out)
+    assert match, f"no ratio {label!r}:\n{out}"
+    return int(match.group(1))
+
+
+def _close(printed: int, numerator: float, denominator: float) -> bool:
+    # Times are printed to the millisecond, so the recomputed ratio carries that rounding.
+    low = (numerator - 0.0005) / (denominator + 0.0005)
+    high = (numerator + 0.0005) / max(denominator - 0.0005, 1e-9)
+    return round(100 * low) - 1 <= printed <= round(100 * high) + 1
 
 
 def test_bench_exchange_prints_the_ratio_to_raw_tcp() -> None:
@@ -18,16 +43,23 @@ def test_bench_exchange_prints_the_ratio_to_raw_tcp() -> None:
     assert done.returncode == 0, done.stderr[-3000:]
     out = done.stdout
     assert "exchange payload 7 MB per direction (bf16 on the wire)" in out
-    ratios = {
-        label: re.search(rf"ratio to {label}[^\n]*:\s+(\d+)%", out)
-        for label in (
-            r"raw TCP doing the same transfer \(both ways\)",
-            "raw TCP one way, per direction",
-            "raw TCP one way, bytes moved",
-            "bare gRPC both ways",
-            r"raw TCP one way(?=:)",  # the state download's
-        )
-    }
-    assert all(ratios.values()), out
-    assert all(0 < int(match.group(1)) <= 400 for match in ratios.values()), out
+    exchange_section, download_section = "exchange: both directions", "state download:"
+    tcp_one = _seconds(out, "raw TCP, one way:", exchange_section)
+    tcp_both = _seconds(out, "raw TCP, both ways at once:", exchange_section)
+    grpc = _seconds(out, "bare gRPC, both ways (no work):", exchange_section)
+    exchange = _seconds(out, "noloco exchange, both ways:", exchange_section)
+    tcp_download = _seconds(out, "raw TCP, one way:", download_section)
+    download = _seconds(out, "noloco GetState, one way:", download_section)
+    assert all(t > 0 for t in (tcp_one, tcp_both, grpc, exchange, tcp_download, download)), out
+
+    download_block = out.split(download_section, 1)[1]
+    checks = [
+        (_ratio(out, r"raw TCP doing the same transfer \(both ways\)"), tcp_both, exchange),
+        (_ratio(out, "raw TCP one way, per direction"), tcp_one, exchange),
+        (_ratio(out, "raw TCP one way, bytes moved"), 2 * tcp_one, exchange),
+        (_ratio(out, "bare gRPC both ways"), grpc, exchange),
+        (_ratio(download_block, r"raw TCP one way(?=:)"), tcp_download, download),
+    ]
+    for printed, numerator, denominator in checks:
+        assert _close(printed, numerator, denominator), (printed, numerator, denominator, out)
     assert re.search(r"peak RSS added by exchanging: caller \d+ MB, served side \d+ MB", out)
