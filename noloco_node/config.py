@@ -8,6 +8,7 @@ cosine decay to 0.1x the peak learning rate.
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 from typing import Literal
 
@@ -160,17 +161,87 @@ class SimulateConfig(_Settings):
     out_dir: Path = Path("runs/simulate")
 
 
+_SENSITIVE_WORDS = ("secret", "password", "token", "key")
+
+
 def format_validation_error(error: ValidationError, prefix: str = "") -> str:
-    """One line per bad field, naming it with its dotted path: ``train.lr: Input should be greater than 0``."""
+    """One line per bad field, naming it with its dotted path: ``train.lr: Input should be greater than 0``.
+
+    The offending value is shown, except for fields whose name suggests a secret (and never for a whole section,
+    which could hold one)."""
     lines = []
     for item in error.errors():
         location = ".".join(str(part) for part in item["loc"])
         name = f"{prefix}{location}" if location else prefix.rstrip(".") or "config"
-        lines.append(f"invalid setting {name}: {item['msg']} (got {item.get('input')!r})")
+        value = item.get("input")
+        shown = (
+            "" if isinstance(value, dict) or any(w in name.lower() for w in _SENSITIVE_WORDS) else f" (got {value!r})"
+        )
+        lines.append(f"invalid setting {name}: {item['msg']}{shown}")
     return "\n".join(lines)
 
 
+# Every NOLOCO_* variable the product reads; any other is a typo that would otherwise be ignored in silence.
+KNOWN_ENVIRONMENT = {
+    "NOLOCO_CACHE_DIR": "where the tokenized default corpus is cached",
+    "NOLOCO_SWARM_SECRET": "the swarm secret of a private run (prefer NOLOCO_SWARM_SECRET_FILE)",
+    "NOLOCO_SWARM_SECRET_FILE": "a file holding the swarm secret of a private run",
+    "NOLOCO_REQUIRE_BROWSER": "tests: fail, rather than skip, the browser test when Chromium is missing (CI)",
+    "NOLOCO_SCREENSHOT": "tests: where the browser test copies its status-page screenshot",
+}
+
+
+def unknown_environment(environ: dict[str, str] | os._Environ[str]) -> list[str]:
+    """The NOLOCO_* variables set in ``environ`` that the product does not read."""
+    return sorted(name for name in environ if name.startswith("NOLOCO_") and name not in KNOWN_ENVIRONMENT)
+
+
 PairingMode = Literal["sync", "overlap"]
+
+
+class SecurityConfig(_Settings):
+    """Who may take part in a private run, and what a peer's calls and payloads must pass (auth.py, tls.py,
+    payload_guard.py, transport.py). The swarm secret itself is never a setting: it comes from a file or the
+    environment (auth.load_secret), so that it appears in no config dump and no process list."""
+
+    secret_file: Path | None = Field(
+        None,
+        description="File holding the swarm secret of a private run (mode 0600); also $NOLOCO_SWARM_SECRET_FILE "
+        "or $NOLOCO_SWARM_SECRET. Without one the run is open to anyone who can reach it.",
+    )
+    max_clock_skew: float = Field(
+        60.0, gt=0, le=3600, description="Largest clock difference (s) a signed call may show; also the replay window."
+    )
+    tls_cert: Path | None = Field(None, description="PEM certificate of this node (enables TLS for gRPC).")
+    tls_key: Path | None = Field(None, description="PEM private key of tls_cert.")
+    tls_ca: Path | None = Field(
+        None, description="PEM CA of the run: peers' certificates must be signed by it (mutual TLS)."
+    )
+    tls_server_name: str = Field(
+        "noloco-node", min_length=1, description="Name every node's certificate carries and every caller checks."
+    )
+    norm_bound: float | None = Field(
+        None,
+        gt=0,
+        description="Largest relative L2 distance of a partner's weights from this node's (default: learnt, "
+        "norm_bound_factor x the median of recent accepted exchanges).",
+    )
+    norm_bound_factor: float = Field(5.0, gt=1.0, description="The learnt bound: this many times the median.")
+    norm_bound_initial: float = Field(
+        1.0, gt=0, description="The bound until a few exchanges have been accepted (relative L2 distance)."
+    )
+    quarantine_seconds: float = Field(
+        600.0, ge=0, description="How long a peer that sent a refused payload is neither called nor served (s)."
+    )
+    max_concurrent_calls: int = Field(8, ge=2, le=256, description="gRPC calls served at once; more are refused.")
+
+    @model_validator(mode="after")
+    def _tls_files_together(self) -> SecurityConfig:
+        if (self.tls_cert is None) != (self.tls_key is None):
+            raise ValueError("tls_cert and tls_key must be given together")
+        if self.tls_ca is not None and self.tls_cert is None:
+            raise ValueError("tls_ca needs tls_cert and tls_key: with a CA, peers require this node's certificate")
+        return self
 
 
 class NodeConfig(_Settings):
@@ -229,6 +300,7 @@ class NodeConfig(_Settings):
     fail_at_inner_step: int | None = Field(
         None, ge=1, description="Fault injection for tests and drills: the trainer raises at this inner step."
     )
+    security: SecurityConfig = Field(default_factory=SecurityConfig)
 
     @model_validator(mode="after")
     def _shard_in_range(self) -> NodeConfig:

@@ -1,7 +1,11 @@
 """Finding the run's live peers through a Hivemind DHT: namespaced, expiring records, refreshed while alive.
 
-Every node stores one record under the key ``noloco/<run fingerprint>/peers`` with its DHT peer id as the
-subkey: its gRPC address, outer and inner step, fingerprint, whether it is ready to pair, and when it wrote it.
+Every node stores one record under the key ``noloco/<run fingerprint>/peers``: its gRPC address, outer and inner
+step, fingerprint, whether it is ready to pair, and when it wrote it. The subkey is the node's public key in
+hivemind's ``[owner:...]`` form, so every DHT peer (all run ``RSASignatureValidator``) refuses a write to it that
+the node's private key did not sign: nobody can overwrite another peer's address or readiness. Readers take the
+peer id from that key (identity.py), never from the record's content, and ignore unsigned subkeys. In a private
+run the record also carries a MAC under the swarm secret (auth.py), and readers drop records without a valid one.
 Records expire after ``record_ttl`` seconds unless refreshed, so a crashed node disappears on its own; a node that
 leaves writes a tombstone (the DHT keeps the entry with the latest expiration, so a record cannot simply be
 deleted) and readers skip tombstones. Peers of another run live under another key and are never seen; a record
@@ -18,6 +22,7 @@ import contextlib
 import ctypes
 import logging
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -28,7 +33,12 @@ from pathlib import Path
 from typing import Any
 
 import hivemind
+from hivemind.dht.crypto import RSASignatureValidator
+from hivemind.utils.crypto import RSAPublicKey
 from hivemind.utils.timed_storage import get_dht_time
+
+from noloco_node.auth import SwarmSecret, record_mac, record_mac_ok
+from noloco_node.identity import NodeIdentity, peer_id_of
 
 log = logging.getLogger(__name__)
 
@@ -101,12 +111,39 @@ class PeerRecord:
 
     def to_value(self) -> dict[str, Any]:
         value = asdict(self)
-        del value["peer_id"]  # it is the subkey
+        del value["peer_id"]  # readers derive it from the subkey, the owner key: a claim here would prove nothing
         return value
 
 
 def peers_key(run_fingerprint: str) -> str:
     return f"noloco/{run_fingerprint}/peers"
+
+
+_OWNER_SUBKEY = re.compile(r"^\[owner:(ssh-rsa [A-Za-z0-9+/=]+)\]$")
+
+
+def owner_subkey(identity: NodeIdentity) -> str:
+    """The subkey a node writes its record under: its public key, which hivemind's validator makes it own."""
+    return RSASignatureValidator(identity.private_key).local_public_key.decode()
+
+
+class _OwnerIds:
+    """Peer ids of owner subkeys, cached: parsing an RSA key for every record of every lookup adds up."""
+
+    def __init__(self, limit: int = 4096) -> None:
+        self._ids: dict[str, str | None] = {}
+        self._limit = limit
+
+    def peer_id(self, subkey: str) -> str | None:
+        if subkey not in self._ids:
+            if len(self._ids) >= self._limit:
+                self._ids.clear()
+            match = _OWNER_SUBKEY.match(subkey)
+            try:
+                self._ids[subkey] = peer_id_of(RSAPublicKey.from_bytes(match.group(1).encode())) if match else None
+            except (ValueError, TypeError):
+                self._ids[subkey] = None
+        return self._ids[subkey]
 
 
 class Discovery:
@@ -122,7 +159,13 @@ class Discovery:
         record_ttl: float = DEFAULT_RECORD_TTL,
         dht_timeout: float = DEFAULT_DHT_TIMEOUT,
         client_mode: bool = False,
+        identity: NodeIdentity | None = None,
+        secret: SwarmSecret | None = None,
     ) -> None:
+        self.identity = identity or NodeIdentity.ephemeral()
+        self.secret = secret
+        self.subkey = owner_subkey(self.identity)
+        self._owners = _OwnerIds()
         self.run_fingerprint = run_fingerprint
         self.key = peers_key(run_fingerprint)
         self.record_ttl = record_ttl
@@ -131,6 +174,7 @@ class Discovery:
             "initial_peers": list(initial_peers) or None,
             "host_maddrs": list(host_maddrs),
             "client_mode": client_mode,  # a reader only (`noloco-node peers`): dials out, accepts nothing
+            "record_validators": [RSASignatureValidator(self.identity.private_key)],
         }
         if announce_maddrs:
             self._dht_kwargs["announce_maddrs"] = list(announce_maddrs)
@@ -150,7 +194,8 @@ class Discovery:
 
     @property
     def peer_id(self) -> str:
-        return str(self._require().peer_id)
+        """This node's peer id: derived from its key (identity.py), not hivemind's transport id."""
+        return self.identity.peer_id
 
     def visible_maddrs(self) -> list[str]:
         return [str(m) for m in self._require().get_visible_maddrs()]
@@ -172,7 +217,9 @@ class Discovery:
         now = get_dht_time()
         expiration = max(now + self.record_ttl, self._last_expiration + 1e-3)
         value = PeerRecord(**{**asdict(record), "updated": now}).to_value()
-        future = self._require().store(self.key, value, expiration, subkey=record.peer_id, return_future=True)
+        if self.secret is not None:
+            value["mac"] = record_mac(self.secret, self.key, self.subkey, value)
+        future = self._require().store(self.key, value, expiration, subkey=self.subkey, return_future=True)
         stored = bool(await self._await(future, "store"))
         if stored:
             self._last_expiration = expiration
@@ -192,7 +239,15 @@ class Discovery:
         own = self.peer_id
         records = []
         for subkey, entry in found.value.items():
-            record = PeerRecord.from_value(str(subkey), getattr(entry, "value", None))
+            value = getattr(entry, "value", None)
+            peer_id = self._owners.peer_id(subkey) if isinstance(subkey, str) else None
+            if peer_id is None:
+                continue  # not written under an owner key: anyone could have written it
+            if self.secret is not None and not (
+                isinstance(value, dict) and record_mac_ok(self.secret, self.key, subkey, value)
+            ):
+                continue  # not written by a member of this private run
+            record = PeerRecord.from_value(peer_id, value)
             if record is None or record.leaving or record.run_fingerprint != self.run_fingerprint:
                 continue
             if record.peer_id == own and not include_self:
@@ -213,7 +268,12 @@ def run_bootstrap_peer(
 
     ``stop`` is a ``threading.Event``-like object. Returns the multiaddrs it served on.
     """
-    kwargs: dict[str, Any] = {"host_maddrs": list(host_maddrs), "initial_peers": list(initial_peers) or None}
+    kwargs: dict[str, Any] = {
+        "host_maddrs": list(host_maddrs),
+        "initial_peers": list(initial_peers) or None,
+        # It stores other peers' records too: it must refuse writes that their owners did not sign.
+        "record_validators": [RSASignatureValidator(NodeIdentity.ephemeral().private_key)],
+    }
     if announce_maddrs:
         kwargs["announce_maddrs"] = list(announce_maddrs)
     dht = _TiedDHT(start=True, **kwargs)

@@ -11,7 +11,10 @@ RESOURCE_EXHAUSTED when oversized), and each refusal is counted by reason in :cl
 
 The server uses grpc's synchronous API on a thread pool: handlers convert and copy tensors, which must never run
 on the node's event loop, and on loopback the synchronous stack with 1 MiB chunks is the faster one. Every call
-carries a deadline; the server bounds concurrent calls.
+carries a deadline, and the server enforces its own whatever the caller asked for (transport.Watchdog: a limit per
+call and a minimum transfer rate, against slow-loris callers); the server bounds concurrent calls. Channels,
+TLS and the membership proofs of a private run come from transport.py; a verified payload must still pass the
+node's own admission check (the norm bound of payload_guard.py) before it is blended.
 """
 
 from __future__ import annotations
@@ -30,9 +33,9 @@ import grpc
 
 from noloco_node.rpc import peer_pb2 as pb
 from noloco_node.rpc import peer_pb2_grpc as pb_grpc
+from noloco_node.transport import CHANNEL_OPTIONS, PLAIN, GuardedCall, Transport, Watchdog
 from noloco_node.wire import (
     DEFAULT_CHUNK_BYTES,
-    MAX_MESSAGE_BYTES,
     Payload,
     PayloadError,
     PayloadReceiver,
@@ -43,17 +46,13 @@ from noloco_node.wire import (
 
 log = logging.getLogger(__name__)
 
-CHANNEL_OPTIONS = [
-    ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
-    ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
-]
-
 # The service of proto/noloco/v1/peer.proto. Frames cross gRPC as encoded bytes (wire.py writes and reads them),
 # so the streaming methods are registered and called without protobuf (de)serializers; a client built from the
 # generated stubs still interoperates, since the bytes are the proto's own encoding.
 SERVICE = "noloco.v1.Peer"
 EXCHANGE_METHOD = f"/{SERVICE}/Exchange"
 GET_STATE_METHOD = f"/{SERVICE}/GetState"
+INFO_METHOD = f"/{SERVICE}/Info"
 
 
 @dataclass
@@ -94,6 +93,29 @@ class PeerNode(Protocol):
 
     def state_snapshot(self) -> Outgoing | None:
         """The full replica state at the last outer step, for joiners; None when there is none yet."""
+
+    def admit(self, payload: Payload) -> None:
+        """Raise PayloadError if this verified payload must still not be blended (the norm bound)."""
+
+    def refused_peer(self, partner_id: str) -> bool:
+        """True for a peer this node no longer exchanges with (it sent a bad payload recently)."""
+
+    def bad_payload(self, partner_id: str, error: PayloadError) -> None:
+        """A partner's payload was refused for its content (already counted): log it and avoid the partner."""
+
+
+class AdmitsEverything:
+    """PeerNode defaults for nodes without an admission policy (benchmarks, test doubles): every verified payload
+    is admitted and no peer is refused."""
+
+    def admit(self, payload: Payload) -> None:
+        return None
+
+    def refused_peer(self, partner_id: str) -> bool:
+        return False
+
+    def bad_payload(self, partner_id: str, error: PayloadError) -> None:
+        return None
 
 
 # Upper bounds (s) of the exchange-duration histogram's buckets: loopback exchanges of small models take
@@ -175,14 +197,21 @@ class PeerService:
         *,
         chunk_bytes: int = DEFAULT_CHUNK_BYTES,
         max_call_seconds: float = 120.0,
+        max_download_seconds: float = 600.0,
         max_state_downloads: int = 2,
+        min_link_rate: float = 0.0,
+        watchdog: Watchdog | None = None,
     ) -> None:
         self.node = node
         self.downloads = threading.BoundedSemaphore(max_state_downloads)
         self.metrics = metrics
         self.chunk_bytes = chunk_bytes
-        # A caller that sets no deadline (or a huge one) must not hold a worker thread and the pairing lock forever.
+        # A caller that sets no deadline (or a huge one), or trickles its bytes, must not hold a worker thread and
+        # the pairing lock for long: the watchdog cuts it at these limits, whatever the caller's deadline says.
         self.max_call_seconds = max_call_seconds
+        self.max_download_seconds = max_download_seconds
+        self.min_link_rate = min_link_rate
+        self.watchdog = watchdog or Watchdog()
 
     def _receiver(self) -> PayloadReceiver:
         return PayloadReceiver(
@@ -199,6 +228,24 @@ class PeerService:
 
     def Exchange(self, request_iterator: Iterator[bytes], context: grpc.ServicerContext) -> Iterator[bytes]:  # noqa: N802
         receiver = self._receiver()
+        guard = self.watchdog.watch(
+            context,
+            limit=self.max_call_seconds,
+            progress=lambda: receiver.bytes_received,
+            min_rate=self.min_link_rate,
+        )
+        try:
+            yield from self._exchange(request_iterator, context, receiver, guard)
+        finally:
+            self.watchdog.release(guard)
+
+    def _exchange(
+        self,
+        request_iterator: Iterator[bytes],
+        context: grpc.ServicerContext,
+        receiver: PayloadReceiver,
+        guard: GuardedCall,
+    ) -> Iterator[bytes]:
         try:
             first = next(request_iterator)
             receiver.feed(first)  # the manifest: run, names, shapes and sizes are checked before anything else
@@ -206,8 +253,16 @@ class PeerService:
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, "empty exchange stream")
         except PayloadError as error:
             self._refuse(context, error)
+        except grpc.RpcError:  # cancelled by the watchdog (no manifest in time) or by the caller
+            self.metrics.outcome(f"cut_{guard.cut_reason}" if guard.cut_reason else "aborted")
+            receiver.discard()
+            return
         assert receiver.manifest is not None
         partner = receiver.manifest.peer_id
+        if self.node.refused_peer(partner):
+            receiver.discard()
+            self.metrics.outcome("refused_peer")
+            context.abort(grpc.StatusCode.PERMISSION_DENIED, "refused: a recent payload from this peer was bad")
         started = time.monotonic()
         sent = 0
 
@@ -226,6 +281,7 @@ class PeerService:
                 received=receiver.bytes_received,
             )
 
+        guard.progress = lambda: sent + receiver.bytes_received
         session = self.node.open_session(partner, receiver.manifest.outer_step)
         if session is None:
             receiver.discard()
@@ -253,27 +309,35 @@ class PeerService:
                     outgoing.manifest, outgoing.tensors, chunk_bytes=self.chunk_bytes, on_chunk=count_sent
                 )
             except GeneratorExit:  # the caller went away while we were still sending
-                finish("aborted")
+                finish(f"cut_{guard.cut_reason}" if guard.cut_reason else "aborted")
                 raise
             remaining = context.time_remaining()
             limit = self.max_call_seconds if remaining is None else min(remaining, self.max_call_seconds)
             reader.join(timeout=max(0.0, limit))
+            guard.transferred = True
             self.metrics.add_bytes(received=receiver.bytes_received)
             if reader.is_alive() or "broken" in outcome:
-                finish("aborted")
+                finish(f"cut_{guard.cut_reason}" if guard.cut_reason else "aborted")
                 log.warning(
                     "exchange with %s aborted: the partner's payload did not arrive whole (%s)",
                     partner,
-                    outcome.get("broken", "deadline"),
+                    guard.cut_reason or outcome.get("broken", "deadline"),
                 )
                 context.abort(
                     grpc.StatusCode.DEADLINE_EXCEEDED if reader.is_alive() else grpc.StatusCode.CANCELLED,
                     "the partner's payload did not arrive whole",
                 )
+            if "error" not in outcome:
+                try:
+                    self.node.admit(outcome["payload"])  # type: ignore[arg-type]
+                except PayloadError as error:
+                    outcome["error"] = error
+                    outcome.pop("payload").release()  # type: ignore[union-attr]
             if "error" in outcome:
                 error = outcome["error"]
                 assert isinstance(error, PayloadError)
                 self.metrics.rejection(error.reason)
+                self.node.bad_payload(partner, error)
                 finish("refused_payload")
                 context.abort(error.code, error.message)
             session.complete(outcome["payload"])  # type: ignore[arg-type]
@@ -311,17 +375,32 @@ class PeerService:
         if not self.downloads.acquire(blocking=False):
             self.metrics.outcome("download_busy")
             context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, "busy: serving its maximum of state downloads")
+        sent = 0
+
+        def count_sent(n: int) -> None:
+            nonlocal sent
+            sent += n
+            self.metrics.add_bytes(sent=n)
+
+        # A joiner that stops reading must not hold a download slot (and a worker thread) until its own deadline.
+        guard = self.watchdog.watch(
+            context, limit=self.max_download_seconds, progress=lambda: sent, min_rate=self.min_link_rate
+        )
         try:
             yield from iter_frames(
                 snapshot.manifest,
                 snapshot.tensors,
                 chunk_bytes=self.chunk_bytes,
-                on_chunk=lambda n: self.metrics.add_bytes(sent=n),
+                on_chunk=count_sent,
                 from_tensor=request.from_tensor,
                 from_offset=request.from_offset,
             )
             self.metrics.outcome("download_served")
+        except GeneratorExit:
+            self.metrics.outcome(f"download_cut_{guard.cut_reason}" if guard.cut_reason else "download_aborted")
+            raise
         finally:
+            self.watchdog.release(guard)
             self.downloads.release()
 
     def Info(self, request: pb.InfoRequest, context: grpc.ServicerContext) -> pb.InfoReply:  # noqa: N802
@@ -353,39 +432,49 @@ def start_server(
     max_concurrent_calls: int = 8,
     chunk_bytes: int = DEFAULT_CHUNK_BYTES,
     max_call_seconds: float = 120.0,
+    max_download_seconds: float = 600.0,
     max_state_downloads: int = 2,
+    min_link_rate: float = 0.0,
+    transport: Transport = PLAIN,
 ) -> tuple[grpc.Server, int]:
-    """Start the service; returns the server and the port it bound (ephemeral when the bind port is 0)."""
+    """Start the service; returns the server and the port it bound (ephemeral when the bind port is 0).
+
+    Calls beyond ``max_concurrent_calls`` get RESOURCE_EXHAUSTED from grpc itself; calls of a private run without
+    a valid membership proof get UNAUTHENTICATED from the transport's interceptor before any handler runs.
+    """
     server = grpc.server(
         futures.ThreadPoolExecutor(max_workers=max_concurrent_calls, thread_name_prefix="grpc-peer"),
         options=CHANNEL_OPTIONS,
         maximum_concurrent_rpcs=max_concurrent_calls,
+        interceptors=transport.interceptors(lambda reason: metrics.rejection(f"auth_{reason}")),
     )
     service = PeerService(
         node,
         metrics,
         chunk_bytes=chunk_bytes,
         max_call_seconds=max_call_seconds,
+        max_download_seconds=max_download_seconds,
         max_state_downloads=max_state_downloads,
+        min_link_rate=min_link_rate,
     )
     server.add_generic_rpc_handlers((_handlers(service),))
-    port = server.add_insecure_port(bind)
+    port = transport.add_port(server, bind)
     if port == 0:
         raise OSError(f"could not bind the gRPC server to {bind}")
     server.start()
     return server, port
 
 
-# ---------------------------------------------------------------------------------------------------- client
-
-
 class ExchangeError(Exception):
     """An exchange that produced nothing to blend: refused, cut, timed out, or a bad payload from the partner."""
 
-    def __init__(self, code: grpc.StatusCode, reason: str, message: str) -> None:
+    def __init__(
+        self, code: grpc.StatusCode, reason: str, message: str, *, bad_payload: PayloadError | None = None
+    ) -> None:
         super().__init__(f"{code.name}: {message}")
         self.code = code
         self.reason = reason
+        self.bad_payload = bad_payload  # set when the partner's payload was refused here (not by the partner)
 
 
 def _receive(call: Any, receiver: PayloadReceiver, address: str, what: str, metrics: ExchangeMetrics | None) -> Payload:
@@ -402,7 +491,9 @@ def _receive(call: Any, receiver: PayloadReceiver, address: str, what: str, metr
         call.cancel()
         if metrics is not None:
             metrics.rejection(error.reason)
-        raise ExchangeError(error.code, error.reason, f"bad {what} from {address}: {error.message}") from None
+        raise ExchangeError(
+            error.code, error.reason, f"bad {what} from {address}: {error.message}", bad_payload=error
+        ) from None
     except grpc.RpcError as error:
         code = error.code() if hasattr(error, "code") else grpc.StatusCode.UNKNOWN
         reason = "busy" if code == grpc.StatusCode.ABORTED else code.name.lower()
@@ -422,11 +513,13 @@ def exchange_with(
     chunk_bytes: int = DEFAULT_CHUNK_BYTES,
     buffers: ReceiveBuffers | None = None,
     peer: str | None = None,
+    transport: Transport = PLAIN,
 ) -> Payload:
     """Exchange payloads with the peer at ``address``; returns its verified payload or raises ExchangeError.
 
     Blocking (call it from a worker thread); the whole call, connection included, is bounded by ``timeout``. With
-    ``metrics``, the exchange is recorded under ``peer`` (default: the address) whatever its outcome.
+    ``metrics``, the exchange is recorded under ``peer`` (default: the address) whatever its outcome. In a private
+    run not one frame is sent before the server has proved membership.
     """
     receiver = PayloadReceiver(
         expected, run_fingerprint=run_fingerprint, max_total_bytes=max_payload_bytes, buffers=buffers
@@ -442,9 +535,26 @@ def exchange_with(
 
     outcome = "failed"
     try:
-        with grpc.insecure_channel(address, options=CHANNEL_OPTIONS) as channel:
-            frames = iter_frames(outgoing.manifest, outgoing.tensors, chunk_bytes=chunk_bytes, on_chunk=count_sent)
-            call = channel.stream_stream(EXCHANGE_METHOD)(frames, timeout=timeout)
+        with transport.channel(address) as channel:
+            metadata, nonce = transport.sign(EXCHANGE_METHOD)
+            checked, server_proved = threading.Event(), [False]
+
+            def frames() -> Iterator[bytes]:
+                # grpc pulls this from its own thread as soon as the call starts: hold the model back until the
+                # server has proved membership (a private run's stranger must not receive a byte of it).
+                if transport.authenticates and not (checked.wait(timeout) and server_proved[0]):
+                    return
+                yield from iter_frames(
+                    outgoing.manifest, outgoing.tensors, chunk_bytes=chunk_bytes, on_chunk=count_sent
+                )
+
+            call = channel.stream_stream(EXCHANGE_METHOD)(frames(), timeout=timeout, metadata=metadata)
+            if transport.authenticates:
+                problem = _server_problem(transport, EXCHANGE_METHOD, nonce, call, address)
+                server_proved[0] = problem is None
+                checked.set()
+                if problem is not None:
+                    raise problem
             payload = _receive(call, receiver, address, "payload", metrics)
         outcome = "completed"
     except ExchangeError as error:
@@ -465,9 +575,27 @@ def exchange_with(
     return payload
 
 
-def fetch_info(address: str, *, timeout: float) -> pb.InfoReply:
-    with grpc.insecure_channel(address, options=CHANNEL_OPTIONS) as channel:
-        return pb_grpc.PeerStub(channel).Info(pb.InfoRequest(), timeout=timeout)
+def _server_problem(transport: Transport, method: str, nonce: str, call: Any, address: str) -> ExchangeError | None:
+    """None when the server proved membership; else the error to raise (the server's own refusal, if it sent
+    one, says more than the missing proof)."""
+    problem = transport.server_problem(method, nonce, call)
+    if problem is None:
+        return None
+    call.cancel()
+    code = call.code()
+    if code not in (None, grpc.StatusCode.CANCELLED, grpc.StatusCode.OK):
+        return ExchangeError(code, code.name.lower(), f"{address}: {call.details()}")
+    return ExchangeError(grpc.StatusCode.UNAUTHENTICATED, "unauthenticated_peer", f"{address}: {problem}")
+
+
+def fetch_info(address: str, *, timeout: float, transport: Transport = PLAIN) -> pb.InfoReply:
+    metadata, nonce = transport.sign(INFO_METHOD)
+    with transport.channel(address) as channel:
+        reply, call = pb_grpc.PeerStub(channel).Info.with_call(pb.InfoRequest(), timeout=timeout, metadata=metadata)
+        problem = transport.server_problem(INFO_METHOD, nonce, call)
+        if problem is not None:
+            raise ExchangeError(grpc.StatusCode.UNAUTHENTICATED, "unauthenticated_peer", f"{address}: {problem}")
+        return reply
 
 
 class StateDownload:
@@ -489,7 +617,7 @@ class StateDownload:
         self.counters: dict[str, int] | None = None  # of the snapshot being downloaded
         self.resumed = 0  # downloads that continued where another donor stopped
 
-    def fetch(self, address: str, *, timeout: float) -> tuple[dict, dict[str, int]]:
+    def fetch(self, address: str, *, timeout: float, transport: Transport = PLAIN) -> tuple[dict, dict[str, int]]:
         """Download (the rest of) the snapshot from ``address``; returns the tensors and the counters, or raises
         ExchangeError with what is complete so far kept for the next donor."""
         max_bytes = sum(item.numel for item in self.expected) * 4 + 1024
@@ -510,9 +638,15 @@ class StateDownload:
             outer_step=self.counters["outer_step"] if resuming and self.counters else 0,
         )
         try:
-            with grpc.insecure_channel(address, options=CHANNEL_OPTIONS) as channel:
+            with transport.channel(address) as channel:
                 get_state = channel.unary_stream(GET_STATE_METHOD, request_serializer=pb.StateRequest.SerializeToString)
-                for frame in get_state(request, timeout=timeout):
+                metadata, nonce = transport.sign(GET_STATE_METHOD)
+                call = get_state(request, timeout=timeout, metadata=metadata)
+                if transport.authenticates:
+                    problem = _server_problem(transport, GET_STATE_METHOD, nonce, call, address)
+                    if problem is not None:
+                        raise problem
+                for frame in call:
                     had_manifest = receiver.manifest is not None
                     receiver.feed(frame)
                     if not had_manifest and receiver.manifest is not None:

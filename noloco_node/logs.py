@@ -3,6 +3,9 @@
 JSON lines carry time, level, logger, message and, for errors, the traceback, one object per line, so a log
 shipper can index them. hivemind installs its own handler on its loggers (and prints WARN for WARNING); those
 records are routed through ours instead, so one format holds for the whole process.
+
+Secrets never reach a log line: :func:`redact` registers a value (the swarm secret), and every handler's output,
+traceback included, has it replaced by ``[secret]`` after formatting, whatever logger or library wrote it.
 """
 
 from __future__ import annotations
@@ -33,9 +36,34 @@ class JsonLineFormatter(logging.Formatter):
         return json.dumps(entry, ensure_ascii=False)
 
 
+_SECRETS: list[str] = []
+
+
+def redact(value: str) -> None:
+    """From now on, replace ``value`` by ``[secret]`` in every log line."""
+    if value and value not in _SECRETS:
+        _SECRETS.append(value)
+
+
+def scrub(text: str) -> str:
+    for value in _SECRETS:
+        text = text.replace(value, "[secret]")
+    return text
+
+
+class _Redacting(logging.Formatter):
+    def __init__(self, inner: logging.Formatter) -> None:
+        super().__init__()
+        self.inner = inner
+
+    def format(self, record: logging.LogRecord) -> str:
+        return scrub(self.inner.format(record))
+
+
 def configure_logging(level: str, log_format: LogFormat) -> None:
     handler = logging.StreamHandler(sys.stderr)
-    handler.setFormatter(JsonLineFormatter() if log_format == "json" else logging.Formatter(_TEXT_FORMAT))
+    inner = JsonLineFormatter() if log_format == "json" else logging.Formatter(_TEXT_FORMAT)
+    handler.setFormatter(_Redacting(inner))
     root = logging.getLogger()
     root.handlers[:] = [handler]
     root.setLevel(level)

@@ -57,11 +57,12 @@ from noloco_node.model import LlamaDecoder, named_parameters_ordered, run_finger
 from noloco_node.pairing import OfferBook, PairingRound
 from noloco_node.peer_policy import PeerPolicy
 from noloco_node.rpc import peer_pb2 as pb
+from noloco_node.security import NodeSecurity, SecuritySetupError
 from noloco_node.status import Health, NodeStatus
 from noloco_node.status_server import StatusServer, status_page
 from noloco_node.telemetry import KEEP_OUTER_STEPS, HealthInputs, Telemetry
 from noloco_node.trainer import Replica, load_checkpoint, save_checkpoint
-from noloco_node.wire import Payload, ReceiveBuffers, TensorLayout, build_manifest
+from noloco_node.wire import Payload, PayloadError, ReceiveBuffers, TensorLayout, build_manifest
 
 log = logging.getLogger(__name__)
 
@@ -90,12 +91,18 @@ class Node:
         self._param_shapes = [(n, tuple(p.shape)) for n, p in named_parameters_ordered(shapes_model)]
         self.metrics = ExchangeMetrics()
         self.receive_buffers = ReceiveBuffers(max_idle_bytes=self.max_payload_bytes())
+        try:
+            self.security = NodeSecurity(node_cfg.security, node_cfg.data_dir)
+        except SecuritySetupError as error:
+            raise NodeError(str(error)) from None
         self.discovery = Discovery(
             self.run_fingerprint,
             initial_peers=node_cfg.bootstrap,
             host_maddrs=node_cfg.dht_host_maddrs,
             announce_maddrs=node_cfg.dht_announce_maddrs or None,
             record_ttl=node_cfg.record_ttl,
+            identity=self.security.identity,
+            secret=self.security.secret,
         )
         self.peer_id = ""
         self.address = ""
@@ -158,6 +165,21 @@ class Node:
 
     def state_snapshot(self) -> Outgoing | None:
         return self._snapshot[0] if self._snapshot else None
+
+    def admit(self, payload: Payload) -> None:
+        """The norm bound (payload_guard.py): the partner's tensors against this node's slow weights. Called from
+        a gRPC or worker thread; in sync mode phi cannot change meanwhile (the trainer waits for the round)."""
+        replica = self.replica
+        if replica is None:
+            return
+        theta, phi = self._partner_tensors(payload)
+        self.security.admit(payload, [(theta, replica.phi)] + ([(phi, replica.phi)] if phi else []))
+
+    def refused_peer(self, partner_id: str) -> bool:
+        return self.policy.quarantined(partner_id)
+
+    def bad_payload(self, partner_id: str, error: PayloadError) -> None:
+        self.security.bad_payload(partner_id, error, self.policy)
 
     # ------------------------------------------------------------------------------------------ state
 
@@ -397,12 +419,16 @@ class Node:
                     metrics=self.metrics,
                     buffers=self.receive_buffers,
                     peer=peer.peer_id,
+                    transport=self.security.transport,
                 ),
                 timeout=deadline + 5,
             )
+            await asyncio.to_thread(self._admit_received, payload)
         except (ExchangeError, asyncio.TimeoutError) as error:
             reason = error.reason if isinstance(error, ExchangeError) else "timeout"
-            if reason != "busy":
+            if isinstance(error, ExchangeError) and error.bad_payload is not None:
+                self.bad_payload(peer.peer_id, error.bad_payload)
+            elif reason != "busy":
                 avoid = self.policy.failed(peer.peer_id)
                 log.warning(
                     "exchange with %s failed (%s, deadline %.1fs), avoided for %.0fs: %s",
@@ -415,6 +441,15 @@ class Node:
             return None
         self.policy.succeeded(peer.peer_id, time.monotonic() - started)
         return payload
+
+    def _admit_received(self, payload: Payload) -> None:
+        """The norm bound for a payload this node called for; refused, it is counted and released (ExchangeError)."""
+        try:
+            self.admit(payload)
+        except PayloadError as error:
+            payload.release()
+            self.metrics.rejection(error.reason)
+            raise ExchangeError(error.code, error.reason, error.message, bad_payload=error) from None
 
     def _partner_order(self, candidates: list[PeerRecord]) -> list[PeerRecord]:
         """Random among the least recently paired first. Nodes of equal speed reach their outer steps in lockstep
@@ -576,7 +611,10 @@ class Node:
                 self.telemetry.phase = f"downloading state of outer step {donor.outer_step} from {donor.peer_id[-8:]}"
                 try:
                     tensors, counters = await asyncio.to_thread(
-                        download.fetch, donor.address, timeout=self.download_timeout()
+                        download.fetch,
+                        donor.address,
+                        timeout=self.download_timeout(),
+                        transport=self.security.transport,
                     )
                 except ExchangeError as error:
                     log.warning(
@@ -617,7 +655,11 @@ class Node:
             self.metrics,
             bind=f"{self.cfg.grpc_host}:{self.cfg.grpc_port}",
             max_call_seconds=self.exchange_ceiling(),
+            max_download_seconds=self.download_timeout(),
             max_state_downloads=self.cfg.max_state_downloads,
+            max_concurrent_calls=self.cfg.security.max_concurrent_calls,
+            min_link_rate=self.cfg.min_link_rate,
+            transport=self.security.transport,
         )
         self.address = f"{self.cfg.announce_host or self.cfg.grpc_host}:{self.cfg.announce_port or port}"
         self.dht_maddrs = await asyncio.to_thread(self.discovery.visible_maddrs)
@@ -637,7 +679,11 @@ class Node:
         log.info("status endpoint: %s/ (JSON at /status, Prometheus at /metrics, /healthz)", self.status_url)
         self._write_status()  # launchers find the status URL in status.json from the start
         tasks: list[asyncio.Task[None]] = [
-            asyncio.create_task(report.watch_peers(self.discovery, self.telemetry, self.run_fingerprint))
+            asyncio.create_task(
+                report.watch_peers(
+                    self.discovery, self.telemetry, self.run_fingerprint, transport=self.security.transport
+                )
+            )
         ]
         try:
             shard = ReplicaShard(

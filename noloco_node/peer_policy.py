@@ -5,7 +5,8 @@ step, and a short one cuts healthy exchanges of a big model over a slow link. Ea
 exponentially weighted mean of its duration, per peer and overall; the deadline for the next call is a multiple of
 that (with a floor, so that jitter does not cut healthy calls, and the configured exchange timeout as the ceiling).
 A peer that fails is avoided, for twice as long after each consecutive failure (up to a cap); one success clears
-its record. A busy answer is not a failure.
+its record. A busy answer is not a failure. A peer that sent a payload refused for its content (payload_guard.py)
+is quarantined: neither called nor served for ``quarantine_seconds``, whatever happens meanwhile.
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ class _PeerRecord:
     typical: float | None = None
     failures: int = 0
     avoid_until: float = 0.0
+    quarantined_until: float = 0.0
 
 
 class PeerPolicy:
@@ -49,7 +51,7 @@ class PeerPolicy:
         with self._lock:
             record = self._peers.setdefault(peer_id, _PeerRecord())
             record.typical = seconds if record.typical is None else _blend(record.typical, seconds)
-            record.failures, record.avoid_until = 0, 0.0
+            record.failures, record.avoid_until = 0, 0.0  # a quarantine is not lifted by a success
             self._typical = seconds if self._typical is None else _blend(self._typical, seconds)
 
     def failed(self, peer_id: str) -> float:
@@ -61,16 +63,30 @@ class PeerPolicy:
             record.avoid_until = time.monotonic() + avoid
             return avoid
 
+    def quarantine(self, peer_id: str, seconds: float) -> None:
+        """A peer that sent a bad payload: not called, and its calls refused, for ``seconds``."""
+        with self._lock:
+            record = self._peers.setdefault(peer_id, _PeerRecord())
+            record.quarantined_until = max(record.quarantined_until, time.monotonic() + seconds)
+
+    def quarantined(self, peer_id: str) -> bool:
+        with self._lock:
+            record = self._peers.get(peer_id)
+            return record is not None and record.quarantined_until > time.monotonic()
+
     def avoided(self, peer_id: str) -> bool:
         with self._lock:
             record = self._peers.get(peer_id)
-            return record is not None and record.avoid_until > time.monotonic()
+            now = time.monotonic()
+            return record is not None and (record.avoid_until > now or record.quarantined_until > now)
 
     def forget(self, live_peer_ids: set[str]) -> None:
         """Drop what is known of peers that left, so that a long run's bookkeeping does not grow without bound."""
         with self._lock:
+            now = time.monotonic()
             for gone in set(self._peers) - live_peer_ids:
-                if self._peers[gone].avoid_until <= time.monotonic():
+                record = self._peers[gone]
+                if record.avoid_until <= now and record.quarantined_until <= now:
                     del self._peers[gone]
 
 

@@ -20,6 +20,7 @@ from noloco_node.exchange import fetch_info
 from noloco_node.rpc import peer_pb2 as pb
 from noloco_node.status import ExchangeRecord, NodeStatus, OuterStepRecord
 from noloco_node.telemetry import Telemetry
+from noloco_node.transport import PLAIN, Transport
 from noloco_node.wire import Payload
 
 if TYPE_CHECKING:
@@ -130,7 +131,12 @@ class ProgressLog:
 
 
 async def watch_peers(
-    discovery: Discovery, telemetry: Telemetry, run_fingerprint: str, every: float = 3.0, max_info_calls: int = 16
+    discovery: Discovery,
+    telemetry: Telemetry,
+    run_fingerprint: str,
+    every: float = 3.0,
+    max_info_calls: int = 16,
+    transport: Transport = PLAIN,
 ) -> None:
     """Keep the view of the swarm fresh for the status page: DHT records, then each peer's Info (its curve)."""
     while True:
@@ -143,7 +149,9 @@ async def watch_peers(
 
         async def ask(peer_id: str, address: str) -> None:
             try:
-                reply = await asyncio.wait_for(asyncio.to_thread(fetch_info, address, timeout=2.0), timeout=3.0)
+                reply = await asyncio.wait_for(
+                    asyncio.to_thread(fetch_info, address, timeout=2.0, transport=transport), timeout=3.0
+                )
             except Exception as error:  # an unreachable peer is shown without its curve, not an error here
                 log.debug("Info from %s failed: %r", peer_id[-8:], error)
                 return

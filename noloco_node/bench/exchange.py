@@ -24,7 +24,15 @@ import grpc
 import torch
 
 from noloco_node.config import model_config_for
-from noloco_node.exchange import CHANNEL_OPTIONS, ExchangeMetrics, Outgoing, download_state, exchange_with, start_server
+from noloco_node.exchange import (
+    CHANNEL_OPTIONS,
+    AdmitsEverything,
+    ExchangeMetrics,
+    Outgoing,
+    download_state,
+    exchange_with,
+    start_server,
+)
 from noloco_node.model import LlamaDecoder, named_parameters_ordered
 from noloco_node.rpc import peer_pb2 as pb
 from noloco_node.wire import Payload, ReceiveBuffers, TensorLayout, build_manifest, layout_of
@@ -44,7 +52,7 @@ def _weights(size: str, vocab: int, seed: int) -> list[tuple[str, torch.Tensor]]
     return [(f"theta/{name}", torch.randn(p.shape, generator=generator)) for name, p in named_parameters_ordered(model)]
 
 
-class _BenchPeer:
+class _BenchPeer(AdmitsEverything):
     """The served side: the node's exchange service over fixed weights; every exchange is accepted."""
 
     def __init__(self, named: list[tuple[str, torch.Tensor]], wire_dtype: str) -> None:

@@ -19,6 +19,7 @@ from noloco_node.algorithm import noloco_outer_step
 from noloco_node.exchange import (
     CHANNEL_OPTIONS,
     EXCHANGE_METHOD,
+    AdmitsEverything,
     ExchangeError,
     ExchangeMetrics,
     Outgoing,
@@ -43,7 +44,7 @@ def outgoing(named: list[tuple[str, torch.Tensor]], peer_id: str, run: str = RUN
     return Outgoing(manifest, [t for _, t in named])
 
 
-class Holder:
+class Holder(AdmitsEverything):
     """A PeerNode holding fixed tensors; records the payloads it was asked to blend with."""
 
     def __init__(self, named: list[tuple[str, torch.Tensor]], *, busy: bool = False) -> None:

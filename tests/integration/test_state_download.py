@@ -10,7 +10,14 @@ import grpc
 import pytest
 import torch
 
-from noloco_node.exchange import ExchangeError, ExchangeMetrics, Outgoing, StateDownload, start_server
+from noloco_node.exchange import (
+    AdmitsEverything,
+    ExchangeError,
+    ExchangeMetrics,
+    Outgoing,
+    StateDownload,
+    start_server,
+)
 from noloco_node.rpc import peer_pb2 as pb
 from noloco_node.wire import ReceiveBuffers, build_manifest
 
@@ -20,7 +27,7 @@ RUN = "run-state-test"
 SHAPES = [("phi/a", (300, 100)), ("phi/b", (200,)), ("delta/a", (300, 100)), ("delta/b", (200,))]
 
 
-class Donor:
+class Donor(AdmitsEverything):
     """A PeerNode that serves a fixed snapshot (the role node.py's outer-step snapshot plays)."""
 
     def __init__(self, seed: int, outer_step: int, *, slow: threading.Event | None = None) -> None:
@@ -100,9 +107,10 @@ def test_a_download_cut_mid_transfer_resumes_chunk_wise_from_another_donor_of_th
             download.fetch(f"127.0.0.1:{cutter.port}", timeout=20)
     finally:
         cutter.close()
-    # How many verified chunks gRPC delivers before it reports the broken connection varies: check what was kept.
+    # How many verified chunks gRPC delivers before it reports the broken connection varies (on a loaded machine
+    # as little as part of the first tensor): check what was kept, whatever it is.
     whole = len(download.done) - (1 if download.partial_bytes else 0)
-    assert cutter.cuts >= 1 and 1 <= whole <= 3 and len(download.done) >= 2
+    assert cutter.cuts >= 1 and 0 <= whole <= 3 and len(download.done) >= 1
     partial_values = download.partial_bytes // 4
     tensors, counters = download.fetch(second_address, timeout=20)
     assert download.resumed == 1 and counters == {"inner_step": 60, "outer_step": 6, "adam_step": 60}
