@@ -16,8 +16,10 @@ from typing import Any
 from pydantic import ValidationError
 
 from noloco_node import __version__
+from noloco_node.auth import SecretError, load_secret
 from noloco_node.config import (
     ALL_METHODS,
+    KNOWN_ENVIRONMENT,
     MODEL_SIZES,
     DataConfig,
     NodeConfig,
@@ -26,6 +28,7 @@ from noloco_node.config import (
     TrainConfig,
     format_validation_error,
     model_config_for,
+    unknown_environment,
 )
 from noloco_node.data import DataError
 from noloco_node.logs import configure_logging
@@ -85,13 +88,51 @@ _NODE_FLAGS: dict[str, tuple[str, str, type, str]] = {
     "--stall-after": ("node", "stall_after", float, "seconds without trainer progress before /healthz is 503"),
     "--failure-linger": ("node", "failure_linger", float, "seconds to keep serving status after the trainer dies"),
     "--fail-at-inner-step": ("node", "fail_at_inner_step", int, "fault injection: the trainer raises at this step"),
+    "--secret-file": ("security", "secret_file", Path, "file holding the swarm secret of a private run (mode 0600)"),
+    "--max-clock-skew": ("security", "max_clock_skew", float, "largest clock difference of a signed call (s)"),
+    "--tls-cert": ("security", "tls_cert", Path, "PEM certificate of this node: gRPC over TLS"),
+    "--tls-key": ("security", "tls_key", Path, "PEM private key of --tls-cert"),
+    "--tls-ca": ("security", "tls_ca", Path, "PEM CA of the run: peers must present certificates it signed"),
+    "--tls-server-name": ("security", "tls_server_name", str, "name in every node's certificate"),
+    "--norm-bound": ("security", "norm_bound", float, "fixed bound on a partner's relative weight distance"),
+    "--norm-bound-factor": ("security", "norm_bound_factor", float, "learnt bound: times the recent median"),
+    "--quarantine-seconds": (
+        "security",
+        "quarantine_seconds",
+        float,
+        "how long a peer that sent a bad payload is shunned",
+    ),
+    "--max-concurrent-calls": ("security", "max_concurrent_calls", int, "gRPC calls served at once"),
 }
 
 
 _SWARM_NODE_FLAGS = {
     flag: _NODE_FLAGS[flag]
-    for flag in ("--run-name", "--mode", "--pair-timeout", "--exchange-timeout", "--max-staleness", "--wire-dtype")
+    for flag in (
+        "--run-name",
+        "--mode",
+        "--pair-timeout",
+        "--exchange-timeout",
+        "--max-staleness",
+        "--wire-dtype",
+        "--secret-file",
+    )
 }
+
+
+class _RefuseSecretInClear(argparse.Action):
+    """``--secret VALUE`` would put the secret in the process list and shell history: refuse it, naming the ways
+    that do not (and never echo the value)."""
+
+    def __call__(self, parser: argparse.ArgumentParser, *_: Any, **__: Any) -> None:
+        parser.error(
+            "the swarm secret is never given on the command line (ps and shell history would show it): use "
+            "--secret-file PATH, NOLOCO_SWARM_SECRET_FILE=PATH or NOLOCO_SWARM_SECRET"
+        )
+
+
+def _add_secret_refusal(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--secret", "--swarm-secret", action=_RefuseSecretInClear, help=argparse.SUPPRESS)
 
 
 def _add_flags(parser: argparse.ArgumentParser, flags: dict[str, tuple[str, str, type, str]]) -> None:
@@ -158,6 +199,7 @@ def build_parser() -> argparse.ArgumentParser:
     join.add_argument("--dht-announce-maddrs", nargs="+", default=argparse.SUPPRESS, help="DHT public multiaddrs")
     _add_flags(join, _NODE_FLAGS)
     _add_flags(join, _TRAIN_FLAGS)
+    _add_secret_refusal(join)
 
     swarm = commands.add_parser(
         "swarm",
@@ -170,6 +212,7 @@ def build_parser() -> argparse.ArgumentParser:
     swarm.add_argument("--resume", action="store_true", help="continue the swarm in --out instead of replacing it")
     _add_flags(swarm, _SWARM_NODE_FLAGS)
     _add_flags(swarm, _TRAIN_FLAGS)
+    _add_secret_refusal(swarm)
 
     bench = commands.add_parser("bench", help="benchmarks that print a figure next to a same-run reference")
     benches = bench.add_subparsers(dest="bench", required=True)
@@ -236,6 +279,23 @@ def build_parser() -> argparse.ArgumentParser:
     peers.add_argument("--bootstrap", nargs="*", default=[], help="multiaddrs of DHT peers")
     peers.add_argument("--run-fingerprint", help="the run (printed by `noloco-node status`)")
     peers.add_argument("--url", help="a node's status endpoint: its run and DHT addresses are used")
+    peers.add_argument(
+        "--secret-file", type=Path, help="a private run's secret: only records its members signed are listed"
+    )
+    _add_secret_refusal(peers)
+
+    tls = commands.add_parser(
+        "tls",
+        help="make a private CA and node certificates for gRPC over mutual TLS",
+        description="`tls init DIR` writes DIR/ca.pem and DIR/ca.key (keep ca.key off the nodes) and one certificate "
+        "and key per --node name, valid as server and client for --server-name and any --host.",
+    )
+    tls_commands = tls.add_subparsers(dest="tls_command", required=True)
+    tls_init = tls_commands.add_parser("init", help="write a CA and node certificates")
+    tls_init.add_argument("out", type=Path, help="directory to write into")
+    tls_init.add_argument("--node", action="append", default=[], help="a node certificate to make (repeatable)")
+    tls_init.add_argument("--server-name", default="noloco-node", help="the name every node certificate carries")
+    tls_init.add_argument("--host", action="append", default=[], help="an extra DNS name or IP for every certificate")
 
     bootstrap = commands.add_parser(
         "bootstrap",
@@ -322,7 +382,7 @@ def _join(args: argparse.Namespace) -> int:
     from noloco_node.node import run_node
 
     given = _sections(args, {**_TRAIN_FLAGS, **_NODE_FLAGS})
-    node_settings = {**given.get("node", {}), "bootstrap": args.bootstrap}
+    node_settings = {**given.get("node", {}), "bootstrap": args.bootstrap, "security": given.get("security", {})}
     for name in ("dht_host_maddrs", "dht_announce_maddrs"):
         if hasattr(args, name):
             node_settings[name] = getattr(args, name)
@@ -342,7 +402,7 @@ def _swarm(args: argparse.Namespace) -> int:
     flags = {**_SWARM_NODE_FLAGS, **_TRAIN_FLAGS}
     given = _sections(args, flags)
     # Validate everything here, before a single process starts; each node validates again on its own.
-    NodeConfig(**given.get("node", {}))
+    NodeConfig(**given.get("node", {}), security=given.get("security", {}))
     TrainConfig(**given.get("train", {}))
     OuterConfig(**given.get("outer", {}))
     DataConfig(**given.get("data", {}))
@@ -375,7 +435,21 @@ def _peers(args: argparse.Namespace) -> int:
         fingerprint = fingerprint or status.run_fingerprint
     if not fingerprint or not bootstrap:
         raise SystemExit("noloco-node peers: give --bootstrap and --run-fingerprint, or --url of a running node")
-    print(format_peers(list_peers(bootstrap, fingerprint), fingerprint))
+    secret = load_secret(args.secret_file)
+    print(format_peers(list_peers(bootstrap, fingerprint, secret=secret), fingerprint))
+    return 0
+
+
+def _tls(args: argparse.Namespace) -> int:
+    from noloco_node.tls import write_ca, write_node_cert
+
+    ca_pem, ca_key = write_ca(args.out)
+    print(f"CA: {ca_pem} (give it to every node as --tls-ca), {ca_key} (keep it off the nodes)")
+    for name in args.node or ["node"]:
+        cert, key = write_node_cert(
+            args.out, name, ca_dir=args.out, server_name=args.server_name, hosts=tuple(args.host)
+        )
+        print(f"node {name}: --tls-cert {cert} --tls-key {key}")
     return 0
 
 
@@ -444,6 +518,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     configure_logging(args.log_level, args.log_format)
+    unknown = unknown_environment(os.environ)
+    if unknown:
+        known = ", ".join(KNOWN_ENVIRONMENT)
+        print(f"noloco-node: unknown environment variable {', '.join(unknown)} (known: {known})", file=sys.stderr)
+        return 2
     handlers = {
         "simulate": _simulate,
         "train": _train,
@@ -454,13 +533,14 @@ def main(argv: Sequence[str] | None = None) -> int:
         "bench": _bench,
         "status": _status,
         "peers": _peers,
+        "tls": _tls,
     }
     try:
         return handlers[args.command](args)
     except ValidationError as error:
         print(f"noloco-node {args.command}: bad configuration\n{format_validation_error(error)}", file=sys.stderr)
         return 2
-    except (DataError, StatusClientError) as error:
+    except (DataError, StatusClientError, SecretError) as error:
         print(f"noloco-node {args.command}: {error}", file=sys.stderr)
         return 2
     except Exception as error:

@@ -76,6 +76,12 @@ class _StatusCollector:
             ("noloco_uptime_seconds", "Since the node started.", status.uptime_seconds),
             ("noloco_known_peers", "Live peers of the run in the DHT.", float(len(status.peers))),
             ("noloco_healthy", "1 when /healthz answers 200.", 1.0 if status.health.ok else 0.0),
+            ("noloco_norm_bound", "Bound on a partner's relative L2 weight distance.", status.security.norm_bound),
+            (
+                "noloco_partner_distance",
+                "Relative L2 weight distance of the last admitted partner.",
+                status.security.last_partner_distance,
+            ),
         ]
         for name, documentation, value in gauges:
             if value is not None:  # an absent value is an absent series, not a made-up zero

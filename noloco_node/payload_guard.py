@@ -78,6 +78,11 @@ class NormGuard:
                 return self.initial
             return self.factor * statistics.median(self._accepted)
 
+    @property
+    def learnt(self) -> bool:
+        with self._lock:
+            return self.fixed is None and len(self._accepted) >= self.min_history
+
     def admit(self, distance: float, peer: str) -> None:
         """Accept (and learn from) the distance, or raise PayloadError naming it and the bound."""
         bound = self.bound()

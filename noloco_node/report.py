@@ -18,7 +18,7 @@ from noloco_node import __version__
 from noloco_node.discovery import Discovery
 from noloco_node.exchange import fetch_info
 from noloco_node.rpc import peer_pb2 as pb
-from noloco_node.status import ExchangeRecord, NodeStatus, OuterStepRecord
+from noloco_node.status import ExchangeRecord, NodeStatus, OuterStepRecord, SecurityStatus
 from noloco_node.telemetry import Telemetry
 from noloco_node.transport import PLAIN, Transport
 from noloco_node.wire import Payload
@@ -90,7 +90,20 @@ def node_status(node: Node) -> NodeStatus:
         exchanges=[ExchangeRecord(**entry) for entry in counters["recent"][-20:]],
         peers=node.telemetry.known_peers(),
         history=[OuterStepRecord(**entry) for entry in node.telemetry.history_list(200)],
+        security=security_status(node),
         health=node.health(),
+    )
+
+
+def security_status(node: Node) -> SecurityStatus:
+    guard, tls = node.security.norm_guard, node.security.transport.tls
+    return SecurityStatus(
+        private_run=node.security.secret is not None,
+        tls=tls is not None,
+        mutual_tls=tls is not None and tls.ca is not None,
+        norm_bound=guard.bound(),
+        norm_bound_learnt=guard.learnt,
+        last_partner_distance=guard.last_distance,
     )
 
 

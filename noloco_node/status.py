@@ -74,6 +74,17 @@ class KnownPeer(BaseModel):
     info_age_seconds: float | None = Field(None, description="Since the last Info answer.")
 
 
+class SecurityStatus(BaseModel):
+    """How this node admits peers and payloads (never the secret, nor a key)."""
+
+    private_run: bool = Field(description="A swarm secret is set: calls and DHT records must prove membership.")
+    tls: bool = Field(description="gRPC runs over TLS.")
+    mutual_tls: bool = Field(description="Peers must present a certificate signed by the run's CA.")
+    norm_bound: float = Field(description="Current bound on a partner's relative L2 distance from this node.")
+    norm_bound_learnt: bool = Field(description="The bound comes from recent exchanges (not fixed, not initial).")
+    last_partner_distance: float | None = Field(description="Relative L2 distance of the last admitted partner.")
+
+
 class NodeStatus(BaseModel):
     schema_version: Literal[1] = 1
     peer_id: str
@@ -104,4 +115,5 @@ class NodeStatus(BaseModel):
     exchanges: list[ExchangeRecord] = Field(description="The last exchanges, oldest first (up to 20).")
     peers: list[KnownPeer] = Field(description="Live peers of the run in the DHT, as this node last saw them.")
     history: list[OuterStepRecord] = Field(description="The last outer steps, oldest first (up to 200).")
+    security: SecurityStatus
     health: Health

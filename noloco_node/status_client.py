@@ -20,6 +20,7 @@ from pydantic import ValidationError
 from noloco_node.status import NodeStatus
 
 if TYPE_CHECKING:
+    from noloco_node.auth import SwarmSecret
     from noloco_node.discovery import PeerRecord
 
 
@@ -110,11 +111,14 @@ def format_status(status: NodeStatus) -> str:
     return "\n".join(lines)
 
 
-def list_peers(bootstrap: list[str], run_fingerprint: str, *, wait: float = 3.0) -> list[PeerRecord]:
-    """The live records of a run, read through a client-only DHT peer that publishes nothing."""
+def list_peers(
+    bootstrap: list[str], run_fingerprint: str, *, wait: float = 3.0, secret: SwarmSecret | None = None
+) -> list[PeerRecord]:
+    """The live records of a run, read through a client-only DHT peer that publishes nothing; with a private run's
+    secret, only records that its members wrote."""
     from noloco_node.discovery import Discovery  # hivemind is slow to import: only this command needs it
 
-    discovery = Discovery(run_fingerprint, initial_peers=bootstrap, client_mode=True)
+    discovery = Discovery(run_fingerprint, initial_peers=bootstrap, client_mode=True, secret=secret)
     discovery.start()
     try:
 

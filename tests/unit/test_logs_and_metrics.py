@@ -10,7 +10,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from noloco_node.logs import configure_logging
 from noloco_node.metrics import render_metrics
-from noloco_node.status import Health, NodeStatus
+from noloco_node.status import Health, NodeStatus, SecurityStatus
 
 
 def test_json_lines_for_ours_and_hivemind(monkeypatch) -> None:
@@ -62,6 +62,14 @@ def status(**changes: object) -> NodeStatus:
         exchanges=[],
         peers=[],
         history=[],
+        security=SecurityStatus(
+            private_run=False,
+            tls=False,
+            mutual_tls=False,
+            norm_bound=1.0,
+            norm_bound_learnt=False,
+            last_partner_distance=None,
+        ),
         health=Health(state="training", reason="", ok=True),
     )
     return NodeStatus(**{**base, **changes})
