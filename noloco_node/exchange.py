@@ -576,15 +576,14 @@ def exchange_with(
 
 
 def _server_problem(transport: Transport, method: str, nonce: str, call: Any, address: str) -> ExchangeError | None:
-    """None when the server proved membership; else the error to raise (the server's own refusal, if it sent
-    one, says more than the missing proof)."""
+    """None when the server proved membership; else the error to raise. A server that refused us for want of a
+    valid proof says UNAUTHENTICATED itself (another secret); any other server is not a member of the run."""
     problem = transport.server_problem(method, nonce, call)
     if problem is None:
         return None
     call.cancel()
-    code = call.code()
-    if code not in (None, grpc.StatusCode.CANCELLED, grpc.StatusCode.OK):
-        return ExchangeError(code, code.name.lower(), f"{address}: {call.details()}")
+    if call.code() == grpc.StatusCode.UNAUTHENTICATED:
+        return ExchangeError(grpc.StatusCode.UNAUTHENTICATED, "unauthenticated", f"{address}: {call.details()}")
     return ExchangeError(grpc.StatusCode.UNAUTHENTICATED, "unauthenticated_peer", f"{address}: {problem}")
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import signal
 import subprocess
 from pathlib import Path
@@ -24,7 +25,15 @@ class Bootstrap:
 
 
 class NodeProcess:
-    def __init__(self, name: str, bootstrap: Bootstrap, base: Path, *args: str, log_format: str = "text") -> None:
+    def __init__(
+        self,
+        name: str,
+        bootstrap: Bootstrap,
+        base: Path,
+        *args: str,
+        log_format: str = "text",
+        env: dict[str, str] | None = None,
+    ) -> None:
         self.name = name
         self.data_dir = base / name
         self.data_dir.mkdir(parents=True, exist_ok=True)
@@ -33,7 +42,9 @@ class NodeProcess:
         self.command = join_command(bootstrap.maddrs, self.data_dir, *args)
         join_at = self.command.index("join")
         self.command[join_at:join_at] = ["--log-format", log_format]  # a global flag: before the subcommand
-        self.process = subprocess.Popen(self.command, stdout=self.log, stderr=subprocess.STDOUT)
+        self.process = subprocess.Popen(
+            self.command, stdout=self.log, stderr=subprocess.STDOUT, env={**os.environ, **(env or {})}
+        )
 
     def descendants(self) -> list[int]:
         """Every process below this node (its DHT helper and the p2pd daemon it runs), from /proc."""
