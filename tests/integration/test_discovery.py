@@ -7,10 +7,13 @@ import signal
 import time
 from collections.abc import Iterator
 
+import hivemind
 import pytest
 from hivemind.utils.timed_storage import get_dht_time
 
+from noloco_node.auth import SwarmSecret, record_mac
 from noloco_node.discovery import Discovery, PeerRecord, peers_key, start_bootstrap_process
+from noloco_node.identity import NodeIdentity
 
 
 @pytest.fixture(scope="module")
@@ -100,3 +103,54 @@ def test_a_record_that_is_not_refreshed_expires(bootstrap: list[str]) -> None:
     finally:
         a.shutdown()
         b.shutdown()
+
+
+def test_nobody_can_overwrite_a_peers_record_and_a_private_run_ignores_strangers(bootstrap: list[str]) -> None:
+    secret = SwarmSecret(b"a-shared-secret-of-the-run-0123456789", "test")
+    a = Discovery("run-p", initial_peers=bootstrap, secret=secret, identity=NodeIdentity.ephemeral())
+    b = Discovery("run-p", initial_peers=bootstrap, secret=secret)
+    stranger = Discovery("run-p", initial_peers=bootstrap)  # no secret
+    thief = Discovery("run-p", initial_peers=bootstrap, secret=secret)  # a member, with its own key
+    for d in (a, b, stranger, thief):
+        d.start()
+    try:
+
+        async def scenario() -> None:
+            record_a = PeerRecord(a.peer_id, "127.0.0.1:7001", "run-p", outer_step=5, ready=True)
+            assert await a.publish(record_a)
+
+            async def b_sees_a():
+                return [r for r in await b.live_peers() if r.peer_id == a.peer_id]
+
+            assert (await wait_for(b_sees_a))[0].address == "127.0.0.1:7001"
+            # The stranger's own record carries no MAC under the run's secret: members never list it.
+            assert await stranger.publish(PeerRecord(stranger.peer_id, "127.0.0.1:7002", "run-p", ready=True))
+            assert {r.peer_id for r in await stranger.live_peers(include_self=True)} >= {stranger.peer_id}
+            # Writes under a's subkey (its public key) by anyone else, member or not, are refused by the DHT.
+            for forger in (stranger, thief):
+                value = {**PeerRecord("x", "10.6.6.6:6666", "run-p", outer_step=99, ready=True).to_value()}
+                value["mac"] = record_mac(secret, a.key, a.subkey, value)  # even a valid MAC does not help
+                stored = forger.dht.store(a.key, value, get_dht_time() + 30, subkey=a.subkey, return_future=True)
+                assert not await asyncio.wrap_future(stored)
+            # A modified peer that runs no validator stores the forgery itself and pushes it to others: they refuse
+            # it, and what it answers to lookups fails their validation, so readers still see a's own record.
+            rogue = hivemind.DHT(initial_peers=bootstrap, start=True)
+            try:
+                value = PeerRecord("x", "10.6.6.6:6666", "run-p", outer_step=99, ready=True).to_value()
+                value["mac"] = record_mac(secret, a.key, a.subkey, value)
+                await asyncio.wrap_future(
+                    rogue.store(a.key, value, get_dht_time() + 30, subkey=a.subkey, return_future=True)
+                )
+                await asyncio.sleep(1.0)
+                seen = {r.peer_id: r for r in await b.live_peers()}
+            finally:
+                rogue.shutdown()
+            assert stranger.peer_id not in seen
+            assert seen[a.peer_id].address == "127.0.0.1:7001" and seen[a.peer_id].outer_step == 5
+            # A peer id is a digest of the key that signs the record: it cannot be claimed by another key.
+            assert a.peer_id == a.identity.peer_id != thief.peer_id
+
+        asyncio.run(scenario())
+    finally:
+        for d in (a, b, stranger, thief):
+            d.shutdown()
