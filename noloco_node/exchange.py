@@ -30,6 +30,7 @@ from dataclasses import dataclass
 from typing import Any, Protocol
 
 import grpc
+from google.protobuf.message import DecodeError
 
 from noloco_node.rpc import peer_pb2 as pb
 from noloco_node.rpc import peer_pb2_grpc as pb_grpc
@@ -347,7 +348,8 @@ class PeerService:
             if reader is None or not reader.is_alive():  # a reader still running owns the buffers until it stops
                 receiver.discard()  # a no-op once the payload was handed over
 
-    def GetState(self, request: pb.StateRequest, context: grpc.ServicerContext) -> Iterator[bytes]:  # noqa: N802
+    def GetState(self, raw: bytes, context: grpc.ServicerContext) -> Iterator[bytes]:  # noqa: N802
+        request = _parse(pb.StateRequest, raw, context)
         if request.run_fingerprint != self.node.run_fingerprint:
             context.abort(grpc.StatusCode.FAILED_PRECONDITION, f"this peer trains run {self.node.run_fingerprint}")
         snapshot = self.node.state_snapshot()
@@ -403,8 +405,18 @@ class PeerService:
             self.watchdog.release(guard)
             self.downloads.release()
 
-    def Info(self, request: pb.InfoRequest, context: grpc.ServicerContext) -> pb.InfoReply:  # noqa: N802
+    def Info(self, raw: bytes, context: grpc.ServicerContext) -> pb.InfoReply:  # noqa: N802
+        _parse(pb.InfoRequest, raw, context)
         return self.node.info()
+
+
+def _parse(message: Any, raw: bytes, context: grpc.ServicerContext) -> Any:
+    """Requests are parsed here, not by grpc, so that garbage gets INVALID_ARGUMENT (grpc's own deserializer
+    failing answers INTERNAL, which says nothing useful to the caller)."""
+    try:
+        return message.FromString(raw)
+    except DecodeError:
+        context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"malformed {message.DESCRIPTOR.name}")
 
 
 def _handlers(service: PeerService) -> grpc.GenericRpcHandler:
@@ -412,13 +424,9 @@ def _handlers(service: PeerService) -> grpc.GenericRpcHandler:
         SERVICE,
         {
             "Exchange": grpc.stream_stream_rpc_method_handler(service.Exchange),  # encoded frames both ways
-            "GetState": grpc.unary_stream_rpc_method_handler(
-                service.GetState, request_deserializer=pb.StateRequest.FromString
-            ),
+            "GetState": grpc.unary_stream_rpc_method_handler(service.GetState),  # parsed by the handler
             "Info": grpc.unary_unary_rpc_method_handler(
-                service.Info,
-                request_deserializer=pb.InfoRequest.FromString,
-                response_serializer=pb.InfoReply.SerializeToString,
+                service.Info, response_serializer=pb.InfoReply.SerializeToString
             ),
         },
     )

@@ -8,9 +8,12 @@ can neither call them nor be called.
 
 from __future__ import annotations
 
+import json
 import os
 import secrets
+import threading
 import time
+import urllib.request
 from pathlib import Path
 
 import grpc
@@ -18,6 +21,7 @@ import pytest
 
 from noloco_node.auth import CallAuthenticator, SwarmSecret
 from noloco_node.exchange import (
+    EXCHANGE_METHOD,
     INFO_METHOD,
     AdmitsEverything,
     ExchangeError,
@@ -28,8 +32,8 @@ from noloco_node.exchange import (
     start_server,
 )
 from noloco_node.tls import TlsFiles, write_ca, write_node_cert
-from noloco_node.transport import Transport
-from noloco_node.wire import ReceiveBuffers, layout_of
+from noloco_node.transport import CHANNEL_OPTIONS, Transport
+from noloco_node.wire import ReceiveBuffers, iter_frames, layout_of
 
 from .attacker import node_weights, now_ms, payload, raw_info, signed_metadata
 from .swarm_harness import Bootstrap, NodeProcess
@@ -271,5 +275,46 @@ def test_a_node_refuses_to_start_with_a_world_readable_secret(bootstrap: Bootstr
     try:
         assert node.wait(timeout=120) == 2
         assert "readable by anyone" in node.output() and path.read_text() not in node.output()
+    finally:
+        node.stop()
+
+
+def test_slow_loris_streams_are_cut_and_the_node_serves_again(bootstrap: Bootstrap, tmp_path: Path) -> None:
+    node = NodeProcess(
+        "target", bootstrap, tmp_path, *TRAIN, "--steps", "100000", "--mode", "overlap", "--max-concurrent-calls", "2"
+    )
+    try:
+        status = _wait_for(lambda: (s := node.status()) and s["address"] and s["inner_step"] > 0 and s, 120, "target")
+        address, fingerprint = status["address"], status["run_fingerprint"]
+        outgoing = payload(node_weights(), run_fingerprint=fingerprint, peer_id="loris", outer_step=1)
+        manifest_only = [next(iter_frames(outgoing.manifest, outgoing.tensors))]
+        release = threading.Event()
+
+        def trickle(first: list[bytes]):
+            yield from first
+            release.wait(120)  # then nothing: no more bytes, and no deadline set by this caller
+
+        channel = grpc.insecure_channel(address, options=CHANNEL_OPTIONS)
+        # Two streams take both call slots: one sends nothing, one sends a manifest (and holds a session) then stalls.
+        started = time.monotonic()
+        calls = [channel.stream_stream(EXCHANGE_METHOD)(trickle(frames)) for frames in ([], manifest_only)]
+        time.sleep(1.0)
+        assert raw_info(address, None) == grpc.StatusCode.RESOURCE_EXHAUSTED  # the slots are full: refused at once
+        codes = []
+        for call in calls:
+            with pytest.raises(grpc.RpcError) as cut:
+                for _ in call:
+                    pass
+            codes.append(cut.value.code())
+        cut_after = time.monotonic() - started
+        assert codes == [grpc.StatusCode.CANCELLED, grpc.StatusCode.CANCELLED]
+        assert cut_after < 30  # the watchdog's grace is 5 s; the exchange ceiling (60 s) never came into it
+        assert raw_info(address, None) == grpc.StatusCode.OK  # serving again
+        release.set()
+        channel.close()
+        live = json.loads(urllib.request.urlopen(f"{status['status_url']}/status", timeout=10).read())
+        assert live["inner_step"] > status["inner_step"]  # it trained on throughout
+        # One cut before its manifest, one mid-exchange (counted by outcome; the latter also in the recent list).
+        assert live["exchange_outcomes"].get("cut_too_slow", 0) == 2, live["exchange_outcomes"]
     finally:
         node.stop()
