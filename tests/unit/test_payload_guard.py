@@ -1,0 +1,97 @@
+"""The norm bound, rate-limited complaints, quarantine, the watchdog's verdicts and config hardening."""
+
+from __future__ import annotations
+
+import logging
+import math
+import time
+
+import pytest
+import torch
+from pydantic import ValidationError
+
+from noloco_node.config import NodeConfig, SecurityConfig, format_validation_error, unknown_environment
+from noloco_node.payload_guard import Complaints, NormGuard, relative_distance
+from noloco_node.peer_policy import PeerPolicy
+from noloco_node.transport import GuardedCall, Watchdog
+from noloco_node.wire import PayloadError
+
+
+def test_relative_distance_is_exact_and_slices_big_tensors() -> None:
+    own = [torch.randn(3, 5), torch.randn(3_000_000)]  # the second spans three slices
+    theirs = [t + 0.1 * torch.randn_like(t) for t in own]
+    expected = math.sqrt(sum(float(((a - b) ** 2).sum()) for a, b in zip(theirs, own, strict=True))) / math.sqrt(
+        sum(float((b**2).sum()) for b in own)
+    )
+    assert relative_distance(theirs, own) == pytest.approx(expected, rel=1e-5)
+    assert relative_distance([t.to(torch.bfloat16) for t in own], own) < 0.01
+
+
+def test_the_bound_starts_at_initial_then_follows_the_median_of_accepted_distances() -> None:
+    guard = NormGuard(factor=5.0, initial=1.0, min_history=4)
+    assert guard.bound() == 1.0 and not guard.learnt
+    with pytest.raises(PayloadError) as refused:
+        guard.admit(1.5, "p")
+    assert refused.value.reason == "norm_bound" and "1.5" in refused.value.message
+    for distance in (0.1, 0.2, 0.1, 0.3):
+        guard.admit(distance, "p")
+    assert guard.learnt and guard.bound() == pytest.approx(5 * 0.15)
+    guard.admit(0.7, "attacker")  # inside the bound; pushing the median takes half the window
+    assert guard.bound() == pytest.approx(5 * 0.2)
+    with pytest.raises(PayloadError):
+        guard.admit(float("nan"), "p")
+    assert NormGuard(fixed=0.05).bound() == 0.05
+
+
+def test_complaints_are_logged_once_per_peer_and_reason_per_interval(caplog: pytest.LogCaptureFixture) -> None:
+    complaints = Complaints(interval=0.2)
+    with caplog.at_level(logging.WARNING):
+        assert complaints.complain("a", "norm_bound", "far")
+        assert not complaints.complain("a", "norm_bound", "far")
+        assert complaints.complain("a", "checksum", "bad")
+        assert complaints.complain("b", "norm_bound", "far")
+        time.sleep(0.25)
+        assert complaints.complain("a", "norm_bound", "far")
+    assert len(caplog.records) == 4 and "1 more since the last report" in caplog.records[-1].getMessage()
+
+
+def test_a_quarantine_outlives_a_success_and_ends() -> None:
+    policy = PeerPolicy(exchange_timeout=10, min_deadline=1, avoid_seconds=1)
+    policy.quarantine("p", 0.2)
+    policy.succeeded("p", 0.1)
+    assert policy.quarantined("p") and policy.avoided("p")
+    policy.forget(set())  # a quarantined peer that left is remembered until the quarantine ends
+    assert policy.quarantined("p")
+    time.sleep(0.25)
+    assert not policy.quarantined("p") and not policy.avoided("p")
+
+
+def test_the_watchdog_cuts_calls_past_their_limit_or_below_the_minimum_rate() -> None:
+    now = time.monotonic()
+
+    def call(moved: int, *, limit: float = 100, transferred: bool = False) -> GuardedCall:
+        guarded = GuardedCall(None, now + limit, lambda: moved, min_rate=1000.0, grace=5.0, started=now - 10)  # type: ignore[arg-type]
+        guarded.transferred = transferred
+        return guarded
+
+    assert Watchdog._verdict(call(10_000), now) is None  # 10 s in: 5 s past the grace needs 5000 bytes
+    assert Watchdog._verdict(call(4_000), now) == "too_slow"
+    assert Watchdog._verdict(call(4_000, transferred=True), now) is None  # all moved: only the limit applies
+    assert Watchdog._verdict(call(10**9, limit=-1), now) == "deadline"
+
+
+def test_unknown_keys_and_variables_are_named_and_secrets_are_not_echoed() -> None:
+    with pytest.raises(ValidationError) as bad:
+        NodeConfig(security={"secret_file": 5, "tls_ca": "ca.pem"})
+    message = format_validation_error(bad.value)
+    assert "security" in message and "(got {" not in message
+    with pytest.raises(ValidationError) as unknown:
+        SecurityConfig(swarm_secret="hunter2-hunter2-hunter2")
+    message = format_validation_error(unknown.value)
+    assert "swarm_secret" in message and "hunter2" not in message
+    with pytest.raises(ValidationError) as typo:
+        NodeConfig(mode="sync", norm_bound=1.0)  # belongs in security
+    assert "norm_bound" in format_validation_error(typo.value)
+    assert unknown_environment({"NOLOCO_CACHE_DIR": "x", "NOLOCO_SWARM_SECRT": "y", "PATH": "/bin"}) == [
+        "NOLOCO_SWARM_SECRT"
+    ]
