@@ -34,6 +34,7 @@ from noloco_node.exchange import (
     start_server,
 )
 from noloco_node.model import LlamaDecoder, named_parameters_ordered
+from noloco_node.payload_guard import relative_distance
 from noloco_node.rpc import peer_pb2 as pb
 from noloco_node.wire import Payload, ReceiveBuffers, TensorLayout, build_manifest, layout_of
 
@@ -138,7 +139,7 @@ def _client_process(
     outgoing = Outgoing(manifest, [t for _, t in named])
     buffers = ReceiveBuffers(max_idle_bytes=sum(t.numel() for _, t in named) * 4)
     baseline = _rss_mb()
-    seconds = []
+    seconds, norm_seconds = [], []
     for _ in range(repeats):
         started = time.perf_counter()
         payload = exchange_with(
@@ -152,6 +153,10 @@ def _client_process(
             buffers=buffers,
         )
         seconds.append(time.perf_counter() - started)
+        # What a node then spends on its admission check (payload_guard.py), against its own fp32 weights.
+        started = time.perf_counter()
+        relative_distance(list(payload.tensors.values()), [t for _, t in named])
+        norm_seconds.append(time.perf_counter() - started)
         payload.release()
     exchange_peak = _rss_mb()
     download_seconds = []
@@ -165,6 +170,7 @@ def _client_process(
     conn.send(
         {
             "seconds": seconds,
+            "norm_seconds": norm_seconds,
             "download_seconds": download_seconds,
             "baseline_rss_mb": baseline,
             "peak_rss_mb": exchange_peak,
@@ -315,6 +321,7 @@ class ExchangeBenchResult:
     bare_grpc_seconds: float
     download_seconds: float
     tcp_download_seconds: float
+    norm_check_seconds: float
     client_extra_rss_mb: float
     server_extra_rss_mb: float
     link_rate: str | None = None
@@ -341,6 +348,8 @@ class ExchangeBenchResult:
             f"{2 * self.tcp_one_way_seconds / self.exchange_seconds:.0%}",
             f"  ratio to bare gRPC both ways (gRPC's own ceiling here):  "
             f"{self.bare_grpc_seconds / self.exchange_seconds:.0%}",
+            f"  then the norm-bound check of the received payload (1 thread): {self.norm_check_seconds:.3f} s, "
+            f"{self.norm_check_seconds / self.exchange_seconds:.0%} of the exchange",
             "state download: one way, fp32 weights, as a joiner fetches a donor's snapshot (GetState)",
             rate("raw TCP, one way:", self.tcp_download_seconds, state_gb, "         "),
             rate("noloco GetState, one way:", self.download_seconds, state_gb, "         "),
@@ -426,6 +435,7 @@ def _run(size: str, vocab: int, wire_dtype: str, chunk_bytes: int, repeats: int,
         tcp_both_ways_seconds=min(_raw_tcp_seconds(payload, both_ways=True, where=where) for _ in range(repeats)),
         bare_grpc_seconds=_bare_grpc_seconds(payload, chunk_bytes, repeats, where),
         download_seconds=min(client_report["download_seconds"]),
+        norm_check_seconds=min(client_report["norm_seconds"]),
         tcp_download_seconds=min(_raw_tcp_seconds(numel * 4, both_ways=False, where=where) for _ in range(repeats)),
         client_extra_rss_mb=client_report["peak_rss_mb"] - client_report["baseline_rss_mb"],
         server_extra_rss_mb=server_report["peak_rss_mb"] - server_report["baseline_rss_mb"],
