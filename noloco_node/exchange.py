@@ -317,7 +317,8 @@ class PeerService:
             reader.join(timeout=max(0.0, limit))
             guard.transferred = True
             self.metrics.add_bytes(received=receiver.bytes_received)
-            if reader.is_alive() or "broken" in outcome:
+            # A call the watchdog cancelled may look, to the reader, like a stream that simply ended early.
+            if reader.is_alive() or "broken" in outcome or guard.cut_reason is not None:
                 finish(f"cut_{guard.cut_reason}" if guard.cut_reason else "aborted")
                 log.warning(
                     "exchange with %s aborted: the partner's payload did not arrive whole (%s)",
