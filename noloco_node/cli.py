@@ -19,19 +19,17 @@ from noloco_node import __version__
 from noloco_node.auth import SecretError, load_secret
 from noloco_node.config import (
     ALL_METHODS,
-    KNOWN_ENVIRONMENT,
     MODEL_SIZES,
     DataConfig,
-    NodeConfig,
     OuterConfig,
     SimulateConfig,
     TrainConfig,
     format_validation_error,
     model_config_for,
-    unknown_environment,
 )
 from noloco_node.data import DataError
 from noloco_node.logs import configure_logging
+from noloco_node.settings import SettingsError
 from noloco_node.status_client import StatusClientError
 
 # flag -> (settings section, field, type, help). Defaults are not repeated here: they come from config.py.
@@ -88,21 +86,21 @@ _NODE_FLAGS: dict[str, tuple[str, str, type, str]] = {
     "--stall-after": ("node", "stall_after", float, "seconds without trainer progress before /healthz is 503"),
     "--failure-linger": ("node", "failure_linger", float, "seconds to keep serving status after the trainer dies"),
     "--fail-at-inner-step": ("node", "fail_at_inner_step", int, "fault injection: the trainer raises at this step"),
-    "--secret-file": ("security", "secret_file", Path, "file holding the swarm secret of a private run (mode 0600)"),
-    "--max-clock-skew": ("security", "max_clock_skew", float, "largest clock difference of a signed call (s)"),
-    "--tls-cert": ("security", "tls_cert", Path, "PEM certificate of this node: gRPC over TLS"),
-    "--tls-key": ("security", "tls_key", Path, "PEM private key of --tls-cert"),
-    "--tls-ca": ("security", "tls_ca", Path, "PEM CA of the run: peers must present certificates it signed"),
-    "--tls-server-name": ("security", "tls_server_name", str, "name in every node's certificate"),
-    "--norm-bound": ("security", "norm_bound", float, "fixed bound on a partner's relative weight distance"),
-    "--norm-bound-factor": ("security", "norm_bound_factor", float, "learnt bound: times the recent median"),
+    "--secret-file": ("node.security", "secret_file", Path, "file with the swarm secret of a private run (0600)"),
+    "--max-clock-skew": ("node.security", "max_clock_skew", float, "largest clock difference of a signed call (s)"),
+    "--tls-cert": ("node.security", "tls_cert", Path, "PEM certificate of this node: gRPC over TLS"),
+    "--tls-key": ("node.security", "tls_key", Path, "PEM private key of --tls-cert"),
+    "--tls-ca": ("node.security", "tls_ca", Path, "PEM CA of the run: peers must present certificates it signed"),
+    "--tls-server-name": ("node.security", "tls_server_name", str, "name in every node's certificate"),
+    "--norm-bound": ("node.security", "norm_bound", float, "fixed bound on a partner's relative weight distance"),
+    "--norm-bound-factor": ("node.security", "norm_bound_factor", float, "learnt bound: times the recent median"),
     "--quarantine-seconds": (
         "security",
         "quarantine_seconds",
         float,
         "how long a peer that sent a bad payload is shunned",
     ),
-    "--max-concurrent-calls": ("security", "max_concurrent_calls", int, "gRPC calls served at once"),
+    "--max-concurrent-calls": ("node.security", "max_concurrent_calls", int, "gRPC calls served at once"),
 }
 
 
@@ -141,13 +139,40 @@ def _add_flags(parser: argparse.ArgumentParser, flags: dict[str, tuple[str, str,
 
 
 def _sections(args: argparse.Namespace, flags: dict[str, tuple[str, str, type, str]]) -> dict[str, dict[str, Any]]:
-    """The flags the user gave, grouped by settings section."""
-    given: dict[str, dict[str, Any]] = {}
+    """The flags the user gave, nested like the settings tree (``{"node": {"security": {...}}, "train": {...}}``)."""
+    given: dict[str, Any] = {}
     for flag, (section, field, _kind, _help) in flags.items():
         dest = flag.lstrip("-").replace("-", "_")
         if hasattr(args, dest):
-            given.setdefault(section, {})[field] = getattr(args, dest)
+            tree = given
+            for part in section.split("."):
+                tree = tree.setdefault(part, {})
+            tree[field] = getattr(args, dest)
     return given
+
+
+def _flag_names(flags: dict[str, tuple[str, str, type, str]]) -> dict[tuple[str, ...], str]:
+    return {(*section.split("."), field): f"flag {flag}" for flag, (section, field, _k, _h) in flags.items()}
+
+
+def _resolve(args: argparse.Namespace, flags: dict[str, tuple[str, str, type, str]]) -> tuple[Any, dict]:
+    """Settings of --config < NOLOCO_* < flags (settings.py), and where each value came from."""
+    from noloco_node.settings import resolve
+
+    given = _sections(args, flags)
+    node = given.setdefault("node", {})
+    for name in ("bootstrap", "dht_host_maddrs", "dht_announce_maddrs"):
+        if hasattr(args, name):
+            node[name] = getattr(args, name)
+    return resolve(getattr(args, "config", None), os.environ, given, flag_names=_flag_names(flags))
+
+
+def _with_environment(given: dict[str, Any]) -> dict[str, Any]:
+    """Flags over NOLOCO_* variables, for the commands that take training settings without a node."""
+    from noloco_node.settings import _merge, env_layer
+
+    from_env, _ = env_layer(os.environ)
+    return _merge({k: v for k, v in from_env.items() if k in ("train", "outer", "data")}, given)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -194,7 +219,10 @@ def build_parser() -> argparse.ArgumentParser:
         description="Run the noloco-node daemon: it trains one replica and, at every outer step, blends with a "
         "random peer of the same run found through the DHT (--bootstrap).",
     )
-    join.add_argument("--bootstrap", nargs="*", default=[], help="multiaddrs printed by `noloco-node bootstrap`")
+    join.add_argument(
+        "--bootstrap", nargs="*", default=argparse.SUPPRESS, help="multiaddrs printed by `noloco-node bootstrap`"
+    )
+    join.add_argument("--config", type=Path, help="a TOML or YAML settings file (flags and NOLOCO_* override it)")
     join.add_argument("--dht-host-maddrs", nargs="+", default=argparse.SUPPRESS, help="DHT listen multiaddrs")
     join.add_argument("--dht-announce-maddrs", nargs="+", default=argparse.SUPPRESS, help="DHT public multiaddrs")
     _add_flags(join, _NODE_FLAGS)
@@ -210,6 +238,7 @@ def build_parser() -> argparse.ArgumentParser:
     swarm.add_argument("--nodes", type=int, default=4, help="number of node processes")
     swarm.add_argument("--out", type=Path, default=Path("runs/swarm"), help="logs, checkpoints, summary.json")
     swarm.add_argument("--resume", action="store_true", help="continue the swarm in --out instead of replacing it")
+    swarm.add_argument("--config", type=Path, help="a TOML or YAML settings file given to every node")
     _add_flags(swarm, _SWARM_NODE_FLAGS)
     _add_flags(swarm, _TRAIN_FLAGS)
     _add_secret_refusal(swarm)
@@ -284,6 +313,22 @@ def build_parser() -> argparse.ArgumentParser:
     )
     _add_secret_refusal(peers)
 
+    config = commands.add_parser(
+        "config",
+        help="the effective settings (file < NOLOCO_* < flags) and a commented example file",
+        description="`config show` prints the settings a `join` with the same --config, environment and flags "
+        "would run with, each value with where it came from (secrets never shown); `config init` writes a "
+        "commented example settings file.",
+    )
+    config_commands = config.add_subparsers(dest="config_command", required=True)
+    config_show = config_commands.add_parser("show", help="print the effective settings and their sources")
+    config_show.add_argument("--config", type=Path, help="a TOML or YAML settings file")
+    config_show.add_argument("--bootstrap", nargs="*", default=argparse.SUPPRESS, help="as for join")
+    _add_flags(config_show, _NODE_FLAGS)
+    _add_flags(config_show, _TRAIN_FLAGS)
+    config_init = config_commands.add_parser("init", help="write a commented example settings file")
+    config_init.add_argument("path", type=Path, nargs="?", help="where to write it (default: print it)")
+
     tls = commands.add_parser(
         "tls",
         help="make a private CA and node certificates for gRPC over mutual TLS",
@@ -316,7 +361,7 @@ def build_parser() -> argparse.ArgumentParser:
 def _simulate(args: argparse.Namespace) -> int:
     from noloco_node.simulate import compare
 
-    given = _sections(args, _TRAIN_FLAGS)
+    given = _with_environment(_sections(args, _TRAIN_FLAGS))
     if args.compare:
         methods = args.methods.split(",") if args.methods else list(ALL_METHODS)
     else:
@@ -343,7 +388,7 @@ def _simulate(args: argparse.Namespace) -> int:
 def _train(args: argparse.Namespace) -> int:
     from noloco_node.trainer import run_training
 
-    given = _sections(args, _TRAIN_FLAGS)
+    given = _with_environment(_sections(args, _TRAIN_FLAGS))
     train_cfg = TrainConfig(**given.get("train", {}))
     outer_cfg = OuterConfig(**given.get("outer", {}))
     data_cfg = DataConfig(**given.get("data", {}))
@@ -381,17 +426,8 @@ def _sizes(_args: argparse.Namespace) -> int:
 def _join(args: argparse.Namespace) -> int:
     from noloco_node.node import run_node
 
-    given = _sections(args, {**_TRAIN_FLAGS, **_NODE_FLAGS})
-    node_settings = {**given.get("node", {}), "bootstrap": args.bootstrap, "security": given.get("security", {})}
-    for name in ("dht_host_maddrs", "dht_announce_maddrs"):
-        if hasattr(args, name):
-            node_settings[name] = getattr(args, name)
-    return run_node(
-        NodeConfig(**node_settings),
-        TrainConfig(**given.get("train", {})),
-        OuterConfig(**given.get("outer", {})),
-        DataConfig(**given.get("data", {})),
-    )
+    settings, _ = _resolve(args, {**_TRAIN_FLAGS, **_NODE_FLAGS})
+    return run_node(settings.node, settings.train, settings.outer, settings.data)
 
 
 def _swarm(args: argparse.Namespace) -> int:
@@ -400,13 +436,10 @@ def _swarm(args: argparse.Namespace) -> int:
     if args.nodes < 1:
         raise SystemExit("noloco-node swarm: --nodes must be at least 1")
     flags = {**_SWARM_NODE_FLAGS, **_TRAIN_FLAGS}
-    given = _sections(args, flags)
-    # Validate everything here, before a single process starts; each node validates again on its own.
-    NodeConfig(**given.get("node", {}), security=given.get("security", {}))
-    TrainConfig(**given.get("train", {}))
-    OuterConfig(**given.get("outer", {}))
-    DataConfig(**given.get("data", {}))
-    passthrough: list[str] = []
+    # Validate everything here, before a single process starts; each node resolves again on its own (the nodes
+    # inherit the environment and get --config passed through).
+    _resolve(args, flags)
+    passthrough: list[str] = ["--config", str(args.config)] if args.config else []
     for flag in flags:
         dest = flag.lstrip("-").replace("-", "_")
         if hasattr(args, dest):
@@ -437,6 +470,23 @@ def _peers(args: argparse.Namespace) -> int:
         raise SystemExit("noloco-node peers: give --bootstrap and --run-fingerprint, or --url of a running node")
     secret = load_secret(args.secret_file)
     print(format_peers(list_peers(bootstrap, fingerprint, secret=secret), fingerprint))
+    return 0
+
+
+def _config(args: argparse.Namespace) -> int:
+    from noloco_node.settings import example, show
+
+    if args.config_command == "init":
+        if args.path is None:
+            print(example(), end="")
+            return 0
+        if args.path.exists():
+            raise SystemExit(f"noloco-node config init: {args.path} exists; not overwriting it")
+        args.path.write_text(example())
+        print(f"wrote {args.path}")
+        return 0
+    settings, sources = _resolve(args, {**_TRAIN_FLAGS, **_NODE_FLAGS})
+    print(show(settings, sources), end="")
     return 0
 
 
@@ -518,10 +568,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     configure_logging(args.log_level, args.log_format)
-    unknown = unknown_environment(os.environ)
-    if unknown:
-        known = ", ".join(KNOWN_ENVIRONMENT)
-        print(f"noloco-node: unknown environment variable {', '.join(unknown)} (known: {known})", file=sys.stderr)
+    try:
+        from noloco_node.settings import env_layer
+
+        env_layer(os.environ)  # an unknown NOLOCO_* variable is a typo: say so before anything runs
+    except SettingsError as error:
+        print(f"noloco-node: {error}", file=sys.stderr)
         return 2
     handlers = {
         "simulate": _simulate,
@@ -534,13 +586,14 @@ def main(argv: Sequence[str] | None = None) -> int:
         "status": _status,
         "peers": _peers,
         "tls": _tls,
+        "config": _config,
     }
     try:
         return handlers[args.command](args)
     except ValidationError as error:
         print(f"noloco-node {args.command}: bad configuration\n{format_validation_error(error)}", file=sys.stderr)
         return 2
-    except (DataError, StatusClientError, SecretError) as error:
+    except (DataError, StatusClientError, SecretError, SettingsError) as error:
         print(f"noloco-node {args.command}: {error}", file=sys.stderr)
         return 2
     except Exception as error:

@@ -8,7 +8,6 @@ cosine decay to 0.1x the peak learning rate.
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 from typing import Literal
 
@@ -181,7 +180,8 @@ def format_validation_error(error: ValidationError, prefix: str = "") -> str:
     return "\n".join(lines)
 
 
-# Every NOLOCO_* variable the product reads; any other is a typo that would otherwise be ignored in silence.
+# The NOLOCO_* variables the product reads besides settings (NOLOCO_<SECTION>__<FIELD>, settings.py); any other is
+# a typo that would otherwise be ignored in silence.
 KNOWN_ENVIRONMENT = {
     "NOLOCO_CACHE_DIR": "where the tokenized default corpus is cached",
     "NOLOCO_SWARM_SECRET": "the swarm secret of a private run (prefer NOLOCO_SWARM_SECRET_FILE)",
@@ -189,11 +189,6 @@ KNOWN_ENVIRONMENT = {
     "NOLOCO_REQUIRE_BROWSER": "tests: fail, rather than skip, the browser test when Chromium is missing (CI)",
     "NOLOCO_SCREENSHOT": "tests: where the browser test copies its status-page screenshot",
 }
-
-
-def unknown_environment(environ: dict[str, str] | os._Environ[str]) -> list[str]:
-    """The NOLOCO_* variables set in ``environ`` that the product does not read."""
-    return sorted(name for name in environ if name.startswith("NOLOCO_") and name not in KNOWN_ENVIRONMENT)
 
 
 PairingMode = Literal["sync", "overlap"]

@@ -10,9 +10,10 @@ import pytest
 import torch
 from pydantic import ValidationError
 
-from noloco_node.config import NodeConfig, SecurityConfig, format_validation_error, unknown_environment
+from noloco_node.config import NodeConfig, SecurityConfig, format_validation_error
 from noloco_node.payload_guard import Complaints, NormGuard, relative_distance
 from noloco_node.peer_policy import PeerPolicy
+from noloco_node.settings import SettingsError, env_layer
 from noloco_node.transport import GuardedCall, Watchdog
 from noloco_node.wire import PayloadError
 
@@ -92,6 +93,6 @@ def test_unknown_keys_and_variables_are_named_and_secrets_are_not_echoed() -> No
     with pytest.raises(ValidationError) as typo:
         NodeConfig(mode="sync", norm_bound=1.0)  # belongs in security
     assert "norm_bound" in format_validation_error(typo.value)
-    assert unknown_environment({"NOLOCO_CACHE_DIR": "x", "NOLOCO_SWARM_SECRT": "y", "PATH": "/bin"}) == [
-        "NOLOCO_SWARM_SECRT"
-    ]
+    with pytest.raises(SettingsError, match="NOLOCO_SWARM_SECRT") as typo_env:
+        env_layer({"NOLOCO_CACHE_DIR": "x", "NOLOCO_SWARM_SECRT": "y", "NOLOCO_TRAIN__LR": "0.1", "PATH": "/bin"})
+    assert "NOLOCO_CACHE_DIR" not in str(typo_env.value).split(":")[0]
