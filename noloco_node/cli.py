@@ -220,7 +220,10 @@ def build_parser() -> argparse.ArgumentParser:
         "random peer of the same run found through the DHT (--bootstrap).",
     )
     join.add_argument(
-        "--bootstrap", nargs="*", default=argparse.SUPPRESS, help="multiaddrs printed by `noloco-node bootstrap`"
+        "--bootstrap",
+        nargs="*",
+        default=argparse.SUPPRESS,
+        help="multiaddrs printed by `noloco-node bootstrap`, or http://HOST:PORT/maddrs of one run with --http-port",
     )
     join.add_argument("--config", type=Path, help="a TOML or YAML settings file (flags and NOLOCO_* override it)")
     join.add_argument("--dht-host-maddrs", nargs="+", default=argparse.SUPPRESS, help="DHT listen multiaddrs")
@@ -355,6 +358,12 @@ def build_parser() -> argparse.ArgumentParser:
     )
     bootstrap.add_argument("--announce-maddrs", nargs="+", help="multiaddrs to advertise (public address, port)")
     bootstrap.add_argument("--initial-peers", nargs="*", default=[], help="other bootstrap peers to connect to")
+    bootstrap.add_argument(
+        "--http-port",
+        type=int,
+        help="also serve the multiaddrs at http://HOST:PORT/maddrs, for --bootstrap http://... (containers)",
+    )
+    bootstrap.add_argument("--http-host", default="0.0.0.0", help="address the multiaddr book binds")
     return parser
 
 
@@ -559,7 +568,10 @@ def _bootstrap(args: argparse.Namespace) -> int:
     stop = threading.Event()
     for signum in (signal.SIGINT, signal.SIGTERM):
         signal.signal(signum, lambda *_: stop.set())
-    run_bootstrap_peer(args.host_maddrs, args.announce_maddrs, stop, initial_peers=args.initial_peers)
+    http_bind = (args.http_host, args.http_port) if args.http_port is not None else None
+    run_bootstrap_peer(
+        args.host_maddrs, args.announce_maddrs, stop, initial_peers=args.initial_peers, http_bind=http_bind
+    )
     print("bootstrap peer stopped", file=sys.stderr)
     return 0
 

@@ -244,7 +244,14 @@ class NodeConfig(_Settings):
 
     run_name: str = Field("default", min_length=1, max_length=128, description="Part of the run fingerprint.")
     mode: PairingMode = Field("sync", description="sync: pair at the outer step; overlap: exchange in background.")
-    bootstrap: list[str] = Field(default_factory=list, description="Multiaddrs of DHT peers to join through.")
+    bootstrap: list[str] = Field(
+        default_factory=list,
+        description="Multiaddrs of DHT peers to join through, or http://HOST:PORT/maddrs of a bootstrap peer's "
+        "address book (`bootstrap --http-port`).",
+    )
+    bootstrap_wait: float = Field(
+        120.0, gt=0, description="How long to wait for an http:// bootstrap address book to answer (s)."
+    )
     dht_host_maddrs: list[str] = Field(default_factory=lambda: ["/ip4/127.0.0.1/tcp/0"])
     dht_announce_maddrs: list[str] = Field(default_factory=list)
     grpc_host: str = Field("127.0.0.1", description="Address the gRPC server binds.")

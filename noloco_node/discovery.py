@@ -26,9 +26,12 @@ import re
 import signal
 import subprocess
 import sys
+import threading
 import time
+import urllib.request
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Any
 
@@ -262,11 +265,18 @@ class Discovery:
 
 
 def run_bootstrap_peer(
-    host_maddrs: Sequence[str], announce_maddrs: Sequence[str] | None, stop: Any, *, initial_peers: Sequence[str] = ()
+    host_maddrs: Sequence[str],
+    announce_maddrs: Sequence[str] | None,
+    stop: Any,
+    *,
+    initial_peers: Sequence[str] = (),
+    http_bind: tuple[str, int] | None = None,
 ) -> list[str]:
     """A DHT-only peer that others join with ``--bootstrap``; prints its multiaddrs, serves until ``stop`` is set.
 
-    ``stop`` is a ``threading.Event``-like object. Returns the multiaddrs it served on.
+    ``stop`` is a ``threading.Event``-like object. With ``http_bind`` it also serves its multiaddrs over HTTP
+    (:func:`serve_maddrs`), so that containers can join with ``--bootstrap http://HOST:PORT/maddrs`` without
+    knowing its peer id in advance. Returns the multiaddrs it served on.
     """
     kwargs: dict[str, Any] = {
         "host_maddrs": list(host_maddrs),
@@ -282,11 +292,68 @@ def run_bootstrap_peer(
         print("bootstrap peer is up; join it with:", flush=True)
         for maddr in maddrs:
             print(f"  --bootstrap {maddr}", flush=True)
+        book = serve_maddrs(http_bind, lambda: [str(m) for m in dht.get_visible_maddrs()]) if http_bind else None
+        if book is not None:
+            print(f"  --bootstrap http://HOST:{book.server_address[1]}/maddrs", flush=True)
         while not stop.wait(1.0):
             pass
+        if book is not None:
+            book.shutdown()
         return maddrs
     finally:
         dht.shutdown()
+
+
+def serve_maddrs(bind: tuple[str, int], maddrs: Any) -> ThreadingHTTPServer:
+    """``GET /maddrs``: the current multiaddrs, one per line (``/healthz``: 200). Runs in a daemon thread."""
+
+    class Handler(BaseHTTPRequestHandler):
+        def do_GET(self) -> None:
+            if self.path not in ("/maddrs", "/healthz"):
+                self.send_error(404)
+                return
+            body = ("\n".join(maddrs()) + "\n").encode() if self.path == "/maddrs" else b"ok\n"
+            self.send_response(200)
+            self.send_header("Content-Type", "text/plain; charset=utf-8")
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, *_: Any) -> None:  # polled by every joiner: not worth a log line each
+            pass
+
+    server = ThreadingHTTPServer(bind, Handler)
+    server.daemon_threads = True
+    server.timeout = 5
+    threading.Thread(target=server.serve_forever, name="maddrs-http", daemon=True).start()
+    return server
+
+
+def expand_bootstrap(entries: Sequence[str], *, wait: float = 120.0) -> list[str]:
+    """The multiaddrs of ``--bootstrap`` entries: multiaddrs as given, and ``http(s)://`` entries fetched from a
+    bootstrap peer's address book (retried until ``wait`` s have passed: in a compose file or a Kubernetes pod the
+    bootstrap peer may still be starting)."""
+    expanded: list[str] = []
+    for entry in entries:
+        if not entry.startswith(("http://", "https://")):
+            expanded.append(entry)
+            continue
+        deadline = time.monotonic() + wait
+        while True:
+            try:
+                with urllib.request.urlopen(entry, timeout=5) as answer:
+                    found = [line.strip() for line in answer.read().decode().splitlines() if line.startswith("/")]
+                if found:
+                    expanded += found
+                    break
+                problem = "no multiaddrs in the answer"
+            except (OSError, ValueError) as error:
+                problem = str(error)
+            if time.monotonic() >= deadline:
+                raise OSError(f"bootstrap address book {entry} did not answer within {wait:.0f}s: {problem}")
+            log.info("waiting for the bootstrap address book at %s (%s)", entry, problem)
+            time.sleep(2.0)
+    return expanded
 
 
 def start_bootstrap_process(log_path: Path, *, timeout: float = 60.0) -> tuple[subprocess.Popen[str], list[str]]:

@@ -43,7 +43,7 @@ import torch
 from noloco_node import algorithm, report
 from noloco_node.config import DataConfig, NodeConfig, OuterConfig, TrainConfig, model_config_for
 from noloco_node.data import ReplicaShard, load_corpus, validation_batches
-from noloco_node.discovery import Discovery, PeerRecord
+from noloco_node.discovery import Discovery, PeerRecord, expand_bootstrap
 from noloco_node.exchange import (
     ExchangeError,
     ExchangeMetrics,
@@ -745,6 +745,12 @@ class Node:
 def run_node(node_cfg: NodeConfig, train_cfg: TrainConfig, outer_cfg: OuterConfig, data_cfg: DataConfig) -> int:
     """Build the node and run it on uvloop (plain asyncio where uvloop is unavailable)."""
     algorithm.warn_on_unstable_hyperparameters(outer_cfg.alpha, outer_cfg.beta, outer_cfg.effective_gamma)
+    if any(entry.startswith(("http://", "https://")) for entry in node_cfg.bootstrap):
+        try:
+            maddrs = expand_bootstrap(node_cfg.bootstrap, wait=node_cfg.bootstrap_wait)
+        except OSError as error:
+            raise NodeError(str(error)) from None
+        node_cfg = node_cfg.model_copy(update={"bootstrap": maddrs})
     node = Node(node_cfg, train_cfg, outer_cfg, data_cfg)
     # The DHT forks a helper process: start it while this process has a single thread (DESIGN.md start order).
     node.discovery.start()
