@@ -254,9 +254,19 @@ class NodeConfig(_Settings):
     )
     dht_host_maddrs: list[str] = Field(default_factory=lambda: ["/ip4/127.0.0.1/tcp/0"])
     dht_announce_maddrs: list[str] = Field(default_factory=list)
+    dht_client_mode: bool = Field(
+        False, description="Join the DHT as a client only (behind NAT: dial out, serve no DHT requests)."
+    )
+    check_reachability: bool = Field(
+        True, description="At start, call this node's own gRPC at the announced address and warn if it fails."
+    )
     grpc_host: str = Field("127.0.0.1", description="Address the gRPC server binds.")
     grpc_port: int = Field(0, ge=0, lt=65536, description="0: an ephemeral port.")
-    announce_host: str | None = Field(None, description="Host peers should dial (default: grpc_host).")
+    announce_host: str | None = Field(
+        None,
+        description="Host peers should dial (default: grpc_host, or when that is 0.0.0.0 the address of the "
+        "default route's interface).",
+    )
     announce_port: int | None = Field(None, gt=0, lt=65536, description="Port peers should dial (default: bound).")
     data_dir: Path = Field(Path("noloco-data"), description="Checkpoints and the node's status file.")
     pair_timeout: float = Field(10.0, gt=0, description="sync: longest wait for a partner before a solo step (s).")

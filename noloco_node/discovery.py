@@ -87,6 +87,7 @@ class PeerRecord:
     inner_step: int = 0
     ready: bool = False  # ready to pair now (sync mode) / has a fresh snapshot to offer (overlap mode)
     leaving: bool = False  # a tombstone: the node has left
+    reachable: bool = True  # its gRPC address answers (reachability.py); an unreachable node only calls out
     updated: float = 0.0  # DHT time of writing
 
     @classmethod
@@ -103,6 +104,7 @@ class PeerRecord:
                 inner_step=int(value.get("inner_step", 0)),
                 ready=bool(value.get("ready", False)),
                 leaving=bool(value.get("leaving", False)),
+                reachable=bool(value.get("reachable", True)),
                 updated=float(value.get("updated", 0.0)),
             )
         except (KeyError, TypeError, ValueError):

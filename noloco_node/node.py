@@ -56,6 +56,7 @@ from noloco_node.metrics import render_metrics
 from noloco_node.model import LlamaDecoder, named_parameters_ordered, run_fingerprint
 from noloco_node.pairing import OfferBook, PairingRound
 from noloco_node.peer_policy import PeerPolicy
+from noloco_node.reachability import announce_host, check_reachable
 from noloco_node.rpc import peer_pb2 as pb
 from noloco_node.security import NodeSecurity, SecuritySetupError
 from noloco_node.status import Health, NodeStatus
@@ -101,11 +102,13 @@ class Node:
             host_maddrs=node_cfg.dht_host_maddrs,
             announce_maddrs=node_cfg.dht_announce_maddrs or None,
             record_ttl=node_cfg.record_ttl,
+            client_mode=node_cfg.dht_client_mode,
             identity=self.security.identity,
             secret=self.security.secret,
         )
         self.peer_id = ""
         self.address = ""
+        self.reachable = True  # until the self-check says otherwise
         self.replica: Replica | None = None
         self.stop_event = threading.Event()
         self.loop: asyncio.AbstractEventLoop | None = None
@@ -216,6 +219,7 @@ class Node:
             outer_step=replica.outer_step if replica else 0,
             inner_step=replica.inner_step if replica else 0,
             ready=self.ready_to_pair(),
+            reachable=self.reachable,
         )
 
     def _outgoing(self, theta: Sequence[torch.Tensor], phi: Sequence[torch.Tensor]) -> Outgoing:
@@ -397,6 +401,7 @@ class Node:
             for p in peers
             if p.ready
             and p.address
+            and p.reachable
             and not self.policy.avoided(p.peer_id)
             and abs(p.outer_step - own_step) <= self.cfg.max_staleness
         ]
@@ -586,7 +591,7 @@ class Node:
 
     async def _donor_candidates(self) -> list[PeerRecord]:
         try:
-            return [p for p in await self.discovery.live_peers() if p.outer_step > 0 and p.address]
+            return [p for p in await self.discovery.live_peers() if p.outer_step > 0 and p.address and p.reachable]
         except (TimeoutError, OSError) as error:
             log.warning("DHT lookup for donors failed: %s", error)
             return []
@@ -661,7 +666,14 @@ class Node:
             min_link_rate=self.cfg.min_link_rate,
             transport=self.security.transport,
         )
-        self.address = f"{self.cfg.announce_host or self.cfg.grpc_host}:{self.cfg.announce_port or port}"
+        self.address = f"{announce_host(self.cfg.grpc_host, self.cfg.announce_host)}:{self.cfg.announce_port or port}"
+        if self.cfg.check_reachability:
+            check = await asyncio.to_thread(
+                check_reachable, self.address, self.peer_id, self.security.transport, timeout=5.0
+            )
+            self.reachable = check.reachable
+            if not check.reachable:
+                log.warning("%s", check.advice(self.address, port))
         self.dht_maddrs = await asyncio.to_thread(self.discovery.visible_maddrs)
         status_server = StatusServer(
             {

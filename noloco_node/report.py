@@ -69,6 +69,7 @@ def node_status(node: Node) -> NodeStatus:
         mode=node.cfg.mode,
         model_size=node.train_cfg.model_size,
         address=node.address,
+        reachable=node.reachable,
         status_url=node.status_url,
         dht_maddrs=node.dht_maddrs,
         started_at=node.telemetry.started,

@@ -94,6 +94,7 @@ class NodeStatus(BaseModel):
     mode: str = Field(description="Pairing mode: sync or overlap.")
     model_size: str
     address: str = Field(description="gRPC address peers dial.")
+    reachable: bool = Field(description="This node answered at that address at start (else it only calls out).")
     status_url: str = Field(description="Where this endpoint is served.")
     dht_maddrs: list[str] = Field(description="This node's DHT multiaddrs (usable as --bootstrap).")
     started_at: float = Field(description="Unix time the node started.")

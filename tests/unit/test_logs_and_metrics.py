@@ -41,6 +41,7 @@ def status(**changes: object) -> NodeStatus:
         mode="sync",
         model_size="tiny",
         address="a",
+        reachable=True,
         status_url="u",
         dht_maddrs=[],
         started_at=0.0,
