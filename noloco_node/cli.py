@@ -290,6 +290,15 @@ def build_parser() -> argparse.ArgumentParser:
     straggler.add_argument("--steps", type=int, default=1000, help="inner steps each normal node trains")
     straggler.add_argument("--model", default="tiny", choices=list(MODEL_SIZES), help="model size")
 
+    train_bench = benches.add_parser(
+        "train", help="training throughput (tokens/s) and MFU of a named model size on this device"
+    )
+    train_bench.add_argument("--model", default="small", choices=list(MODEL_SIZES), help="model size")
+    train_bench.add_argument("--steps", type=int, default=20, help="measured inner steps (after 3 of warm-up)")
+    train_bench.add_argument("--batch-size", type=int, default=8, help="sequences per step")
+    train_bench.add_argument("--seq-len", type=int, default=256, help="tokens per sequence")
+    train_bench.add_argument("--device", default="auto", help="auto, cpu, cuda, cuda:N")
+
     status = commands.add_parser(
         "status",
         help="one node's status as a readable table (from its status endpoint or its data directory)",
@@ -535,6 +544,15 @@ def _bench(args: argparse.Namespace) -> int:
 
         print(f"noloco-node bench straggler: {args.nodes} nodes + 1 at {args.slow_factor:g}x slower", flush=True)
         print(run_straggler_bench(args.nodes, args.slow_factor, args.steps, args.model).report())
+        return 0
+    if args.bench == "train":
+        from noloco_node.bench.train import run_train_bench
+
+        print(f"noloco-node bench train: {os.cpu_count()} CPUs, torch {__import__('torch').__version__}", flush=True)
+        train_result = run_train_bench(
+            args.model, steps=args.steps, batch_size=args.batch_size, seq_len=args.seq_len, device=args.device
+        )
+        print(train_result.report())
         return 0
     if args.bench == "status":
         from noloco_node.bench.status import run_status_bench
