@@ -327,7 +327,7 @@ class Node:
         replica = self.replica
         assert replica is not None
         if self.cfg.mode == "overlap" and self._offers.offer is None:
-            self._offers.offer = self._outgoing([p.detach().clone() for p in replica.params], replica.phi)
+            self._offers.offer = self._outgoing([t.clone() for t in replica.fast_weights()], replica.phi)
         val = validation_batches(
             self.corpus.validation,
             seq_len=self.train_cfg.seq_len,

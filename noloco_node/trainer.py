@@ -91,9 +91,15 @@ class Replica:
             eps=train_cfg.adam_eps,
             weight_decay=0.0,
         )
-        # Outer state in fp32 whatever the training dtype (DESIGN.md): phi starts equal to theta, delta at zero.
-        self.phi = [p.detach().to(torch.float32, copy=True) for p in self.params]
-        self.delta = [torch.zeros_like(p) for p in self.phi]
+        # Outer state in fp32 whatever the training dtype (DESIGN.md): phi starts equal to theta, delta at zero. It
+        # lives on the host whatever the training device: on a GPU it would take two more model copies of GPU
+        # memory, and the outer step, the exchange and the donor snapshot all work on the host. Pinned on a CUDA
+        # machine, so that the copies to and from the GPU are asynchronous DMA.
+        pinned = self.device.type == "cuda"
+        self.phi = [_host_buffer(p.shape, pinned).copy_(p.detach()) for p in self.params]
+        self.delta = [_host_buffer(p.shape, pinned).zero_() for p in self.params]
+        # Where theta is gathered on the host at an outer step (the exchange sends it, the blend reads it).
+        self._theta_host = [_host_buffer(p.shape, pinned) for p in self.params] if pinned else None
         self.inner_step = 0
         self.outer_step = 0
         self.last_grad_norm = 0.0
@@ -128,8 +134,14 @@ class Replica:
     # ------------------------------------------------------------------------------------------ outer state
 
     def fast_weights(self) -> list[torch.Tensor]:
-        """theta, one tensor per parameter (views of the live weights: copy before training on)."""
-        return [p.detach() for p in self.params]
+        """theta on the host, one tensor per parameter. On a CPU: views of the live weights (copy before training
+        on). On a GPU: the weights copied into pinned host buffers (reused from one outer step to the next)."""
+        if self._theta_host is None:
+            return [p.detach() for p in self.params]
+        for host, param in zip(self._theta_host, self.params, strict=True):
+            host.copy_(param.detach(), non_blocking=True)
+        torch.cuda.current_stream(self.device).synchronize()  # the host buffers are complete from here on
+        return list(self._theta_host)
 
     @torch.no_grad()
     def apply_outer_step(self, new_phi: Sequence[torch.Tensor], new_delta: Sequence[torch.Tensor]) -> None:
@@ -141,7 +153,9 @@ class Replica:
         ):
             phi.copy_(phi_new)
             delta.copy_(delta_new)
-            param.copy_(phi)
+            # From pinned memory this is an asynchronous DMA; the next inner step is queued behind it on the same
+            # stream, and phi is not written again before the next outer step, long after it completed.
+            param.copy_(phi, non_blocking=True)
         self.outer_step += 1
 
     # ------------------------------------------------------------------------------------------ donor snapshot
@@ -252,6 +266,10 @@ class Replica:
         torch.set_rng_state(state["rng_cpu"])
         if state["rng_cuda"] and torch.cuda.is_available():
             torch.cuda.set_rng_state_all(state["rng_cuda"])
+
+
+def _host_buffer(shape: torch.Size, pinned: bool) -> torch.Tensor:
+    return torch.empty(shape, dtype=torch.float32, pin_memory=pinned)
 
 
 # ---------------------------------------------------------------------------------------------------- checkpoints
