@@ -145,8 +145,12 @@ class LlamaDecoder(nn.Module):
 
     def loss(self, tokens: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         """Mean next-token cross-entropy in nats, computed in fp32 whatever the autocast dtype."""
-        logits = self(tokens)
-        return F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), targets.reshape(-1))
+        return token_loss(self(tokens), targets)
+
+
+def token_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """Mean next-token cross-entropy in nats of ``logits`` (from the model, or from its DDP wrapper), in fp32."""
+    return F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), targets.reshape(-1))
 
 
 def parameter_count(cfg: ModelConfig) -> int:

@@ -43,6 +43,7 @@ import torch
 from noloco_node import algorithm, report
 from noloco_node.config import DataConfig, NodeConfig, OuterConfig, TrainConfig, model_config_for
 from noloco_node.data import ReplicaShard, load_corpus, validation_batches
+from noloco_node.data_parallel import DataParallel, run_follower, weights_digest
 from noloco_node.discovery import Discovery, PeerRecord, expand_bootstrap
 from noloco_node.exchange import (
     ExchangeError,
@@ -128,6 +129,8 @@ class Node:
             degraded_after=node_cfg.degraded_after,
             stall_after=node_cfg.stall_after,
         )
+        self.data_parallel: DataParallel | None = None  # rank 0 of a multi-process member (data_parallel.py)
+        self._ranks_stopped = False
         self.trainer: threading.Thread | None = None
         self.trainer_error: BaseException | None = None
         self.status_url = ""
@@ -317,6 +320,15 @@ class Node:
     def _train(self) -> None:
         try:
             self._train_loop()
+            replica = self.replica
+            if (
+                self.data_parallel is not None
+                and not self._ranks_stopped
+                and replica is not None
+                and replica.inner_step < self.train_cfg.total_steps
+            ):
+                # Stopped between phases (during a pairing wait): the other ranks wait at their next step.
+                self.data_parallel.agree_to_continue(True, replica.device)
         except BaseException as error:  # a dead trainer must be visible, not silent
             self.trainer_error = error
             log.exception("trainer thread failed")
@@ -338,9 +350,15 @@ class Node:
         while replica.inner_step < self.train_cfg.total_steps and not self.stop_event.is_set():
             started = time.monotonic()
             losses = []
-            while not self.stop_event.is_set():
+            while not self.stop_event.is_set() or self.data_parallel is not None:
                 step_started = time.monotonic()
-                losses.append(replica.train_step())
+                # In a data-parallel member the stop is agreed with the other ranks at a step boundary.
+                loss = replica.train_step(stop=self.stop_event.is_set())
+                if loss is None:  # the ranks agreed to stop (any of them was asked to): the member stops
+                    self._ranks_stopped = True
+                    self.stop_event.set()
+                    break
+                losses.append(loss)
                 if self.cfg.slow_factor > 1.0:  # fault injection: a straggler (a slower GPU, a busy machine)
                     time.sleep((self.cfg.slow_factor - 1.0) * (time.monotonic() - step_started))
                 self.telemetry.on_inner_step(
@@ -359,6 +377,8 @@ class Node:
             self._blend(partner)
             if partner is not None:
                 partner.release()  # blended: its buffers can take the next outer step's payload
+            if self.data_parallel is not None:
+                self.data_parallel.broadcast_params(replica.params)  # the other ranks adopt theta = phi
             self._take_snapshot()
             val_loss = replica.evaluate(val)
             entry = {
@@ -698,16 +718,24 @@ class Node:
             )
         ]
         try:
+            index, count = self._shard_index(), self.cfg.num_shards
+            if self.data_parallel is not None:
+                await asyncio.to_thread(self.data_parallel.share_shard_index, index)
+                index, count = self.data_parallel.shard(index, count)
             shard = ReplicaShard(
                 self.corpus.train,
-                replica=self._shard_index(),
-                num_replicas=self.cfg.num_shards,
+                replica=index,
+                num_replicas=count,
                 seq_len=self.train_cfg.seq_len,
                 seed=self.train_cfg.seed,
             )
-            self.replica = await asyncio.to_thread(Replica, self.model_cfg, self.train_cfg, [shard])
+            self.replica = await asyncio.to_thread(
+                Replica, self.model_cfg, self.train_cfg, [shard], data_parallel=self.data_parallel
+            )
             self.telemetry.phase = "looking for a checkpoint or a donor's state"
             await self._initial_state()
+            if self.data_parallel is not None:
+                await asyncio.to_thread(self.data_parallel.broadcast_state, self.replica)
             await asyncio.to_thread(self._take_snapshot)
             log.info(
                 "node %s up: run %s, gRPC %s, mode %s, shard %d/%d",
@@ -749,6 +777,14 @@ class Node:
             server.stop(grace=2).wait(5)
             await status_server.close()
             await asyncio.to_thread(self.discovery.shutdown)
+            if self.data_parallel is not None and self.replica is not None:
+                log.info(
+                    "rank 0 of %d stopped at inner step %d, weights digest %s",
+                    self.data_parallel.world_size,
+                    self.replica.inner_step,
+                    weights_digest(self.replica.params),
+                )
+                self.data_parallel.close()
         if self.trainer_error is not None:
             return 1
         return 0
@@ -757,6 +793,11 @@ class Node:
 def run_node(node_cfg: NodeConfig, train_cfg: TrainConfig, outer_cfg: OuterConfig, data_cfg: DataConfig) -> int:
     """Build the node and run it on uvloop (plain asyncio where uvloop is unavailable)."""
     algorithm.warn_on_unstable_hyperparameters(outer_cfg.alpha, outer_cfg.beta, outer_cfg.effective_gamma)
+    data_parallel = DataParallel.from_environment()
+    if data_parallel is not None:
+        train_cfg = train_cfg.model_copy(update={"device": data_parallel.device(train_cfg.device)})
+        if not data_parallel.leader:  # another GPU of this member: no DHT, no gRPC, it follows rank 0
+            return run_follower(node_cfg, train_cfg, data_cfg, data_parallel)
     if any(entry.startswith(("http://", "https://")) for entry in node_cfg.bootstrap):
         try:
             maddrs = expand_bootstrap(node_cfg.bootstrap, wait=node_cfg.bootstrap_wait)
@@ -766,6 +807,9 @@ def run_node(node_cfg: NodeConfig, train_cfg: TrainConfig, outer_cfg: OuterConfi
     node = Node(node_cfg, train_cfg, outer_cfg, data_cfg)
     # The DHT forks a helper process: start it while this process has a single thread (DESIGN.md start order).
     node.discovery.start()
+    if data_parallel is not None:
+        data_parallel.start()
+        node.data_parallel = data_parallel
     try:
         import uvloop
     except ImportError:

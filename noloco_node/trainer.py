@@ -25,7 +25,8 @@ import torch
 from noloco_node import algorithm
 from noloco_node.config import DataConfig, ModelConfig, OuterConfig, TrainConfig, model_config_for
 from noloco_node.data import ReplicaShard, load_corpus, validation_batches
-from noloco_node.model import LlamaDecoder, autocast_context, named_parameters_ordered
+from noloco_node.data_parallel import DataParallel
+from noloco_node.model import LlamaDecoder, autocast_context, named_parameters_ordered, token_loss
 
 log = logging.getLogger(__name__)
 
@@ -75,6 +76,7 @@ class Replica:
         shards: Sequence[ReplicaShard],
         *,
         device: torch.device | None = None,
+        data_parallel: DataParallel | None = None,
     ) -> None:
         if not shards:
             raise ValueError("a replica needs at least one data shard")
@@ -84,6 +86,10 @@ class Replica:
         self.device = device or resolve_device(train_cfg.device)
         self.model = build_model(model_cfg, seed=train_cfg.seed, device=self.device)
         self.names, self.params = zip(*named_parameters_ordered(self.model), strict=True)
+        # Several processes of one member (data_parallel.py): the forward goes through DDP, which averages every
+        # inner step's gradients across them. A collective: every rank builds its replica at the same point.
+        self.data_parallel = data_parallel
+        self._forward = data_parallel.wrap(self.model, self.device) if data_parallel else self.model
         self.optimizer = torch.optim.Adam(
             self.params,
             lr=learning_rate(0, train_cfg),
@@ -106,8 +112,11 @@ class Replica:
 
     # ------------------------------------------------------------------------------------------ inner phase
 
-    def train_step(self) -> float:
-        """One inner step; returns the training loss (mean over shards)."""
+    def train_step(self, *, stop: bool = False) -> float | None:
+        """One inner step; returns the training loss (mean over shards). In a data-parallel member the ranks first
+        agree to take it: None (no step taken, on every rank) once any of them asked to ``stop``."""
+        if self.data_parallel is not None and not self.data_parallel.agree_to_continue(stop, self.device):
+            return None
         for group in self.optimizer.param_groups:
             group["lr"] = learning_rate(self.inner_step, self.train_cfg)
         self.model.train()
@@ -116,7 +125,8 @@ class Replica:
         for shard in self.shards:
             inputs, targets = shard.next_batch(self.train_cfg.batch_size)
             with autocast_context(self.device):
-                loss = self.model.loss(inputs.to(self.device), targets.to(self.device)) / len(self.shards)
+                logits = self._forward(inputs.to(self.device))
+                loss = token_loss(logits, targets.to(self.device)) / len(self.shards)
             loss.backward()
             total += loss.item()
         self.last_grad_norm = float(torch.nn.utils.clip_grad_norm_(self.params, self.train_cfg.grad_clip))
@@ -125,7 +135,8 @@ class Replica:
         return total
 
     def train_phase(self, steps: int) -> list[float]:
-        return [self.train_step() for _ in range(steps)]
+        losses = [self.train_step() for _ in range(steps)]
+        return [loss for loss in losses if loss is not None]
 
     @property
     def current_lr(self) -> float:
