@@ -250,14 +250,16 @@ class PeerService:
         try:
             first = next(request_iterator)
             receiver.feed(first)  # the manifest: run, names, shapes and sizes are checked before anything else
-        except StopIteration:
-            context.abort(grpc.StatusCode.INVALID_ARGUMENT, "empty exchange stream")
+        except (StopIteration, grpc.RpcError) as ended:
+            # Cancelled by the watchdog (no manifest in time) or by the caller: to this side the stream may look
+            # ended or broken, depending on timing. Only a caller that closed without sending is malformed.
+            receiver.discard()
+            if guard.cut_reason is None and isinstance(ended, StopIteration) and context.is_active():
+                context.abort(grpc.StatusCode.INVALID_ARGUMENT, "empty exchange stream")
+            self.metrics.outcome(f"cut_{guard.cut_reason}" if guard.cut_reason else "aborted")
+            return
         except PayloadError as error:
             self._refuse(context, error)
-        except grpc.RpcError:  # cancelled by the watchdog (no manifest in time) or by the caller
-            self.metrics.outcome(f"cut_{guard.cut_reason}" if guard.cut_reason else "aborted")
-            receiver.discard()
-            return
         assert receiver.manifest is not None
         partner = receiver.manifest.peer_id
         if self.node.refused_peer(partner):
