@@ -290,6 +290,14 @@ def build_parser() -> argparse.ArgumentParser:
     straggler.add_argument("--steps", type=int, default=1000, help="inner steps each normal node trains")
     straggler.add_argument("--model", default="tiny", choices=list(MODEL_SIZES), help="model size")
 
+    idle = benches.add_parser(
+        "idle", help="the trainer's idle fraction per pairing mode in a local swarm, and a node's peak memory"
+    )
+    idle.add_argument("--nodes", type=int, default=4, help="nodes in the local swarm")
+    idle.add_argument("--steps", type=int, default=600, help="inner steps each node trains")
+    idle.add_argument("--model", default="tiny", choices=list(MODEL_SIZES), help="model size")
+    idle.add_argument("--modes", default="sync,overlap", help="pairing modes to measure, comma-separated")
+
     train_bench = benches.add_parser(
         "train", help="training throughput (tokens/s) and MFU of a named model size on this device"
     )
@@ -544,6 +552,16 @@ def _bench(args: argparse.Namespace) -> int:
 
         print(f"noloco-node bench straggler: {args.nodes} nodes + 1 at {args.slow_factor:g}x slower", flush=True)
         print(run_straggler_bench(args.nodes, args.slow_factor, args.steps, args.model).report())
+        return 0
+    if args.bench == "idle":
+        from noloco_node.bench.idle import run_idle_bench
+
+        print(f"noloco-node bench idle: {os.cpu_count()} CPUs", flush=True)
+        modes = tuple(m for m in args.modes.split(",") if m)
+        unknown = [m for m in modes if m not in ("sync", "overlap")]
+        if unknown or not modes:
+            raise SystemExit(f"noloco-node bench idle: --modes takes sync and/or overlap, not {args.modes!r}")
+        print(run_idle_bench(args.nodes, args.steps, args.model, modes=modes).report())
         return 0
     if args.bench == "train":
         from noloco_node.bench.train import run_train_bench
