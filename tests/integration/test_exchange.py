@@ -243,9 +243,11 @@ def test_a_caller_that_stalls_without_a_deadline_is_cut_off(served) -> None:
             with pytest.raises(grpc.RpcError) as error:
                 for _ in call:
                     pass
-            assert error.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+            # Whichever of the server's limits fires first: its wait for the payload (DEADLINE_EXCEEDED) or the
+            # watchdog's limit on the whole call (CANCELLED). Both are the server's own, not the caller's.
+            assert error.value.code() in (grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.CANCELLED)
         assert holder.released.wait(5) and holder.completed == []
-        assert metrics.outcomes["aborted"] == 1
+        assert metrics.outcomes["aborted"] + metrics.outcomes["cut_deadline"] == 1, metrics.outcomes
     finally:
         stop.set()
         server.stop(grace=None)
