@@ -341,8 +341,13 @@ class PeerService:
                 error = outcome["error"]
                 assert isinstance(error, PayloadError)
                 self.metrics.rejection(error.reason)
-                self.node.bad_payload(partner, error)
-                finish("refused_payload")
+                if error.reason == "incomplete":
+                    # The stream ended early: what a peer killed mid-exchange looks like from here. Refused, but
+                    # not held against the peer (a restarted node must not find itself quarantined).
+                    finish("aborted")
+                else:
+                    self.node.bad_payload(partner, error)
+                    finish("refused_payload")
                 context.abort(error.code, error.message)
             session.complete(outcome["payload"])  # type: ignore[arg-type]
             finish("completed")

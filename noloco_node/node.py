@@ -688,8 +688,9 @@ class Node:
         )
         self.address = f"{announce_host(self.cfg.grpc_host, self.cfg.announce_host)}:{self.cfg.announce_port or port}"
         if self.cfg.check_reachability:
-            check = await asyncio.to_thread(
-                check_reachable, self.address, self.peer_id, self.security.transport, timeout=5.0
+            check = await asyncio.wait_for(
+                asyncio.to_thread(check_reachable, self.address, self.peer_id, self.security.transport, timeout=5.0),
+                timeout=10.0,  # the call has its own 5 s deadline; this bounds the thread hand-off too
             )
             self.reachable = check.reachable
             if not check.reachable:

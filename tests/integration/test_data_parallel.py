@@ -10,18 +10,9 @@ import sys
 import time
 from pathlib import Path
 
-import pytest
-
 from .swarm_harness import Bootstrap, NodeProcess
 
 TRAIN = ["--model", "tiny", "--seq-len", "64", "--batch-size", "8", "--eval-batches", "2", "--inner-steps", "20"]
-
-
-@pytest.fixture
-def bootstrap(tmp_path: Path):
-    peer = Bootstrap(tmp_path)
-    yield peer
-    peer.stop()
 
 
 def _member(bootstrap: Bootstrap, tmp_path: Path, *args: str) -> tuple[subprocess.Popen, Path]:

@@ -5,19 +5,10 @@ from __future__ import annotations
 
 from pathlib import Path
 
-import pytest
-
 from .swarm_harness import Bootstrap, NodeProcess
 from .throttling_proxy import free_port
 
 TRAIN = ["--model", "tiny", "--seq-len", "64", "--batch-size", "8", "--eval-batches", "2"]
-
-
-@pytest.fixture
-def bootstrap(tmp_path: Path):
-    peer = Bootstrap(tmp_path)
-    yield peer
-    peer.stop()
 
 
 def test_an_unreachable_node_only_calls_out_and_still_blends(bootstrap: Bootstrap, tmp_path: Path) -> None:

@@ -41,13 +41,6 @@ from .swarm_harness import Bootstrap, NodeProcess
 TRAIN = ["--model", "tiny", "--seq-len", "64", "--batch-size", "8", "--eval-batches", "4"]
 
 
-@pytest.fixture
-def bootstrap(tmp_path: Path):
-    peer = Bootstrap(tmp_path)
-    yield peer
-    peer.stop()
-
-
 def _secret_file(path: Path, value: str) -> Path:
     path.write_text(value + "\n")
     path.chmod(0o600)

@@ -23,13 +23,6 @@ from .swarm_harness import Bootstrap, NodeProcess
 TRAIN = ["--model", "tiny", "--seq-len", "64", "--batch-size", "8", "--eval-batches", "2", "--inner-steps", "20"]
 
 
-@pytest.fixture
-def bootstrap(tmp_path: Path):
-    peer = Bootstrap(tmp_path)
-    yield peer
-    peer.stop()
-
-
 def wait_for(condition: Callable[[], Any], timeout: float, what: str) -> Any:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:

@@ -6,7 +6,6 @@ import math
 import time
 from pathlib import Path
 
-import pytest
 import torch
 
 from noloco_node.algorithm import noloco_outer_step
@@ -17,13 +16,6 @@ from .swarm_harness import Bootstrap, NodeProcess
 from .throttling_proxy import ThrottlingProxy, free_port
 
 TRAIN = ["--model", "tiny", "--seq-len", "64", "--batch-size", "8", "--eval-batches", "4"]
-
-
-@pytest.fixture
-def bootstrap(tmp_path: Path):
-    peer = Bootstrap(tmp_path)
-    yield peer
-    peer.stop()
 
 
 def test_three_nodes_discover_each_other_exchange_and_learn(bootstrap: Bootstrap, tmp_path: Path) -> None:
