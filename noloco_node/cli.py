@@ -1,4 +1,5 @@
-"""The ``noloco-node`` command line: ``swarm``, ``join``, ``bootstrap``, ``simulate``, ``train``, ``sizes``.
+"""The ``noloco-node`` command line: ``swarm``, ``join``, ``bootstrap``, ``simulate``, ``train``, ``sizes`` and the
+rest (cli_models.py adds ``data``, ``export``, ``eval`` and ``generate``).
 
 Flags only override settings; every default and bound lives in config.py, so a bad value is reported by the
 pydantic model with the field's name and nothing runs.
@@ -47,7 +48,9 @@ _TRAIN_FLAGS: dict[str, tuple[str, str, type, str]] = {
     "--alpha": ("outer", "alpha", float, "NoLoCo outer momentum"),
     "--beta": ("outer", "beta", float, "NoLoCo outer step size"),
     "--gamma": ("outer", "gamma", float, "NoLoCo pull towards the group's slow weights (default: beta)"),
-    "--data": ("data", "source", str, "'stdlib' (default corpus), a text file or folder, or a token file"),
+    "--data": ("data", "source", str, "'stdlib', a prepared folder, a .txt/.jsonl/.parquet file or folder, tokens"),
+    "--tokenizer": ("data", "tokenizer", Path, "a tokenizers tokenizer.json (default: UTF-8 bytes)"),
+    "--text-field": ("data", "text_field", str, "the .jsonl field or .parquet column with the text"),
     "--token-dtype": ("data", "token_dtype", str, "uint16 or uint32, for raw token files"),
     "--vocab-size": ("data", "vocab_size", int, "vocabulary of a token file"),
     "--max-bytes": ("data", "max_bytes", int, "cap on bytes read from a text corpus"),
@@ -381,6 +384,10 @@ def build_parser() -> argparse.ArgumentParser:
         help="also serve the multiaddrs at http://HOST:PORT/maddrs, for --bootstrap http://... (containers)",
     )
     bootstrap.add_argument("--http-host", default="0.0.0.0", help="address the multiaddr book binds")
+
+    from noloco_node import cli_models
+
+    cli_models.add_parsers(commands, _NODE_FLAGS, _TRAIN_FLAGS, _add_flags, _add_secret_refusal)
     return parser
 
 
@@ -623,6 +630,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     except SettingsError as error:
         print(f"noloco-node: {error}", file=sys.stderr)
         return 2
+    from noloco_node import cli_models
+
     handlers = {
         "simulate": _simulate,
         "train": _train,
@@ -635,6 +644,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         "peers": _peers,
         "tls": _tls,
         "config": _config,
+        "data": cli_models.run_data,
+        "export": lambda a: cli_models.run_export(a, lambda args: _resolve(args, {**_TRAIN_FLAGS, **_NODE_FLAGS})),
+        "eval": cli_models.run_eval,
+        "generate": cli_models.run_generate,
     }
     try:
         return handlers[args.command](args)

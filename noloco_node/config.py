@@ -73,9 +73,16 @@ class DataConfig(_Settings):
 
     source: str = Field(
         "stdlib",
-        description="'stdlib' (the running interpreter's standard library sources, the embedded default), a text "
-        "file or folder, or a pre-tokenized token file (.npy, or raw .bin/.u16/.u32 with token_dtype).",
+        description="'stdlib' (the running interpreter's standard library sources, the embedded default), a folder "
+        "written by `noloco-node data prepare`, a .txt/.jsonl/.parquet file or a folder of them, or a pre-tokenized "
+        "token file (.npy, or raw .bin/.u16/.u32 with token_dtype).",
     )
+    tokenizer: Path | None = Field(
+        None,
+        description="A Hugging Face tokenizers tokenizer.json (or a folder with one); unset: UTF-8 bytes. A prepared "
+        "corpus carries its own.",
+    )
+    text_field: str = Field("text", min_length=1, description="The field (.jsonl) or column (.parquet) with the text.")
     token_dtype: Literal["uint16", "uint32"] | None = Field(
         None, description="dtype of a raw pre-tokenized token file (.npy files carry their own)."
     )
@@ -83,7 +90,10 @@ class DataConfig(_Settings):
         None, ge=2, description="Vocabulary of a pre-tokenized file (default: largest token id + 1)."
     )
     max_bytes: int = Field(
-        32 * 2**20, ge=1024, description="Cap on the bytes read from the stdlib corpus or a text folder."
+        32 * 2**20,
+        ge=1024,
+        description="Cap on the bytes of text read from the stdlib corpus or a text/jsonl/parquet source (`data "
+        "prepare` has its own, unlimited by default).",
     )
     validation_fraction: float = Field(0.05, gt=0.0, lt=0.5)
     cache_dir: Path | None = Field(

@@ -1,12 +1,14 @@
-"""Tokens in: a byte-level tokenizer, the corpora it reads, and a disjoint, seeded shard of windows per replica.
+"""Tokens in: the corpora a run trains on, and a disjoint, seeded shard of windows per replica.
 
-Sources (``DataConfig.source``):
+Sources (``DataConfig.source``), tokenized with ``DataConfig.tokenizer`` (tokenizer.py; bytes by default):
 
 - ``stdlib``, the embedded default: the ``.py`` sources of the running interpreter's standard library (real text
   that every machine with Python has; test suites and site-packages excluded), capped at ``max_bytes``. The
   train/validation split is by file (a stable hash of the path), and the tokenized result is cached on disk because
   reading thousands of files is slow.
-- a text file (split by position: the tail is validation) or a folder of text files (split by file, like stdlib);
+- a folder written by ``noloco-node data prepare`` (token_store.py): memory-mapped token shards, its own tokenizer;
+- a text, ``.jsonl`` or ``.parquet`` file, or a folder of them (documents.py): streamed through the same pipeline
+  into a prepared folder in the cache (at most ``max_bytes`` of text), then memory-mapped;
 - a pre-tokenized token file, memory-mapped: ``.npy`` (1-D, uint16/uint32) or raw ``.bin``/``.u16``/``.u32``.
 
 Sharding: the training tokens are cut into fixed-size blocks; a seeded permutation deals the blocks round-robin to
@@ -22,63 +24,109 @@ import os
 import sys
 import sysconfig
 import tempfile
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
 import torch
 
 from noloco_node.config import DataConfig
+from noloco_node.documents import dataset_files, iter_documents
+from noloco_node.errors import DataError
+from noloco_node.token_store import PREPARED_FORMAT, TokenShards, is_prepared, load_prepared, prepare_corpus
+from noloco_node.tokenizer import ByteTokenizer, Tokenizer, load_tokenizer
 
 # Part of the cache key: bump it whenever the selection or split of the default corpus changes.
 CORPUS_FORMAT = 2
 
 
-class DataError(ValueError):
-    """A corpus that cannot be used: a missing path, an empty corpus, a malformed token file."""
-
-
-class ByteTokenizer:
-    """UTF-8 bytes are the tokens: a vocabulary of 256, nothing to download, every text encodable."""
-
-    vocab_size = 256
-
-    def encode(self, text: str | bytes) -> np.ndarray:
-        raw = text.encode("utf-8") if isinstance(text, str) else text
-        return np.frombuffer(raw, dtype=np.uint8).copy()
-
-    def decode(self, tokens: np.ndarray | torch.Tensor | list[int]) -> str:
-        if isinstance(tokens, torch.Tensor):
-            tokens = tokens.tolist()
-        return bytes(int(t) for t in tokens).decode("utf-8", errors="replace")
+__all__ = ["ByteTokenizer", "Corpus", "DataError", "ReplicaShard", "load_corpus", "validation_batches"]
 
 
 @dataclass(frozen=True)
 class Corpus:
     """Train and validation token streams (possibly memory-mapped) and what they came from."""
 
-    train: np.ndarray
-    validation: np.ndarray
+    train: np.ndarray | TokenShards
+    validation: np.ndarray | TokenShards
     vocab_size: int
     description: str
     fingerprint: str
+    tokenizer: Tokenizer = field(default_factory=ByteTokenizer)
 
 
 # ---------------------------------------------------------------------------------------------------- sources
 
 
-def load_corpus(cfg: DataConfig) -> Corpus:
-    """The corpus named by ``cfg.source``; raises DataError with the path when it cannot be used."""
+def load_corpus(cfg: DataConfig, tokenizer: Tokenizer | None = None) -> Corpus:
+    """The corpus named by ``cfg.source``, tokenized with ``tokenizer`` (default: ``cfg.tokenizer``; a model's own
+    tokenizer when eval reads text for it); raises DataError naming the file when it cannot be used."""
+    explicit = tokenizer is not None or cfg.tokenizer is not None
+    tokenizer = tokenizer or load_tokenizer(cfg.tokenizer)
     if cfg.source == "stdlib":
-        return load_stdlib_corpus(cfg)
+        if not explicit or tokenizer.fingerprint == "bytes":
+            return load_stdlib_corpus(cfg)
+        root, files = stdlib_source_files()
+        ordered = sorted(files, key=lambda p: hashlib.sha256(b"order:" + str(p.relative_to(root)).encode()).digest())
+        return _prepared_in_cache(ordered, cfg, tokenizer, f"Python {sys.version.split()[0]} standard library")
     path = Path(cfg.source).expanduser()
     if not path.exists():
         raise DataError(f"data source {str(path)!r} does not exist (use 'stdlib' for the embedded default corpus)")
+    if is_prepared(path):
+        prepared = load_prepared(path)
+        if explicit and tokenizer.fingerprint != prepared.tokenizer.fingerprint:
+            raise DataError(
+                f"the tokenizer given ({tokenizer.fingerprint}) is not the one {str(path)!r} was prepared with "
+                f"({prepared.tokenizer.fingerprint}); leave data.tokenizer unset: a prepared corpus carries its own"
+            )
+        return Corpus(
+            prepared.train,
+            prepared.validation,
+            prepared.vocab_size,
+            prepared.description,
+            prepared.fingerprint,
+            prepared.tokenizer,
+        )
     if path.is_file() and (path.suffix in TOKEN_FILE_SUFFIXES or cfg.token_dtype is not None):
         return load_token_file(path, cfg)
-    if path.is_dir():
-        return _text_corpus_from_files(_text_files_under(path), path, cfg, description=f"text folder {path}")
-    return _text_corpus_from_file(path, cfg)
+    kind = "folder" if path.is_dir() else "file"
+    return _prepared_in_cache(dataset_files(path), cfg, tokenizer, f"{kind} {path}")
+
+
+def _prepared_in_cache(files: list[Path], cfg: DataConfig, tokenizer: Tokenizer, description: str) -> Corpus:
+    """Stream text files through the prepare pipeline once into the cache (keyed by the files' names, sizes and
+    times, the tokenizer and the split), then memory-map the result like any prepared corpus."""
+    listing = []
+    for path in files:
+        try:
+            stat = path.stat()
+        except OSError as error:
+            raise DataError(f"cannot read {str(path)!r}: {error.strerror}") from error
+        listing.append((str(path.resolve()), stat.st_size, stat.st_mtime_ns))
+    key_material = json.dumps(
+        [PREPARED_FORMAT, listing, tokenizer.fingerprint, cfg.text_field, cfg.validation_fraction, cfg.max_bytes]
+    )
+    cache = _cache_dir(cfg) / f"prepared-{hashlib.sha256(key_material.encode()).hexdigest()[:16]}"
+    if not is_prepared(cache):
+        prepare_corpus(
+            iter_documents(files, text_field=cfg.text_field),
+            cache,
+            tokenizer,
+            files=len(files),
+            description=description,
+            validation_fraction=cfg.validation_fraction,
+            max_bytes=cfg.max_bytes,
+            overwrite_race_ok=True,
+        )
+    prepared = load_prepared(cache)
+    return Corpus(
+        prepared.train,
+        prepared.validation,
+        prepared.vocab_size,
+        f"{description}, {len(files)} files, tokenized into {cache}",
+        prepared.fingerprint,
+        prepared.tokenizer,
+    )
 
 
 def stdlib_source_files() -> tuple[Path, list[Path]]:
@@ -140,14 +188,6 @@ def _write_cache(cache: Path, corpus: Corpus, meta: dict[str, object]) -> None:
         staging.rmdir()
 
 
-def _text_files_under(folder: Path) -> list[Path]:
-    files = [p for p in folder.rglob("*") if p.is_file() and not any(part.startswith(".") for part in p.parts)]
-    text_files = [p for p in files if b"\0" not in p.open("rb").read(8192)]  # NUL bytes: a binary file
-    if not text_files:
-        raise DataError(f"text folder {str(folder)!r} contains no text files")
-    return text_files
-
-
 def _choose_validation_files(sizes: dict[str, int], fraction: float) -> set[str]:
     """Whole files, picked in a stable hash order of their paths, until they hold ``fraction`` of the bytes.
 
@@ -190,16 +230,6 @@ def _text_corpus_from_files(files: list[Path], root: Path, cfg: DataConfig, *, d
     validation = np.frombuffer(b"".join(c for n, c in contents.items() if n in validation_names), dtype=np.uint8)
     fingerprint = hashlib.sha256(train[:65536].tobytes() + validation[:65536].tobytes()).hexdigest()[:16]
     return Corpus(train, validation, 256, described, fingerprint)
-
-
-def _text_corpus_from_file(path: Path, cfg: DataConfig) -> Corpus:
-    try:
-        content = path.read_bytes()[: cfg.max_bytes]
-    except OSError as error:
-        raise DataError(f"cannot read {str(path)!r}: {error.strerror}") from error
-    if not content:
-        raise DataError(f"text file {str(path)!r} is empty")
-    return _split_by_position(np.frombuffer(content, dtype=np.uint8), cfg, f"text file {path}")
 
 
 def _split_by_position(tokens: np.ndarray, cfg: DataConfig, description: str, vocab_size: int = 256) -> Corpus:

@@ -172,16 +172,18 @@ def autocast_context(device: torch.device) -> contextlib.AbstractContextManager[
     return contextlib.nullcontext()
 
 
-def run_fingerprint(cfg: ModelConfig, *, run_name: str, seed: int) -> str:
-    """The identity of a run: model config, every parameter's name and shape, the run's name and seed.
+def run_fingerprint(cfg: ModelConfig, *, run_name: str, seed: int, tokenizer: str = "bytes") -> str:
+    """The identity of a run: model config, every parameter's name and shape, the run's name and seed, and the
+    tokenizer (by its fingerprint; the byte-level default adds nothing, so those runs keep their identity).
 
-    Peers pair only within one fingerprint, so two nodes can never blend weights of different shapes or
-    different initialisations.
+    Peers pair only within one fingerprint, so two nodes can never blend weights of different shapes, different
+    initialisations or different vocabularies of the same size.
     """
     with torch.device("meta"):
         model = LlamaDecoder(cfg)
     shapes = [[name, list(p.shape)] for name, p in named_parameters_ordered(model)]
-    material = json.dumps(
-        {"model": cfg.model_dump(mode="json"), "shapes": shapes, "run": run_name, "seed": seed}, sort_keys=True
-    )
+    identity = {"model": cfg.model_dump(mode="json"), "shapes": shapes, "run": run_name, "seed": seed}
+    if tokenizer != "bytes":
+        identity["tokenizer"] = tokenizer
+    material = json.dumps(identity, sort_keys=True)
     return hashlib.sha256(material.encode()).hexdigest()[:16]

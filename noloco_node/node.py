@@ -41,8 +41,8 @@ from typing import Any
 import torch
 
 from noloco_node import algorithm, report
-from noloco_node.config import DataConfig, NodeConfig, OuterConfig, TrainConfig, model_config_for
-from noloco_node.data import ReplicaShard, load_corpus, validation_batches
+from noloco_node.config import DataConfig, ModelConfig, NodeConfig, OuterConfig, TrainConfig, model_config_for
+from noloco_node.data import Corpus, ReplicaShard, load_corpus, validation_batches
 from noloco_node.data_parallel import DataParallel, run_follower, weights_digest
 from noloco_node.discovery import Discovery, PeerRecord, expand_bootstrap
 from noloco_node.exchange import (
@@ -69,6 +69,16 @@ from noloco_node.wire import Payload, PayloadError, ReceiveBuffers, TensorLayout
 log = logging.getLogger(__name__)
 
 
+def run_identity(node_cfg: NodeConfig, train_cfg: TrainConfig, corpus: Corpus) -> tuple[ModelConfig, str]:
+    """The model a node of these settings trains and its run's fingerprint (the DHT namespace and pairing key):
+    `export --from swarm` computes the same pair to find the run."""
+    model_cfg = model_config_for(train_cfg.model_size, vocab_size=corpus.vocab_size, max_seq_len=train_cfg.seq_len)
+    fingerprint = run_fingerprint(
+        model_cfg, run_name=node_cfg.run_name, seed=train_cfg.seed, tokenizer=corpus.tokenizer.fingerprint
+    )
+    return model_cfg, fingerprint
+
+
 class NodeError(Exception):
     """A node that cannot start as configured (the message says why and what to change)."""
 
@@ -82,10 +92,7 @@ class Node:
         self.outer_cfg = outer_cfg
         self.data_cfg = data_cfg
         self.corpus = load_corpus(data_cfg)
-        self.model_cfg = model_config_for(
-            train_cfg.model_size, vocab_size=self.corpus.vocab_size, max_seq_len=train_cfg.seq_len
-        )
-        self.run_fingerprint = run_fingerprint(self.model_cfg, run_name=node_cfg.run_name, seed=train_cfg.seed)
+        self.model_cfg, self.run_fingerprint = run_identity(node_cfg, train_cfg, self.corpus)
         self.gamma = outer_cfg.effective_gamma
         self.send_phi = self.gamma != outer_cfg.beta  # the fast path needs only the partner's fast weights
         with torch.device("meta"):
@@ -555,6 +562,7 @@ class Node:
             {
                 "run_fingerprint": self.run_fingerprint,
                 "model_config": self.model_cfg.model_dump(mode="json"),
+                "tokenizer_json": self.corpus.tokenizer.json_text,  # export, eval and generate need it
                 "replica": self.replica.state_dict(),
                 "history": self.telemetry.history_list(KEEP_OUTER_STEPS),  # so /status keeps its curve on restart
             },

@@ -197,12 +197,7 @@ class Replica:
         return named, metadata
 
     def snapshot_layout(self) -> list[tuple[str, tuple[int, ...]]]:
-        prefixes = ("phi", "delta", "adam.exp_avg", "adam.exp_avg_sq")
-        return [
-            (f"{prefix}/{name}", tuple(p.shape))
-            for prefix in prefixes
-            for name, p in zip(self.names, self.params, strict=True)
-        ]
+        return snapshot_layout(self.model_cfg)
 
     @torch.no_grad()
     def load_outer_snapshot(self, tensors: dict[str, torch.Tensor], metadata: dict[str, Any]) -> None:
@@ -285,6 +280,16 @@ def _host_buffer(shape: torch.Size, pinned: bool) -> torch.Tensor:
 
 # ---------------------------------------------------------------------------------------------------- checkpoints
 
+SNAPSHOT_PREFIXES = ("phi", "delta", "adam.exp_avg", "adam.exp_avg_sq")
+
+
+def snapshot_layout(model_cfg: ModelConfig) -> list[tuple[str, tuple[int, ...]]]:
+    """Names and shapes of an outer-step snapshot (Replica.outer_snapshot), the order GetState serves them in."""
+    with torch.device("meta"):
+        model = LlamaDecoder(model_cfg)
+    named = [(name, tuple(p.shape)) for name, p in named_parameters_ordered(model)]
+    return [(f"{prefix}/{name}", shape) for prefix in SNAPSHOT_PREFIXES for name, shape in named]
+
 
 def save_checkpoint(path: Path, payload: dict[str, Any]) -> None:
     """Write atomically: a temporary file in the same folder, fsync, rename over the old one, fsync the folder.
@@ -354,7 +359,11 @@ def run_training(
     )
     algorithm.warn_on_unstable_hyperparameters(outer_cfg.alpha, outer_cfg.beta, outer_cfg.effective_gamma)
     checkpoint_path = checkpoint_dir / "checkpoint.pt"
-    identity = {"model_config": model_cfg.model_dump(mode="json"), "train_config": train_cfg.model_dump(mode="json")}
+    identity = {
+        "model_config": model_cfg.model_dump(mode="json"),
+        "train_config": train_cfg.model_dump(mode="json"),
+        "tokenizer_json": corpus.tokenizer.json_text,  # so that export, eval and generate decode what it learnt
+    }
     if checkpoint_path.exists() and not fresh:
         payload = load_checkpoint(checkpoint_path)
         if payload["model_config"] != identity["model_config"]:
