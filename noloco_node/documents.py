@@ -65,8 +65,10 @@ def iter_documents(files: list[Path], *, text_field: str = "text") -> Iterator[t
 
 
 def _text_document(path: Path, *, single: bool) -> Iterator[tuple[bool, str]]:
+    """A text file as one document: whole when under PIECE_BYTES, else in pieces of about that size, each cut
+    after a newline (so that no word is split between two pieces)."""
     decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
-    carry = ""
+    pending = ""
     first = True
     try:
         handle = path.open("rb")
@@ -78,18 +80,16 @@ def _text_document(path: Path, *, single: bool) -> Iterator[tuple[bool, str]]:
                 chunk = handle.read(PIECE_BYTES)
             except OSError as error:
                 raise DataError(f"cannot read {str(path)!r}: {error.strerror}") from error
-            text = carry + decoder.decode(chunk, final=not chunk)
-            if chunk:
-                cut = text.rfind("\n") + 1  # cut after a newline, so that no word is split between two pieces
-                if cut == 0 and len(text) < 4 * PIECE_BYTES:
-                    carry = text
-                    continue
-                text, carry = (text[:cut], text[cut:]) if cut else (text, "")
-            if text:
-                yield first, text
-                first = False
+            pending += decoder.decode(chunk, final=not chunk)
             if not chunk:
                 break
+            while len(pending) >= 2 * PIECE_BYTES:  # keep one piece in hand: the file may end right after it
+                cut = pending.rfind("\n", 0, PIECE_BYTES) + 1 or PIECE_BYTES
+                yield first, pending[:cut]
+                first, pending = False, pending[cut:]
+    if pending:
+        yield first, pending
+        first = False
     if first and single:
         raise DataError(f"text file {str(path)!r} is empty")
 

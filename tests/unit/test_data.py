@@ -104,7 +104,7 @@ def test_missing_and_empty_sources_get_clear_errors(tmp_path: Path) -> None:
         load_corpus(DataConfig(source=str(tmp_path / "empty.txt")))
     empty_dir = tmp_path / "nothing"
     empty_dir.mkdir()
-    with pytest.raises(DataError, match="contains no text, .jsonl or .parquet files"):
+    with pytest.raises(DataError, match=r"contains no text, \.jsonl or \.parquet files"):
         load_corpus(DataConfig(source=str(empty_dir)))
 
 
