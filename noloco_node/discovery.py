@@ -88,6 +88,7 @@ class PeerRecord:
     ready: bool = False  # ready to pair now (sync mode) / has a fresh snapshot to offer (overlap mode)
     leaving: bool = False  # a tombstone: the node has left
     reachable: bool = True  # its gRPC address answers (reachability.py); an unreachable node only calls out
+    shard: int = -1  # the data shard it trains on (-1: not chosen yet); joiners pick one nobody holds
     updated: float = 0.0  # DHT time of writing
 
     @classmethod
@@ -105,6 +106,7 @@ class PeerRecord:
                 ready=bool(value.get("ready", False)),
                 leaving=bool(value.get("leaving", False)),
                 reachable=bool(value.get("reachable", True)),
+                shard=int(value.get("shard", -1)),
                 updated=float(value.get("updated", 0.0)),
             )
         except (KeyError, TypeError, ValueError):

@@ -38,6 +38,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 
 from noloco_node import algorithm, report
@@ -117,6 +118,7 @@ class Node:
         self.peer_id = ""
         self.address = ""
         self.reachable = True  # until the self-check says otherwise
+        self.shard: int | None = None  # chosen at start (_choose_shard)
         self.replica: Replica | None = None
         self.stop_event = threading.Event()
         self.loop: asyncio.AbstractEventLoop | None = None
@@ -230,6 +232,7 @@ class Node:
             inner_step=replica.inner_step if replica else 0,
             ready=self.ready_to_pair(),
             reachable=self.reachable,
+            shard=-1 if self.shard is None else self.shard,
         )
 
     def _outgoing(self, theta: Sequence[torch.Tensor], phi: Sequence[torch.Tensor]) -> Outgoing:
@@ -578,10 +581,34 @@ class Node:
 
     # ------------------------------------------------------------------------------------------ lifecycle
 
-    def _shard_index(self) -> int:
+    async def _choose_shard(self) -> int:
+        """This node's data shard: --shard-index if given; else the one it trained on before (shard.json in its
+        data dir, so that a restart resumes the same data stream); else the first shard, in an order drawn from its
+        peer id, that no live peer of the run holds (the least held when all are), so replicas see different data.
+        Two nodes starting in the same second may still pick the same shard: nothing breaks, they overlap."""
         if self.cfg.shard_index is not None:
             return self.cfg.shard_index
-        return int.from_bytes(hashlib.sha256(self.peer_id.encode()).digest()[:4], "big") % self.cfg.num_shards
+        count = self.cfg.num_shards
+        memory = self.cfg.data_dir / "shard.json"
+        try:
+            saved = json.loads(memory.read_text())
+            if saved.get("run_fingerprint") == self.run_fingerprint and saved.get("num_shards") == count:
+                return int(saved["shard"])
+        except (OSError, ValueError, KeyError, TypeError):
+            pass  # no choice made yet (or an unreadable one): choose
+        try:
+            held = [p.shard for p in await self.discovery.live_peers() if 0 <= p.shard < count]
+        except (TimeoutError, OSError) as error:
+            log.warning("DHT lookup of the peers' shards failed (%s): choosing from the peer id alone", error)
+            held = []
+        seed = int.from_bytes(hashlib.sha256(self.peer_id.encode()).digest()[:8], "big")
+        preference = [int(i) for i in np.random.default_rng(seed).permutation(count)]
+        chosen = min(preference, key=lambda shard: (held.count(shard), preference.index(shard)))
+        memory.parent.mkdir(parents=True, exist_ok=True)
+        tmp = memory.with_suffix(".json.tmp")
+        tmp.write_text(json.dumps({"run_fingerprint": self.run_fingerprint, "num_shards": count, "shard": chosen}))
+        tmp.replace(memory)
+        return chosen
 
     async def _initial_state(self) -> None:
         """Resume from this node's checkpoint unless the swarm has moved far ahead of it; else download a live
@@ -727,7 +754,8 @@ class Node:
             )
         ]
         try:
-            index, count = self._shard_index(), self.cfg.num_shards
+            self.shard = await self._choose_shard()
+            index, count = self.shard, self.cfg.num_shards
             if self.data_parallel is not None:
                 await asyncio.to_thread(self.data_parallel.share_shard_index, index)
                 index, count = self.data_parallel.shard(index, count)
@@ -752,7 +780,7 @@ class Node:
                 self.run_fingerprint,
                 self.address,
                 self.cfg.mode,
-                self._shard_index(),
+                self.shard,
                 self.cfg.num_shards,
             )
             await self._publish()

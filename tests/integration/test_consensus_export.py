@@ -41,13 +41,23 @@ def _prepared_corpus(tmp_path: Path) -> Path:
 
 def test_consensus_of_three_live_nodes_is_no_worse_than_its_members(bootstrap: Bootstrap, tmp_path: Path) -> None:
     prepared = _prepared_corpus(tmp_path)
-    nodes = [
-        NodeProcess(
-            f"node{i}", bootstrap, tmp_path, *TRAIN, "--data", str(prepared), "--steps", "100000",
-            "--shard-index", str(i), "--num-shards", "3", "--pair-timeout", "5",
-        )
-        for i in range(3)
-    ]  # fmt: skip
+    nodes: list[NodeProcess] = []
+    for i in range(3):
+        # No --shard-index: each joiner picks a shard no live peer holds (they start one after another, as real
+        # members do; two starting in the same second could still collide).
+        nodes.append(
+            NodeProcess(
+                f"node{i}", bootstrap, tmp_path, *TRAIN, "--data", str(prepared), "--steps", "100000",
+                "--num-shards", "3", "--pair-timeout", "5",
+            )
+        )  # fmt: skip
+        deadline = time.monotonic() + 60
+        while " up: run " not in nodes[-1].output() and time.monotonic() < deadline:
+            assert nodes[-1].process.poll() is None, nodes[-1].output()[-2000:]
+            time.sleep(0.5)
+        time.sleep(2.0)  # its record (with its shard) reaches the DHT
+    shards = [json.loads((node.data_dir / "shard.json").read_text())["shard"] for node in nodes]
+    assert sorted(shards) == [0, 1, 2], shards
     try:
         deadline = time.monotonic() + 240
         while time.monotonic() < deadline:
