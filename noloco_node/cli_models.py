@@ -58,6 +58,9 @@ def add_parsers(commands: Any, node_flags: dict, train_flags: dict, add_flags: A
     )
     export.add_argument("--config", type=Path, help="the run's TOML or YAML settings file (as for join)")
     export.add_argument("--bootstrap", nargs="*", default=argparse.SUPPRESS, help="as for join")
+    export.add_argument(
+        "--url", help="--from swarm: a running node's status endpoint: its DHT addresses are used as --bootstrap"
+    )
     add_flags(export, node_flags)
     add_flags(export, train_flags)
     add_secret_refusal(export)
@@ -158,10 +161,22 @@ def run_export(args: argparse.Namespace, resolve: Any) -> int:
 
     corpus = load_corpus(settings.data)
     model_cfg, fingerprint = run_identity(settings.node, settings.train, corpus)
+    node_cfg = settings.node
+    if args.url:
+        from noloco_node.status_client import fetch_status
+
+        status = fetch_status(args.url)
+        if status.run_fingerprint != fingerprint:
+            raise SystemExit(
+                f"noloco-node export: the node at {args.url} trains run {status.run_fingerprint}, these settings "
+                f"give run {fingerprint}: pass the run's --config (or its --model, --seq-len, --seed, --run-name, "
+                "--data/--tokenizer)"
+            )
+        node_cfg = node_cfg.model_copy(update={"bootstrap": list(node_cfg.bootstrap) or list(status.dht_maddrs)})
     print(f"run {fingerprint}: model {settings.train.model_size}, {corpus.description}", flush=True)
     try:
         consensus = fetch_consensus(
-            settings.node, model_cfg, fingerprint, peers=args.peers, wait=args.wait, progress=_flushed_print
+            node_cfg, model_cfg, fingerprint, peers=args.peers, wait=args.wait, progress=_flushed_print
         )
     except ConsensusError as error:
         raise SystemExit(f"noloco-node export: {error}") from None
@@ -237,7 +252,7 @@ def run_eval(args: argparse.Namespace) -> int:
             )
         )
     else:
-        print(f"model {args.model} ({loaded.provenance.get('source', '')}) on {corpus.description}")
+        print(f"model {args.model} on {corpus.description}")
         print(result.report())
     return 0
 
