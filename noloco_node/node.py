@@ -812,6 +812,7 @@ class Node:
             with contextlib.suppress(Exception):
                 await asyncio.wait_for(self.discovery.withdraw(self.record()), timeout=10)
             server.stop(grace=2).wait(5)
+            self.security.transport.close_channels()
             await status_server.close()
             await asyncio.to_thread(self.discovery.shutdown)
             if self.data_parallel is not None and self.replica is not None:
