@@ -76,6 +76,8 @@ _NODE_FLAGS: dict[str, tuple[str, str, type, str]] = {
     "--max-state-downloads": ("node", "max_state_downloads", int, "joiners served at once (more are told busy)"),
     "--slow-factor": ("node", "slow_factor", float, "fault injection: inner steps take this many times longer"),
     "--max-staleness": ("node", "max_staleness", int, "largest outer-step difference with a partner"),
+    "--step-time-seconds": ("node", "step_time_seconds", float, "benchmarks: emulated mean inner-step time (s)"),
+    "--step-time-sigma": ("node", "step_time_sigma", float, "benchmarks: log-normal sigma of the step times"),
     "--wire-dtype": ("node", "wire_dtype", str, "bf16 or fp32"),
     "--record-ttl": ("node", "record_ttl", float, "DHT record lifetime (s)"),
     "--num-shards": ("node", "num_shards", int, "how many shards the corpus is dealt into"),
@@ -197,6 +199,10 @@ def build_parser() -> argparse.ArgumentParser:
     simulate.add_argument("--method", choices=ALL_METHODS, help="run one method (default with no --compare: noloco)")
     simulate.add_argument("--methods", help=f"comma-separated subset for --compare (default: {','.join(ALL_METHODS)})")
     simulate.add_argument("--replicas", type=int, default=argparse.SUPPRESS, help="number of replicas")
+    simulate.add_argument(
+        "--seeds", type=int, help="--compare: repeat over this many seeds (from --seed) and report mean +- std"
+    )
+    simulate.add_argument("--replica-counts", help="--compare --seeds: replica counts to study, e.g. 4,8,16")
     simulate.add_argument("--out", type=Path, default=argparse.SUPPRESS, help="folder for metrics.json, curves.png")
     _add_flags(simulate, _TRAIN_FLAGS)
 
@@ -300,6 +306,18 @@ def build_parser() -> argparse.ArgumentParser:
     idle.add_argument("--steps", type=int, default=600, help="inner steps each node trains")
     idle.add_argument("--model", default="tiny", choices=list(MODEL_SIZES), help="model size")
     idle.add_argument("--modes", default="sync,overlap", help="pairing modes to measure, comma-separated")
+
+    sync_bench = benches.add_parser(
+        "sync",
+        help="a NoLoCo pairwise exchange round against a ring all-reduce, N hosts on shaped links (needs root)",
+    )
+    sync_bench.add_argument("--nodes", default="4,8,16,32", help="host counts, comma-separated")
+    sync_bench.add_argument("--sizes-mb", default="1,16,64", help="tensor sizes in MB, comma-separated")
+    sync_bench.add_argument("--rate-mbit", type=float, default=100.0, help="each host's upload and download")
+    sync_bench.add_argument("--rtt-ms", type=float, default=50.0, help="round-trip time between two hosts")
+    sync_bench.add_argument("--jitter-ms", type=float, default=0.0, help="uniform +- jitter per packet and way")
+    sync_bench.add_argument("--warm-rounds", type=int, default=2, help="pairwise rounds on pooled connections")
+    sync_bench.add_argument("--ring-rounds", type=int, default=2, help="all-reduce rounds (the best is kept)")
 
     train_bench = benches.add_parser(
         "train", help="training throughput (tokens/s) and MFU of a named model size on this device"
@@ -412,6 +430,17 @@ def _simulate(args: argparse.Namespace) -> int:
     if hasattr(args, "out"):
         settings["out_dir"] = args.out
     cfg = SimulateConfig(**settings)
+    if args.seeds or args.replica_counts:
+        from noloco_node.simulate import seed_study
+
+        if not args.compare:
+            raise SystemExit("noloco-node simulate: --seeds and --replica-counts need --compare")
+        counts = [int(n) for n in args.replica_counts.split(",")] if args.replica_counts else [cfg.replicas]
+        seeds = [cfg.train.seed + i for i in range(args.seeds or 1)]
+        study = seed_study(cfg, seeds, counts)
+        print(study.table())
+        print(f"\nmetrics: {cfg.out_dir / 'study.json'}\ncurves:  {cfg.out_dir / 'study.png'}")
+        return 0
     comparison = compare(cfg)
     print(comparison.table())
     print(f"\nmetrics: {cfg.out_dir / 'metrics.json'}\ncurves:  {cfg.out_dir / 'curves.png'}")
@@ -569,6 +598,23 @@ def _bench(args: argparse.Namespace) -> int:
         if unknown or not modes:
             raise SystemExit(f"noloco-node bench idle: --modes takes sync and/or overlap, not {args.modes!r}")
         print(run_idle_bench(args.nodes, args.steps, args.model, modes=modes).report())
+        return 0
+    if args.bench == "sync":
+        from noloco_node.bench.sync import run_sync_bench
+
+        print(
+            f"noloco-node bench sync: {os.cpu_count()} CPUs, hosts {args.nodes}, tensors {args.sizes_mb} MB", flush=True
+        )
+        sync_result = run_sync_bench(
+            [int(n) for n in args.nodes.split(",")],
+            [float(s) for s in args.sizes_mb.split(",")],
+            rate_mbit=args.rate_mbit,
+            rtt_ms=args.rtt_ms,
+            jitter_ms=args.jitter_ms,
+            warm_rounds=args.warm_rounds,
+            ring_rounds=args.ring_rounds,
+        )
+        print(sync_result.report())
         return 0
     if args.bench == "train":
         from noloco_node.bench.train import run_train_bench

@@ -155,8 +155,16 @@ class OuterConfig(_Settings):
         return self
 
 
-Method = Literal["noloco", "diloco", "diloco-nesterov", "ddp", "solo"]
-ALL_METHODS: tuple[Method, ...] = ("noloco", "diloco", "diloco-nesterov", "ddp", "solo")
+Method = Literal["noloco", "noloco-stale", "noloco-momentum", "diloco", "diloco-nesterov", "ddp", "solo"]
+ALL_METHODS: tuple[Method, ...] = (
+    "noloco",
+    "noloco-stale",
+    "noloco-momentum",
+    "diloco",
+    "diloco-nesterov",
+    "ddp",
+    "solo",
+)
 
 
 class SimulateConfig(_Settings):
@@ -302,6 +310,13 @@ class NodeConfig(_Settings):
     slow_factor: float = Field(
         1.0, ge=1.0, description="Fault injection for tests and drills: every inner step takes this many times longer."
     )
+    step_time_seconds: float | None = Field(
+        None,
+        gt=0.0,
+        description="Benchmarks: every inner step is stretched to this mean duration times a log-normal factor of "
+        "spread step_time_sigma (mean 1), the straggler model of the paper's simulation (bench stragglers).",
+    )
+    step_time_sigma: float = Field(0.0, ge=0.0, le=3.0, description="Sigma of the log-normal step-time factor.")
     max_staleness: int = Field(2, ge=0, description="Largest outer-step difference with a partner.")
     wire_dtype: Literal["bf16", "fp32"] = "bf16"
     record_ttl: float = Field(20.0, gt=1.0, description="DHT record lifetime (s); refreshed at a third of it.")

@@ -70,6 +70,11 @@ from noloco_node.wire import Payload, PayloadError, ReceiveBuffers, TensorLayout
 log = logging.getLogger(__name__)
 
 
+def emulated_step_factor(rng: np.random.Generator, sigma: float) -> float:
+    """A log-normal factor of mean 1 (mu = -sigma^2 / 2): how much longer or shorter this inner step takes."""
+    return float(rng.lognormal(-sigma * sigma / 2, sigma)) if sigma > 0 else 1.0
+
+
 def run_identity(node_cfg: NodeConfig, train_cfg: TrainConfig, corpus: Corpus) -> tuple[ModelConfig, str]:
     """The model a node of these settings trains and its run's fingerprint (the DHT namespace and pairing key):
     `export --from swarm` computes the same pair to find the run."""
@@ -357,6 +362,7 @@ class Node:
             num_batches=self.train_cfg.eval_batches,
         )
         H = self.train_cfg.inner_steps
+        step_rng = np.random.default_rng(list(hashlib.sha256(self.peer_id.encode()).digest()[:8]))
         while replica.inner_step < self.train_cfg.total_steps and not self.stop_event.is_set():
             started = time.monotonic()
             losses = []
@@ -371,6 +377,9 @@ class Node:
                 losses.append(loss)
                 if self.cfg.slow_factor > 1.0:  # fault injection: a straggler (a slower GPU, a busy machine)
                     time.sleep((self.cfg.slow_factor - 1.0) * (time.monotonic() - step_started))
+                if self.cfg.step_time_seconds is not None:  # bench stragglers: log-normal step times
+                    target = self.cfg.step_time_seconds * emulated_step_factor(step_rng, self.cfg.step_time_sigma)
+                    time.sleep(max(0.0, target - (time.monotonic() - step_started)))
                 self.telemetry.on_inner_step(
                     replica.inner_step, losses[-1], time.monotonic() - step_started, replica.current_lr
                 )

@@ -4,7 +4,13 @@ Methods (outer updates from algorithm.py, inner loop from trainer.py):
 
 - ``noloco``: every outer step the replicas are paired at random (pairs re-drawn each time); each replica blends
   with its partner with ``algorithm.noloco_outer_step`` (arXiv 2506.10911, eq. 3-5). With an odd count one
-  replica is left without a partner and takes a solo outer step, as a swarm node does when nobody answers.
+  replica is left without a partner and takes a solo outer step, as a swarm node does when nobody answers. This
+  is the maths of the node's ``sync`` pairing mode.
+- ``noloco-stale``: the maths of the ``overlap`` mode: at its outer step a replica blends its fresh state with the
+  snapshot its partner published one outer phase earlier (the partner's phi then, and its fast weights projected
+  one phase ahead, ``algorithm.projected_fast_weights``); the first outer step has no snapshots and is solo.
+- ``noloco-momentum``: ``noloco``, then the pair also averages its new outer momenta (Delta): "blend weights and
+  momenta", asked for by users; measured here before it becomes a node option.
 - ``diloco``: DiLoCo with the heavy-ball outer optimizer on the mean over all replicas (an all-reduce).
 - ``diloco-nesterov``: DiLoCo with torch's Nesterov SGD outer optimizer (the original DiLoCo setting).
 - ``ddp``: one set of weights, gradients averaged over one batch of every replica's shard each step.
@@ -27,6 +33,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import numpy as np
+import torch
 
 from noloco_node import algorithm
 from noloco_node.config import ModelConfig, SimulateConfig, model_config_for
@@ -77,11 +84,14 @@ def random_groups(num_replicas: int, rng: np.random.Generator) -> list[list[int]
     return groups
 
 
-def _noloco_round(replicas: list[Replica], rng: np.random.Generator, cfg: SimulateConfig) -> None:
+def _noloco_round(
+    replicas: list[Replica], rng: np.random.Generator, cfg: SimulateConfig, *, blend_momenta: bool = False
+) -> None:
     """One NoLoCo outer step of every replica, each blending with its partner's pre-step state."""
     outer = cfg.outer
     results = {}
-    for group in random_groups(len(replicas), rng):
+    groups = random_groups(len(replicas), rng)
+    for group in groups:
         for i in group:
             partners = [replicas[j] for j in group if j != i]
             results[i] = algorithm.noloco_outer_step(
@@ -94,8 +104,43 @@ def _noloco_round(replicas: list[Replica], rng: np.random.Generator, cfg: Simula
                 beta=outer.beta,
                 gamma=outer.effective_gamma,
             )
+    if blend_momenta:
+        for group in groups:
+            mean_delta = [
+                torch.stack([results[i][1][k] for i in group]).mean(dim=0) for k in range(len(results[group[0]][1]))
+            ]
+            for i in group:
+                results[i] = (results[i][0], [d.clone() for d in mean_delta])
     # Apply only once every replica's update is computed from the state before the round.
     for i, (new_phi, new_delta) in results.items():
+        replicas[i].apply_outer_step(new_phi, new_delta)
+
+
+Offer = tuple[list[torch.Tensor], list[torch.Tensor]]  # (projected fast weights, slow weights) a replica published
+
+
+def _stale_noloco_round(
+    replicas: list[Replica], rng: np.random.Generator, cfg: SimulateConfig, offers: list[Offer | None]
+) -> None:
+    """The overlap mode: blend with the partner's snapshot of one phase ago, then publish a new one."""
+    outer = cfg.outer
+    results = {}
+    for group in random_groups(len(replicas), rng):
+        for i in group:
+            partner_offers = [offers[j] for j in group if j != i and offers[j] is not None]
+            results[i] = algorithm.noloco_outer_step(
+                replicas[i].fast_weights(),
+                replicas[i].phi,
+                replicas[i].delta,
+                [offer[0] for offer in partner_offers],
+                [offer[1] for offer in partner_offers],
+                alpha=outer.alpha,
+                beta=outer.beta,
+                gamma=outer.effective_gamma,
+            )
+    for i, (new_phi, new_delta) in results.items():
+        theta, old_phi = replicas[i].fast_weights(), replicas[i].phi
+        offers[i] = (algorithm.projected_fast_weights(new_phi, theta, old_phi), [p.clone() for p in new_phi])
         replicas[i].apply_outer_step(new_phi, new_delta)
 
 
@@ -138,8 +183,9 @@ def run_method(
     val = validation_batches(
         corpus.validation, seq_len=train.seq_len, batch_size=train.batch_size, num_batches=train.eval_batches
     )
-    if method == "noloco":
+    if method.startswith("noloco"):
         algorithm.warn_on_unstable_hyperparameters(cfg.outer.alpha, cfg.outer.beta, cfg.outer.effective_gamma)
+    offers: list[Offer | None] = [None] * len(replicas)
     pair_rng = np.random.default_rng([train.seed, 0x9A1])
     result = MethodResult(method=method, replicas=cfg.replicas)
     started = time.perf_counter()
@@ -164,8 +210,10 @@ def run_method(
         phase = min(train.inner_steps, train.total_steps - step)
         phase_losses = [loss for r in replicas for loss in r.train_phase(phase)]
         step += phase
-        if method == "noloco":
-            _noloco_round(replicas, pair_rng, cfg)
+        if method in ("noloco", "noloco-momentum"):
+            _noloco_round(replicas, pair_rng, cfg, blend_momenta=method == "noloco-momentum")
+        elif method == "noloco-stale":
+            _stale_noloco_round(replicas, pair_rng, cfg, offers)
         elif method in ("diloco", "diloco-nesterov"):
             _diloco_round(replicas, cfg, nesterov=method == "diloco-nesterov")
         record(step, phase_losses)
@@ -175,6 +223,21 @@ def run_method(
 
 def simulation_model_config(cfg: SimulateConfig, corpus: Corpus) -> ModelConfig:
     return model_config_for(cfg.train.model_size, vocab_size=corpus.vocab_size, max_seq_len=cfg.train.seq_len)
+
+
+def relative_metrics(results: dict[str, MethodResult]) -> dict[str, float]:
+    """The paper's metric ``(ppl_diloco - ppl_noloco) / ppl_ddp`` (positive: NoLoCo better) for each DiLoCo
+    variant, keyed by the variant for ``noloco`` and by ``"<diloco variant> vs <noloco variant>"`` for the others."""
+    relative: dict[str, float] = {}
+    if "ddp" not in results:
+        return relative
+    ddp = results["ddp"].final_val_ppl
+    for noloco in ("noloco", "noloco-stale", "noloco-momentum"):
+        for diloco in ("diloco", "diloco-nesterov"):
+            if noloco in results and diloco in results:
+                key = diloco if noloco == "noloco" else f"{diloco} vs {noloco}"
+                relative[key] = (results[diloco].final_val_ppl - results[noloco].final_val_ppl) / ddp
+    return relative
 
 
 @dataclass
@@ -196,9 +259,11 @@ class Comparison:
                 f"{r.final_spread:.2e} | {r.seconds:.0f} |"
             )
         lines = ["\n".join(rows)]
-        for variant, value in self.relative_metric.items():
-            verdict = "NoLoCo better" if value > 0 else "NoLoCo worse" if value < 0 else "tie"
-            lines.append(f"(ppl_{variant} - ppl_noloco) / ppl_ddp = {value * 100:+.2f}%  ({verdict})")
+        for key, value in self.relative_metric.items():
+            diloco, _, noloco = key.partition(" vs ")
+            noloco = noloco or "noloco"
+            verdict = f"{noloco} better" if value > 0 else f"{noloco} worse" if value < 0 else "tie"
+            lines.append(f"(ppl_{diloco} - ppl_{noloco}) / ppl_ddp = {value * 100:+.2f}%  ({verdict})")
         return "\n".join(lines)
 
 
@@ -211,14 +276,7 @@ def compare(cfg: SimulateConfig, *, progress: ProgressFn = _print_progress) -> C
         f"H = {cfg.train.inner_steps}"
     )
     results = {method: run_method(method, cfg, corpus, progress=progress) for method in cfg.methods}
-    relative = {}
-    if "noloco" in results and "ddp" in results:
-        for variant in ("diloco", "diloco-nesterov"):
-            if variant in results:
-                relative[variant] = (results[variant].final_val_ppl - results["noloco"].final_val_ppl) / results[
-                    "ddp"
-                ].final_val_ppl
-    comparison = Comparison(results, relative)
+    comparison = Comparison(results, relative_metrics(results))
     write_outputs(comparison, cfg, corpus)
     return comparison
 
@@ -268,4 +326,124 @@ def plot_curves(comparison: Comparison, path: Path, *, title: str) -> None:
     spread_ax.grid(alpha=0.3)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+# ---------------------------------------------------------------------------------------------------- seed study
+
+
+@dataclass
+class SeedStudy:
+    """``compare`` repeated over seeds (initial weights, data dealing, pairings) and replica counts."""
+
+    seeds: list[int]
+    comparisons: dict[int, list[Comparison]]  # replica count -> one comparison per seed
+
+    def table(self) -> str:
+        blocks = []
+        for count, runs in self.comparisons.items():
+            methods = list(runs[0].results)
+            rows = [
+                f"{count} replicas, {len(runs)} seeds ({', '.join(map(str, self.seeds))}): mean +- std over seeds",
+                "| method | final val loss | val ppl | ppl vs DDP | weight spread |",
+                "|---|---:|---:|---:|---:|",
+            ]
+            for method in methods:
+                losses = np.array([run.results[method].final_val_loss for run in runs])
+                ppls = np.array([run.results[method].final_val_ppl for run in runs])
+                spread = np.mean([run.results[method].final_spread for run in runs])
+                versus = "n/a"
+                if "ddp" in methods:
+                    ratios = np.array(
+                        [run.results[method].final_val_ppl / run.results["ddp"].final_val_ppl for run in runs]
+                    )
+                    versus = f"{(ratios.mean() - 1) * 100:+.2f}% +- {ratios.std() * 100:.2f}"
+                rows.append(
+                    f"| {method} | {losses.mean():.4f} +- {losses.std():.4f} | {ppls.mean():.3f} | {versus} | "
+                    f"{spread:.2e} |"
+                )
+            for key in runs[0].relative_metric:
+                values = np.array([run.relative_metric[key] for run in runs]) * 100
+                diloco, _, noloco = key.partition(" vs ")
+                wins = int((values > 0).sum())
+                rows.append(
+                    f"(ppl_{diloco} - ppl_{noloco or 'noloco'}) / ppl_ddp = {values.mean():+.2f}% "
+                    f"+- {values.std():.2f} (min {values.min():+.2f}, max {values.max():+.2f}; NoLoCo better in "
+                    f"{wins}/{len(values)} seeds)"
+                )
+            blocks.append("\n".join(rows))
+        return "\n\n".join(blocks)
+
+
+def seed_study(
+    cfg: SimulateConfig, seeds: list[int], replica_counts: list[int], *, progress: ProgressFn = _print_progress
+) -> SeedStudy:
+    """Every method of ``cfg.methods`` for every replica count and seed; writes study.json and study.png."""
+    corpus = load_corpus(cfg.data)
+    comparisons: dict[int, list[Comparison]] = {}
+    for count in replica_counts:
+        for seed in seeds:
+            run_cfg = cfg.model_copy(update={"replicas": count, "train": cfg.train.model_copy(update={"seed": seed})})
+            progress(f"--- {count} replicas, seed {seed}")
+            results = {method: run_method(method, run_cfg, corpus, progress=progress) for method in cfg.methods}
+            comparisons.setdefault(count, []).append(Comparison(results, relative_metrics(results)))
+    study = SeedStudy(list(seeds), comparisons)
+    cfg.out_dir.mkdir(parents=True, exist_ok=True)
+    payload = {
+        "config": cfg.model_dump(mode="json"),
+        "corpus": corpus.description,
+        "seeds": list(seeds),
+        "runs": {
+            str(count): [
+                {
+                    "results": {name: asdict(r) for name, r in run.results.items()},
+                    "relative_metric": run.relative_metric,
+                }
+                for run in runs
+            ]
+            for count, runs in comparisons.items()
+        },
+        "table": study.table(),
+    }
+    (cfg.out_dir / "study.json").write_text(json.dumps(payload, indent=2))
+    plot_study(study, cfg.out_dir / "study.png", model=cfg.train.model_size)
+    return study
+
+
+def plot_study(study: SeedStudy, path: Path, *, model: str) -> None:
+    """Per replica count: the seed-mean validation loss (band: min to max over seeds) and weight spread."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    counts = list(study.comparisons)
+    fig, axes = plt.subplots(len(counts), 2, figsize=(12, 4.2 * len(counts)), squeeze=False)
+    for row, count in enumerate(counts):
+        runs = study.comparisons[count]
+        loss_ax, spread_ax = axes[row]
+        finals = []
+        for method in runs[0].results:
+            steps = runs[0].results[method].steps
+            curves = np.array([run.results[method].val_loss for run in runs])
+            line = loss_ax.plot(steps, curves.mean(axis=0), label=method, marker=".")[0]
+            loss_ax.fill_between(steps, curves.min(axis=0), curves.max(axis=0), color=line.get_color(), alpha=0.15)
+            finals.append(curves.mean(axis=0)[-1])
+            spreads = np.array([run.results[method].spread for run in runs]).mean(axis=0)
+            if (spreads[1:] > 0).any():
+                spread_ax.plot(steps[1:], spreads[1:], label=method, color=line.get_color(), marker=".")
+        loss_ax.set(
+            xlabel="inner steps per replica",
+            ylabel="validation loss (nats/token)",
+            title=f"{count} replicas, {model} model, {len(runs)} seeds",
+        )
+        loss_ax.set_ylim(min(finals) - 0.1, max(finals) + 0.8)
+        loss_ax.legend(fontsize=8)
+        loss_ax.grid(alpha=0.3)
+        spread_ax.set(xlabel="inner steps per replica", ylabel="weight std across replicas (RMS)", yscale="log")
+        if spread_ax.lines:
+            spread_ax.legend(fontsize=8)
+        spread_ax.grid(alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
     plt.close(fig)

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-METHODS = ["noloco", "diloco", "diloco-nesterov", "ddp", "solo"]
+METHODS = ["noloco", "noloco-stale", "noloco-momentum", "diloco", "diloco-nesterov", "ddp", "solo"]
 
 
 def run_compare(out: Path, *extra: str, timeout: int = 600) -> subprocess.CompletedProcess[str]:
@@ -33,9 +33,12 @@ def check_outputs(out: Path, replicas: int, steps: int) -> dict:
     assert results["diloco-nesterov"]["spread"][-1] == 0.0
     assert results["ddp"]["spread"][-1] == 0.0
     assert 0.0 < results["noloco"]["spread"][-1] < results["solo"]["spread"][-1]
+    assert results["noloco-stale"]["spread"][-1] > 0.0 and results["noloco-momentum"]["spread"][-1] > 0.0
     ppl = {name: r["final_val_ppl"] for name, r in results.items()}
     want = (ppl["diloco"] - ppl["noloco"]) / ppl["ddp"]
     assert metrics["relative_metric"]["diloco"] == pytest.approx(want)
+    stale = (ppl["diloco-nesterov"] - ppl["noloco-stale"]) / ppl["ddp"]
+    assert metrics["relative_metric"]["diloco-nesterov vs noloco-stale"] == pytest.approx(stale)
     return metrics
 
 
@@ -49,6 +52,33 @@ def test_compare_with_an_odd_number_of_replicas(tmp_path: Path) -> None:
         assert f"| {method} |" in done.stdout
     assert "(ppl_diloco - ppl_noloco) / ppl_ddp" in done.stdout
     assert "[         noloco] step    15/60" in done.stderr  # progress while it runs
+
+
+def test_seed_study_reports_mean_and_spread_over_seeds_per_replica_count(tmp_path: Path) -> None:
+    done = run_compare(
+        tmp_path, "--seeds", "2", "--replica-counts", "2,3", "--steps", "20", "--inner-steps", "10",
+        "--seq-len", "32", "--eval-batches", "1", "--methods", "noloco,noloco-stale,diloco,ddp",
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr[-3000:]
+    study = json.loads((tmp_path / "study.json").read_text())
+    assert (tmp_path / "study.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert study["seeds"] == [0, 1] and set(study["runs"]) == {"2", "3"}
+    for count, runs in study["runs"].items():
+        assert len(runs) == 2 and all(
+            set(run["results"]) == {"noloco", "noloco-stale", "diloco", "ddp"} for run in runs
+        )
+        assert all(run["results"]["noloco"]["replicas"] == int(count) for run in runs)
+        # different seeds are different runs: different initial weights, data and pairings
+        assert runs[0]["results"]["noloco"]["val_loss"] != runs[1]["results"]["noloco"]["val_loss"]
+        # the table's mean is the mean of the seeds' final losses
+        finals = [run["results"]["noloco"]["val_loss"][-1] for run in runs]
+        row = next(
+            line
+            for line in done.stdout.split(f"{count} replicas, 2 seeds")[1].splitlines()
+            if line.startswith("| noloco |")
+        )
+        assert f"{sum(finals) / 2:.4f} +- " in row
+    assert "NoLoCo better in" in done.stdout
 
 
 @pytest.mark.slow

@@ -1,0 +1,127 @@
+"""N hosts on shaped links: a benchmark network with the bandwidth and latency of an internet swarm.
+
+Each host is a network namespace with one veth to a shared router namespace; like a home or cloud uplink, the
+host's side is shaped to ``rate`` with ``tc tbf`` on egress (its upload) and the router's side to ``rate`` too
+(its download). The router forwards every packet through delay_router.py, which adds the one-way delay (half the
+round trip) and jitter that this kernel's missing netem cannot. So a byte from host i to host j crosses i's
+upload, the delay, and j's download: the path of two peers on different home links.
+
+Host i has address 10.81.i.2 (i < 250). Needs root, iproute2 and /dev/net/tun. The namespaces are named
+``{prefix}-h{i}`` and ``{prefix}-r``; everything is removed on exit, and stale leftovers of a killed run are
+removed on entry.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+
+MTU = 65000
+TUN = "nldelay"
+
+
+@dataclass(frozen=True)
+class ShapedNetwork:
+    hosts: int
+    rate_mbit: float
+    rtt_ms: float
+    jitter_ms: float
+    prefix: str
+
+    def namespace(self, host: int) -> str:
+        return f"{self.prefix}-h{host}"
+
+    def address(self, host: int) -> str:
+        return f"10.81.{host}.2"
+
+    def device(self, host: int) -> str:
+        return f"{self.prefix}h{host}"
+
+    def exec_prefix(self, host: int) -> list[str]:
+        """Prefix a command line with this to run it on ``host``."""
+        return ["ip", "netns", "exec", self.namespace(host)]
+
+    @property
+    def router(self) -> str:
+        return f"{self.prefix}-r"
+
+
+def _run(*args: str) -> None:
+    done = subprocess.run(list(args), capture_output=True, text=True)
+    if done.returncode:
+        raise RuntimeError(f"{' '.join(args)}: {done.stderr.strip()}")
+
+
+def _remove(prefix: str) -> None:
+    listed = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout.split()
+    for name in listed:
+        if name.startswith(f"{prefix}-"):
+            subprocess.run(["ip", "netns", "del", name], capture_output=True)
+
+
+def _shape(namespace: str, device: str, rate_mbit: float) -> None:
+    # burst: two MTU-sized packets (the least tbf can pass 64 KB packets with: ~10 ms of line rate at 100 Mbit/s);
+    # latency: how long a packet may queue before tbf drops it
+    _run("tc", "-n", namespace, "qdisc", "add", "dev", device, "root", "tbf", "rate", f"{rate_mbit}mbit",
+         "burst", "128kb", "latency", "400ms")  # fmt: skip
+
+
+@contextmanager
+def shaped_network(
+    hosts: int, *, rate_mbit: float, rtt_ms: float, jitter_ms: float = 0.0, prefix: str = "nls"
+) -> Iterator[ShapedNetwork]:
+    if os.geteuid() != 0:
+        raise PermissionError("a shaped network needs root (network namespaces, tc, a TUN device)")
+    if not 1 <= hosts < 250:
+        raise ValueError(f"hosts must be in [1, 250), not {hosts}")
+    net = ShapedNetwork(hosts, rate_mbit, rtt_ms, jitter_ms, prefix)
+    _remove(prefix)
+    delayer: subprocess.Popen[str] | None = None
+    try:
+        router = net.router
+        _run("ip", "netns", "add", router)
+        _run("ip", "netns", "exec", router, "sysctl", "-qw", "net.ipv4.ip_forward=1",
+             "net.ipv4.conf.all.rp_filter=0", "net.ipv4.conf.default.rp_filter=0")  # fmt: skip
+        _run("ip", "-n", router, "link", "set", "lo", "up")
+        for host in range(hosts):
+            ns, dev, peer = net.namespace(host), net.device(host), f"{prefix}r{host}"
+            _run("ip", "netns", "add", ns)
+            _run("ip", "link", "add", dev, "type", "veth", "peer", "name", peer)
+            _run("ip", "link", "set", dev, "netns", ns)
+            _run("ip", "link", "set", peer, "netns", router)
+            _run("ip", "-n", ns, "addr", "add", f"10.81.{host}.2/24", "dev", dev)
+            _run("ip", "-n", router, "addr", "add", f"10.81.{host}.1/24", "dev", peer)
+            _run("ip", "-n", ns, "link", "set", dev, "up", "mtu", str(MTU))
+            _run("ip", "-n", ns, "link", "set", "lo", "up")
+            _run("ip", "-n", router, "link", "set", peer, "up", "mtu", str(MTU))
+            _run("ip", "-n", ns, "route", "add", "default", "via", f"10.81.{host}.1")
+            # Long-lived connections keep their congestion window between exchanges (a node's channels are
+            # pooled): the setting a deployment guide recommends for nodes; the bench also reports cold rounds.
+            _run("ip", "netns", "exec", ns, "sysctl", "-qw", "net.ipv4.tcp_slow_start_after_idle=0")
+            _run("ip", "netns", "exec", router, "sysctl", "-qw", f"net.ipv4.conf.{peer}.rp_filter=0")
+            _run("ip", "-n", router, "rule", "add", "iif", peer, "lookup", "100")
+            _shape(ns, dev, rate_mbit)
+            _shape(router, peer, rate_mbit)
+        delayer = subprocess.Popen(
+            ["ip", "netns", "exec", router, sys.executable, "-m", "noloco_node.bench.delay_router", TUN,
+             str(rtt_ms / 2), "--jitter-ms", str(jitter_ms)],
+            stdout=subprocess.PIPE, text=True,
+        )  # fmt: skip
+        assert delayer.stdout is not None
+        if delayer.stdout.readline().strip() != "ready":
+            raise RuntimeError("the delay router did not start")
+        _run("ip", "-n", router, "link", "set", TUN, "up", "mtu", str(MTU))
+        _run("ip", "netns", "exec", router, "sysctl", "-qw", f"net.ipv4.conf.{TUN}.rp_filter=0")
+        _run("ip", "-n", router, "route", "add", "default", "dev", TUN, "table", "100")
+        time.sleep(0.2)
+        yield net
+    finally:
+        if delayer is not None:
+            delayer.kill()
+            delayer.wait()
+        _remove(prefix)

@@ -1,0 +1,190 @@
+"""One host of `noloco-node bench sync`: times a NoLoCo pairwise exchange round and a ring all-reduce.
+
+Started by bench/sync.py inside its own network namespace (shaped_network.py), one process per host. All hosts
+join a gloo process group (the all-reduce DiLoCo implementations use, and the start line of every measurement)
+and serve the node's gRPC exchange service. Every measurement starts at an absolute time on the machine's
+monotonic clock (shared by every namespace), announced by rank 0 through the group, and ends when this host has
+both sent and received its part; the round's time is the latest end minus the start, so barrier skew does not
+shorten it.
+
+- pairwise: hosts are paired at random; the lower rank calls the other's ``Exchange`` (exchange.py), which carries
+  both directions at once, as a pairing does. ``cold``: the first call of a pairing, on a new connection; ``warm``:
+  the same pairing again on the pooled connection (what a node's later exchanges with a peer see).
+- ring: ``torch.distributed.all_reduce`` over gloo (its ring algorithm for large tensors) of the same tensor.
+
+Payloads are fp32 on the wire, so a 16 MB tensor moves 16 MB each way.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import threading
+import time
+from typing import Any
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from noloco_node.exchange import AdmitsEverything, ExchangeMetrics, Outgoing, exchange_with, start_server
+from noloco_node.rpc import peer_pb2 as pb
+from noloco_node.transport import Transport
+from noloco_node.wire import Payload, ReceiveBuffers, TensorLayout, build_manifest, layout_of
+
+RUN = "bench-sync"
+PORT = 7100
+CHUNK = 2**20
+
+
+class _SyncPeer(AdmitsEverything):
+    """The served side: accepts every exchange of the current payload and counts the completed ones."""
+
+    def __init__(self) -> None:
+        self.run_fingerprint = RUN
+        self.peer_id = "sync"
+        self.layout: list[TensorLayout] = []
+        self._outgoing: Outgoing | None = None
+        self.completed = 0
+        self.changed = threading.Condition()
+        self.receive_buffers = ReceiveBuffers(max_idle_bytes=0)
+
+    def set_payload(self, named: list[tuple[str, torch.Tensor]]) -> None:
+        self.layout = layout_of(named)
+        manifest = build_manifest(named, wire_dtype="fp32", run_fingerprint=RUN, peer_id=self.peer_id, outer_step=1)
+        self._outgoing = Outgoing(manifest, [t for _, t in named])
+        self.receive_buffers = ReceiveBuffers(max_idle_bytes=self.max_payload_bytes())
+
+    def expected_layout(self) -> list[TensorLayout]:
+        return self.layout
+
+    def max_payload_bytes(self) -> int:
+        return sum(item.numel for item in self.layout) * 4 + 1024
+
+    def open_session(self, partner_id: str, partner_outer_step: int) -> Any:
+        return self
+
+    def outgoing(self) -> Outgoing:
+        assert self._outgoing is not None
+        return self._outgoing
+
+    def complete(self, payload: Payload) -> None:
+        payload.release()
+        with self.changed:
+            self.completed += 1
+            self.changed.notify_all()
+
+    def release(self) -> None:
+        pass
+
+    def info(self) -> pb.InfoReply:
+        return pb.InfoReply(peer_id=self.peer_id, run_fingerprint=RUN)
+
+    def state_snapshot(self) -> Outgoing | None:
+        return None
+
+
+def _agreed_start(lead: float = 0.3) -> float:
+    """A start time on the shared monotonic clock, decided by rank 0 and known to every rank."""
+    start = torch.tensor([time.monotonic() + lead], dtype=torch.float64)
+    dist.broadcast(start, src=0)
+    return float(start)
+
+
+def _sleep_until(moment: float) -> None:
+    while (left := moment - time.monotonic()) > 0:
+        time.sleep(min(left, 0.05))
+
+
+def _latest_end(end: float) -> float:
+    ends = torch.tensor([end], dtype=torch.float64)
+    dist.all_reduce(ends, op=dist.ReduceOp.MAX)
+    return float(ends)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--rank", type=int, required=True)
+    parser.add_argument("--world", type=int, required=True)
+    parser.add_argument("--addresses", required=True, help="comma-separated host addresses, by rank")
+    parser.add_argument("--iface", required=True)
+    parser.add_argument("--sizes-mb", required=True)
+    parser.add_argument("--warm-rounds", type=int, default=2)
+    parser.add_argument("--ring-rounds", type=int, default=2)
+    parser.add_argument("--out", required=True)
+    args = parser.parse_args()
+    torch.set_num_threads(1)
+    addresses = args.addresses.split(",")
+    os.environ["GLOO_SOCKET_IFNAME"] = args.iface
+    dist.init_process_group(
+        "gloo",
+        init_method=f"tcp://{addresses[0]}:29500",
+        rank=args.rank,
+        world_size=args.world,
+        timeout=__import__("datetime").timedelta(seconds=900),
+    )
+    peer = _SyncPeer()
+    server, _ = start_server(
+        peer, ExchangeMetrics(), bind=f"{addresses[args.rank]}:{PORT}", chunk_bytes=CHUNK, max_call_seconds=900
+    )
+    results: list[dict[str, Any]] = []
+    try:
+        for size_mb in [float(s) for s in args.sizes_mb.split(",")]:
+            numel = int(size_mb * 2**20) // 4
+            tensor = torch.randn(numel, generator=torch.Generator().manual_seed(args.rank))
+            named = [("theta/w", tensor)]
+            peer.set_payload(named)
+            outgoing = Outgoing(
+                build_manifest(named, wire_dtype="fp32", run_fingerprint=RUN, peer_id=f"r{args.rank}", outer_step=1),
+                [tensor],
+            )
+            buffers = ReceiveBuffers(max_idle_bytes=numel * 4 + 1024)
+            order = np.random.default_rng([int(size_mb * 1000), 7]).permutation(args.world)
+            position = int(np.where(order == args.rank)[0][0])
+            partner = int(order[position ^ 1]) if (position ^ 1) < args.world else None
+            transport = Transport()  # a fresh pool: the first round of this pairing connects anew
+            entry: dict[str, Any] = {"size_mb": size_mb, "pairwise": [], "ring": []}
+            for kind in ["cold"] + ["warm"] * args.warm_rounds:
+                expected = peer.completed + 1
+                start = _agreed_start()
+                _sleep_until(start)
+                if partner is not None and args.rank < partner:
+                    payload = exchange_with(
+                        f"{addresses[partner]}:{PORT}",
+                        outgoing,
+                        layout_of(named),
+                        run_fingerprint=RUN,
+                        max_payload_bytes=numel * 4 + 1024,
+                        timeout=900,
+                        chunk_bytes=CHUNK,
+                        buffers=buffers,
+                        transport=transport,
+                    )
+                    payload.release()
+                elif partner is not None:
+                    with peer.changed:
+                        peer.changed.wait_for(lambda expected=expected: peer.completed >= expected, timeout=900)
+                end = time.monotonic()
+                entry["pairwise"].append({"kind": kind, "seconds": _latest_end(end) - start})
+            work = tensor.clone()
+            for _ in range(args.ring_rounds):
+                start = _agreed_start()
+                _sleep_until(start)
+                dist.all_reduce(work)
+                entry["ring"].append(_latest_end(time.monotonic()) - start)
+            transport.close_channels()
+            results.append(entry)
+            if args.rank == 0:
+                print(json.dumps(entry), flush=True)
+    finally:
+        dist.barrier()
+        server.stop(grace=1).wait(5)
+        dist.destroy_process_group()
+    if args.rank == 0:
+        with open(args.out, "w") as handle:
+            json.dump(results, handle)
+
+
+if __name__ == "__main__":
+    main()
