@@ -299,6 +299,18 @@ def build_parser() -> argparse.ArgumentParser:
     straggler.add_argument("--steps", type=int, default=1000, help="inner steps each normal node trains")
     straggler.add_argument("--model", default="tiny", choices=list(MODEL_SIZES), help="model size")
 
+    stragglers = benches.add_parser(
+        "stragglers",
+        help="log-normal step times: a swarm in sync and overlap mode against DiLoCo's global barrier",
+    )
+    stragglers.add_argument("--nodes", type=int, default=4, help="replicas in each run")
+    stragglers.add_argument("--steps", type=int, default=200, help="inner steps each replica trains")
+    stragglers.add_argument("--inner-steps", type=int, default=20, help="H: inner steps between outer steps")
+    stragglers.add_argument("--step-seconds", type=float, default=0.1, help="mean time of one inner step")
+    stragglers.add_argument("--sigma", type=float, default=0.5, help="log-normal sigma of the step times")
+    stragglers.add_argument("--model", default="tiny", choices=list(MODEL_SIZES), help="model size")
+    stragglers.add_argument("--modes", default="sync,overlap", help="pairing modes to measure, comma-separated")
+
     idle = benches.add_parser(
         "idle", help="the trainer's idle fraction per pairing mode in a local swarm, and a node's peak memory"
     )
@@ -588,6 +600,21 @@ def _bench(args: argparse.Namespace) -> int:
 
         print(f"noloco-node bench straggler: {args.nodes} nodes + 1 at {args.slow_factor:g}x slower", flush=True)
         print(run_straggler_bench(args.nodes, args.slow_factor, args.steps, args.model).report())
+        return 0
+    if args.bench == "stragglers":
+        from noloco_node.bench.stragglers import run_stragglers_bench
+
+        print(f"noloco-node bench stragglers: {os.cpu_count()} CPUs", flush=True)
+        stragglers_result = run_stragglers_bench(
+            args.nodes,
+            args.steps,
+            args.inner_steps,
+            args.step_seconds,
+            args.sigma,
+            args.model,
+            modes=tuple(m for m in args.modes.split(",") if m),
+        )
+        print(stragglers_result.report())
         return 0
     if args.bench == "idle":
         from noloco_node.bench.idle import run_idle_bench

@@ -18,10 +18,14 @@ Payloads are fp32 on the wire, so a 16 MB tensor moves 16 MB each way.
 from __future__ import annotations
 
 import argparse
+import faulthandler
 import json
 import os
+import signal
+import sys
 import threading
 import time
+import traceback
 from typing import Any
 
 import numpy as np
@@ -86,7 +90,9 @@ class _SyncPeer(AdmitsEverything):
 
 
 def _agreed_start(lead: float = 0.3) -> float:
-    """A start time on the shared monotonic clock, decided by rank 0 and known to every rank."""
+    """A start time on the shared monotonic clock, decided by rank 0 and known to every rank. The barrier first:
+    a gloo broadcast returns on rank 0 before the others have arrived (their servers may not be up yet)."""
+    dist.barrier()
     start = torch.tensor([time.monotonic() + lead], dtype=torch.float64)
     dist.broadcast(start, src=0)
     return float(start)
@@ -114,6 +120,7 @@ def main() -> None:
     parser.add_argument("--ring-rounds", type=int, default=2)
     parser.add_argument("--out", required=True)
     args = parser.parse_args()
+    faulthandler.register(signal.SIGUSR1)  # `kill -USR1` prints where a stuck host is
     torch.set_num_threads(1)
     addresses = args.addresses.split(",")
     os.environ["GLOO_SOCKET_IFNAME"] = args.iface
@@ -177,10 +184,14 @@ def main() -> None:
             results.append(entry)
             if args.rank == 0:
                 print(json.dumps(entry), flush=True)
-    finally:
-        dist.barrier()
-        server.stop(grace=1).wait(5)
-        dist.destroy_process_group()
+    except BaseException:
+        # A failed host must not leave the others waiting in a collective forever: say why and leave now.
+        traceback.print_exc()
+        sys.stderr.flush()
+        os._exit(1)
+    dist.barrier()
+    server.stop(grace=1).wait(5)
+    dist.destroy_process_group()
     if args.rank == 0:
         with open(args.out, "w") as handle:
             json.dump(results, handle)
