@@ -330,6 +330,9 @@ def build_parser() -> argparse.ArgumentParser:
     sync_bench.add_argument("--jitter-ms", type=float, default=0.0, help="uniform +- jitter per packet and way")
     sync_bench.add_argument("--warm-rounds", type=int, default=2, help="pairwise rounds on pooled connections")
     sync_bench.add_argument("--ring-rounds", type=int, default=2, help="all-reduce rounds (the best is kept)")
+    sync_bench.add_argument(
+        "--no-hivemind", action="store_true", help="skip the hivemind all-reduce round (its matchmaking is slow)"
+    )
 
     train_bench = benches.add_parser(
         "train", help="training throughput (tokens/s) and MFU of a named model size on this device"
@@ -640,6 +643,7 @@ def _bench(args: argparse.Namespace) -> int:
             jitter_ms=args.jitter_ms,
             warm_rounds=args.warm_rounds,
             ring_rounds=args.ring_rounds,
+            hivemind=not args.no_hivemind,
         )
         print(sync_result.report())
         return 0

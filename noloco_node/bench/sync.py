@@ -6,7 +6,9 @@ latency), each holding one tensor of S bytes. Measured in the same run (sync_wor
 
 - a pairwise round: every host exchanges its tensor with one random partner (both directions at once), over the
   node's gRPC exchange; the first round of a pairing on new connections (cold), then on the pooled ones (warm);
-- a ring all-reduce of the same tensor with torch.distributed over gloo, the primitive DiLoCo implementations use.
+- a ring all-reduce of the same tensor with torch.distributed over gloo, the primitive DiLoCo implementations use;
+- with ``hivemind=True``, a round of hivemind's DecentralizedAverager (butterfly all-reduce over libp2p) in a group
+  of all N hosts, timed from its trigger after matchmaking (reported apart).
 
 Printed next to them:
 
@@ -39,6 +41,8 @@ class SyncRow:
     ring: float
     rate_mbit: float
     rtt_ms: float
+    hivemind: float | None = None  # the all-reduce alone; None: not run, or matchmaking failed
+    hivemind_matchmaking: float | None = None
 
     @property
     def bytes(self) -> float:
@@ -78,14 +82,19 @@ class SyncResult:
             f"links: {self.rate_mbit:g} Mbit/s each way per host, RTT {self.rtt_ms:g} ms"
             + (f" +- {self.jitter_ms:g} ms jitter" if self.jitter_ms else ""),
             "| N | tensor | pairwise cold s | pairwise warm s | limit s | warm / limit | ring all-reduce s | "
-            "ring model s | ring / pairwise | model ratio | paper log2 N |",
-            "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+            "ring model s | ring / pairwise | model ratio | paper log2 N | hivemind all-reduce s (matchmaking s) | "
+            "hivemind / pairwise |",
+            "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
         ]
         for r in self.rows:
+            hivemind, versus = "not run", "-"
+            if r.hivemind is not None:
+                hivemind = f"{r.hivemind:.3f} ({r.hivemind_matchmaking:.1f})"
+                versus = f"{r.hivemind / r.pairwise_warm:.2f}x"
             lines.append(
                 f"| {r.hosts} | {r.size_mb:g} MB | {r.pairwise_cold:.3f} | {r.pairwise_warm:.3f} | {r.limit:.3f} | "
                 f"{r.pairwise_warm / r.limit:.2f}x | {r.ring:.3f} | {r.ring_model:.3f} | {r.measured_ratio:.2f}x | "
-                f"{r.model_ratio:.2f}x | {math.log2(r.hosts):.2f}x |"
+                f"{r.model_ratio:.2f}x | {math.log2(r.hosts):.2f}x | {hivemind} | {versus} |"
             )
         off = [r for r in self.rows if abs(r.measured_ratio / r.model_ratio - 1) > 0.3]
         if off:
@@ -105,6 +114,7 @@ def run_sync_bench(
     jitter_ms: float = 0.0,
     warm_rounds: int = 2,
     ring_rounds: int = 2,
+    hivemind: bool = True,
     progress: bool = True,
 ) -> SyncResult:
     result = SyncResult(rate_mbit, rtt_ms, jitter_ms)
@@ -117,7 +127,8 @@ def run_sync_bench(
             worker_args = [
                 "--world", str(count), "--addresses", ",".join(net.address(i) for i in range(count)),
                 "--sizes-mb", ",".join(f"{s:g}" for s in sizes_mb), "--warm-rounds", str(warm_rounds),
-                "--ring-rounds", str(ring_rounds), "--out", str(out),
+                "--ring-rounds", str(ring_rounds), "--out", str(out), "--rendezvous", tmp,
+                *(["--hivemind"] if hivemind else []),
             ]  # fmt: skip
             logs = [(Path(tmp) / f"rank{i}.log").open("w") for i in range(count)]
             started = time.monotonic()
@@ -140,7 +151,11 @@ def run_sync_bench(
             for entry in json.loads(out.read_text()):
                 cold = entry["pairwise"][0]["seconds"]
                 warm = min(p["seconds"] for p in entry["pairwise"][1:]) if len(entry["pairwise"]) > 1 else cold
-                result.rows.append(SyncRow(count, entry["size_mb"], cold, warm, min(entry["ring"]), rate_mbit, rtt_ms))
+                row = SyncRow(count, entry["size_mb"], cold, warm, min(entry["ring"]), rate_mbit, rtt_ms)
+                if entry.get("hivemind"):
+                    row.hivemind = entry["hivemind"]["seconds"]
+                    row.hivemind_matchmaking = entry["hivemind"]["matchmaking_seconds"]
+                result.rows.append(row)
             if progress:
                 print(f"N={count}: done in {time.monotonic() - started:.0f} s", file=sys.stderr, flush=True)
     return result

@@ -11,6 +11,9 @@ shorten it.
   both directions at once, as a pairing does. ``cold``: the first call of a pairing, on a new connection; ``warm``:
   the same pairing again on the pooled connection (what a node's later exchanges with a peer see).
 - ring: ``torch.distributed.all_reduce`` over gloo (its ring algorithm for large tensors) of the same tensor.
+- hivemind (``--hivemind``): one round of hivemind's DecentralizedAverager, the all-reduce of hivemind-based
+  swarms (a butterfly all-reduce over libp2p: each host reduces 1/N of the tensor), in a group of every host,
+  timed from the trigger after matchmaking; the matchmaking time is reported apart.
 
 Payloads are fp32 on the wire, so a 16 MB tensor moves 16 MB each way.
 """
@@ -26,6 +29,7 @@ import sys
 import threading
 import time
 import traceback
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -109,6 +113,68 @@ def _latest_end(end: float) -> float:
     return float(ends)
 
 
+def _start_averagers(args: argparse.Namespace, addresses: list[str], tensors: dict[float, torch.Tensor]) -> dict:
+    """One hivemind DHT per host (rank 0's first; the others join it through a file in the rendezvous folder)
+    and one DecentralizedAverager per tensor size, all in groups of every host."""
+    import hivemind
+
+    rendezvous = Path(args.rendezvous)
+    first = rendezvous / "dht0"
+    host = [f"/ip4/{addresses[args.rank]}/tcp/0"]
+    if args.rank == 0:
+        dht = hivemind.DHT(start=True, host_maddrs=host)
+        staging = rendezvous / "dht0.tmp"
+        staging.write_text("\n".join(str(m) for m in dht.get_visible_maddrs()))
+        staging.rename(first)
+    else:
+        deadline = time.monotonic() + 300
+        while not first.exists():
+            if time.monotonic() > deadline:
+                raise TimeoutError("rank 0's DHT address never appeared")
+            time.sleep(0.2)
+        dht = hivemind.DHT(start=True, host_maddrs=host, initial_peers=first.read_text().split())
+    return {
+        size: hivemind.averaging.DecentralizedAverager(
+            [tensor.clone()],
+            dht,
+            start=True,
+            prefix=f"sync{i}",
+            target_group_size=args.world,
+            min_group_size=args.world,
+            min_matchmaking_time=10.0,
+            request_timeout=5.0,
+        )
+        for i, (size, tensor) in enumerate(tensors.items())
+    }
+
+
+def _hivemind_round(averager: Any) -> dict[str, float | None]:
+    """Matchmaking in the background until the group of all hosts is formed, then the all-reduce alone, timed
+    from an agreed start like the others (hivemind's butterfly: each host reduces 1/N of the tensor)."""
+    from hivemind.averaging.control import AveragingStage
+
+    began = time.monotonic()
+    control = averager.step(wait=False, require_trigger=True, timeout=600)
+    while control.stage != AveragingStage.AWAITING_TRIGGER and not control.done():
+        time.sleep(0.05)
+    matched = control.stage == AveragingStage.AWAITING_TRIGGER
+    matchmaking = torch.tensor([time.monotonic() - began if matched else -1.0], dtype=torch.float64)
+    dist.all_reduce(matchmaking, op=dist.ReduceOp.MIN)  # -1 if any host failed to find the group
+    start = _agreed_start()
+    _sleep_until(start)
+    ok = matched and float(matchmaking) >= 0
+    if ok:
+        control.allow_allreduce()
+        ok = control.result(timeout=900) is not None
+    else:
+        control.cancel()
+    seconds = _latest_end(time.monotonic()) - start
+    failed = torch.tensor([0.0 if ok else 1.0])
+    dist.all_reduce(failed)
+    good = float(failed) == 0
+    return {"seconds": seconds if good else None, "matchmaking_seconds": float(matchmaking) if good else None}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--rank", type=int, required=True)
@@ -119,10 +185,18 @@ def main() -> None:
     parser.add_argument("--warm-rounds", type=int, default=2)
     parser.add_argument("--ring-rounds", type=int, default=2)
     parser.add_argument("--out", required=True)
+    parser.add_argument("--hivemind", action="store_true", help="also time a hivemind all-reduce round")
+    parser.add_argument("--rendezvous", help="a folder shared by the hosts, for the DHT's first address")
     args = parser.parse_args()
     faulthandler.register(signal.SIGUSR1)  # `kill -USR1` prints where a stuck host is
     torch.set_num_threads(1)
     addresses = args.addresses.split(",")
+    sizes = [float(s) for s in args.sizes_mb.split(",")]
+    tensors = {
+        size: torch.randn(int(size * 2**20) // 4, generator=torch.Generator().manual_seed(args.rank)) for size in sizes
+    }
+    # hivemind's DHT and averagers fork helper processes: start them before gloo, gRPC or torch threads exist
+    averagers = _start_averagers(args, addresses, tensors) if args.hivemind else {}
     os.environ["GLOO_SOCKET_IFNAME"] = args.iface
     dist.init_process_group(
         "gloo",
@@ -137,9 +211,9 @@ def main() -> None:
     )
     results: list[dict[str, Any]] = []
     try:
-        for size_mb in [float(s) for s in args.sizes_mb.split(",")]:
-            numel = int(size_mb * 2**20) // 4
-            tensor = torch.randn(numel, generator=torch.Generator().manual_seed(args.rank))
+        for size_mb in sizes:
+            tensor = tensors[size_mb].clone()
+            numel = tensor.numel()
             named = [("theta/w", tensor)]
             peer.set_payload(named)
             outgoing = Outgoing(
@@ -181,6 +255,8 @@ def main() -> None:
                 dist.all_reduce(work)
                 entry["ring"].append(_latest_end(time.monotonic()) - start)
             transport.close_channels()
+            if size_mb in averagers:
+                entry["hivemind"] = _hivemind_round(averagers[size_mb])
             results.append(entry)
             if args.rank == 0:
                 print(json.dumps(entry), flush=True)
