@@ -23,6 +23,7 @@ from __future__ import annotations
 import argparse
 import faulthandler
 import json
+import math
 import os
 import signal
 import sys
@@ -141,38 +142,42 @@ def _start_averagers(args: argparse.Namespace, addresses: list[str], tensors: di
             prefix=f"sync{i}",
             target_group_size=args.world,
             min_group_size=args.world,
-            min_matchmaking_time=10.0,
-            request_timeout=5.0,
+            min_matchmaking_time=5.0,
+            request_timeout=3.0,
         )
         for i, (size, tensor) in enumerate(tensors.items())
     }
 
 
-def _hivemind_round(averager: Any) -> dict[str, float | None]:
-    """Matchmaking in the background until the group of all hosts is formed, then the all-reduce alone, timed
-    from an agreed start like the others (hivemind's butterfly: each host reduces 1/N of the tensor)."""
+def _hivemind_round(averager: Any, matchmaking_seconds: float = 10.0) -> dict[str, float | None]:
+    """One averaging step of every host, scheduled by hivemind for the same moment; the all-reduce is timed from
+    the first host entering it to the last leaving it (stage changes, polled on the shared monotonic clock), so
+    the matchmaking before it is reported apart."""
     from hivemind.averaging.control import AveragingStage
+    from hivemind.utils import get_dht_time
 
-    began = time.monotonic()
-    control = averager.step(wait=False, require_trigger=True, timeout=600)
-    while control.stage != AveragingStage.AWAITING_TRIGGER and not control.done():
-        time.sleep(0.05)
-    matched = control.stage == AveragingStage.AWAITING_TRIGGER
-    matchmaking = torch.tensor([time.monotonic() - began if matched else -1.0], dtype=torch.float64)
-    dist.all_reduce(matchmaking, op=dist.ReduceOp.MIN)  # -1 if any host failed to find the group
     start = _agreed_start()
     _sleep_until(start)
-    ok = matched and float(matchmaking) >= 0
-    if ok:
-        control.allow_allreduce()
-        ok = control.result(timeout=900) is not None
-    else:
-        control.cancel()
-    seconds = _latest_end(time.monotonic()) - start
-    failed = torch.tensor([0.0 if ok else 1.0])
-    dist.all_reduce(failed)
-    good = float(failed) == 0
-    return {"seconds": seconds if good else None, "matchmaking_seconds": float(matchmaking) if good else None}
+    control = averager.step(
+        wait=False, scheduled_time=get_dht_time() + matchmaking_seconds, timeout=matchmaking_seconds + 600
+    )
+    entered = None
+    while not control.done():
+        if entered is None and control.stage == AveragingStage.RUNNING_ALLREDUCE:
+            entered = time.monotonic()
+        time.sleep(0.002)
+    finished = time.monotonic()
+    ok = control.exception() is None and control.result() is not None and entered is not None
+    marks = torch.tensor([entered if ok else math.inf, finished, 0.0 if ok else 1.0], dtype=torch.float64)
+    first_in = marks[:1].clone()
+    dist.all_reduce(first_in, op=dist.ReduceOp.MIN)
+    last_out = marks[1:2].clone()
+    dist.all_reduce(last_out, op=dist.ReduceOp.MAX)
+    failures = marks[2:].clone()
+    dist.all_reduce(failures)
+    if float(failures):
+        return {"seconds": None, "matchmaking_seconds": None}
+    return {"seconds": float(last_out - first_in), "matchmaking_seconds": float(first_in) - start}
 
 
 def main() -> None:
