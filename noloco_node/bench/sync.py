@@ -43,6 +43,7 @@ class SyncRow:
     rtt_ms: float
     hivemind: float | None = None  # the all-reduce alone; None: not run, or matchmaking failed
     hivemind_matchmaking: float | None = None
+    hivemind_failed_hosts: int = 0
 
     @property
     def bytes(self) -> float:
@@ -88,7 +89,9 @@ class SyncResult:
         ]
         for r in self.rows:
             hivemind, versus = "not run", "-"
-            if r.hivemind is not None:
+            if r.hivemind_failed_hosts:
+                hivemind = f"failed on {r.hivemind_failed_hosts}/{r.hosts} hosts"
+            elif r.hivemind is not None:
                 hivemind = f"{r.hivemind:.3f} ({r.hivemind_matchmaking:.1f})"
                 versus = f"{r.hivemind / r.pairwise_warm:.2f}x"
             lines.append(
@@ -144,6 +147,10 @@ def run_sync_bench(
             codes = [w.wait(timeout=3600) for w in workers]
             for log in logs:
                 log.close()
+            failures = [line for i in range(count) for line in (Path(tmp) / f"rank{i}.log").read_text().splitlines()
+                        if "round failed" in line]  # fmt: skip
+            if failures and progress:
+                print(f"N={count}: " + "\n".join(sorted(set(failures))[:5]), file=sys.stderr, flush=True)
             if any(codes) or not out.exists():
                 failed = next((i for i, c in enumerate(codes) if c), 0)
                 tail = (Path(tmp) / f"rank{failed}.log").read_text()[-3000:]
@@ -155,6 +162,7 @@ def run_sync_bench(
                 if entry.get("hivemind"):
                     row.hivemind = entry["hivemind"]["seconds"]
                     row.hivemind_matchmaking = entry["hivemind"]["matchmaking_seconds"]
+                    row.hivemind_failed_hosts = entry["hivemind"].get("failed_hosts", 0)
                 result.rows.append(row)
             if progress:
                 print(f"N={count}: done in {time.monotonic() - started:.0f} s", file=sys.stderr, flush=True)

@@ -144,6 +144,11 @@ def _start_averagers(args: argparse.Namespace, addresses: list[str], tensors: di
             min_group_size=args.world,
             min_matchmaking_time=5.0,
             request_timeout=3.0,
+            # generous: on a 100 Mbit/s, 50 ms path hivemind's defaults give up on parts still in flight
+            next_chunk_timeout=120.0,
+            sender_timeout=60.0,  # shorter than reducer_timeout, as hivemind requires
+            reducer_timeout=120.0,
+            allreduce_timeout=900.0,
         )
         for i, (size, tensor) in enumerate(tensors.items())
     }
@@ -159,7 +164,10 @@ def _hivemind_round(averager: Any, matchmaking_seconds: float = 10.0) -> dict[st
     start = _agreed_start()
     _sleep_until(start)
     control = averager.step(
-        wait=False, scheduled_time=get_dht_time() + matchmaking_seconds, timeout=matchmaking_seconds + 600
+        wait=False,
+        scheduled_time=get_dht_time() + matchmaking_seconds,
+        timeout=matchmaking_seconds + 60,
+        allow_retries=False,  # a failed round is reported as failed, not retried with a smaller group
     )
     entered = None
     while not control.done():
@@ -167,7 +175,10 @@ def _hivemind_round(averager: Any, matchmaking_seconds: float = 10.0) -> dict[st
             entered = time.monotonic()
         time.sleep(0.002)
     finished = time.monotonic()
-    ok = control.exception() is None and control.result() is not None and entered is not None
+    error = control.exception()
+    ok = error is None and control.result() is not None and entered is not None
+    if not ok:
+        print(f"hivemind round failed on this host: {error!r} (entered all-reduce: {entered is not None})", flush=True)
     marks = torch.tensor([entered if ok else math.inf, finished, 0.0 if ok else 1.0], dtype=torch.float64)
     first_in = marks[:1].clone()
     dist.all_reduce(first_in, op=dist.ReduceOp.MIN)
@@ -176,7 +187,7 @@ def _hivemind_round(averager: Any, matchmaking_seconds: float = 10.0) -> dict[st
     failures = marks[2:].clone()
     dist.all_reduce(failures)
     if float(failures):
-        return {"seconds": None, "matchmaking_seconds": None}
+        return {"seconds": None, "matchmaking_seconds": None, "failed_hosts": int(float(failures))}
     return {"seconds": float(last_out - first_in), "matchmaking_seconds": float(first_in) - start}
 
 
