@@ -27,6 +27,7 @@ class StragglerResult:
     straggler_steps_per_second: float = 0.0
     blends_with_straggler: int = 0
     normal_blends: int = 0
+    normal_outer_steps: int = 0
 
     @property
     def ratio(self) -> float:
@@ -41,8 +42,8 @@ class StragglerResult:
                 f"the same with a {self.slow_factor:g}x straggler: "
                 + ", ".join(f"{v:.1f}" for v in self.with_straggler)
                 + f" inner steps/s (the straggler: {self.straggler_steps_per_second:.1f})",
-                f"blends of the normal nodes: {self.normal_blends}, of which with the straggler: "
-                f"{self.blends_with_straggler}",
+                f"blends of the normal nodes: {self.normal_blends} in {self.normal_outer_steps} outer steps, of which "
+                f"with the straggler: {self.blends_with_straggler}",
                 f"normal nodes' throughput with / without the straggler: {self.ratio:.3f}",
             ]
         )
@@ -75,6 +76,7 @@ def run_straggler_bench(nodes: int, slow_factor: float, steps: int, model: str) 
     if slow:
         result.straggler_steps_per_second = steps_per_second(slow.get("history", []))
         slow_id = slow.get("peer_id")
+        result.normal_outer_steps = sum(len(s.get("history", [])) for s in joined)
         partners = [h["partner"] for s in joined for h in s.get("history", []) if h["partner"]]
         result.normal_blends = len(partners)
         result.blends_with_straggler = sum(1 for p in partners if p == slow_id)
