@@ -5,14 +5,25 @@ from __future__ import annotations
 
 import os
 import re
+import shutil
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
+
+def _can_shape() -> bool:
+    """Root, a TUN device, iproute2 and tc, and a kernel that lets us make a network namespace."""
+    if os.geteuid() != 0 or not Path("/dev/net/tun").exists() or not (shutil.which("ip") and shutil.which("tc")):
+        return False
+    made = subprocess.run(["ip", "netns", "add", "nls-probe"], capture_output=True).returncode == 0
+    subprocess.run(["ip", "netns", "del", "nls-probe"], capture_output=True)
+    return made
+
+
 pytestmark = pytest.mark.skipif(
-    os.geteuid() != 0 or not Path("/dev/net/tun").exists(), reason="bench sync needs root and /dev/net/tun"
+    not _can_shape(), reason="bench sync needs root, /dev/net/tun, iproute2 (ip, tc) and network namespaces"
 )
 
 
