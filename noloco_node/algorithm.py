@@ -211,6 +211,19 @@ def warn_on_unstable_hyperparameters(alpha: float, beta: float, gamma: float, *,
 
 
 @torch.no_grad()
+def mean_weights(replica_weights: Sequence[TensorList]) -> list[torch.Tensor]:
+    """The equal-weight fp32 mean of several replicas' tensors, parameter by parameter (fresh tensors).
+
+    Used for a consensus model of live peers (consensus.py) and for the pair's mean outer momentum of the
+    simulator's ``noloco-momentum`` variant.
+    """
+    first = replica_weights[0]
+    for p, replica in enumerate(replica_weights[1:], start=1):
+        _check_same_shapes(first, replica, f"replica_weights[{p}]")
+    return [_group_mean(first[k], [r[k] for r in replica_weights[1:]]) for k in range(len(first))]
+
+
+@torch.no_grad()
 def replica_spread(replica_weights: Sequence[TensorList]) -> float:
     """Standard deviation of the weights across replicas, as the paper plots it.
 

@@ -162,7 +162,7 @@ def fetch_consensus(
             )
     if len(members) < peers:
         raise ConsensusError(f"only {len(members)} of {peers} peers served their state: " + "; ".join(failures))
-    mean = [torch.stack([w[i] for w in weights]).mean(dim=0) for i in range(len(names))]
+    mean = algorithm.mean_weights(weights)
     for member, member_weights in zip(members, weights, strict=True):
         member.distance = relative_distance(member_weights, mean)
     return Consensus(names, mean, members, weights, algorithm.replica_spread(weights), failures=failures)

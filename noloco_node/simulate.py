@@ -106,9 +106,7 @@ def _noloco_round(
             )
     if blend_momenta:
         for group in groups:
-            mean_delta = [
-                torch.stack([results[i][1][k] for i in group]).mean(dim=0) for k in range(len(results[group[0]][1]))
-            ]
+            mean_delta = algorithm.mean_weights([results[i][1] for i in group])
             for i in group:
                 results[i] = (results[i][0], [d.clone() for d in mean_delta])
     # Apply only once every replica's update is computed from the state before the round.

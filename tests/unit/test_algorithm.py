@@ -234,3 +234,16 @@ def test_replica_spread() -> None:
 def test_projected_fast_weights_add_the_last_phase_to_the_new_slow_weights() -> None:
     (got,) = algorithm.projected_fast_weights(t(2.0), t(5.0), t(1.0))  # 2 + (5 - 1)
     assert got.item() == pytest.approx(6.0) and got.dtype == torch.float32
+
+
+def test_mean_weights_is_the_elementwise_mean_in_fp32() -> None:
+    from noloco_node.algorithm import mean_weights
+
+    a = [torch.tensor([1.0, 2.0]), torch.tensor([[4.0]])]
+    b = [torch.tensor([3.0, 6.0]), torch.tensor([[0.0]])]
+    c = [torch.tensor([2.0, 1.0], dtype=torch.bfloat16), torch.tensor([[2.0]])]
+    mean = mean_weights([a, b, c])
+    assert torch.equal(mean[0], torch.tensor([2.0, 3.0])) and torch.equal(mean[1], torch.tensor([[2.0]]))
+    assert mean[0].dtype == torch.float32 and mean[0].data_ptr() != a[0].data_ptr()
+    with pytest.raises(ValueError):
+        mean_weights([a, [torch.zeros(3), torch.zeros(1, 1)]])
