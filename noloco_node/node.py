@@ -393,12 +393,16 @@ class Node:
             wait_started = time.monotonic()
             partner = self._sync_outer_step(train_seconds) if self.cfg.mode == "sync" else self._overlap_partner()
             waited = time.monotonic() - wait_started
+            blend_started = time.monotonic()
             self._blend(partner)
+            blend_seconds = time.monotonic() - blend_started
             if partner is not None:
                 partner.release()  # blended: its buffers can take the next outer step's payload
             if self.data_parallel is not None:
                 self.data_parallel.broadcast_params(replica.params)  # the other ranks adopt theta = phi
+            upkeep_started = time.monotonic()
             self._take_snapshot()
+            upkeep_seconds = time.monotonic() - upkeep_started
             val_loss = replica.evaluate(val)
             entry = {
                 "outer_step": replica.outer_step,
@@ -409,13 +413,17 @@ class Node:
                 "partner_step": partner.outer_step if partner else None,
                 "train_seconds": train_seconds,
                 "wait_seconds": waited,
+                "blend_seconds": blend_seconds,
+                "upkeep_seconds": upkeep_seconds,
                 "time": time.time(),
             }
             self.telemetry.on_outer_step(entry)
             self._progress.outer_step(entry, partner, self.telemetry.tokens_per_second())
+            upkeep_started = time.monotonic()
             if replica.outer_step % self.cfg.checkpoint_every == 0:
                 self._checkpoint()
             self._write_status()
+            entry["upkeep_seconds"] += time.monotonic() - upkeep_started  # the same dict the history holds
             asyncio.run_coroutine_threadsafe(self._publish(), self.loop)  # type: ignore[arg-type]
 
     # ------------------------------------------------------------------------------------------ event loop tasks

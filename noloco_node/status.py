@@ -43,6 +43,10 @@ class OuterStepRecord(BaseModel):
     partner_step: int | None = None
     train_seconds: float = Field(description="Wall time of the inner phase.")
     wait_seconds: float = Field(description="Time the trainer waited for communication at this outer step.")
+    blend_seconds: float = Field(0.0, description="Time the trainer spent computing the outer step (the blend).")
+    upkeep_seconds: float = Field(
+        0.0, description="Trainer time at this outer step outside the wait, blend and evaluation: snapshot, checkpoint."
+    )
     time: float
 
 

@@ -56,6 +56,8 @@ class ModeResult:
     seconds: float = 0.0
     blends: int = 0
     outer_steps: int = 0
+    blend_seconds: list[float] = field(default_factory=list)  # per outer step, all nodes
+    upkeep_seconds: list[float] = field(default_factory=list)  # per outer step, all nodes
 
 
 @dataclass
@@ -73,6 +75,11 @@ class IdleBenchResult:
                 f"  {mode.mode:<8} trainer idle: mean {statistics.mean(mode.idle):.2%}, max {max(mode.idle):.2%} "
                 f"(per node: {', '.join(f'{v:.2%}' for v in mode.idle)}); {mode.blends}/{mode.outer_steps} outer "
                 f"steps blended; {mode.seconds:.0f} s"
+            )
+            lines.append(
+                f"  {'':<8} trainer time per outer step outside the inner phase and the wait: blend "
+                f"{1000 * statistics.mean(mode.blend_seconds):.1f} ms, upkeep (snapshot, checkpoint, status) mean "
+                f"{1000 * statistics.mean(mode.upkeep_seconds):.1f} ms, max {1000 * max(mode.upkeep_seconds):.1f} ms"
             )
         all_peaks = [peak for mode in self.modes for peak in mode.peak_rss_mb]
         lines.append(
@@ -120,6 +127,8 @@ def _run_mode(mode: str, nodes: int, steps: int, train_args: list[str], base: Pa
         result.idle.append(status["comm_wait_fraction"])
         result.blends += sum(1 for h in status["history"] if h["partner"])
         result.outer_steps += len(status["history"])
+        result.blend_seconds += [h.get("blend_seconds", 0.0) for h in status["history"]]
+        result.upkeep_seconds += [h.get("upkeep_seconds", 0.0) for h in status["history"]]
         result.peak_rss_mb.append(peaks.get(slot.index, 0.0))
     return result
 
