@@ -2,6 +2,6 @@
 
 import sys
 
-from noloco_node.cli import main
+from noloco_node.cli.main import main
 
 sys.exit(main())

@@ -18,10 +18,10 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from noloco_node.config import DataConfig, TrainConfig, model_config_for
-from noloco_node.data import ReplicaShard, load_corpus
-from noloco_node.node import emulated_step_factor
-from noloco_node.trainer import Replica
+from noloco_node.config.models import DataConfig, TrainConfig, model_config_for
+from noloco_node.data.corpus import ReplicaShard, load_corpus
+from noloco_node.node.daemon import emulated_step_factor
+from noloco_node.training.replica import Replica
 
 
 def main() -> None:

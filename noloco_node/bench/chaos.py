@@ -28,7 +28,7 @@ from typing import Any
 
 import torch
 
-from noloco_node.bench.local_swarm import LocalSwarm, NodeSlot, steps_per_second
+from noloco_node.launcher.local_swarm import LocalSwarm, NodeSlot, steps_per_second
 
 UNBOUNDED_STEPS = 10_000_000
 

@@ -23,8 +23,10 @@ from typing import Any
 import grpc
 import torch
 
-from noloco_node.config import model_config_for
-from noloco_node.exchange import (
+from noloco_node.config.models import model_config_for
+from noloco_node.model.decoder import LlamaDecoder, named_parameters_ordered
+from noloco_node.rpc import peer_pb2 as pb
+from noloco_node.rpc.exchange import (
     CHANNEL_OPTIONS,
     AdmitsEverything,
     ExchangeMetrics,
@@ -33,10 +35,8 @@ from noloco_node.exchange import (
     exchange_with,
     start_server,
 )
-from noloco_node.model import LlamaDecoder, named_parameters_ordered
-from noloco_node.payload_guard import relative_distance
-from noloco_node.rpc import peer_pb2 as pb
-from noloco_node.wire import Payload, ReceiveBuffers, TensorLayout, build_manifest, layout_of
+from noloco_node.security.payload_guard import relative_distance
+from noloco_node.wire.payload import Payload, ReceiveBuffers, TensorLayout, build_manifest, layout_of
 
 RUN = "bench-exchange"
 TCP_BUFFER = 4 * 2**20

@@ -21,12 +21,12 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from noloco_node.bench.local_swarm import LocalSwarm
+from noloco_node.launcher.local_swarm import LocalSwarm
 
 _BARE = """
 import resource, sys, torch
-from noloco_node.config import TrainConfig, model_config_for
-from noloco_node.model import LlamaDecoder
+from noloco_node.config.models import TrainConfig, model_config_for
+from noloco_node.model.decoder import LlamaDecoder
 torch.set_num_threads(1)
 cfg = model_config_for(sys.argv[1], vocab_size=256, max_seq_len=int(sys.argv[2]))
 model = LlamaDecoder(cfg)

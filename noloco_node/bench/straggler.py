@@ -15,7 +15,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from noloco_node.bench.local_swarm import LocalSwarm, steps_per_second
+from noloco_node.launcher.local_swarm import LocalSwarm, steps_per_second
 
 
 @dataclass

@@ -28,7 +28,7 @@ from pathlib import Path
 
 import numpy as np
 
-from noloco_node.bench.local_swarm import LocalSwarm, steps_per_second
+from noloco_node.launcher.local_swarm import LocalSwarm, steps_per_second
 
 
 @dataclass

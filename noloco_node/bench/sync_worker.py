@@ -37,10 +37,10 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from noloco_node.exchange import AdmitsEverything, ExchangeMetrics, Outgoing, exchange_with, start_server
 from noloco_node.rpc import peer_pb2 as pb
-from noloco_node.transport import Transport
-from noloco_node.wire import Payload, ReceiveBuffers, TensorLayout, build_manifest, layout_of
+from noloco_node.rpc.exchange import AdmitsEverything, ExchangeMetrics, Outgoing, exchange_with, start_server
+from noloco_node.rpc.transport import Transport
+from noloco_node.wire.payload import Payload, ReceiveBuffers, TensorLayout, build_manifest, layout_of
 
 RUN = "bench-sync"
 PORT = 7100

@@ -18,10 +18,10 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from noloco_node.config import TrainConfig, model_config_for
-from noloco_node.data import ReplicaShard
-from noloco_node.model import parameter_count
-from noloco_node.trainer import Replica, resolve_device
+from noloco_node.config.models import TrainConfig, model_config_for
+from noloco_node.data.corpus import ReplicaShard
+from noloco_node.model.decoder import parameter_count
+from noloco_node.training.replica import Replica, resolve_device
 
 # Dense bf16 tensor-core peaks (FLOP/s), from the vendors' datasheets (SXM parts where there are two).
 GPU_PEAK_BF16 = {

@@ -8,13 +8,13 @@ from collections.abc import Sequence
 import grpc
 import torch
 
-from noloco_node.auth import MAC_HEADER, NONCE_HEADER, PEER_HEADER, TIME_HEADER, SwarmSecret, _mac
-from noloco_node.config import model_config_for
-from noloco_node.exchange import INFO_METHOD, Outgoing
-from noloco_node.model import LlamaDecoder, named_parameters_ordered
+from noloco_node.config.models import model_config_for
+from noloco_node.model.decoder import LlamaDecoder, named_parameters_ordered
 from noloco_node.rpc import peer_pb2 as pb
-from noloco_node.transport import CHANNEL_OPTIONS
-from noloco_node.wire import build_manifest
+from noloco_node.rpc.exchange import INFO_METHOD, Outgoing
+from noloco_node.rpc.transport import CHANNEL_OPTIONS
+from noloco_node.security.auth import MAC_HEADER, NONCE_HEADER, PEER_HEADER, TIME_HEADER, SwarmSecret, _mac
+from noloco_node.wire.payload import build_manifest
 
 
 def node_weights(seq_len: int = 64, seed: int = 0, vocab_size: int = 256) -> list[tuple[str, torch.Tensor]]:

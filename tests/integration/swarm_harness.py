@@ -8,8 +8,8 @@ import signal
 import subprocess
 from pathlib import Path
 
-from noloco_node.discovery import start_bootstrap_process
-from noloco_node.swarm import join_command
+from noloco_node.discovery.dht import start_bootstrap_process
+from noloco_node.launcher.swarm import join_command
 
 
 class Bootstrap:

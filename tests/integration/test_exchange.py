@@ -16,7 +16,9 @@ import pytest
 import torch
 
 from noloco_node.algorithm import noloco_outer_step
-from noloco_node.exchange import (
+from noloco_node.rpc import peer_pb2 as pb
+from noloco_node.rpc import peer_pb2_grpc as pb_grpc
+from noloco_node.rpc.exchange import (
     CHANNEL_OPTIONS,
     EXCHANGE_METHOD,
     AdmitsEverything,
@@ -27,9 +29,7 @@ from noloco_node.exchange import (
     fetch_info,
     start_server,
 )
-from noloco_node.rpc import peer_pb2 as pb
-from noloco_node.rpc import peer_pb2_grpc as pb_grpc
-from noloco_node.wire import Payload, ReceiveBuffers, build_manifest, iter_frames, layout_of
+from noloco_node.wire.payload import Payload, ReceiveBuffers, build_manifest, iter_frames, layout_of
 
 RUN = "run-exchange-test"
 

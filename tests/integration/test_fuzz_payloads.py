@@ -22,10 +22,10 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from noloco_node.exchange import EXCHANGE_METHOD, GET_STATE_METHOD, INFO_METHOD
 from noloco_node.rpc import peer_pb2 as pb
-from noloco_node.transport import CHANNEL_OPTIONS
-from noloco_node.wire import MAX_MESSAGE_BYTES, build_manifest, decode_frame, iter_frames
+from noloco_node.rpc.exchange import EXCHANGE_METHOD, GET_STATE_METHOD, INFO_METHOD
+from noloco_node.rpc.transport import CHANNEL_OPTIONS
+from noloco_node.wire.payload import MAX_MESSAGE_BYTES, build_manifest, decode_frame, iter_frames
 
 from .attacker import node_weights
 from .swarm_harness import Bootstrap, NodeProcess

@@ -5,9 +5,9 @@ from __future__ import annotations
 import math
 from pathlib import Path
 
-from noloco_node.config import DataConfig, OuterConfig, TrainConfig
-from noloco_node.data import load_corpus, validation_batches
-from noloco_node.trainer import run_training
+from noloco_node.config.models import DataConfig, OuterConfig, TrainConfig
+from noloco_node.data.corpus import load_corpus, validation_batches
+from noloco_node.training.replica import run_training
 
 
 def test_tiny_model_learns_python_sources(tmp_path: Path) -> None:

@@ -19,8 +19,7 @@ from pathlib import Path
 import grpc
 import pytest
 
-from noloco_node.auth import CallAuthenticator, SwarmSecret
-from noloco_node.exchange import (
+from noloco_node.rpc.exchange import (
     EXCHANGE_METHOD,
     INFO_METHOD,
     AdmitsEverything,
@@ -31,9 +30,10 @@ from noloco_node.exchange import (
     fetch_info,
     start_server,
 )
-from noloco_node.tls import TlsFiles, write_ca, write_node_cert
-from noloco_node.transport import CHANNEL_OPTIONS, Transport
-from noloco_node.wire import ReceiveBuffers, iter_frames, layout_of
+from noloco_node.rpc.transport import CHANNEL_OPTIONS, Transport
+from noloco_node.security.auth import CallAuthenticator, SwarmSecret
+from noloco_node.security.tls import TlsFiles, write_ca, write_node_cert
+from noloco_node.wire.payload import ReceiveBuffers, iter_frames, layout_of
 
 from .attacker import node_weights, now_ms, payload, raw_info, signed_metadata
 from .swarm_harness import Bootstrap, NodeProcess

@@ -10,7 +10,8 @@ import grpc
 import pytest
 import torch
 
-from noloco_node.exchange import (
+from noloco_node.rpc import peer_pb2 as pb
+from noloco_node.rpc.exchange import (
     AdmitsEverything,
     ExchangeError,
     ExchangeMetrics,
@@ -18,8 +19,7 @@ from noloco_node.exchange import (
     StateDownload,
     start_server,
 )
-from noloco_node.rpc import peer_pb2 as pb
-from noloco_node.wire import ReceiveBuffers, build_manifest
+from noloco_node.wire.payload import ReceiveBuffers, build_manifest
 
 from .throttling_proxy import ThrottlingProxy
 

@@ -16,7 +16,7 @@ from typing import Any
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from noloco_node.status import NodeStatus
+from noloco_node.observability.status import NodeStatus
 
 from .swarm_harness import Bootstrap, NodeProcess
 

@@ -9,8 +9,8 @@ from pathlib import Path
 import torch
 
 from noloco_node.algorithm import noloco_outer_step
-from noloco_node.config import DataConfig, TrainConfig, model_config_for
-from noloco_node.data import ReplicaShard, load_corpus
+from noloco_node.config.models import DataConfig, TrainConfig, model_config_for
+from noloco_node.data.corpus import ReplicaShard, load_corpus
 
 from .swarm_harness import Bootstrap, NodeProcess
 from .throttling_proxy import ThrottlingProxy, free_port
@@ -104,7 +104,7 @@ def test_two_nodes_blend_exactly_as_the_algorithm_says(bootstrap: Bootstrap, tmp
         device="cpu",
     )
     model_cfg = model_config_for("tiny", vocab_size=256, max_seq_len=64)
-    from noloco_node.trainer import Replica
+    from noloco_node.training.replica import Replica
 
     torch.set_num_threads(threads)
     replicas = []
@@ -324,7 +324,7 @@ def test_sigterm_leaves_gracefully_checkpoints_and_withdraws_the_record(bootstra
     import signal
     import time
 
-    from noloco_node.discovery import Discovery
+    from noloco_node.discovery.dht import Discovery
 
     nodes = [
         NodeProcess(

@@ -9,9 +9,16 @@ from pathlib import Path
 
 import pytest
 
-from noloco_node import logs
-from noloco_node.auth import CallAuthenticator, SecretError, SwarmSecret, load_secret, record_mac, record_mac_ok
-from noloco_node.identity import IdentityError, NodeIdentity, peer_id_of
+from noloco_node.observability import logs
+from noloco_node.security.auth import (
+    CallAuthenticator,
+    SecretError,
+    SwarmSecret,
+    load_secret,
+    record_mac,
+    record_mac_ok,
+)
+from noloco_node.security.identity import IdentityError, NodeIdentity, peer_id_of
 
 METHOD = "/noloco.v1.Peer/Exchange"
 

@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 
 from noloco_node.bench.train import flops_per_token, run_train_bench
-from noloco_node.config import model_config_for
-from noloco_node.model import parameter_count
+from noloco_node.config.models import model_config_for
+from noloco_node.model.decoder import parameter_count
 
 
 def test_the_train_bench_reports_consistent_throughput_and_mfu() -> None:

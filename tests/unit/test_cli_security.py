@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from noloco_node.cli import main
+from noloco_node.cli.main import main
 
 
 def test_a_secret_on_the_command_line_is_refused_without_echoing_it(capsys: pytest.CaptureFixture[str]) -> None:

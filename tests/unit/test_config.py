@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 from pydantic import ValidationError
 
-from noloco_node.cli import main
-from noloco_node.config import OuterConfig, SimulateConfig, TrainConfig, format_validation_error
+from noloco_node.cli.main import main
+from noloco_node.config.models import OuterConfig, SimulateConfig, TrainConfig, format_validation_error
 
 
 def test_bad_value_is_named_by_its_dotted_path() -> None:

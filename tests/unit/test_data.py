@@ -7,8 +7,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from noloco_node.config import DataConfig
-from noloco_node.data import (
+from noloco_node.config.models import DataConfig
+from noloco_node.data.corpus import (
     ByteTokenizer,
     DataError,
     ReplicaShard,

@@ -13,13 +13,13 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from noloco_node.config import DataConfig, TrainConfig, model_config_for
-from noloco_node.data import ReplicaShard, load_corpus, stdlib_source_files, validation_batches
-from noloco_node.documents import dataset_files, iter_documents
+from noloco_node.config.models import DataConfig, TrainConfig, model_config_for
+from noloco_node.data.corpus import ReplicaShard, load_corpus, stdlib_source_files, validation_batches
+from noloco_node.data.documents import dataset_files, iter_documents
+from noloco_node.data.token_store import TokenShards, load_prepared, prepare_corpus
+from noloco_node.data.tokenizer import ByteTokenizer, HFTokenizer, load_tokenizer, train_bpe_tokenizer
 from noloco_node.errors import DataError
-from noloco_node.token_store import TokenShards, load_prepared, prepare_corpus
-from noloco_node.tokenizer import ByteTokenizer, HFTokenizer, load_tokenizer, train_bpe_tokenizer
-from noloco_node.trainer import Replica
+from noloco_node.training.replica import Replica
 
 
 def _documents(count: int = 120) -> list[str]:

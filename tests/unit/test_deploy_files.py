@@ -13,9 +13,9 @@ import pytest
 import yaml
 from compose_spec import PyCompose
 
-from noloco_node.cli import build_parser
-from noloco_node.config import KNOWN_ENVIRONMENT
-from noloco_node.settings import env_layer, file_layer, resolve
+from noloco_node.cli.main import build_parser
+from noloco_node.config.models import KNOWN_ENVIRONMENT
+from noloco_node.config.settings import env_layer, file_layer, resolve
 
 ROOT = Path(__file__).resolve().parents[2]
 COMPOSE_FILES = sorted((ROOT / "deploy").glob("compose.*.yaml"))

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import pytest
 
-from noloco_node.config import model_config_for
-from noloco_node.discovery import PeerRecord
-from noloco_node.model import run_fingerprint
+from noloco_node.config.models import model_config_for
+from noloco_node.discovery.dht import PeerRecord
+from noloco_node.model.decoder import run_fingerprint
 
 
 def test_record_round_trip() -> None:

@@ -10,14 +10,14 @@ import numpy as np
 import pytest
 import torch
 
-from noloco_node.cli import main
-from noloco_node.config import DataConfig, OuterConfig, TrainConfig, model_config_for
+from noloco_node.cli.main import main
+from noloco_node.config.models import DataConfig, OuterConfig, TrainConfig, model_config_for
+from noloco_node.data.tokenizer import ByteTokenizer, train_bpe_tokenizer
 from noloco_node.errors import DataError
-from noloco_node.export import ExportedWeights, checkpoint_weights, load_any, write_export
-from noloco_node.inference import generate
-from noloco_node.model import LlamaDecoder, named_parameters_ordered
-from noloco_node.tokenizer import ByteTokenizer, train_bpe_tokenizer
-from noloco_node.trainer import load_checkpoint, run_training, save_checkpoint
+from noloco_node.model.decoder import LlamaDecoder, named_parameters_ordered
+from noloco_node.model.export import ExportedWeights, checkpoint_weights, load_any, write_export
+from noloco_node.model.inference import generate
+from noloco_node.training.replica import load_checkpoint, run_training, save_checkpoint
 
 transformers = pytest.importorskip("transformers")  # a dev dependency: CI installs it, so this runs there
 
@@ -61,7 +61,7 @@ def test_an_exported_125m_model_loads_in_transformers_with_matching_logits(tmp_p
 
 
 def test_a_trained_checkpoint_exports_with_its_tokenizer_and_decodes_like_transformers(tmp_path: Path) -> None:
-    from noloco_node.data import stdlib_source_files
+    from noloco_node.data.corpus import stdlib_source_files
 
     _, files = stdlib_source_files()
     tokenizer = train_bpe_tokenizer(

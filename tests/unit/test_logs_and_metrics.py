@@ -8,9 +8,9 @@ import logging
 
 from prometheus_client.parser import text_string_to_metric_families
 
-from noloco_node.logs import configure_logging
-from noloco_node.metrics import render_metrics
-from noloco_node.status import Health, NodeStatus, SecurityStatus
+from noloco_node.observability.logs import configure_logging
+from noloco_node.observability.metrics import render_metrics
+from noloco_node.observability.status import Health, NodeStatus, SecurityStatus
 
 
 def test_json_lines_for_ours_and_hivemind(monkeypatch) -> None:
@@ -18,7 +18,7 @@ def test_json_lines_for_ours_and_hivemind(monkeypatch) -> None:
     monkeypatch.setattr("sys.stderr", stream)
     configure_logging("INFO", "json")
     try:
-        logging.getLogger("noloco_node.node").info("outer step %d", 3)
+        logging.getLogger("noloco_node.node.daemon").info("outer step %d", 3)
         logging.getLogger("hivemind.dht.node").warning("a hivemind warning")
         try:
             raise ValueError("bad")

@@ -5,9 +5,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from noloco_node.config import MODEL_SIZES, ModelConfig, model_config_for
-from noloco_node.model import LlamaDecoder, apply_rotary, autocast_context, parameter_count, rotary_tables
-from noloco_node.trainer import build_model
+from noloco_node.config.models import MODEL_SIZES, ModelConfig, model_config_for
+from noloco_node.model.decoder import LlamaDecoder, apply_rotary, autocast_context, parameter_count, rotary_tables
+from noloco_node.training.replica import build_model
 
 
 def tiny(**overrides: object) -> ModelConfig:

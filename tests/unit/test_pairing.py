@@ -7,10 +7,10 @@ import time
 
 import torch
 
-from noloco_node.exchange import Outgoing
-from noloco_node.pairing import OfferBook, PairingRound
+from noloco_node.pairing.rounds import OfferBook, PairingRound
 from noloco_node.rpc import peer_pb2 as pb
-from noloco_node.wire import Payload
+from noloco_node.rpc.exchange import Outgoing
+from noloco_node.wire.payload import Payload
 
 
 def payload(peer: str, step: int) -> Payload:

@@ -10,12 +10,12 @@ import pytest
 import torch
 from pydantic import ValidationError
 
-from noloco_node.config import NodeConfig, SecurityConfig, format_validation_error
-from noloco_node.payload_guard import Complaints, NormGuard, relative_distance
-from noloco_node.peer_policy import PeerPolicy
-from noloco_node.settings import SettingsError, env_layer
-from noloco_node.transport import GuardedCall, Watchdog
-from noloco_node.wire import PayloadError
+from noloco_node.config.models import NodeConfig, SecurityConfig, format_validation_error
+from noloco_node.config.settings import SettingsError, env_layer
+from noloco_node.pairing.peer_policy import PeerPolicy
+from noloco_node.rpc.transport import GuardedCall, Watchdog
+from noloco_node.security.payload_guard import Complaints, NormGuard, relative_distance
+from noloco_node.wire.payload import PayloadError
 
 
 def test_relative_distance_is_exact_and_slices_big_tensors() -> None:

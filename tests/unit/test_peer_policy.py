@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from noloco_node.peer_policy import PeerPolicy
+from noloco_node.pairing.peer_policy import PeerPolicy
 
 
 def policy() -> PeerPolicy:

@@ -7,8 +7,8 @@ from pathlib import Path
 import pytest
 import tomllib
 
-from noloco_node.cli import main
-from noloco_node.settings import Settings, SettingsError, example, resolve, show
+from noloco_node.cli.main import main
+from noloco_node.config.settings import Settings, SettingsError, example, resolve, show
 
 FILE = """
 [train]

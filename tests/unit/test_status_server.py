@@ -7,9 +7,9 @@ import socket
 
 import pytest
 
-from noloco_node import status_server
-from noloco_node.status import Health
-from noloco_node.status_server import StatusServer, status_page
+from noloco_node.observability import http_server as status_server
+from noloco_node.observability.http_server import StatusServer, status_page
+from noloco_node.observability.status import Health
 
 
 async def request(port: int, raw: bytes) -> bytes:

@@ -6,9 +6,9 @@ import time
 
 import pytest
 
-from noloco_node.discovery import PeerRecord
+from noloco_node.discovery.dht import PeerRecord
+from noloco_node.observability.telemetry import HealthInputs, Telemetry
 from noloco_node.rpc import peer_pb2 as pb
-from noloco_node.telemetry import HealthInputs, Telemetry
 
 HEALTHY = HealthInputs(
     trainer_started=True, trainer_alive=True, trainer_error=None, stopping=False, finished=False, dht_alive=True

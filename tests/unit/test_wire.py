@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from noloco_node.rpc import peer_pb2 as pb
-from noloco_node.wire import (
+from noloco_node.wire.payload import (
     MAX_CHUNK_BYTES,
     PayloadError,
     PayloadReceiver,

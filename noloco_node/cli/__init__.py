@@ -1,0 +1,1 @@
+"""The `noloco-node` command line."""

@@ -1,0 +1,384 @@
+"""Finding the run's live peers through a Hivemind DHT: namespaced, expiring records, refreshed while alive.
+
+Every node stores one record under the key ``noloco/<run fingerprint>/peers``: its gRPC address, outer and inner
+step, fingerprint, whether it is ready to pair, and when it wrote it. The subkey is the node's public key in
+hivemind's ``[owner:...]`` form, so every DHT peer (all run ``RSASignatureValidator``) refuses a write to it that
+the node's private key did not sign: nobody can overwrite another peer's address or readiness. Readers take the
+peer id from that key (identity.py), never from the record's content, and ignore unsigned subkeys. In a private
+run the record also carries a MAC under the swarm secret (auth.py), and readers drop records without a valid one.
+Records expire after ``record_ttl`` seconds unless refreshed, so a crashed node disappears on its own; a node that
+leaves writes a tombstone (the DHT keeps the entry with the latest expiration, so a record cannot simply be
+deleted) and readers skip tombstones. Peers of another run live under another key and are never seen; a record
+whose fingerprint does not match its key is ignored too.
+
+``hivemind.DHT`` forks a helper process, so a node starts its Discovery before any gRPC or torch thread exists.
+Every call into the DHT is awaited with a deadline.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import ctypes
+import logging
+import os
+import re
+import signal
+import subprocess
+import sys
+import threading
+import time
+import urllib.request
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+from typing import Any
+
+import hivemind
+from hivemind.dht.crypto import RSASignatureValidator
+from hivemind.utils.crypto import RSAPublicKey
+from hivemind.utils.timed_storage import get_dht_time
+
+from noloco_node.security.auth import SwarmSecret, record_mac, record_mac_ok
+from noloco_node.security.identity import NodeIdentity, peer_id_of
+
+log = logging.getLogger(__name__)
+
+_PR_SET_PDEATHSIG = 1
+
+
+class _TiedDHT(hivemind.DHT):
+    """hivemind.DHT whose helper process (and the p2pd daemon it spawns) dies with the node.
+
+    hivemind forks the DHT into a child process that starts p2pd. A node killed with SIGKILL gets no chance to shut
+    them down, and both were left running, orphaned, for good. Here the child asks the kernel for SIGTERM when its
+    parent dies (Linux prctl PR_SET_PDEATHSIG), leads its own process group so that p2pd is in it, and answers
+    SIGTERM by killing that group.
+    """
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        self._node_pid = os.getpid()  # set before hivemind forks the child in super().__init__(start=True)
+        super().__init__(*args, **kwargs)
+
+    def run(self) -> None:
+        if sys.platform.startswith("linux"):
+            with contextlib.suppress(OSError, AttributeError):
+                os.setpgid(0, 0)
+                ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
+            signal.signal(signal.SIGTERM, lambda *_: os.killpg(0, signal.SIGKILL))
+            if os.getppid() != self._node_pid:  # the node died before the prctl took effect
+                os.killpg(0, signal.SIGKILL)
+        super().run()
+
+
+DEFAULT_RECORD_TTL = 30.0
+DEFAULT_DHT_TIMEOUT = 10.0
+
+
+@dataclass(frozen=True)
+class PeerRecord:
+    """What a node advertises about itself."""
+
+    peer_id: str
+    address: str  # host:port of its gRPC server
+    run_fingerprint: str
+    outer_step: int = 0
+    inner_step: int = 0
+    ready: bool = False  # ready to pair now (sync mode) / has a fresh snapshot to offer (overlap mode)
+    leaving: bool = False  # a tombstone: the node has left
+    reachable: bool = True  # its gRPC address answers (reachability.py); an unreachable node only calls out
+    shard: int = -1  # the data shard it trains on (-1: not chosen yet); joiners pick one nobody holds
+    updated: float = 0.0  # DHT time of writing
+
+    @classmethod
+    def from_value(cls, peer_id: str, value: Any) -> PeerRecord | None:
+        """A record read from the DHT, or None if it is malformed (records are written by strangers)."""
+        if not isinstance(value, dict):
+            return None
+        try:
+            record = cls(
+                peer_id=peer_id,
+                address=str(value["address"]),
+                run_fingerprint=str(value["run_fingerprint"]),
+                outer_step=int(value.get("outer_step", 0)),
+                inner_step=int(value.get("inner_step", 0)),
+                ready=bool(value.get("ready", False)),
+                leaving=bool(value.get("leaving", False)),
+                reachable=bool(value.get("reachable", True)),
+                shard=int(value.get("shard", -1)),
+                updated=float(value.get("updated", 0.0)),
+            )
+        except (KeyError, TypeError, ValueError):
+            return None
+        host, _, port = record.address.rpartition(":")
+        if not host or not port.isdigit() or not 0 < int(port) < 65536:
+            return None
+        return record
+
+    def to_value(self) -> dict[str, Any]:
+        value = asdict(self)
+        del value["peer_id"]  # readers derive it from the subkey, the owner key: a claim here would prove nothing
+        return value
+
+
+def peers_key(run_fingerprint: str) -> str:
+    return f"noloco/{run_fingerprint}/peers"
+
+
+_OWNER_SUBKEY = re.compile(r"^\[owner:(ssh-rsa [A-Za-z0-9+/=]+)\]$")
+
+
+def owner_subkey(identity: NodeIdentity) -> str:
+    """The subkey a node writes its record under: its public key, which hivemind's validator makes it own."""
+    return RSASignatureValidator(identity.private_key).local_public_key.decode()
+
+
+class _OwnerIds:
+    """Peer ids of owner subkeys, cached: parsing an RSA key for every record of every lookup adds up."""
+
+    def __init__(self, limit: int = 4096) -> None:
+        self._ids: dict[str, str | None] = {}
+        self._limit = limit
+
+    def peer_id(self, subkey: str) -> str | None:
+        if subkey not in self._ids:
+            if len(self._ids) >= self._limit:
+                self._ids.clear()
+            match = _OWNER_SUBKEY.match(subkey)
+            try:
+                self._ids[subkey] = peer_id_of(RSAPublicKey.from_bytes(match.group(1).encode())) if match else None
+            except (ValueError, TypeError):
+                self._ids[subkey] = None
+        return self._ids[subkey]
+
+
+class Discovery:
+    """One node's presence in the DHT: publish its own record, read everyone else's."""
+
+    def __init__(
+        self,
+        run_fingerprint: str,
+        *,
+        initial_peers: Sequence[str] = (),
+        host_maddrs: Sequence[str] = ("/ip4/127.0.0.1/tcp/0",),
+        announce_maddrs: Sequence[str] | None = None,
+        record_ttl: float = DEFAULT_RECORD_TTL,
+        dht_timeout: float = DEFAULT_DHT_TIMEOUT,
+        client_mode: bool = False,
+        identity: NodeIdentity | None = None,
+        secret: SwarmSecret | None = None,
+    ) -> None:
+        self.identity = identity or NodeIdentity.ephemeral()
+        self.secret = secret
+        self.subkey = owner_subkey(self.identity)
+        self._owners = _OwnerIds()
+        self.run_fingerprint = run_fingerprint
+        self.key = peers_key(run_fingerprint)
+        self.record_ttl = record_ttl
+        self.dht_timeout = dht_timeout
+        self._dht_kwargs: dict[str, Any] = {
+            "initial_peers": list(initial_peers) or None,
+            "host_maddrs": list(host_maddrs),
+            "client_mode": client_mode,  # a reader only (`noloco-node peers`): dials out, accepts nothing
+            "record_validators": [RSASignatureValidator(self.identity.private_key)],
+        }
+        if announce_maddrs:
+            self._dht_kwargs["announce_maddrs"] = list(announce_maddrs)
+        self.dht: hivemind.DHT | None = None
+        self._last_expiration = 0.0
+
+    def start(self) -> None:
+        """Start the DHT process (it forks: call this before starting gRPC servers or torch threads)."""
+        started = time.monotonic()
+        self.dht = _TiedDHT(start=True, **self._dht_kwargs)
+        log.info(
+            "DHT up in %.1fs as %s, reachable at %s",
+            time.monotonic() - started,
+            self.peer_id,
+            " ".join(self.visible_maddrs()),
+        )
+
+    @property
+    def peer_id(self) -> str:
+        """This node's peer id: derived from its key (identity.py), not hivemind's transport id."""
+        return self.identity.peer_id
+
+    def visible_maddrs(self) -> list[str]:
+        return [str(m) for m in self._require().get_visible_maddrs()]
+
+    def _require(self) -> hivemind.DHT:
+        if self.dht is None:
+            raise RuntimeError("Discovery.start() has not been called")
+        return self.dht
+
+    async def _await(self, future: Any, what: str) -> Any:
+        try:
+            return await asyncio.wait_for(asyncio.wrap_future(future), timeout=self.dht_timeout)
+        except asyncio.TimeoutError:
+            future.cancel()
+            raise TimeoutError(f"DHT {what} took longer than {self.dht_timeout}s") from None
+
+    async def publish(self, record: PeerRecord) -> bool:
+        """Write (or refresh) this node's record; it expires ``record_ttl`` seconds from now unless refreshed."""
+        now = get_dht_time()
+        expiration = max(now + self.record_ttl, self._last_expiration + 1e-3)
+        value = PeerRecord(**{**asdict(record), "updated": now}).to_value()
+        if self.secret is not None:
+            value["mac"] = record_mac(self.secret, self.key, self.subkey, value)
+        future = self._require().store(self.key, value, expiration, subkey=self.subkey, return_future=True)
+        stored = bool(await self._await(future, "store"))
+        if stored:
+            self._last_expiration = expiration
+        return stored
+
+    async def withdraw(self, record: PeerRecord) -> bool:
+        """Replace this node's record with a tombstone, so that peers stop choosing it at once."""
+        tombstone = PeerRecord(**{**asdict(record), "ready": False, "leaving": True})
+        return await self.publish(tombstone)
+
+    async def live_peers(self, *, include_self: bool = False) -> list[PeerRecord]:
+        """Every unexpired, well-formed, non-tombstone record of this run, newest first."""
+        future = self._require().get(self.key, latest=True, return_future=True)
+        found = await self._await(future, "get")
+        if found is None or not isinstance(found.value, dict):
+            return []
+        own = self.peer_id
+        records = []
+        for subkey, entry in found.value.items():
+            value = getattr(entry, "value", None)
+            peer_id = self._owners.peer_id(subkey) if isinstance(subkey, str) else None
+            if peer_id is None:
+                continue  # not written under an owner key: anyone could have written it
+            if self.secret is not None and not (
+                isinstance(value, dict) and record_mac_ok(self.secret, self.key, subkey, value)
+            ):
+                continue  # not written by a member of this private run
+            record = PeerRecord.from_value(peer_id, value)
+            if record is None or record.leaving or record.run_fingerprint != self.run_fingerprint:
+                continue
+            if record.peer_id == own and not include_self:
+                continue
+            records.append(record)
+        return sorted(records, key=lambda r: r.updated, reverse=True)
+
+    def shutdown(self) -> None:
+        if self.dht is not None:
+            self.dht.shutdown()
+            self.dht = None
+
+
+def run_bootstrap_peer(
+    host_maddrs: Sequence[str],
+    announce_maddrs: Sequence[str] | None,
+    stop: Any,
+    *,
+    initial_peers: Sequence[str] = (),
+    http_bind: tuple[str, int] | None = None,
+) -> list[str]:
+    """A DHT-only peer that others join with ``--bootstrap``; prints its multiaddrs, serves until ``stop`` is set.
+
+    ``stop`` is a ``threading.Event``-like object. With ``http_bind`` it also serves its multiaddrs over HTTP
+    (:func:`serve_maddrs`), so that containers can join with ``--bootstrap http://HOST:PORT/maddrs`` without
+    knowing its peer id in advance. Returns the multiaddrs it served on.
+    """
+    kwargs: dict[str, Any] = {
+        "host_maddrs": list(host_maddrs),
+        "initial_peers": list(initial_peers) or None,
+        # It stores other peers' records too: it must refuse writes that their owners did not sign.
+        "record_validators": [RSASignatureValidator(NodeIdentity.ephemeral().private_key)],
+    }
+    if announce_maddrs:
+        kwargs["announce_maddrs"] = list(announce_maddrs)
+    dht = _TiedDHT(start=True, **kwargs)
+    try:
+        maddrs = [str(m) for m in dht.get_visible_maddrs()]
+        print("bootstrap peer is up; join it with:", flush=True)
+        for maddr in maddrs:
+            print(f"  --bootstrap {maddr}", flush=True)
+        book = serve_maddrs(http_bind, lambda: [str(m) for m in dht.get_visible_maddrs()]) if http_bind else None
+        if book is not None:
+            print(f"  --bootstrap http://HOST:{book.server_address[1]}/maddrs", flush=True)
+        while not stop.wait(1.0):
+            pass
+        if book is not None:
+            book.shutdown()
+        return maddrs
+    finally:
+        dht.shutdown()
+
+
+def serve_maddrs(bind: tuple[str, int], maddrs: Any) -> ThreadingHTTPServer:
+    """``GET /maddrs``: the current multiaddrs, one per line (``/healthz``: 200). Runs in a daemon thread."""
+
+    class Handler(BaseHTTPRequestHandler):
+        def do_GET(self) -> None:
+            if self.path not in ("/maddrs", "/healthz"):
+                self.send_error(404)
+                return
+            body = ("\n".join(maddrs()) + "\n").encode() if self.path == "/maddrs" else b"ok\n"
+            self.send_response(200)
+            self.send_header("Content-Type", "text/plain; charset=utf-8")
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, *_: Any) -> None:  # polled by every joiner: not worth a log line each
+            pass
+
+    server = ThreadingHTTPServer(bind, Handler)
+    server.daemon_threads = True
+    server.timeout = 5
+    threading.Thread(target=server.serve_forever, name="maddrs-http", daemon=True).start()
+    return server
+
+
+def expand_bootstrap(entries: Sequence[str], *, wait: float = 120.0) -> list[str]:
+    """The multiaddrs of ``--bootstrap`` entries: multiaddrs as given, and ``http(s)://`` entries fetched from a
+    bootstrap peer's address book (retried until ``wait`` s have passed: in a compose file or a Kubernetes pod the
+    bootstrap peer may still be starting)."""
+    expanded: list[str] = []
+    for entry in entries:
+        if not entry.startswith(("http://", "https://")):
+            expanded.append(entry)
+            continue
+        deadline = time.monotonic() + wait
+        while True:
+            try:
+                with urllib.request.urlopen(entry, timeout=5) as answer:
+                    found = [line.strip() for line in answer.read().decode().splitlines() if line.startswith("/")]
+                if found:
+                    expanded += found
+                    break
+                problem = "no multiaddrs in the answer"
+            except (OSError, ValueError) as error:
+                problem = str(error)
+            if time.monotonic() >= deadline:
+                raise OSError(f"bootstrap address book {entry} did not answer within {wait:.0f}s: {problem}")
+            log.info("waiting for the bootstrap address book at %s (%s)", entry, problem)
+            time.sleep(2.0)
+    return expanded
+
+
+def start_bootstrap_process(log_path: Path, *, timeout: float = 60.0) -> tuple[subprocess.Popen[str], list[str]]:
+    """Start `noloco-node bootstrap` on 127.0.0.1 as a child process; returns it and the multiaddrs it printed."""
+    with log_path.open("w") as log:
+        process = subprocess.Popen(
+            [sys.executable, "-m", "noloco_node", "bootstrap", "--host-maddrs", "/ip4/127.0.0.1/tcp/0"],
+            stdout=subprocess.PIPE,
+            stderr=log,
+            text=True,
+        )
+    maddrs: list[str] = []
+    deadline = time.monotonic() + timeout
+    assert process.stdout is not None
+    while time.monotonic() < deadline and not maddrs:
+        line = process.stdout.readline()
+        if not line:
+            break
+        if "--bootstrap" in line:
+            maddrs.append(line.split("--bootstrap", 1)[1].strip())
+    if not maddrs:
+        process.kill()
+        raise RuntimeError(f"the bootstrap peer did not start; see {log_path}")
+    return process, maddrs

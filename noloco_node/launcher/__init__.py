@@ -1,0 +1,1 @@
+"""Local swarms of real node processes: the user's `swarm` command, benchmarks and tests."""

@@ -1,0 +1,130 @@
+"""A local swarm that benchmarks can hurt: a bootstrap peer and N `noloco-node join` processes on 127.0.0.1, each
+of which can be killed, restarted on its data directory, or replaced by a newcomer with an empty one.
+
+`swarm.py` is the user's launcher; this is the same processes under a benchmark's control (bench chaos, bench
+straggler). Nodes are real processes with their own DHT peer, gRPC server and status endpoint.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import signal
+import subprocess
+from collections import Counter
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from noloco_node.discovery.dht import start_bootstrap_process
+from noloco_node.launcher.swarm import join_command
+
+
+@dataclass
+class NodeSlot:
+    """One place in the swarm; successive processes (lives) occupy it after kills and restarts."""
+
+    index: int
+    data_dir: Path
+    args: list[str]
+    process: subprocess.Popen[bytes] | None = None
+    lives: int = 0
+    killed_by_us: bool = False
+    outcomes: Counter[str] = field(default_factory=Counter)  # exchange outcomes summed over finished lives
+    crashes: list[int] = field(default_factory=list)  # exit codes of lives that ended on their own, badly
+
+
+class LocalSwarm:
+    def __init__(self, base: Path, num_nodes: int, node_args: list[str], per_node_args: list[list[str]] | None = None):
+        self.base = base
+        base.mkdir(parents=True, exist_ok=True)
+        self.bootstrap, self.maddrs = start_bootstrap_process(base / "bootstrap.log")
+        extra = per_node_args or [[] for _ in range(num_nodes)]
+        self.slots = [
+            NodeSlot(
+                i,
+                base / f"node{i}",
+                ["--shard-index", str(i), "--num-shards", str(num_nodes), *node_args, *extra[i]],
+            )
+            for i in range(num_nodes)
+        ]
+        for slot in self.slots:
+            self.start(slot)
+
+    def start(self, slot: NodeSlot) -> None:
+        slot.lives += 1
+        slot.killed_by_us = False
+        log = (self.base / f"node{slot.index}.life{slot.lives}.log").open("w")
+        slot.process = subprocess.Popen(
+            join_command(self.maddrs, slot.data_dir, *slot.args), stdout=log, stderr=subprocess.STDOUT
+        )
+        log.close()  # the child holds its own descriptor
+
+    def status(self, slot: NodeSlot) -> dict[str, Any] | None:
+        try:
+            return json.loads((slot.data_dir / "status.json").read_text())
+        except (OSError, ValueError):
+            return None
+
+    def _bank(self, slot: NodeSlot) -> None:
+        """Add a finished life's exchange counters (its last status.json) to the slot's totals."""
+        status = self.status(slot)
+        if status:
+            slot.outcomes.update(status.get("exchange_outcomes", {}))
+
+    def kill(self, slot: NodeSlot) -> None:
+        assert slot.process is not None
+        slot.killed_by_us = True
+        slot.process.send_signal(signal.SIGKILL)
+        slot.process.wait()
+        self._bank(slot)
+
+    def replace(self, slot: NodeSlot) -> None:
+        """A newcomer takes the place of a node that is gone for good: an empty data directory."""
+        shutil.rmtree(slot.data_dir, ignore_errors=True)
+        self.start(slot)
+
+    def poll(self) -> None:
+        """Record lives that ended on their own: exit 0 is a finished run, anything else a crash."""
+        for slot in self.slots:
+            if slot.process is not None and slot.process.poll() is not None and not slot.killed_by_us:
+                if slot.process.returncode != 0:
+                    slot.crashes.append(slot.process.returncode)
+                self._bank(slot)
+                slot.killed_by_us = True  # banked; do not count this life again
+
+    def running(self) -> list[NodeSlot]:
+        return [slot for slot in self.slots if slot.process is not None and slot.process.poll() is None]
+
+    def stop(self, timeout: float = 60.0) -> None:
+        for slot in self.running():
+            assert slot.process is not None
+            slot.process.send_signal(signal.SIGTERM)
+        for slot in self.slots:
+            if slot.process is None:
+                continue
+            try:
+                slot.process.wait(timeout=timeout)
+            except subprocess.TimeoutExpired:
+                slot.process.kill()
+                slot.process.wait()
+                slot.crashes.append(-9)  # did not leave within the bound: counted as a failure
+        self.poll()
+        self.bootstrap.send_signal(signal.SIGTERM)
+        try:
+            self.bootstrap.wait(timeout=20)
+        except subprocess.TimeoutExpired:
+            self.bootstrap.kill()
+
+    def logs(self, slot: NodeSlot) -> str:
+        return "".join(
+            (self.base / f"node{slot.index}.life{life}.log").read_text(errors="replace")
+            for life in range(1, slot.lives + 1)
+        )
+
+
+def steps_per_second(history: list[dict[str, Any]]) -> float:
+    """A node's inner steps per second between its first and last outer step (start-up excluded)."""
+    if len(history) < 2:
+        return 0.0
+    return (history[-1]["inner_step"] - history[0]["inner_step"]) / (history[-1]["time"] - history[0]["time"])

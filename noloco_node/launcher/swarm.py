@@ -1,0 +1,176 @@
+"""A local swarm, the main job: a bootstrap peer and N `noloco-node join` processes on 127.0.0.1.
+
+Each node is a separate process with one torch thread, its own data directory and its own shard of the corpus;
+they find each other only through the DHT and exchange only over gRPC, exactly as machines on the internet would.
+The launcher shows progress while they train, forwards Ctrl-C (SIGTERM to every node, so each leaves gracefully),
+and writes a summary with every node's validation loss.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from noloco_node.discovery.dht import start_bootstrap_process
+from noloco_node.node.daemon import read_status
+
+
+def join_command(maddrs: Sequence[str], data_dir: Path, *args: str) -> list[str]:
+    """The command line of one local swarm member: one torch thread, its own data directory."""
+    return [
+        sys.executable,
+        "-m",
+        "noloco_node",
+        "join",
+        "--bootstrap",
+        *maddrs,
+        "--data-dir",
+        str(data_dir),
+        "--torch-threads",
+        "1",
+        "--status-port",
+        "0",  # many nodes on one machine: each gets an ephemeral status port (logged, and in its status.json)
+        *args,
+    ]
+
+
+def _progress_line(statuses: list[dict[str, Any] | None]) -> str:
+    cells = []
+    for i, status in enumerate(statuses):
+        if not status or not status.get("history"):
+            cells.append(f"node{i}: starting")
+            continue
+        last = status["history"][-1]
+        blends = sum(1 for h in status["history"] if h["partner"])
+        cells.append(f"node{i}: outer {last['outer_step']:3d} val {last['val_loss']:.3f} blends {blends}")
+    return " | ".join(cells)
+
+
+def summarize(out_dir: Path, num_nodes: int) -> dict[str, Any]:
+    nodes = []
+    for i in range(num_nodes):
+        status = read_status(out_dir / f"node{i}")
+        if not status or not status.get("history"):
+            nodes.append({"node": f"node{i}", "outer_steps": 0})
+            continue
+        history = status["history"]
+        nodes.append(
+            {
+                "node": f"node{i}",
+                "peer_id": status["peer_id"],
+                "health": str(status["health"]["state"]),
+                "status_url": status["status_url"],
+                "inner_steps": status["inner_step"],
+                "outer_steps": status["outer_step"],
+                "first_val_loss": history[0]["val_loss"],
+                "final_val_loss": history[-1]["val_loss"],
+                "final_val_ppl": math.exp(history[-1]["val_loss"]),
+                "blends": sum(1 for h in history if h["partner"]),
+                "solo_steps": sum(1 for h in history if not h["partner"]),
+                "wait_seconds": sum(h["wait_seconds"] for h in history),
+                "train_seconds": sum(h["train_seconds"] for h in history),
+                "bytes_sent": status["bytes_sent"],
+                "bytes_received": status["bytes_received"],
+                "rejected": status["rejected_payloads"],
+            }
+        )
+    return {"nodes": nodes}
+
+
+def summary_table(summary: dict[str, Any]) -> str:
+    rows = [
+        "| node | outer steps | val loss (first -> final) | ppl | blends | solo | waited s | sent MB |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|",
+    ]
+    for n in summary["nodes"]:
+        if not n.get("outer_steps"):
+            rows.append(f"| {n['node']} | 0 | - | - | - | - | - | - |")
+            continue
+        rows.append(
+            f"| {n['node']} | {n['outer_steps']} | {n['first_val_loss']:.3f} -> {n['final_val_loss']:.3f} | "
+            f"{n['final_val_ppl']:.2f} | {n['blends']} | {n['solo_steps']} | {n['wait_seconds']:.1f} | "
+            f"{n['bytes_sent'] / 1e6:.1f} |"
+        )
+    return "\n".join(rows)
+
+
+def run_swarm(
+    num_nodes: int, out_dir: Path, node_args: Sequence[str], *, progress_every: float = 2.0, resume: bool = False
+) -> int:
+    """Run the swarm to the end of training (or Ctrl-C); returns 0 when every node exited cleanly.
+
+    A previous swarm's files in ``out_dir`` are replaced, unless ``resume``: then each node resumes from its
+    checkpoint there (a finished run stays finished).
+    """
+    out_dir.mkdir(parents=True, exist_ok=True)
+    previous_run = [path for path in out_dir.glob("node*") if path.is_dir()]
+    if previous_run and not resume:
+        print(f"replacing the previous swarm in {out_dir}/ (--resume continues it instead)", flush=True)
+        for path in previous_run:
+            shutil.rmtree(path)
+        for path in [*out_dir.glob("node*.log"), out_dir / "summary.json"]:
+            path.unlink(missing_ok=True)
+    bootstrap, maddrs = start_bootstrap_process(out_dir / "bootstrap.log")
+    print(f"bootstrap peer: {maddrs[0]}", flush=True)
+    nodes: list[subprocess.Popen[bytes]] = []
+    interrupted = False
+
+    def on_interrupt(_signum: int, _frame: object) -> None:
+        nonlocal interrupted
+        interrupted = True
+
+    previous = signal.signal(signal.SIGINT, on_interrupt)
+    try:
+        for i in range(num_nodes):
+            command = join_command(
+                maddrs, out_dir / f"node{i}", "--shard-index", str(i), "--num-shards", str(num_nodes), *node_args
+            )
+            with (out_dir / f"node{i}.log").open("w") as log:
+                nodes.append(subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT))
+        print(
+            f"{num_nodes} nodes started; logs and checkpoints in {out_dir}/ (Ctrl-C stops them gracefully)", flush=True
+        )
+        last_line, last_print = "", 0.0
+        while any(node.poll() is None for node in nodes):
+            if interrupted:
+                print("stopping the swarm: SIGTERM to every node", flush=True)
+                for node in nodes:
+                    if node.poll() is None:
+                        node.send_signal(signal.SIGTERM)
+                break
+            line = _progress_line([read_status(out_dir / f"node{i}") for i in range(num_nodes)])
+            if line != last_line and time.monotonic() - last_print >= progress_every:
+                print(line, flush=True)
+                last_line, last_print = line, time.monotonic()
+            time.sleep(0.5)
+        codes = []
+        for node in nodes:
+            try:
+                codes.append(node.wait(timeout=60))
+            except subprocess.TimeoutExpired:
+                node.kill()
+                codes.append(node.wait())
+    finally:
+        signal.signal(signal.SIGINT, previous)
+        for node in nodes:
+            if node.poll() is None:
+                node.kill()
+        bootstrap.send_signal(signal.SIGTERM)
+        try:
+            bootstrap.wait(timeout=20)
+        except subprocess.TimeoutExpired:
+            bootstrap.kill()
+    summary = summarize(out_dir, num_nodes)
+    summary["exit_codes"] = codes
+    (out_dir / "summary.json").write_text(json.dumps(summary, indent=2))
+    print(summary_table(summary))
+    print(f"\nsummary: {out_dir / 'summary.json'}; exit codes {codes}")
+    return 0 if all(code == 0 for code in codes) else 1

@@ -1,0 +1,1 @@
+"""The daemon: the composition root that starts, supervises and stops a swarm member's components."""

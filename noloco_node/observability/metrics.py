@@ -1,0 +1,94 @@
+"""`GET /metrics`: a node's status in the Prometheus text format (counters, gauges, one histogram).
+
+Built at scrape time from the same numbers as /status (status.NodeStatus) plus the exchange-duration histogram
+of exchange.ExchangeMetrics, through prometheus_client's exposition code, so the output is exactly what
+Prometheus parses. Every series carries no per-peer label: label sets stay bounded however large the swarm.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Any
+
+from prometheus_client import CollectorRegistry, generate_latest
+from prometheus_client.core import (
+    CounterMetricFamily,
+    GaugeMetricFamily,
+    HistogramMetricFamily,
+    InfoMetricFamily,
+    Metric,
+)
+
+from noloco_node.observability.status import NodeStatus
+
+
+class _StatusCollector:
+    def __init__(self, status: NodeStatus, exchanges: dict[str, Any]) -> None:
+        self.status = status
+        self.exchanges = exchanges
+
+    def collect(self) -> Iterator[Metric]:
+        status, exchanges = self.status, self.exchanges
+        yield InfoMetricFamily(
+            "noloco_node",
+            "What this node is.",
+            value={
+                "peer_id": status.peer_id,
+                "run_name": status.run_name,
+                "run_fingerprint": status.run_fingerprint,
+                "version": status.version,
+                "mode": status.mode,
+                "model_size": status.model_size,
+            },
+        )
+        outcomes = CounterMetricFamily("noloco_exchanges", "Exchanges by outcome.", labels=["outcome"])
+        for outcome, count in sorted(exchanges["outcomes"].items()):
+            outcomes.add_metric([outcome], count)
+        yield outcomes
+        rejected = CounterMetricFamily("noloco_rejected_payloads", "Refused payloads by reason.", labels=["reason"])
+        for reason, count in sorted(exchanges["rejected"].items()):
+            rejected.add_metric([reason], count)
+        yield rejected
+        buckets = [(str(bound), count) for bound, count in exchanges["duration_buckets"]]
+        buckets.append(("+Inf", exchanges["duration_count"]))
+        yield HistogramMetricFamily(
+            "noloco_exchange_duration_seconds",
+            "Wall time of exchanges, as caller or called side, whatever their outcome.",
+            buckets=buckets,
+            sum_value=exchanges["duration_sum"],
+        )
+        yield CounterMetricFamily("noloco_bytes_sent", "Payload bytes sent to peers.", value=exchanges["bytes_sent"])
+        yield CounterMetricFamily(
+            "noloco_bytes_received", "Payload bytes received from peers.", value=exchanges["bytes_received"]
+        )
+        yield CounterMetricFamily(
+            "noloco_inner_steps", "Inner optimizer steps of this replica.", value=status.inner_step
+        )
+        yield CounterMetricFamily("noloco_outer_steps", "Outer steps of this replica.", value=status.outer_step)
+        gauges: list[tuple[str, str, float | None]] = [
+            ("noloco_train_loss", "Mean training loss over the recent inner steps.", status.train_loss),
+            ("noloco_val_loss", "Validation loss at the last outer step.", status.val_loss),
+            ("noloco_val_perplexity", "Validation perplexity at the last outer step.", status.val_perplexity),
+            ("noloco_learning_rate", "Current inner learning rate.", status.learning_rate),
+            ("noloco_tokens_per_second", "Training throughput over the recent inner steps.", status.tokens_per_second),
+            ("noloco_comm_wait_fraction", "Share of trainer time spent waiting on peers.", status.comm_wait_fraction),
+            ("noloco_checkpoint_age_seconds", "Since the last checkpoint.", status.checkpoint_age_seconds),
+            ("noloco_uptime_seconds", "Since the node started.", status.uptime_seconds),
+            ("noloco_known_peers", "Live peers of the run in the DHT.", float(len(status.peers))),
+            ("noloco_healthy", "1 when /healthz answers 200.", 1.0 if status.health.ok else 0.0),
+            ("noloco_norm_bound", "Bound on a partner's relative L2 weight distance.", status.security.norm_bound),
+            (
+                "noloco_partner_distance",
+                "Relative L2 weight distance of the last admitted partner.",
+                status.security.last_partner_distance,
+            ),
+        ]
+        for name, documentation, value in gauges:
+            if value is not None:  # an absent value is an absent series, not a made-up zero
+                yield GaugeMetricFamily(name, documentation, value=value)
+
+
+def render_metrics(status: NodeStatus, exchanges: dict[str, Any]) -> bytes:
+    registry = CollectorRegistry(auto_describe=False)
+    registry.register(_StatusCollector(status, exchanges))
+    return generate_latest(registry)

@@ -1,0 +1,176 @@
+"""What a node says about itself: its status document, its answer to a peer's Info call, progress lines, and
+the view of the swarm it keeps fresh for its status page.
+
+Everything here reads numbers the node already has (telemetry.py, exchange.ExchangeMetrics, the replica's
+counters); nothing runs torch, so serving it costs the trainer nothing (`noloco-node bench status` measures that).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import math
+import random
+import time
+from typing import TYPE_CHECKING, Any
+
+from noloco_node import __version__
+from noloco_node.discovery.dht import Discovery
+from noloco_node.observability.status import ExchangeRecord, NodeStatus, OuterStepRecord, SecurityStatus
+from noloco_node.observability.telemetry import Telemetry
+from noloco_node.rpc import peer_pb2 as pb
+from noloco_node.rpc.exchange import fetch_info
+from noloco_node.rpc.transport import PLAIN, Transport
+from noloco_node.wire.payload import Payload
+
+if TYPE_CHECKING:
+    from noloco_node.node.daemon import Node
+
+log = logging.getLogger("noloco_node.node.daemon")  # progress lines read as the node's own
+
+
+def info_reply(node: Node) -> pb.InfoReply:
+    """The answer to a peer's Info call: who this node is, how far it is, and its recent curve."""
+    replica = node.replica
+    train_loss, val_loss = node.telemetry.train_loss(), node.telemetry.val_loss()
+    return pb.InfoReply(
+        peer_id=node.peer_id,
+        run_fingerprint=node.run_fingerprint,
+        outer_step=replica.outer_step if replica else 0,
+        inner_step=replica.inner_step if replica else 0,
+        ready_to_pair=node.ready_to_pair(),
+        health=str(node.health()),
+        version=__version__,
+        train_loss=train_loss,
+        val_loss=val_loss,
+        history=[
+            pb.LossPoint(
+                inner_step=point.inner_step,
+                train_loss=point.train_loss,
+                val_loss=math.nan if point.val_loss is None else point.val_loss,
+                time=point.time,
+            )
+            for point in node.telemetry.loss_points(100)
+        ],
+    )
+
+
+def node_status(node: Node) -> NodeStatus:
+    """What GET /status serves and status.json holds; plain numbers only, cheap enough for any event loop."""
+    replica = node.replica
+    counters = node.metrics.snapshot()
+    val_loss = node.telemetry.val_loss()
+    last_checkpoint = node.telemetry.last_checkpoint
+    return NodeStatus(
+        peer_id=node.peer_id,
+        run_name=node.cfg.run_name,
+        run_fingerprint=node.run_fingerprint,
+        version=__version__,
+        mode=node.cfg.mode,
+        model_size=node.train_cfg.model_size,
+        address=node.address,
+        reachable=node.reachable,
+        status_url=node.status_url,
+        dht_maddrs=node.dht_maddrs,
+        started_at=node.telemetry.started,
+        uptime_seconds=time.time() - node.telemetry.started,
+        inner_step=replica.inner_step if replica else 0,
+        outer_step=replica.outer_step if replica else 0,
+        total_steps=node.train_cfg.total_steps,
+        learning_rate=node.telemetry.learning_rate,
+        train_loss=node.telemetry.train_loss(),
+        val_loss=val_loss,
+        val_perplexity=math.exp(min(val_loss, 50.0)) if val_loss is not None else None,
+        tokens_per_second=node.telemetry.tokens_per_second(),
+        comm_wait_fraction=node.telemetry.comm_wait_fraction(),
+        checkpoint_age_seconds=time.time() - last_checkpoint if last_checkpoint else None,
+        bytes_sent=counters["bytes_sent"],
+        bytes_received=counters["bytes_received"],
+        exchange_outcomes=counters["outcomes"],
+        rejected_payloads=counters["rejected"],
+        exchanges=[ExchangeRecord(**entry) for entry in counters["recent"][-20:]],
+        peers=node.telemetry.known_peers(),
+        history=[OuterStepRecord(**entry) for entry in node.telemetry.history_list(200)],
+        security=security_status(node),
+        health=node.health(),
+    )
+
+
+def security_status(node: Node) -> SecurityStatus:
+    guard, tls = node.security.norm_guard, node.security.transport.tls
+    return SecurityStatus(
+        private_run=node.security.secret is not None,
+        tls=tls is not None,
+        mutual_tls=tls is not None and tls.ca is not None,
+        norm_bound=guard.bound(),
+        norm_bound_learnt=guard.learnt,
+        last_partner_distance=guard.last_distance,
+    )
+
+
+class ProgressLog:
+    """One line per outer step at most every ``every`` seconds, summing up the steps in between: a person watching
+    the terminal follows along, and a week-long run does not fill a disk with tiny-model steps."""
+
+    def __init__(self, *, every: float, total_steps: int) -> None:
+        self.every = every
+        self.total_steps = total_steps
+        self._last_line = 0.0  # monotonic time of the last line (0: none yet)
+        self._since: dict[str, Any] = {"outer_steps": 0, "blends": 0, "waited": 0.0}
+
+    def outer_step(self, entry: dict[str, Any], partner: Payload | None, tokens_per_second: float | None) -> None:
+        since = self._since
+        since["outer_steps"] += 1
+        since["blends"] += partner is not None
+        since["waited"] += entry["wait_seconds"]
+        last = entry["inner_step"] >= self.total_steps
+        now = time.monotonic()
+        if self._last_line and not last and now - self._last_line < self.every:
+            return
+        log.info(
+            "outer step %d (inner %d/%d): train %.4f val %.4f (ppl %.2f), %s; %s, waited %.1fs, %s tokens/s",
+            entry["outer_step"],
+            entry["inner_step"],
+            self.total_steps,
+            entry["train_loss"],
+            entry["val_loss"],
+            math.exp(min(entry["val_loss"], 50.0)),
+            f"blended with {partner.peer_id[-8:]} (step {partner.outer_step})" if partner else "solo step",
+            f"{since['blends']}/{since['outer_steps']} outer steps blended since the last line",
+            since["waited"],
+            "-" if tokens_per_second is None else f"{tokens_per_second:.0f}",
+        )
+        self._last_line = now
+        self._since = {"outer_steps": 0, "blends": 0, "waited": 0.0}
+
+
+async def watch_peers(
+    discovery: Discovery,
+    telemetry: Telemetry,
+    run_fingerprint: str,
+    every: float = 3.0,
+    max_info_calls: int = 16,
+    transport: Transport = PLAIN,
+) -> None:
+    """Keep the view of the swarm fresh for the status page: DHT records, then each peer's Info (its curve)."""
+    while True:
+        try:
+            telemetry.on_peers(await discovery.live_peers())
+        except (TimeoutError, OSError) as error:
+            log.debug("DHT lookup for the status page failed: %s", error)
+        peers = telemetry.peer_addresses()
+        random.shuffle(peers)
+
+        async def ask(peer_id: str, address: str) -> None:
+            try:
+                reply = await asyncio.wait_for(
+                    asyncio.to_thread(fetch_info, address, timeout=2.0, transport=transport), timeout=3.0
+                )
+            except Exception as error:  # an unreachable peer is shown without its curve, not an error here
+                log.debug("Info from %s failed: %r", peer_id[-8:], error)
+                return
+            if reply.peer_id == peer_id and reply.run_fingerprint == run_fingerprint:
+                telemetry.on_info(peer_id, reply)
+
+        await asyncio.gather(*(ask(peer_id, address) for peer_id, address in peers[:max_info_calls]))
+        await asyncio.sleep(every)

@@ -1,0 +1,217 @@
+"""What a node remembers about its own progress and its peers, for the status endpoint, /metrics and Info.
+
+The trainer thread reports inner steps, outer steps and checkpoints; the event loop reports what the DHT and the
+peers' Info calls said. Everything here is plain numbers under one lock (no torch), so that serving status costs
+the trainer nothing. The health verdict (DESIGN.md: a node must say why it is unwell) is computed here too.
+"""
+
+from __future__ import annotations
+
+import math
+import threading
+import time
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Any
+
+from noloco_node.discovery.dht import PeerRecord
+from noloco_node.observability.status import Health, KnownPeer, LossPoint
+from noloco_node.rpc import peer_pb2 as pb
+
+RECENT_STEPS = 50  # inner steps behind "train loss (recent mean)" and tokens/s
+KEEP_OUTER_STEPS = 1000
+
+
+@dataclass
+class PeerView:
+    record: PeerRecord
+    seen: float  # time.time() of the DHT lookup that listed it
+    info: pb.InfoReply | None = None
+    info_time: float | None = None
+
+
+@dataclass
+class HealthInputs:
+    """The node's side of the health verdict: facts only the node knows."""
+
+    trainer_started: bool
+    trainer_alive: bool
+    trainer_error: BaseException | None
+    stopping: bool
+    finished: bool
+    dht_alive: bool
+
+
+@dataclass
+class Telemetry:
+    tokens_per_step: int
+    degraded_after: float  # seconds without any live peer before the node says so
+    stall_after: float  # seconds without trainer progress before the node is unhealthy
+    started: float = field(default_factory=time.time)
+    phase: str = "loading the model and data"
+
+    def __post_init__(self) -> None:
+        self._lock = threading.Lock()
+        self._steps: deque[tuple[int, float, float]] = deque(maxlen=RECENT_STEPS)  # (inner step, loss, seconds)
+        self.history: deque[dict[str, Any]] = deque(maxlen=KEEP_OUTER_STEPS)
+        self.train_seconds_total = 0.0
+        self.wait_seconds_total = 0.0
+        self.last_checkpoint: float | None = None
+        self.last_progress = time.monotonic()
+        self.last_peer_seen = time.monotonic()
+        self.learning_rate: float | None = None
+        self._peers: dict[str, PeerView] = {}
+
+    # ---------------------------------------------------------------------------------- trainer thread
+
+    def on_inner_step(self, inner_step: int, loss: float, seconds: float, learning_rate: float) -> None:
+        with self._lock:
+            self._steps.append((inner_step, loss, seconds))
+            self.learning_rate = learning_rate
+            self.last_progress = time.monotonic()
+
+    def on_outer_step(self, record: dict[str, Any]) -> None:
+        with self._lock:
+            self.history.append(record)
+            self.train_seconds_total += record["train_seconds"]
+            self.wait_seconds_total += record["wait_seconds"]
+            self.last_progress = time.monotonic()
+
+    def restore_history(self, records: list[dict[str, Any]]) -> None:
+        """The outer steps of this node's earlier life, from its checkpoint (their times count in the totals)."""
+        with self._lock:
+            for record in records:
+                self.history.append(record)
+                self.train_seconds_total += record["train_seconds"]
+                self.wait_seconds_total += record["wait_seconds"]
+
+    def on_checkpoint(self) -> None:
+        self.last_checkpoint = time.time()
+
+    def beat(self) -> None:
+        """The trainer is alive and waiting on purpose (a pairing round, a download)."""
+        self.last_progress = time.monotonic()
+
+    # ---------------------------------------------------------------------------------- event loop
+
+    def on_peers(self, records: list[PeerRecord]) -> None:
+        """A DHT lookup's live peers of the run (this node excluded); peers no longer listed are forgotten."""
+        now = time.time()
+        with self._lock:
+            live = {record.peer_id for record in records}
+            for gone in set(self._peers) - live:
+                del self._peers[gone]
+            for record in records:
+                view = self._peers.get(record.peer_id)
+                if view is None:
+                    self._peers[record.peer_id] = PeerView(record, now)
+                else:
+                    view.record, view.seen = record, now
+            if records:
+                self.last_peer_seen = time.monotonic()
+
+    def on_info(self, peer_id: str, reply: pb.InfoReply) -> None:
+        with self._lock:
+            view = self._peers.get(peer_id)
+            if view is not None:
+                view.info, view.info_time = reply, time.time()
+
+    def peer_addresses(self) -> list[tuple[str, str]]:
+        with self._lock:
+            return [(peer_id, view.record.address) for peer_id, view in self._peers.items()]
+
+    # ---------------------------------------------------------------------------------- reading
+
+    def train_loss(self) -> float | None:
+        with self._lock:
+            losses = [loss for _, loss, _ in self._steps]
+        return sum(losses) / len(losses) if losses else None
+
+    def tokens_per_second(self) -> float | None:
+        """Training throughput over the recent inner steps: their tokens over the time the steps themselves took."""
+        with self._lock:
+            seconds = sum(s for _, _, s in self._steps)
+            count = len(self._steps)
+        return count * self.tokens_per_step / seconds if seconds > 0 else None
+
+    def comm_wait_fraction(self) -> float:
+        total = self.train_seconds_total + self.wait_seconds_total
+        return self.wait_seconds_total / total if total > 0 else 0.0
+
+    def val_loss(self) -> float | None:
+        with self._lock:
+            return self.history[-1]["val_loss"] if self.history else None
+
+    def history_list(self, last: int) -> list[dict[str, Any]]:
+        with self._lock:
+            return list(self.history)[-last:]
+
+    def loss_points(self, last: int) -> list[LossPoint]:
+        """This node's curve (one point per outer step) for the page and for peers' Info calls."""
+        return [
+            LossPoint(inner_step=h["inner_step"], train_loss=h["train_loss"], val_loss=h["val_loss"], time=h["time"])
+            for h in self.history_list(last)
+        ]
+
+    def known_peers(self) -> list[KnownPeer]:
+        now = time.time()
+        with self._lock:
+            views = list(self._peers.values())
+        peers = []
+        for view in views:
+            info = view.info
+            peers.append(
+                KnownPeer(
+                    peer_id=view.record.peer_id,
+                    address=view.record.address,
+                    outer_step=view.record.outer_step,
+                    inner_step=view.record.inner_step,
+                    ready=view.record.ready,
+                    record_age_seconds=max(0.0, now - view.record.updated) if view.record.updated else 0.0,
+                    health=info.health if info else None,
+                    train_loss=_finite_or_none(info.train_loss) if info and info.HasField("train_loss") else None,
+                    val_loss=_finite_or_none(info.val_loss) if info and info.HasField("val_loss") else None,
+                    history=[
+                        LossPoint(
+                            inner_step=p.inner_step,
+                            train_loss=p.train_loss,
+                            val_loss=_finite_or_none(p.val_loss),
+                            time=p.time,
+                        )
+                        for p in (info.history if info else [])
+                        if math.isfinite(p.train_loss)
+                    ],
+                    info_age_seconds=now - view.info_time if view.info_time else None,
+                )
+            )
+        return sorted(peers, key=lambda p: p.peer_id)
+
+    def health(self, facts: HealthInputs) -> Health:
+        if facts.trainer_error is not None:
+            return Health(state="failed", reason=f"trainer thread died: {facts.trainer_error!r}", ok=False)
+        if facts.finished:
+            return Health(state="finished", reason="reached total_steps", ok=False)
+        if facts.stopping:
+            return Health(state="stopping", reason="shutting down: final checkpoint, leaving the DHT", ok=False)
+        if not facts.trainer_started:
+            return Health(state="starting", reason=self.phase, ok=False)
+        if not facts.trainer_alive:
+            return Health(state="failed", reason="the trainer thread is not running", ok=False)
+        if not facts.dht_alive:
+            return Health(state="degraded", reason="the DHT process died: peers cannot find this node", ok=False)
+        stalled = time.monotonic() - self.last_progress
+        if stalled > self.stall_after:
+            return Health(state="degraded", reason=f"trainer made no progress for {stalled:.0f} s", ok=False)
+        alone = time.monotonic() - self.last_peer_seen
+        if alone > self.degraded_after:
+            # Still training (solo steps), so /healthz stays 200: restarting would not bring peers back.
+            return Health(state="degraded", reason=f"no peers for {_duration(alone)}", ok=True)
+        return Health(state="training", reason="", ok=True)
+
+
+def _finite_or_none(value: float) -> float | None:
+    return value if math.isfinite(value) else None
+
+
+def _duration(seconds: float) -> str:
+    return f"{seconds / 60:.0f} min" if seconds >= 120 else f"{seconds:.0f} s"

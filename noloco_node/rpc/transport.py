@@ -1,0 +1,205 @@
+"""How a node's gRPC calls travel and what guards its server: channels (plain or TLS), membership proofs, watchdogs.
+
+:class:`Transport` is what exchange.py's client functions and server take instead of building channels
+themselves: it makes a plaintext or TLS channel (tls.py), signs each call for a private run and checks the
+server's answering proof (auth.py), and installs the authenticating interceptor on the server.
+
+:class:`Watchdog` bounds every served call from the server's side, whatever deadline the caller set (or did not):
+a call is cancelled when it runs past its limit, or when, after a short grace, it moves fewer bytes per second
+than the slowest link the run allows (``min_link_rate``). A slow-loris caller that opens streams and trickles (or
+stops reading) therefore holds a worker thread and the pairing lock for seconds, not for the exchange ceiling.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import grpc
+
+from noloco_node.security.auth import AuthInterceptor, CallAuthenticator
+from noloco_node.security.tls import TlsFiles
+from noloco_node.wire.payload import MAX_MESSAGE_BYTES
+
+log = logging.getLogger(__name__)
+
+CHANNEL_OPTIONS = [
+    ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
+    ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
+]
+
+
+class _PooledChannel:
+    """``with transport.channel(address) as channel``: a kept-open channel to ``address``.
+
+    Reusing one connection per peer saves the TCP (and TLS) handshakes and, with the kernel keeping its congestion
+    window (``net.ipv4.tcp_slow_start_after_idle=0``), the slow start of every exchange: on a 50 ms path that is
+    several round trips per call. A call that fails drops the channel from the pool (a restarted or dead peer
+    gets a fresh connection next time); calls still using it finish on it, and it closes when the last goes.
+    """
+
+    def __init__(self, transport: Transport, address: str) -> None:
+        self.transport, self.address = transport, address
+
+    def __enter__(self) -> grpc.Channel:
+        return self.transport._pooled(self.address)
+
+    def __exit__(self, kind: type[BaseException] | None, *_: object) -> None:
+        if kind is not None:
+            self.transport._drop(self.address)
+
+
+class Transport:
+    """Channel and call options shared by every call a node makes, and the server's security settings."""
+
+    POOL_SIZE = 64  # peers kept connected; the least recently used is dropped beyond it
+    POOL_IDLE_SECONDS = 600.0
+
+    def __init__(
+        self,
+        *,
+        authenticator: CallAuthenticator | None = None,
+        tls: TlsFiles | None = None,
+        channel_options: Sequence[tuple[str, Any]] = tuple(CHANNEL_OPTIONS),
+    ) -> None:
+        self.authenticator = authenticator
+        self.tls = tls
+        self.channel_options = list(channel_options)
+        self._channel_credentials = tls.channel_credentials() if tls else None  # read once: fail at start
+        self._pool: dict[str, tuple[grpc.Channel, float]] = {}  # address -> (channel, last use), in LRU order
+        self._pool_lock = threading.Lock()
+
+    @property
+    def authenticates(self) -> bool:
+        return self.authenticator is not None
+
+    def channel(self, address: str) -> _PooledChannel:
+        """A context manager giving the pooled channel to ``address`` (see _PooledChannel)."""
+        return _PooledChannel(self, address)
+
+    def _pooled(self, address: str) -> grpc.Channel:
+        now = time.monotonic()
+        with self._pool_lock:
+            entry = self._pool.pop(address, None)
+            channel = entry[0] if entry is not None and now - entry[1] < self.POOL_IDLE_SECONDS else None
+            if channel is None:
+                channel = self.new_channel(address)
+            self._pool[address] = (channel, now)
+            while len(self._pool) > self.POOL_SIZE:
+                self._pool.pop(next(iter(self._pool)))
+            return channel
+
+    def _drop(self, address: str) -> None:
+        with self._pool_lock:
+            self._pool.pop(address, None)
+
+    def close_channels(self) -> None:
+        with self._pool_lock:
+            channels = [channel for channel, _ in self._pool.values()]
+            self._pool.clear()
+        for channel in channels:
+            channel.close()
+
+    def new_channel(self, address: str) -> grpc.Channel:
+        """A fresh, unpooled channel (the caller closes it)."""
+        if self._channel_credentials is None:
+            return grpc.insecure_channel(address, options=self.channel_options)
+        assert self.tls is not None
+        options = [*self.channel_options, ("grpc.ssl_target_name_override", self.tls.server_name)]
+        return grpc.secure_channel(address, self._channel_credentials, options=options)
+
+    def sign(self, method: str) -> tuple[list[tuple[str, str]] | None, str]:
+        """Metadata for one call (None for an open run) and the nonce its answer must prove."""
+        if self.authenticator is None:
+            return None, ""
+        return self.authenticator.call_metadata(method)
+
+    def server_problem(self, method: str, nonce: str, call: Any) -> str | None:
+        """None when the server of ``call`` proved membership (or the run is open); blocks for its metadata."""
+        if self.authenticator is None:
+            return None
+        return self.authenticator.check_server(method, nonce, call.initial_metadata())
+
+    def add_port(self, server: grpc.Server, bind: str) -> int:
+        if self.tls is None:
+            return server.add_insecure_port(bind)
+        return server.add_secure_port(bind, self.tls.server_credentials())
+
+    def interceptors(self, on_refusal: Callable[[str], None]) -> list[grpc.ServerInterceptor]:
+        return [] if self.authenticator is None else [AuthInterceptor(self.authenticator, on_refusal)]
+
+
+PLAIN = Transport()
+
+
+@dataclass
+class GuardedCall:
+    """One served call under the watchdog. ``progress`` returns bytes moved so far (both directions)."""
+
+    context: grpc.ServicerContext
+    deadline: float  # monotonic
+    progress: Callable[[], int]
+    min_rate: float
+    grace: float
+    started: float = field(default_factory=time.monotonic)
+    cut_reason: str | None = None
+    transferred: bool = False  # every byte has moved: only the deadline applies from here on
+
+
+class Watchdog:
+    """One thread checking every served call twice a second; cancels those past their limit or too slow."""
+
+    def __init__(self, *, tick: float = 0.5) -> None:
+        self.tick = tick
+        self._by_id: dict[int, GuardedCall] = {}
+        self._lock = threading.Lock()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="call-watchdog", daemon=True)
+        self._thread.start()
+
+    def watch(
+        self,
+        context: grpc.ServicerContext,
+        *,
+        limit: float,
+        progress: Callable[[], int] = lambda: 0,
+        min_rate: float = 0.0,
+        grace: float = 5.0,
+    ) -> GuardedCall:
+        call = GuardedCall(context, time.monotonic() + limit, progress, min_rate, grace)
+        with self._lock:
+            self._by_id[id(call)] = call
+        return call
+
+    def release(self, call: GuardedCall) -> None:
+        with self._lock:
+            self._by_id.pop(id(call), None)
+
+    def stop(self) -> None:
+        self._stop.set()
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.tick):
+            now = time.monotonic()
+            with self._lock:
+                calls = list(self._by_id.values())
+            for call in calls:
+                reason = self._verdict(call, now)
+                if reason is not None and call.cut_reason is None:
+                    call.cut_reason = reason
+                    call.context.cancel()
+
+    @staticmethod
+    def _verdict(call: GuardedCall, now: float) -> str | None:
+        if now >= call.deadline:
+            return "deadline"
+        elapsed = now - call.started
+        if call.transferred:
+            return None
+        if call.min_rate > 0 and elapsed > call.grace and call.progress() < call.min_rate * (elapsed - call.grace):
+            return "too_slow"
+        return None

@@ -1,0 +1,71 @@
+"""A node's security, assembled from its SecurityConfig: identity, membership, transport and payload admission.
+
+node.py holds one :class:`NodeSecurity` and asks it three things: which transport its calls and server use
+(plain or TLS, signed or not: transport.py), whether a verified payload may be blended (the norm bound:
+payload_guard.py), and whether a peer is refused. Every refusal of a payload's content is counted by reason,
+logged once per peer with rate limiting, and quarantines the peer (peer_policy.py).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+from pathlib import Path
+
+import torch
+
+from noloco_node.config.models import SecurityConfig
+from noloco_node.pairing.peer_policy import PeerPolicy
+from noloco_node.rpc.transport import Transport
+from noloco_node.security.auth import CallAuthenticator, SecretError, SwarmSecret, load_secret
+from noloco_node.security.identity import IdentityError, NodeIdentity
+from noloco_node.security.payload_guard import Complaints, NormGuard, relative_distance
+from noloco_node.security.tls import TlsError, TlsFiles
+from noloco_node.wire.payload import Payload, PayloadError
+
+log = logging.getLogger(__name__)
+
+
+class SecuritySetupError(Exception):
+    """The node's key, secret or TLS files cannot be used; the message says which and why."""
+
+
+class NodeSecurity:
+    def __init__(self, cfg: SecurityConfig, data_dir: Path) -> None:
+        self.cfg = cfg
+        try:
+            self.identity = NodeIdentity.load_or_create(data_dir)
+            self.secret: SwarmSecret | None = load_secret(cfg.secret_file)
+            tls = TlsFiles(cfg.tls_cert, cfg.tls_key, cfg.tls_ca, cfg.tls_server_name) if cfg.tls_cert else None
+            authenticator = (
+                CallAuthenticator(self.secret, self.identity.peer_id, max_clock_skew=cfg.max_clock_skew)
+                if self.secret
+                else None
+            )
+            self.transport = Transport(authenticator=authenticator, tls=tls)
+        except (IdentityError, SecretError, TlsError) as error:
+            raise SecuritySetupError(str(error)) from None
+        if tls is None and self.secret is not None:
+            log.warning("private run without TLS: members are authenticated, but traffic is not encrypted")
+        self.norm_guard = NormGuard(fixed=cfg.norm_bound, factor=cfg.norm_bound_factor, initial=cfg.norm_bound_initial)
+        self.complaints = Complaints()
+
+    @property
+    def peer_id(self) -> str:
+        return self.identity.peer_id
+
+    def admit(self, payload: Payload, pairs: Sequence[tuple[Sequence[torch.Tensor], Sequence[torch.Tensor]]]) -> None:
+        """Raise PayloadError when the partner's tensors are too far from this node's.
+
+        ``pairs``: (partner tensors, own tensors) to compare, e.g. (their theta, my phi) and (their phi, my phi).
+        """
+        for theirs, mine in pairs:
+            self.norm_guard.admit(relative_distance(theirs, mine), payload.peer_id)
+
+    def bad_payload(self, peer_id: str, error: PayloadError, policy: PeerPolicy) -> None:
+        """A payload refused (malformed or out of bounds): log it, rate limited, and quarantine the peer. The
+        caller counts it in the metrics."""
+        policy.quarantine(peer_id, self.cfg.quarantine_seconds)
+        self.complaints.complain(
+            peer_id, error.reason, f"{error.message}; quarantined for {self.cfg.quarantine_seconds:.0f}s"
+        )

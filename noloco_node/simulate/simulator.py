@@ -1,0 +1,447 @@
+"""N replicas in one process: NoLoCo against its baselines on the same seeds, data and compute budget.
+
+Methods (outer updates from algorithm.py, inner loop from trainer.py):
+
+- ``noloco``: every outer step the replicas are paired at random (pairs re-drawn each time); each replica blends
+  with its partner with ``algorithm.noloco_outer_step`` (arXiv 2506.10911, eq. 3-5). With an odd count one
+  replica is left without a partner and takes a solo outer step, as a swarm node does when nobody answers. This
+  is the maths of the node's ``sync`` pairing mode.
+- ``noloco-stale``: the maths of the ``overlap`` mode: at its outer step a replica blends its fresh state with the
+  snapshot its partner published one outer phase earlier (the partner's phi then, and its fast weights projected
+  one phase ahead, ``algorithm.projected_fast_weights``); the first outer step has no snapshots and is solo.
+- ``noloco-momentum``: ``noloco``, then the pair also averages its new outer momenta (Delta): "blend weights and
+  momenta", asked for by users; measured here before it becomes a node option.
+- ``diloco``: DiLoCo with the heavy-ball outer optimizer on the mean over all replicas (an all-reduce).
+- ``diloco-nesterov``: DiLoCo with torch's Nesterov SGD outer optimizer (the original DiLoCo setting).
+- ``ddp``: one set of weights, gradients averaged over one batch of every replica's shard each step.
+- ``solo``: each replica trains on its own shard with no communication at all (the floor to beat).
+
+Each replica sees only its own shard, every method runs the same number of inner steps on the same batches, and
+every method starts from the same initial weights. ``compare`` prints a table of final validation loss and
+perplexity, the paper's relative metric ``(ppl_diloco - ppl_noloco) / ppl_ddp`` and the weight spread across
+replicas, and writes the metrics as JSON and the curves as a PNG.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from noloco_node import algorithm
+from noloco_node.config.models import ModelConfig, SimulateConfig, model_config_for
+from noloco_node.data.corpus import Corpus, ReplicaShard, load_corpus, validation_batches
+from noloco_node.model.decoder import parameter_count
+from noloco_node.training.replica import Replica, resolve_device
+
+ProgressFn = Callable[[str], None]
+
+
+def _print_progress(line: str) -> None:
+    print(line, file=sys.stderr, flush=True)
+
+
+@dataclass
+class MethodResult:
+    """Curves of one method; each list has one entry per evaluation (step 0, then after every outer step)."""
+
+    method: str
+    replicas: int
+    steps: list[int] = field(default_factory=list)
+    val_loss: list[float] = field(default_factory=list)  # mean over replicas
+    val_loss_min: list[float] = field(default_factory=list)
+    val_loss_max: list[float] = field(default_factory=list)
+    train_loss: list[float] = field(default_factory=list)  # mean over replicas and the phase's steps
+    spread: list[float] = field(default_factory=list)  # RMS std of the weights across replicas
+    seconds: float = 0.0
+
+    @property
+    def final_val_loss(self) -> float:
+        return self.val_loss[-1]
+
+    @property
+    def final_val_ppl(self) -> float:
+        return math.exp(self.final_val_loss)
+
+    @property
+    def final_spread(self) -> float:
+        return self.spread[-1]
+
+
+def random_groups(num_replicas: int, rng: np.random.Generator) -> list[list[int]]:
+    """A fresh random pairing of replicas; with an odd count, the one left over forms a group of its own."""
+    order = [int(i) for i in rng.permutation(num_replicas)]
+    groups = [order[i : i + 2] for i in range(0, num_replicas - 1, 2)]
+    if num_replicas % 2:
+        groups.append([order[-1]])
+    return groups
+
+
+def _noloco_round(
+    replicas: list[Replica], rng: np.random.Generator, cfg: SimulateConfig, *, blend_momenta: bool = False
+) -> None:
+    """One NoLoCo outer step of every replica, each blending with its partner's pre-step state."""
+    outer = cfg.outer
+    results = {}
+    groups = random_groups(len(replicas), rng)
+    for group in groups:
+        for i in group:
+            partners = [replicas[j] for j in group if j != i]
+            results[i] = algorithm.noloco_outer_step(
+                replicas[i].fast_weights(),
+                replicas[i].phi,
+                replicas[i].delta,
+                [p.fast_weights() for p in partners],
+                [p.phi for p in partners],
+                alpha=outer.alpha,
+                beta=outer.beta,
+                gamma=outer.effective_gamma,
+            )
+    if blend_momenta:
+        for group in groups:
+            mean_delta = algorithm.mean_weights([results[i][1] for i in group])
+            for i in group:
+                results[i] = (results[i][0], [d.clone() for d in mean_delta])
+    # Apply only once every replica's update is computed from the state before the round.
+    for i, (new_phi, new_delta) in results.items():
+        replicas[i].apply_outer_step(new_phi, new_delta)
+
+
+Offer = tuple[list[torch.Tensor], list[torch.Tensor]]  # (projected fast weights, slow weights) a replica published
+
+
+def _stale_noloco_round(
+    replicas: list[Replica], rng: np.random.Generator, cfg: SimulateConfig, offers: list[Offer | None]
+) -> None:
+    """The overlap mode: blend with the partner's snapshot of one phase ago, then publish a new one."""
+    outer = cfg.outer
+    results = {}
+    for group in random_groups(len(replicas), rng):
+        for i in group:
+            partner_offers = [offers[j] for j in group if j != i and offers[j] is not None]
+            results[i] = algorithm.noloco_outer_step(
+                replicas[i].fast_weights(),
+                replicas[i].phi,
+                replicas[i].delta,
+                [offer[0] for offer in partner_offers],
+                [offer[1] for offer in partner_offers],
+                alpha=outer.alpha,
+                beta=outer.beta,
+                gamma=outer.effective_gamma,
+            )
+    for i, (new_phi, new_delta) in results.items():
+        theta, old_phi = replicas[i].fast_weights(), replicas[i].phi
+        offers[i] = (algorithm.projected_fast_weights(new_phi, theta, old_phi), [p.clone() for p in new_phi])
+        replicas[i].apply_outer_step(new_phi, new_delta)
+
+
+def _diloco_round(replicas: list[Replica], cfg: SimulateConfig, *, nesterov: bool) -> None:
+    """One DiLoCo outer step: the all-replica mean, the same new slow weights everywhere."""
+    outer = cfg.outer
+    thetas = [r.fast_weights() for r in replicas]
+    shared = replicas[0]  # phi and the outer momentum are identical on every replica
+    if nesterov:
+        new_phi, new_state = algorithm.diloco_nesterov_step(
+            shared.phi, shared.delta, thetas, lr=outer.nesterov_lr, momentum=outer.nesterov_momentum
+        )
+    else:
+        new_phi, new_state = algorithm.diloco_heavy_ball_step(
+            shared.phi, shared.delta, thetas, alpha=outer.diloco_alpha, beta=outer.diloco_beta
+        )
+    for replica in replicas:
+        replica.apply_outer_step(new_phi, new_state)
+
+
+def run_method(
+    method: str,
+    cfg: SimulateConfig,
+    corpus: Corpus,
+    *,
+    progress: ProgressFn = _print_progress,
+) -> MethodResult:
+    """Train ``cfg.replicas`` replicas with one method and record its curves."""
+    train = cfg.train
+    model_cfg = simulation_model_config(cfg, corpus)
+    device = resolve_device(train.device)
+    shards = [
+        ReplicaShard(corpus.train, replica=r, num_replicas=cfg.replicas, seq_len=train.seq_len, seed=train.seed)
+        for r in range(cfg.replicas)
+    ]
+    if method == "ddp":
+        replicas = [Replica(model_cfg, train, shards, device=device)]
+    else:
+        replicas = [Replica(model_cfg, train, [shard], device=device) for shard in shards]
+    val = validation_batches(
+        corpus.validation, seq_len=train.seq_len, batch_size=train.batch_size, num_batches=train.eval_batches
+    )
+    if method.startswith("noloco"):
+        algorithm.warn_on_unstable_hyperparameters(cfg.outer.alpha, cfg.outer.beta, cfg.outer.effective_gamma)
+    offers: list[Offer | None] = [None] * len(replicas)
+    pair_rng = np.random.default_rng([train.seed, 0x9A1])
+    result = MethodResult(method=method, replicas=cfg.replicas)
+    started = time.perf_counter()
+
+    def record(step: int, train_losses: list[float]) -> None:
+        losses = [r.evaluate(val) for r in replicas]
+        result.steps.append(step)
+        result.val_loss.append(float(np.mean(losses)))
+        result.val_loss_min.append(min(losses))
+        result.val_loss_max.append(max(losses))
+        result.train_loss.append(float(np.mean(train_losses)) if train_losses else float("nan"))
+        result.spread.append(algorithm.replica_spread([r.fast_weights() for r in replicas]))
+        progress(
+            f"[{method:>15}] step {step:5d}/{train.total_steps}  val {result.val_loss[-1]:.4f} "
+            f"(ppl {math.exp(result.val_loss[-1]):7.3f})  train {result.train_loss[-1]:.4f}  "
+            f"spread {result.spread[-1]:.2e}  lr {replicas[0].current_lr:.2e}  {time.perf_counter() - started:6.1f}s"
+        )
+
+    record(0, [])
+    step = 0
+    while step < train.total_steps:
+        phase = min(train.inner_steps, train.total_steps - step)
+        phase_losses = [loss for r in replicas for loss in r.train_phase(phase)]
+        step += phase
+        if method in ("noloco", "noloco-momentum"):
+            _noloco_round(replicas, pair_rng, cfg, blend_momenta=method == "noloco-momentum")
+        elif method == "noloco-stale":
+            _stale_noloco_round(replicas, pair_rng, cfg, offers)
+        elif method in ("diloco", "diloco-nesterov"):
+            _diloco_round(replicas, cfg, nesterov=method == "diloco-nesterov")
+        record(step, phase_losses)
+    result.seconds = time.perf_counter() - started
+    return result
+
+
+def simulation_model_config(cfg: SimulateConfig, corpus: Corpus) -> ModelConfig:
+    return model_config_for(cfg.train.model_size, vocab_size=corpus.vocab_size, max_seq_len=cfg.train.seq_len)
+
+
+def relative_metrics(results: dict[str, MethodResult]) -> dict[str, float]:
+    """The paper's metric ``(ppl_diloco - ppl_noloco) / ppl_ddp`` (positive: NoLoCo better) for each DiLoCo
+    variant, keyed by the variant for ``noloco`` and by ``"<diloco variant> vs <noloco variant>"`` for the others."""
+    relative: dict[str, float] = {}
+    if "ddp" not in results:
+        return relative
+    ddp = results["ddp"].final_val_ppl
+    for noloco in ("noloco", "noloco-stale", "noloco-momentum"):
+        for diloco in ("diloco", "diloco-nesterov"):
+            if noloco in results and diloco in results:
+                key = diloco if noloco == "noloco" else f"{diloco} vs {noloco}"
+                relative[key] = (results[diloco].final_val_ppl - results[noloco].final_val_ppl) / ddp
+    return relative
+
+
+@dataclass
+class Comparison:
+    results: dict[str, MethodResult]
+    relative_metric: dict[str, float]  # "(ppl_X - ppl_noloco) / ppl_ddp" for each DiLoCo variant X
+
+    def table(self) -> str:
+        """A Markdown table: the form the README quotes."""
+        ddp = self.results.get("ddp")
+        rows = [
+            "| method | val loss | val ppl | ppl vs DDP | weight spread | wall s |",
+            "|---|---:|---:|---:|---:|---:|",
+        ]
+        for name, r in self.results.items():
+            versus = f"{(r.final_val_ppl / ddp.final_val_ppl - 1) * 100:+.2f}%" if ddp else "n/a"
+            rows.append(
+                f"| {name} | {r.final_val_loss:.4f} | {r.final_val_ppl:.3f} | {versus} | "
+                f"{r.final_spread:.2e} | {r.seconds:.0f} |"
+            )
+        lines = ["\n".join(rows)]
+        for key, value in self.relative_metric.items():
+            diloco, _, noloco = key.partition(" vs ")
+            noloco = noloco or "noloco"
+            verdict = f"{noloco} better" if value > 0 else f"{noloco} worse" if value < 0 else "tie"
+            lines.append(f"(ppl_{diloco} - ppl_{noloco}) / ppl_ddp = {value * 100:+.2f}%  ({verdict})")
+        return "\n".join(lines)
+
+
+def compare(cfg: SimulateConfig, *, progress: ProgressFn = _print_progress) -> Comparison:
+    """Run every method in ``cfg.methods`` on the same seeds and data; write metrics.json and curves.png."""
+    corpus = load_corpus(cfg.data)
+    progress(
+        f"corpus: {corpus.description}: {len(corpus.train):,} train / {len(corpus.validation):,} validation "
+        f"tokens; {cfg.replicas} replicas, model {cfg.train.model_size}, {cfg.train.total_steps} inner steps, "
+        f"H = {cfg.train.inner_steps}"
+    )
+    results = {method: run_method(method, cfg, corpus, progress=progress) for method in cfg.methods}
+    comparison = Comparison(results, relative_metrics(results))
+    write_outputs(comparison, cfg, corpus)
+    return comparison
+
+
+def write_outputs(comparison: Comparison, cfg: SimulateConfig, corpus: Corpus) -> None:
+    cfg.out_dir.mkdir(parents=True, exist_ok=True)
+    payload = {
+        "config": cfg.model_dump(mode="json"),
+        "corpus": corpus.description,
+        "model_parameters": parameter_count(simulation_model_config(cfg, corpus)),
+        "results": {
+            name: {**asdict(r), "final_val_loss": r.final_val_loss, "final_val_ppl": r.final_val_ppl}
+            for name, r in comparison.results.items()
+        },
+        "relative_metric": comparison.relative_metric,
+        "table": comparison.table(),
+    }
+    (cfg.out_dir / "metrics.json").write_text(json.dumps(payload, indent=2))
+    plot_curves(comparison, cfg.out_dir / "curves.png", title=f"{cfg.replicas} replicas, {cfg.train.model_size} model")
+
+
+def plot_curves(comparison: Comparison, path: Path, *, title: str) -> None:
+    """Validation loss and weight spread against inner steps, one line per method."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (loss_ax, spread_ax) = plt.subplots(1, 2, figsize=(12, 4.5))
+    for name, r in comparison.results.items():
+        loss_ax.plot(r.steps, r.val_loss, label=name, marker=".")
+        if any(s > 0 for s in r.spread):
+            spread_ax.plot(r.steps[1:], r.spread[1:], label=name, marker=".")
+    loss_ax.set(xlabel="inner steps per replica", ylabel="validation loss (nats/token)", title=title)
+    finals = [r.final_val_loss for r in comparison.results.values()]
+    loss_ax.set_ylim(min(finals) - 0.1, max(finals) + 0.8)
+    loss_ax.legend()
+    loss_ax.grid(alpha=0.3)
+    spread_ax.set(
+        xlabel="inner steps per replica",
+        ylabel="weight std across replicas (RMS)",
+        yscale="log",
+        title="replica spread",
+    )
+    if spread_ax.lines:
+        spread_ax.legend()
+    spread_ax.grid(alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+# ---------------------------------------------------------------------------------------------------- seed study
+
+
+@dataclass
+class SeedStudy:
+    """``compare`` repeated over seeds (initial weights, data dealing, pairings) and replica counts."""
+
+    seeds: list[int]
+    comparisons: dict[int, list[Comparison]]  # replica count -> one comparison per seed
+
+    def table(self) -> str:
+        blocks = []
+        for count, runs in self.comparisons.items():
+            methods = list(runs[0].results)
+            rows = [
+                f"{count} replicas, {len(runs)} seeds ({', '.join(map(str, self.seeds))}): mean +- std over seeds",
+                "| method | final val loss | val ppl | ppl vs DDP | weight spread |",
+                "|---|---:|---:|---:|---:|",
+            ]
+            for method in methods:
+                losses = np.array([run.results[method].final_val_loss for run in runs])
+                ppls = np.array([run.results[method].final_val_ppl for run in runs])
+                spread = np.mean([run.results[method].final_spread for run in runs])
+                versus = "n/a"
+                if "ddp" in methods:
+                    ratios = np.array(
+                        [run.results[method].final_val_ppl / run.results["ddp"].final_val_ppl for run in runs]
+                    )
+                    versus = f"{(ratios.mean() - 1) * 100:+.2f}% +- {ratios.std() * 100:.2f}"
+                rows.append(
+                    f"| {method} | {losses.mean():.4f} +- {losses.std():.4f} | {ppls.mean():.3f} | {versus} | "
+                    f"{spread:.2e} |"
+                )
+            for key in runs[0].relative_metric:
+                values = np.array([run.relative_metric[key] for run in runs]) * 100
+                diloco, _, noloco = key.partition(" vs ")
+                wins = int((values > 0).sum())
+                rows.append(
+                    f"(ppl_{diloco} - ppl_{noloco or 'noloco'}) / ppl_ddp = {values.mean():+.2f}% "
+                    f"+- {values.std():.2f} (min {values.min():+.2f}, max {values.max():+.2f}; NoLoCo better in "
+                    f"{wins}/{len(values)} seeds)"
+                )
+            blocks.append("\n".join(rows))
+        return "\n\n".join(blocks)
+
+
+def seed_study(
+    cfg: SimulateConfig, seeds: list[int], replica_counts: list[int], *, progress: ProgressFn = _print_progress
+) -> SeedStudy:
+    """Every method of ``cfg.methods`` for every replica count and seed; writes study.json and study.png."""
+    corpus = load_corpus(cfg.data)
+    comparisons: dict[int, list[Comparison]] = {}
+    for count in replica_counts:
+        for seed in seeds:
+            run_cfg = cfg.model_copy(update={"replicas": count, "train": cfg.train.model_copy(update={"seed": seed})})
+            progress(f"--- {count} replicas, seed {seed}")
+            results = {method: run_method(method, run_cfg, corpus, progress=progress) for method in cfg.methods}
+            comparisons.setdefault(count, []).append(Comparison(results, relative_metrics(results)))
+    study = SeedStudy(list(seeds), comparisons)
+    cfg.out_dir.mkdir(parents=True, exist_ok=True)
+    payload = {
+        "config": cfg.model_dump(mode="json"),
+        "corpus": corpus.description,
+        "seeds": list(seeds),
+        "runs": {
+            str(count): [
+                {
+                    "results": {name: asdict(r) for name, r in run.results.items()},
+                    "relative_metric": run.relative_metric,
+                }
+                for run in runs
+            ]
+            for count, runs in comparisons.items()
+        },
+        "table": study.table(),
+    }
+    (cfg.out_dir / "study.json").write_text(json.dumps(payload, indent=2))
+    plot_study(study, cfg.out_dir / "study.png", model=cfg.train.model_size)
+    return study
+
+
+def plot_study(study: SeedStudy, path: Path, *, model: str) -> None:
+    """Per replica count: the seed-mean validation loss (band: min to max over seeds) and weight spread."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    counts = list(study.comparisons)
+    fig, axes = plt.subplots(len(counts), 2, figsize=(12, 4.2 * len(counts)), squeeze=False)
+    for row, count in enumerate(counts):
+        runs = study.comparisons[count]
+        loss_ax, spread_ax = axes[row]
+        finals = []
+        for method in runs[0].results:
+            steps = runs[0].results[method].steps
+            curves = np.array([run.results[method].val_loss for run in runs])
+            line = loss_ax.plot(steps, curves.mean(axis=0), label=method, marker=".")[0]
+            loss_ax.fill_between(steps, curves.min(axis=0), curves.max(axis=0), color=line.get_color(), alpha=0.15)
+            finals.append(curves.mean(axis=0)[-1])
+            spreads = np.array([run.results[method].spread for run in runs]).mean(axis=0)
+            if (spreads[1:] > 0).any():
+                spread_ax.plot(steps[1:], spreads[1:], label=method, color=line.get_color(), marker=".")
+        loss_ax.set(
+            xlabel="inner steps per replica",
+            ylabel="validation loss (nats/token)",
+            title=f"{count} replicas, {model} model, {len(runs)} seeds",
+        )
+        loss_ax.set_ylim(min(finals) - 0.1, max(finals) + 0.8)
+        loss_ax.legend(fontsize=8)
+        loss_ax.grid(alpha=0.3)
+        spread_ax.set(xlabel="inner steps per replica", ylabel="weight std across replicas (RMS)", yscale="log")
+        if spread_ax.lines:
+            spread_ax.legend(fontsize=8)
+        spread_ax.grid(alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)

@@ -1,0 +1,195 @@
+"""One swarm member on several processes (several GPUs of one machine): torch DDP inside, one replica outside.
+
+Started under torchrun (``torchrun --nproc_per_node N -m noloco_node join ...``), every process trains the same
+replica on its own slice of the member's data shard, and ``DistributedDataParallel`` averages the gradients of
+every inner step, so all ranks hold identical weights and identical Adam state. Only rank 0 is a swarm member:
+it runs the DHT, the gRPC service, the status endpoint and the pairing, and takes the outer step (NoLoCo, eq. 3-5,
+on its outer state); then it broadcasts the new weights (theta = phi) to the other ranks. The swarm sees one
+replica, exchanging one model-sized payload per outer step, whatever the number of GPUs behind it.
+
+Ranks agree on every inner step before taking it (a one-element all-reduce of a stop flag), so that a member that
+stops (SIGTERM on rank 0, which torchrun forwards) stops all its ranks at the same step instead of leaving them
+blocked in a gradient all-reduce. At start rank 0 sends its whole state (weights, Adam moments, counters, data
+position) after it resumed or downloaded it, so a restarted member's ranks start from the same point too.
+"""
+
+from __future__ import annotations
+
+import datetime
+import hashlib
+import logging
+import os
+import signal
+import threading
+from collections.abc import Sequence
+from typing import TYPE_CHECKING
+
+import torch
+import torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel
+
+if TYPE_CHECKING:
+    from noloco_node.config.models import DataConfig, NodeConfig, TrainConfig
+
+log = logging.getLogger(__name__)
+
+
+class DataParallel:
+    """This process's place in a multi-process member, and the collectives the member needs."""
+
+    def __init__(self, rank: int, world_size: int, local_rank: int, *, timeout_seconds: float = 1800.0) -> None:
+        self.rank = rank
+        self.world_size = world_size
+        self.local_rank = local_rank
+        self.timeout = datetime.timedelta(seconds=timeout_seconds)
+        self.started = False
+
+    @classmethod
+    def from_environment(cls, timeout_seconds: float = 1800.0) -> DataParallel | None:
+        """The member's layout from torchrun's variables; None for a plain single-process node."""
+        world_size = int(os.environ.get("WORLD_SIZE", "1"))
+        if world_size <= 1:
+            return None
+        return cls(
+            int(os.environ["RANK"]), world_size, int(os.environ.get("LOCAL_RANK", "0")), timeout_seconds=timeout_seconds
+        )
+
+    @property
+    def collective_device(self) -> torch.device:
+        """Where small control tensors live for a collective: NCCL only moves GPU tensors."""
+        return torch.device(f"cuda:{self.local_rank}") if torch.cuda.is_available() else torch.device("cpu")
+
+    @property
+    def leader(self) -> bool:
+        return self.rank == 0
+
+    def device(self, configured: str) -> str:
+        """Each rank its own GPU (cuda:LOCAL_RANK) where the settings say auto or cuda; CPUs are shared."""
+        if configured in ("auto", "cuda") and torch.cuda.is_available():
+            return f"cuda:{self.local_rank}"
+        return configured
+
+    def start(self) -> None:
+        """Join the process group (rank 0 only after its DHT helper has forked: DESIGN.md start order)."""
+        backend = "nccl" if torch.cuda.is_available() else "gloo"
+        if torch.cuda.is_available():
+            torch.cuda.set_device(self.local_rank)
+        dist.init_process_group(backend, rank=self.rank, world_size=self.world_size, timeout=self.timeout)
+        self.started = True
+        log.info("rank %d of %d in a %s data-parallel member", self.rank, self.world_size, backend)
+
+    def close(self) -> None:
+        if self.started:
+            dist.destroy_process_group()
+            self.started = False
+
+    def share_shard_index(self, shard_index: int) -> int:
+        """Rank 0's data shard (from its peer id, or configured) to every rank."""
+        value = torch.tensor([shard_index], dtype=torch.int64, device=self.collective_device)
+        dist.broadcast(value, src=0)
+        return int(value.item())
+
+    def shard(self, shard_index: int, num_shards: int) -> tuple[int, int]:
+        """This rank's slice of the member's data shard, as (index, count) over num_shards x world_size slices."""
+        return shard_index * self.world_size + self.rank, num_shards * self.world_size
+
+    def wrap(self, model: torch.nn.Module, device: torch.device) -> DistributedDataParallel:
+        return DistributedDataParallel(model, device_ids=[device.index] if device.type == "cuda" else None)
+
+    def agree_to_continue(self, stop: bool, device: torch.device) -> bool:
+        """Every rank calls this before each inner step; False (for all) as soon as any rank wants to stop."""
+        flag = torch.tensor([1.0 if stop else 0.0], device=device)
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+        return flag.item() == 0.0
+
+    @torch.no_grad()
+    def broadcast_params(self, params: Sequence[torch.Tensor]) -> None:
+        """Rank 0's weights to every rank (after its outer step)."""
+        flat = torch.cat([p.detach().reshape(-1) for p in params])
+        dist.broadcast(flat, src=0)
+        offset = 0
+        for p in params:
+            p.copy_(flat[offset : offset + p.numel()].view_as(p))
+            offset += p.numel()
+
+    @torch.no_grad()
+    def broadcast_state(self, replica: object) -> None:
+        """Rank 0's whole replica state (weights, Adam, counters, data position) to every rank, at start."""
+        from noloco_node.training.replica import Replica
+
+        assert isinstance(replica, Replica)
+        optimizer = replica.optimizer
+        adam_step = int(optimizer.state[replica.params[0]]["step"]) if replica.params[0] in optimizer.state else 0
+        position = replica.shards[0].position
+        counters = torch.tensor(
+            [replica.inner_step, replica.outer_step, adam_step, position["epoch"], position["cursor"]],
+            dtype=torch.int64,
+            device=self.collective_device,
+        )
+        dist.broadcast(counters, src=0)
+        inner_step, outer_step, adam_step, epoch, cursor = (int(v) for v in counters.tolist())
+        self.broadcast_params(replica.params)
+        if adam_step > 0:
+            for param in replica.params:
+                state = optimizer.state.setdefault(param, {})
+                for moment in ("exp_avg", "exp_avg_sq"):
+                    if moment not in state:
+                        state[moment] = torch.zeros_like(param, dtype=torch.float32)
+                    dist.broadcast(state[moment], src=0)
+                state["step"] = torch.tensor(float(adam_step))
+        replica.inner_step, replica.outer_step = inner_step, outer_step
+        for shard in replica.shards:  # each rank's slice has its own length: the same place, within it
+            shard.seek({"epoch": epoch, "cursor": min(cursor, shard.num_windows)})
+
+
+def weights_digest(params: Sequence[torch.Tensor]) -> str:
+    """A short digest of the weights' bytes: ranks of one member must print the same one."""
+    digest = hashlib.sha256()
+    for p in params:
+        digest.update(p.detach().cpu().contiguous().numpy().tobytes())
+    return digest.hexdigest()[:16]
+
+
+def run_follower(
+    node_cfg: NodeConfig, train_cfg: TrainConfig, data_cfg: DataConfig, data_parallel: DataParallel
+) -> int:
+    """A rank other than 0: train in step with rank 0 (DDP), adopt its weights after each of its outer steps, stop
+    when it stops. No DHT, no gRPC, no checkpoints: rank 0 is the member, and holds all of that."""
+    from noloco_node.config.models import model_config_for
+    from noloco_node.data.corpus import ReplicaShard, load_corpus
+    from noloco_node.training.replica import Replica
+
+    if node_cfg.torch_threads:
+        torch.set_num_threads(node_cfg.torch_threads)
+    corpus = load_corpus(data_cfg)
+    model_cfg = model_config_for(train_cfg.model_size, vocab_size=corpus.vocab_size, max_seq_len=train_cfg.seq_len)
+    data_parallel.start()
+    try:
+        index, count = data_parallel.shard(data_parallel.share_shard_index(-1), node_cfg.num_shards)
+        shard = ReplicaShard(
+            corpus.train, replica=index, num_replicas=count, seq_len=train_cfg.seq_len, seed=train_cfg.seed
+        )
+        replica = Replica(model_cfg, train_cfg, [shard], data_parallel=data_parallel)
+        data_parallel.broadcast_state(replica)
+        # SIGTERM (torchrun forwards it to every rank) is turned into a stop agreed at the next step boundary, so
+        # that rank 0 still finishes the step, checkpoints and leaves the DHT instead of hanging in a collective.
+        stop_requested = threading.Event()
+        for signum in (signal.SIGINT, signal.SIGTERM):
+            signal.signal(signum, lambda *_: stop_requested.set())
+        H = train_cfg.inner_steps
+        while replica.inner_step < train_cfg.total_steps:
+            if replica.train_step(stop=stop_requested.is_set()) is None:
+                break  # rank 0 stopped: every rank stops at the same step
+            if replica.inner_step % H == 0 or replica.inner_step >= train_cfg.total_steps:
+                data_parallel.broadcast_params(replica.params)  # rank 0's outer step: theta = phi
+                replica.outer_step += 1
+        log.info(
+            "rank %d of %d stopped at inner step %d, weights digest %s",
+            data_parallel.rank,
+            data_parallel.world_size,
+            replica.inner_step,
+            weights_digest(replica.params),
+        )
+        return 0
+    finally:
+        data_parallel.close()
