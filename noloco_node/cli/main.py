@@ -10,13 +10,23 @@ from __future__ import annotations
 import argparse
 import os
 import sys
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
 from pydantic import ValidationError
 
 from noloco_node import __version__
+from noloco_node.config.flags import (
+    NODE_FLAGS,
+    TRAIN_FLAGS,
+    Flag,
+    add_flags,
+    as_arguments,
+    flag_names,
+    given_settings,
+    subset,
+)
 from noloco_node.config.models import (
     ALL_METHODS,
     MODEL_SIZES,
@@ -33,94 +43,13 @@ from noloco_node.observability.logs import configure_logging
 from noloco_node.observability.status_client import StatusClientError
 from noloco_node.security.auth import SecretError, load_secret
 
-# flag -> (settings section, field, type, help). Defaults are not repeated here: they come from config.py.
-_TRAIN_FLAGS: dict[str, tuple[str, str, type, str]] = {
-    "--model": ("train", "model_size", str, f"named model size: {', '.join(MODEL_SIZES)}"),
-    "--steps": ("train", "total_steps", int, "inner steps per replica over the whole run"),
-    "--inner-steps": ("train", "inner_steps", int, "H: inner steps between outer steps"),
-    "--batch-size": ("train", "batch_size", int, "sequences per inner step per replica"),
-    "--seq-len": ("train", "seq_len", int, "tokens per sequence"),
-    "--lr": ("train", "lr", float, "peak inner learning rate"),
-    "--warmup-steps": ("train", "warmup_steps", int, "linear warmup steps"),
-    "--eval-batches": ("train", "eval_batches", int, "validation batches per evaluation"),
-    "--seed": ("train", "seed", int, "run seed: initial weights, data order, pairings"),
-    "--device": ("train", "device", str, "auto, cpu, cuda, cuda:N"),
-    "--alpha": ("outer", "alpha", float, "NoLoCo outer momentum"),
-    "--beta": ("outer", "beta", float, "NoLoCo outer step size"),
-    "--gamma": ("outer", "gamma", float, "NoLoCo pull towards the group's slow weights (default: beta)"),
-    "--data": ("data", "source", str, "'stdlib', a prepared folder, a .txt/.jsonl/.parquet file or folder, tokens"),
-    "--tokenizer": ("data", "tokenizer", Path, "a tokenizers tokenizer.json (default: UTF-8 bytes)"),
-    "--text-field": ("data", "text_field", str, "the .jsonl field or .parquet column with the text"),
-    "--token-dtype": ("data", "token_dtype", str, "uint16 or uint32, for raw token files"),
-    "--vocab-size": ("data", "vocab_size", int, "vocabulary of a token file"),
-    "--max-bytes": ("data", "max_bytes", int, "cap on bytes read from a text corpus"),
-    "--cache-dir": ("data", "cache_dir", Path, "where the tokenized default corpus is cached"),
-}
-
-
-_NODE_FLAGS: dict[str, tuple[str, str, type, str]] = {
-    "--run-name": ("node", "run_name", str, "name of the run (part of its fingerprint)"),
-    "--mode": ("node", "mode", str, "pairing mode: sync or overlap"),
-    "--data-dir": ("node", "data_dir", Path, "checkpoints and status file of this node"),
-    "--grpc-host": ("node", "grpc_host", str, "address the gRPC server binds"),
-    "--grpc-port": ("node", "grpc_port", int, "gRPC port (0: ephemeral)"),
-    "--announce-host": ("node", "announce_host", str, "host peers should dial"),
-    "--announce-port": ("node", "announce_port", int, "port peers should dial (port forwarding, proxies)"),
-    "--pair-timeout": ("node", "pair_timeout", float, "sync mode: longest wait for a partner (s)"),
-    "--alone-grace": ("node", "alone_grace", float, "sync mode: wait with no other live peer before a solo step (s)"),
-    "--exchange-timeout": ("node", "exchange_timeout", float, "longest deadline of one exchange (s)"),
-    "--min-exchange-deadline": ("node", "min_exchange_deadline", float, "shortest deadline of one exchange (s)"),
-    "--min-link-rate": ("node", "min_link_rate", float, "slowest peer link (bytes/s) that deadlines allow for"),
-    "--avoid-seconds": ("node", "avoid_seconds", float, "how long a failed peer is avoided (doubles per failure)"),
-    "--max-behind": ("node", "max_behind", int, "outer steps behind the swarm before a restart downloads state"),
-    "--max-state-downloads": ("node", "max_state_downloads", int, "joiners served at once (more are told busy)"),
-    "--slow-factor": ("node", "slow_factor", float, "fault injection: inner steps take this many times longer"),
-    "--max-staleness": ("node", "max_staleness", int, "largest outer-step difference with a partner"),
-    "--step-time-seconds": ("node", "step_time_seconds", float, "benchmarks: emulated mean inner-step time (s)"),
-    "--step-time-sigma": ("node", "step_time_sigma", float, "benchmarks: log-normal sigma of the step times"),
-    "--wire-dtype": ("node", "wire_dtype", str, "bf16 or fp32"),
-    "--record-ttl": ("node", "record_ttl", float, "DHT record lifetime (s)"),
-    "--num-shards": ("node", "num_shards", int, "how many shards the corpus is dealt into"),
-    "--shard-index": ("node", "shard_index", int, "this node's shard (default: from its peer id)"),
-    "--torch-threads": ("node", "torch_threads", int, "torch intra-op threads (0: default)"),
-    "--checkpoint-every": ("node", "checkpoint_every", int, "outer steps between checkpoints"),
-    "--log-every": ("node", "log_every", float, "seconds between progress lines (0: one per outer step)"),
-    "--status-host": ("node", "status_host", str, "address the HTTP status endpoint binds (0.0.0.0: public)"),
-    "--status-port": ("node", "status_port", int, "HTTP status port: /, /status, /metrics, /healthz (0: ephemeral)"),
-    "--degraded-after": ("node", "degraded_after", float, "seconds without peers before health says degraded"),
-    "--stall-after": ("node", "stall_after", float, "seconds without trainer progress before /healthz is 503"),
-    "--failure-linger": ("node", "failure_linger", float, "seconds to keep serving status after the trainer dies"),
-    "--fail-at-inner-step": ("node", "fail_at_inner_step", int, "fault injection: the trainer raises at this step"),
-    "--secret-file": ("node.security", "secret_file", Path, "file with the swarm secret of a private run (0600)"),
-    "--max-clock-skew": ("node.security", "max_clock_skew", float, "largest clock difference of a signed call (s)"),
-    "--tls-cert": ("node.security", "tls_cert", Path, "PEM certificate of this node: gRPC over TLS"),
-    "--tls-key": ("node.security", "tls_key", Path, "PEM private key of --tls-cert"),
-    "--tls-ca": ("node.security", "tls_ca", Path, "PEM CA of the run: peers must present certificates it signed"),
-    "--tls-server-name": ("node.security", "tls_server_name", str, "name in every node's certificate"),
-    "--norm-bound": ("node.security", "norm_bound", float, "fixed bound on a partner's relative weight distance"),
-    "--norm-bound-factor": ("node.security", "norm_bound_factor", float, "learnt bound: times the recent median"),
-    "--quarantine-seconds": (
-        "security",
-        "quarantine_seconds",
-        float,
-        "how long a peer that sent a bad payload is shunned",
-    ),
-    "--max-concurrent-calls": ("node.security", "max_concurrent_calls", int, "gRPC calls served at once"),
-}
-
-
-_SWARM_NODE_FLAGS = {
-    flag: _NODE_FLAGS[flag]
-    for flag in (
-        "--run-name",
-        "--mode",
-        "--pair-timeout",
-        "--exchange-timeout",
-        "--max-staleness",
-        "--wire-dtype",
-        "--secret-file",
-    )
-}
+# The flags of the settings (config/flags.py, generated from the models); `swarm` passes a few on to its nodes.
+_TRAIN_FLAGS = TRAIN_FLAGS
+_NODE_FLAGS = NODE_FLAGS
+_SWARM_NODE_FLAGS = subset(
+    NODE_FLAGS,
+    ("--run-name", "--mode", "--pair-timeout", "--exchange-timeout", "--max-staleness", "--wire-dtype"),
+) | subset(NODE_FLAGS, ("--secret-file",))
 
 
 class _RefuseSecretInClear(argparse.Action):
@@ -138,38 +67,11 @@ def _add_secret_refusal(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--secret", "--swarm-secret", action=_RefuseSecretInClear, help=argparse.SUPPRESS)
 
 
-def _add_flags(parser: argparse.ArgumentParser, flags: dict[str, tuple[str, str, type, str]]) -> None:
-    for flag, (_section, _field, kind, help_text) in flags.items():
-        parser.add_argument(flag, type=kind, default=argparse.SUPPRESS, help=help_text)
-
-
-def _sections(args: argparse.Namespace, flags: dict[str, tuple[str, str, type, str]]) -> dict[str, dict[str, Any]]:
-    """The flags the user gave, nested like the settings tree (``{"node": {"security": {...}}, "train": {...}}``)."""
-    given: dict[str, Any] = {}
-    for flag, (section, field, _kind, _help) in flags.items():
-        dest = flag.lstrip("-").replace("-", "_")
-        if hasattr(args, dest):
-            tree = given
-            for part in section.split("."):
-                tree = tree.setdefault(part, {})
-            tree[field] = getattr(args, dest)
-    return given
-
-
-def _flag_names(flags: dict[str, tuple[str, str, type, str]]) -> dict[tuple[str, ...], str]:
-    return {(*section.split("."), field): f"flag {flag}" for flag, (section, field, _k, _h) in flags.items()}
-
-
-def _resolve(args: argparse.Namespace, flags: dict[str, tuple[str, str, type, str]]) -> tuple[Any, dict]:
+def _resolve(args: argparse.Namespace, flags: Mapping[str, Flag]) -> tuple[Any, dict]:
     """Settings of --config < NOLOCO_* < flags (settings.py), and where each value came from."""
     from noloco_node.config.settings import resolve
 
-    given = _sections(args, flags)
-    node = given.setdefault("node", {})
-    for name in ("bootstrap", "dht_host_maddrs", "dht_announce_maddrs"):
-        if hasattr(args, name):
-            node[name] = getattr(args, name)
-    return resolve(getattr(args, "config", None), os.environ, given, flag_names=_flag_names(flags))
+    return resolve(getattr(args, "config", None), os.environ, given_settings(args, flags), flag_names=flag_names(flags))
 
 
 def _with_environment(given: dict[str, Any]) -> dict[str, Any]:
@@ -204,7 +106,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     simulate.add_argument("--replica-counts", help="--compare --seeds: replica counts to study, e.g. 4,8,16")
     simulate.add_argument("--out", type=Path, default=argparse.SUPPRESS, help="folder for metrics.json, curves.png")
-    _add_flags(simulate, _TRAIN_FLAGS)
+    add_flags(simulate, _TRAIN_FLAGS)
 
     train = commands.add_parser(
         "train",
@@ -218,7 +120,7 @@ def build_parser() -> argparse.ArgumentParser:
     train.add_argument("--replica-index", type=int, default=0, help="which data shard this replica trains on")
     train.add_argument("--num-replicas", type=int, default=1, help="how many shards the corpus is dealt into")
     train.add_argument("--eval-every", type=int, default=0, help="inner steps between evaluations (0: each outer)")
-    _add_flags(train, _TRAIN_FLAGS)
+    add_flags(train, _TRAIN_FLAGS)
 
     commands.add_parser("sizes", help="list the named model sizes and their parameter counts")
 
@@ -228,17 +130,9 @@ def build_parser() -> argparse.ArgumentParser:
         description="Run the noloco-node daemon: it trains one replica and, at every outer step, blends with a "
         "random peer of the same run found through the DHT (--bootstrap).",
     )
-    join.add_argument(
-        "--bootstrap",
-        nargs="*",
-        default=argparse.SUPPRESS,
-        help="multiaddrs printed by `noloco-node bootstrap`, or http://HOST:PORT/maddrs of one run with --http-port",
-    )
     join.add_argument("--config", type=Path, help="a TOML or YAML settings file (flags and NOLOCO_* override it)")
-    join.add_argument("--dht-host-maddrs", nargs="+", default=argparse.SUPPRESS, help="DHT listen multiaddrs")
-    join.add_argument("--dht-announce-maddrs", nargs="+", default=argparse.SUPPRESS, help="DHT public multiaddrs")
-    _add_flags(join, _NODE_FLAGS)
-    _add_flags(join, _TRAIN_FLAGS)
+    add_flags(join, _NODE_FLAGS)
+    add_flags(join, _TRAIN_FLAGS)
     _add_secret_refusal(join)
 
     swarm = commands.add_parser(
@@ -251,8 +145,8 @@ def build_parser() -> argparse.ArgumentParser:
     swarm.add_argument("--out", type=Path, default=Path("runs/swarm"), help="logs, checkpoints, summary.json")
     swarm.add_argument("--resume", action="store_true", help="continue the swarm in --out instead of replacing it")
     swarm.add_argument("--config", type=Path, help="a TOML or YAML settings file given to every node")
-    _add_flags(swarm, _SWARM_NODE_FLAGS)
-    _add_flags(swarm, _TRAIN_FLAGS)
+    add_flags(swarm, _SWARM_NODE_FLAGS)
+    add_flags(swarm, _TRAIN_FLAGS)
     _add_secret_refusal(swarm)
 
     bench = commands.add_parser("bench", help="benchmarks that print a figure next to a same-run reference")
@@ -379,9 +273,8 @@ def build_parser() -> argparse.ArgumentParser:
     config_commands = config.add_subparsers(dest="config_command", required=True)
     config_show = config_commands.add_parser("show", help="print the effective settings and their sources")
     config_show.add_argument("--config", type=Path, help="a TOML or YAML settings file")
-    config_show.add_argument("--bootstrap", nargs="*", default=argparse.SUPPRESS, help="as for join")
-    _add_flags(config_show, _NODE_FLAGS)
-    _add_flags(config_show, _TRAIN_FLAGS)
+    add_flags(config_show, _NODE_FLAGS)
+    add_flags(config_show, _TRAIN_FLAGS)
     config_init = config_commands.add_parser("init", help="write a commented example settings file")
     config_init.add_argument("path", type=Path, nargs="?", help="where to write it (default: print it)")
 
@@ -420,14 +313,14 @@ def build_parser() -> argparse.ArgumentParser:
 
     from noloco_node.cli import model_commands as cli_models
 
-    cli_models.add_parsers(commands, _NODE_FLAGS, _TRAIN_FLAGS, _add_flags, _add_secret_refusal)
+    cli_models.add_parsers(commands, _add_secret_refusal)
     return parser
 
 
 def _simulate(args: argparse.Namespace) -> int:
     from noloco_node.simulate.simulator import compare
 
-    given = _with_environment(_sections(args, _TRAIN_FLAGS))
+    given = _with_environment(given_settings(args, _TRAIN_FLAGS))
     if args.compare:
         methods = args.methods.split(",") if args.methods else list(ALL_METHODS)
     else:
@@ -465,7 +358,7 @@ def _simulate(args: argparse.Namespace) -> int:
 def _train(args: argparse.Namespace) -> int:
     from noloco_node.training.replica import run_training
 
-    given = _with_environment(_sections(args, _TRAIN_FLAGS))
+    given = _with_environment(given_settings(args, _TRAIN_FLAGS))
     train_cfg = TrainConfig(**given.get("train", {}))
     outer_cfg = OuterConfig(**given.get("outer", {}))
     data_cfg = DataConfig(**given.get("data", {}))
@@ -517,10 +410,7 @@ def _swarm(args: argparse.Namespace) -> int:
     # inherit the environment and get --config passed through).
     _resolve(args, flags)
     passthrough: list[str] = ["--config", str(args.config)] if args.config else []
-    for flag in flags:
-        dest = flag.lstrip("-").replace("-", "_")
-        if hasattr(args, dest):
-            passthrough += [flag, str(getattr(args, dest))]
+    passthrough += as_arguments(args, flags)
     return run_swarm(args.nodes, args.out, passthrough, resume=args.resume)
 
 

@@ -8,10 +8,11 @@ import json
 from pathlib import Path
 from typing import Any
 
+from noloco_node.config.flags import NODE_FLAGS, TRAIN_FLAGS, add_flags
 from noloco_node.config.models import DataConfig
 
 
-def add_parsers(commands: Any, node_flags: dict, train_flags: dict, add_flags: Any, add_secret_refusal: Any) -> None:
+def add_parsers(commands: Any, add_secret_refusal: Any) -> None:
     data = commands.add_parser(
         "data",
         help="tokenize a corpus once into memory-mapped shards, or train a tokenizer on it",
@@ -57,12 +58,11 @@ def add_parsers(commands: Any, node_flags: dict, train_flags: dict, add_flags: A
         "--eval", action="store_true", help="--from swarm: also evaluate every member and the consensus"
     )
     export.add_argument("--config", type=Path, help="the run's TOML or YAML settings file (as for join)")
-    export.add_argument("--bootstrap", nargs="*", default=argparse.SUPPRESS, help="as for join")
     export.add_argument(
         "--url", help="--from swarm: a running node's status endpoint: its DHT addresses are used as --bootstrap"
     )
-    add_flags(export, node_flags)
-    add_flags(export, train_flags)
+    add_flags(export, NODE_FLAGS)
+    add_flags(export, TRAIN_FLAGS)
     add_secret_refusal(export)
 
     evaluate = commands.add_parser(

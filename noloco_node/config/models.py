@@ -95,7 +95,9 @@ class DataConfig(_Settings):
         description="Cap on the bytes of text read from the stdlib corpus or a text/jsonl/parquet source (`data "
         "prepare` has its own, unlimited by default).",
     )
-    validation_fraction: float = Field(0.05, gt=0.0, lt=0.5)
+    validation_fraction: float = Field(
+        0.05, gt=0.0, lt=0.5, description="Share of the documents held out for validation."
+    )
     cache_dir: Path | None = Field(
         None,
         description="Where the tokenized default corpus is cached (default: $NOLOCO_CACHE_DIR or "
@@ -106,18 +108,18 @@ class DataConfig(_Settings):
 class TrainConfig(_Settings):
     """The inner phase: Adam without weight decay, clipping, warmup + cosine schedule, evaluation."""
 
-    model_size: ModelSize = "tiny"
-    seq_len: int = Field(128, ge=8)
-    batch_size: int = Field(8, ge=1)
+    model_size: ModelSize = Field("tiny", description="Named model size (`noloco-node sizes` lists them).")
+    seq_len: int = Field(128, ge=8, description="Tokens per training sequence.")
+    batch_size: int = Field(8, ge=1, description="Sequences per inner step of one replica.")
     total_steps: int = Field(600, ge=1, description="Inner steps per replica over the whole run.")
     inner_steps: int = Field(50, ge=1, description="H: inner steps between outer steps.")
     lr: float = Field(3e-3, gt=0.0, le=1.0, description="Peak learning rate of the inner Adam.")
     warmup_steps: int | None = Field(None, ge=0, description="Linear warmup steps (default: 10% of total_steps).")
     min_lr_ratio: float = Field(0.1, ge=0.0, le=1.0, description="Cosine decays to this fraction of the peak.")
-    adam_beta1: float = Field(0.9, ge=0.0, lt=1.0)
-    adam_beta2: float = Field(0.999, ge=0.0, lt=1.0)
-    adam_eps: float = Field(1e-8, gt=0.0)
-    grad_clip: float = Field(1.0, gt=0.0)
+    adam_beta1: float = Field(0.9, ge=0.0, lt=1.0, description="Inner Adam beta1.")
+    adam_beta2: float = Field(0.999, ge=0.0, lt=1.0, description="Inner Adam beta2.")
+    adam_eps: float = Field(1e-8, gt=0.0, description="Inner Adam epsilon.")
+    grad_clip: float = Field(1.0, gt=0.0, description="Gradient norm clipping of every inner step.")
     eval_batches: int = Field(8, ge=1, description="Validation batches per evaluation.")
     seed: int = Field(0, ge=0, description="Seed of the run: initial weights, data order, pairings.")
     device: str = Field("auto", description="'auto' (CUDA when available), 'cpu', 'cuda', 'cuda:1', ...")
@@ -139,10 +141,18 @@ class OuterConfig(_Settings):
     alpha: float = Field(algorithm.NOLOCO_ALPHA, description="NoLoCo outer momentum decay.")
     beta: float = Field(algorithm.NOLOCO_BETA, description="NoLoCo step on the group's mean fast-minus-slow.")
     gamma: float | None = Field(None, description="NoLoCo pull towards the group's mean slow weights (default beta).")
-    diloco_alpha: float = Field(algorithm.DILOCO_HB_ALPHA, ge=0.0, lt=1.0)
-    diloco_beta: float = Field(algorithm.DILOCO_HB_BETA, gt=0.0)
-    nesterov_lr: float = Field(algorithm.DILOCO_NESTEROV_LR, gt=0.0)
-    nesterov_momentum: float = Field(algorithm.DILOCO_NESTEROV_MOMENTUM, ge=0.0, lt=1.0)
+    diloco_alpha: float = Field(
+        algorithm.DILOCO_HB_ALPHA, ge=0.0, lt=1.0, description="DiLoCo heavy-ball outer momentum (baselines)."
+    )
+    diloco_beta: float = Field(
+        algorithm.DILOCO_HB_BETA, gt=0.0, description="DiLoCo heavy-ball outer step (baselines)."
+    )
+    nesterov_lr: float = Field(
+        algorithm.DILOCO_NESTEROV_LR, gt=0.0, description="DiLoCo Nesterov outer learning rate (baselines)."
+    )
+    nesterov_momentum: float = Field(
+        algorithm.DILOCO_NESTEROV_MOMENTUM, ge=0.0, lt=1.0, description="DiLoCo Nesterov outer momentum (baselines)."
+    )
 
     @property
     def effective_gamma(self) -> float:
@@ -270,8 +280,12 @@ class NodeConfig(_Settings):
     bootstrap_wait: float = Field(
         120.0, gt=0, description="How long to wait for an http:// bootstrap address book to answer (s)."
     )
-    dht_host_maddrs: list[str] = Field(default_factory=lambda: ["/ip4/127.0.0.1/tcp/0"])
-    dht_announce_maddrs: list[str] = Field(default_factory=list)
+    dht_host_maddrs: list[str] = Field(
+        default_factory=lambda: ["/ip4/127.0.0.1/tcp/0"], description="Multiaddrs the DHT listens on."
+    )
+    dht_announce_maddrs: list[str] = Field(
+        default_factory=list, description="Multiaddrs other peers should dial to reach this DHT peer (public address)."
+    )
     dht_client_mode: bool = Field(
         False, description="Join the DHT as a client only (behind NAT: dial out, serve no DHT requests)."
     )
@@ -318,7 +332,7 @@ class NodeConfig(_Settings):
     )
     step_time_sigma: float = Field(0.0, ge=0.0, le=3.0, description="Sigma of the log-normal step-time factor.")
     max_staleness: int = Field(2, ge=0, description="Largest outer-step difference with a partner.")
-    wire_dtype: Literal["bf16", "fp32"] = "bf16"
+    wire_dtype: Literal["bf16", "fp32"] = Field("bf16", description="Dtype of the weights on the wire.")
     record_ttl: float = Field(20.0, gt=1.0, description="DHT record lifetime (s); refreshed at a third of it.")
     avoid_seconds: float = Field(30.0, ge=0, description="How long a peer that failed is not chosen.")
     checkpoint_every: int = Field(1, ge=1, description="Outer steps between checkpoints.")
