@@ -38,7 +38,9 @@ import torch
 import torch.distributed as dist
 
 from noloco_node.rpc import peer_pb2 as pb
-from noloco_node.rpc.exchange import AdmitsEverything, ExchangeMetrics, Outgoing, exchange_with, start_server
+from noloco_node.rpc.client import Outgoing, exchange_with
+from noloco_node.rpc.metrics import ExchangeMetrics
+from noloco_node.rpc.service import AdmitsEverything, start_server
 from noloco_node.rpc.transport import Transport
 from noloco_node.wire.payload import Payload, ReceiveBuffers, TensorLayout, build_manifest, layout_of
 

@@ -356,7 +356,7 @@ def _simulate(args: argparse.Namespace) -> int:
 
 
 def _train(args: argparse.Namespace) -> int:
-    from noloco_node.training.replica import run_training
+    from noloco_node.training.solo import run_training
 
     given = _with_environment(given_settings(args, _TRAIN_FLAGS))
     train_cfg = TrainConfig(**given.get("train", {}))

@@ -13,7 +13,7 @@ from __future__ import annotations
 import socket
 from dataclasses import dataclass
 
-from noloco_node.rpc.exchange import ExchangeError, fetch_info
+from noloco_node.rpc.client import ExchangeError, fetch_info
 from noloco_node.rpc.transport import Transport
 
 _WILDCARDS = {"", "0.0.0.0", "::", "[::]"}

@@ -31,10 +31,11 @@ import torch
 from noloco_node import algorithm
 from noloco_node.config.models import ModelConfig, NodeConfig
 from noloco_node.discovery.dht import Discovery, PeerRecord, expand_bootstrap
-from noloco_node.rpc.exchange import ExchangeError, StateDownload
+from noloco_node.rpc.client import ExchangeError
+from noloco_node.rpc.state_download import StateDownload
 from noloco_node.security.node_security import NodeSecurity
 from noloco_node.security.payload_guard import relative_distance
-from noloco_node.training.replica import snapshot_layout
+from noloco_node.training.checkpoints import snapshot_layout
 
 
 class ConsensusError(Exception):

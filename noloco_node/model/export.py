@@ -187,7 +187,7 @@ def write_export(out: Path, weights: ExportedWeights, *, dtype: str = "fp32") ->
 
 def checkpoint_weights(path: Path, *, weights: str = "slow") -> ExportedWeights:
     """One replica's weights from a node's or ``train``'s checkpoint.pt (or the folder holding one)."""
-    from noloco_node.training.replica import load_checkpoint
+    from noloco_node.training.checkpoints import load_checkpoint
 
     path = Path(path).expanduser()
     if path.is_dir():

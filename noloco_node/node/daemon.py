@@ -55,14 +55,10 @@ from noloco_node.observability.telemetry import KEEP_OUTER_STEPS, HealthInputs, 
 from noloco_node.pairing.peer_policy import PeerPolicy
 from noloco_node.pairing.rounds import OfferBook, PairingRound
 from noloco_node.rpc import peer_pb2 as pb
-from noloco_node.rpc.exchange import (
-    ExchangeError,
-    ExchangeMetrics,
-    Outgoing,
-    StateDownload,
-    exchange_with,
-    start_server,
-)
+from noloco_node.rpc.client import ExchangeError, Outgoing, exchange_with
+from noloco_node.rpc.metrics import ExchangeMetrics
+from noloco_node.rpc.service import start_server
+from noloco_node.rpc.state_download import StateDownload
 from noloco_node.security.node_security import NodeSecurity, SecuritySetupError
 from noloco_node.training.data_parallel import DataParallel, run_follower, weights_digest
 from noloco_node.training.replica import Replica, load_checkpoint, save_checkpoint

@@ -19,7 +19,7 @@ from noloco_node.discovery.dht import Discovery
 from noloco_node.observability.status import ExchangeRecord, NodeStatus, OuterStepRecord, SecurityStatus
 from noloco_node.observability.telemetry import Telemetry
 from noloco_node.rpc import peer_pb2 as pb
-from noloco_node.rpc.exchange import fetch_info
+from noloco_node.rpc.client import fetch_info
 from noloco_node.rpc.transport import PLAIN, Transport
 from noloco_node.wire.payload import Payload
 

@@ -16,7 +16,7 @@ import threading
 import time
 from dataclasses import dataclass, field
 
-from noloco_node.rpc.exchange import Outgoing
+from noloco_node.rpc.client import Outgoing
 from noloco_node.wire.payload import Payload
 
 

@@ -22,6 +22,8 @@ from typing import Any
 import grpc
 
 from noloco_node.security.auth import AuthInterceptor, CallAuthenticator
+from noloco_node.security.caller_proof import prove
+from noloco_node.security.identity import NodeIdentity
 from noloco_node.security.tls import TlsFiles
 from noloco_node.wire.payload import MAX_MESSAGE_BYTES
 
@@ -64,10 +66,12 @@ class Transport:
         *,
         authenticator: CallAuthenticator | None = None,
         tls: TlsFiles | None = None,
+        identity: NodeIdentity | None = None,
         channel_options: Sequence[tuple[str, Any]] = tuple(CHANNEL_OPTIONS),
     ) -> None:
         self.authenticator = authenticator
         self.tls = tls
+        self.identity = identity  # proves this node's peer id to the servers it calls (caller_proof.py)
         self.channel_options = list(channel_options)
         self._channel_credentials = tls.channel_credentials() if tls else None  # read once: fail at start
         self._pool: dict[str, tuple[grpc.Channel, float]] = {}  # address -> (channel, last use), in LRU order
@@ -112,11 +116,13 @@ class Transport:
         options = [*self.channel_options, ("grpc.ssl_target_name_override", self.tls.server_name)]
         return grpc.secure_channel(address, self._channel_credentials, options=options)
 
-    def sign(self, method: str) -> tuple[list[tuple[str, str]] | None, str]:
-        """Metadata for one call (None for an open run) and the nonce its answer must prove."""
-        if self.authenticator is None:
-            return None, ""
-        return self.authenticator.call_metadata(method)
+    def sign(self, method: str, target_peer_id: str | None = None) -> tuple[list[tuple[str, str]] | None, str]:
+        """Metadata for one call and the nonce its answer must prove: the membership proof of a private run, and,
+        for a call to a known peer, the proof of this node's own peer id made for that peer alone."""
+        metadata, nonce = ([], "") if self.authenticator is None else self.authenticator.call_metadata(method)
+        if self.identity is not None and target_peer_id:
+            metadata = [*metadata, *prove(self.identity, method, target_peer_id)]
+        return (metadata or None), nonce
 
     def server_problem(self, method: str, nonce: str, call: Any) -> str | None:
         """None when the server of ``call`` proved membership (or the run is open); blocks for its metadata."""

@@ -11,13 +11,14 @@ from __future__ import annotations
 
 import base64
 import hashlib
-import os
 import stat
 from pathlib import Path
 
 from cryptography.hazmat.primitives import serialization
 from cryptography.hazmat.primitives.asymmetric import rsa
 from hivemind.utils.crypto import RSAPrivateKey, RSAPublicKey
+
+from noloco_node.atomic_files import write_atomically
 
 KEY_FILE = "node_key.pem"
 PEER_ID_PREFIX = "nl"
@@ -57,18 +58,7 @@ class NodeIdentity:
         pem = key.private_bytes(
             serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.NoEncryption()
         )
-        tmp = path.with_name(f".{KEY_FILE}.{os.getpid()}.tmp")
-        # O_EXCL with mode 0600 from the start: the key is never readable by others, not even for an instant.
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
-        try:
-            with os.fdopen(fd, "wb") as handle:
-                handle.write(pem)
-                handle.flush()
-                os.fsync(handle.fileno())
-            os.replace(tmp, path)
-        except BaseException:
-            tmp.unlink(missing_ok=True)
-            raise
+        write_atomically(path, pem, mode=0o600)  # never readable by others, not even for an instant
         return cls(_wrap(key), path)
 
 

@@ -39,6 +39,7 @@ from noloco_node import algorithm
 from noloco_node.config.models import ModelConfig, SimulateConfig, model_config_for
 from noloco_node.data.corpus import Corpus, ReplicaShard, load_corpus, validation_batches
 from noloco_node.model.decoder import parameter_count
+from noloco_node.training.loop import InnerLoop
 from noloco_node.training.replica import Replica, resolve_device
 
 ProgressFn = Callable[[str], None]
@@ -203,11 +204,11 @@ def run_method(
         )
 
     record(0, [])
-    step = 0
-    while step < train.total_steps:
-        phase = min(train.inner_steps, train.total_steps - step)
-        phase_losses = [loss for r in replicas for loss in r.train_phase(phase)]
-        step += phase
+    # The one inner loop per replica (training/loop.py), advanced in lockstep: the outer step runs across them.
+    loops = [InnerLoop(r, total_steps=train.total_steps, inner_steps=train.inner_steps).phases() for r in replicas]
+    for phases in zip(*loops, strict=True):
+        phase_losses = [loss for phase in phases for loss in phase.losses]
+        step = phases[0].end_step
         if method in ("noloco", "noloco-momentum"):
             _noloco_round(replicas, pair_rng, cfg, blend_momenta=method == "noloco-momentum")
         elif method == "noloco-stale":

@@ -19,8 +19,6 @@ import datetime
 import hashlib
 import logging
 import os
-import signal
-import threading
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
@@ -29,7 +27,7 @@ import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
 if TYPE_CHECKING:
-    from noloco_node.config.models import DataConfig, NodeConfig, TrainConfig
+    pass
 
 log = logging.getLogger(__name__)
 
@@ -148,48 +146,3 @@ def weights_digest(params: Sequence[torch.Tensor]) -> str:
     for p in params:
         digest.update(p.detach().cpu().contiguous().numpy().tobytes())
     return digest.hexdigest()[:16]
-
-
-def run_follower(
-    node_cfg: NodeConfig, train_cfg: TrainConfig, data_cfg: DataConfig, data_parallel: DataParallel
-) -> int:
-    """A rank other than 0: train in step with rank 0 (DDP), adopt its weights after each of its outer steps, stop
-    when it stops. No DHT, no gRPC, no checkpoints: rank 0 is the member, and holds all of that."""
-    from noloco_node.config.models import model_config_for
-    from noloco_node.data.corpus import ReplicaShard, load_corpus
-    from noloco_node.training.replica import Replica
-
-    if node_cfg.torch_threads:
-        torch.set_num_threads(node_cfg.torch_threads)
-    corpus = load_corpus(data_cfg)
-    model_cfg = model_config_for(train_cfg.model_size, vocab_size=corpus.vocab_size, max_seq_len=train_cfg.seq_len)
-    data_parallel.start()
-    try:
-        index, count = data_parallel.shard(data_parallel.share_shard_index(-1), node_cfg.num_shards)
-        shard = ReplicaShard(
-            corpus.train, replica=index, num_replicas=count, seq_len=train_cfg.seq_len, seed=train_cfg.seed
-        )
-        replica = Replica(model_cfg, train_cfg, [shard], data_parallel=data_parallel)
-        data_parallel.broadcast_state(replica)
-        # SIGTERM (torchrun forwards it to every rank) is turned into a stop agreed at the next step boundary, so
-        # that rank 0 still finishes the step, checkpoints and leaves the DHT instead of hanging in a collective.
-        stop_requested = threading.Event()
-        for signum in (signal.SIGINT, signal.SIGTERM):
-            signal.signal(signum, lambda *_: stop_requested.set())
-        H = train_cfg.inner_steps
-        while replica.inner_step < train_cfg.total_steps:
-            if replica.train_step(stop=stop_requested.is_set()) is None:
-                break  # rank 0 stopped: every rank stops at the same step
-            if replica.inner_step % H == 0 or replica.inner_step >= train_cfg.total_steps:
-                data_parallel.broadcast_params(replica.params)  # rank 0's outer step: theta = phi
-                replica.outer_step += 1
-        log.info(
-            "rank %d of %d stopped at inner step %d, weights digest %s",
-            data_parallel.rank,
-            data_parallel.world_size,
-            replica.inner_step,
-            weights_digest(replica.params),
-        )
-        return 0
-    finally:
-        data_parallel.close()

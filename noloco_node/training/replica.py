@@ -1,36 +1,39 @@
-"""The inner loop of one replica, its evaluation, and atomic checkpoints of its full state.
+"""One replica: its inner step, its outer state, its evaluation, and its full state for checkpoints.
 
-Inner phase (arXiv 2506.10911, section 3 / DESIGN.md): starting from theta = phi, H steps of Adam without weight
-decay, gradients clipped at norm 1.0, a learning rate that warms up linearly and then decays with a cosine to
+Inner phase (arXiv 2506.10911, section 3; docs/architecture.md, "The algorithm"): starting from theta = phi, H
+steps of Adam without weight decay, gradients clipped at norm 1.0, a learning rate that warms up linearly and then decays with a cosine to
 0.1x the peak. Adam's state is neither reset nor averaged at outer steps; only the weights are.
 
 A :class:`Replica` holds everything one participant owns: the fast weights theta (the model's parameters), the
 slow weights phi and outer momentum delta (fp32), the Adam state, the step counters, and its data position. Its
-:meth:`Replica.state_dict` is the whole of it, so a checkpoint resumes bit-exactly.
+:meth:`Replica.state_dict` is the whole of it, so a checkpoint resumes bit-exactly. The loop that drives it is
+training/loop.py; checkpoints and the joiner snapshot are training/checkpoints.py.
 """
 
 from __future__ import annotations
 
 import logging
 import math
-import os
-import tempfile
-import time
 from collections.abc import Sequence
-from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 
-from noloco_node import algorithm
-from noloco_node.config.models import DataConfig, ModelConfig, OuterConfig, TrainConfig, model_config_for
-from noloco_node.data.corpus import ReplicaShard, load_corpus, validation_batches
+from noloco_node.config.models import ModelConfig, TrainConfig
+from noloco_node.data.corpus import ReplicaShard
 from noloco_node.model.decoder import LlamaDecoder, autocast_context, named_parameters_ordered, token_loss
-from noloco_node.training.data_parallel import DataParallel
 
 log = logging.getLogger(__name__)
 
-CHECKPOINT_FORMAT = 1
+
+class MemberRanks(Protocol):
+    """The processes of one multi-GPU member (training/data_parallel.py), as a replica uses them."""
+
+    def wrap(self, model: torch.nn.Module, device: torch.device) -> torch.nn.Module: ...
+
+    def agree_to_continue(self, stop: bool, device: torch.device) -> bool: ...
+
+
 Batch = tuple[torch.Tensor, torch.Tensor]
 
 
@@ -76,7 +79,7 @@ class Replica:
         shards: Sequence[ReplicaShard],
         *,
         device: torch.device | None = None,
-        data_parallel: DataParallel | None = None,
+        data_parallel: MemberRanks | None = None,
     ) -> None:
         if not shards:
             raise ValueError("a replica needs at least one data shard")
@@ -134,10 +137,6 @@ class Replica:
         self.inner_step += 1
         return total
 
-    def train_phase(self, steps: int) -> list[float]:
-        losses = [self.train_step() for _ in range(steps)]
-        return [loss for loss in losses if loss is not None]
-
     @property
     def current_lr(self) -> float:
         return learning_rate(max(0, self.inner_step - 1), self.train_cfg)
@@ -169,35 +168,7 @@ class Replica:
             param.copy_(phi, non_blocking=True)
         self.outer_step += 1
 
-    # ------------------------------------------------------------------------------------------ donor snapshot
-
-    @torch.no_grad()
-    def outer_snapshot(self) -> tuple[list[tuple[str, torch.Tensor]], dict[str, Any]]:
-        """A copy of the state a joiner needs, taken at an outer step (theta == phi there): phi, delta, Adam's
-        moments, and the counters. Copies, so that serving it never blocks or races this replica's training."""
-        named: list[tuple[str, torch.Tensor]] = []
-        for prefix, tensors in (("phi", self.phi), ("delta", self.delta)):
-            named += [
-                (f"{prefix}/{name}", t.detach().cpu().clone()) for name, t in zip(self.names, tensors, strict=True)
-            ]
-        adam_step = 0
-        for moment in ("exp_avg", "exp_avg_sq"):
-            for name, param in zip(self.names, self.params, strict=True):
-                state = self.optimizer.state.get(param, {})
-                value = state.get(moment)
-                named.append(
-                    (
-                        f"adam.{moment}/{name}",
-                        value.detach().cpu().clone() if value is not None else torch.zeros(param.shape),
-                    )
-                )
-                if "step" in state:
-                    adam_step = int(state["step"])
-        metadata = {"inner_step": self.inner_step, "outer_step": self.outer_step, "adam_step": adam_step}
-        return named, metadata
-
-    def snapshot_layout(self) -> list[tuple[str, tuple[int, ...]]]:
-        return snapshot_layout(self.model_cfg)
+    # ------------------------------------------------------------------------------------------ joiners
 
     @torch.no_grad()
     def load_outer_snapshot(self, tensors: dict[str, torch.Tensor], metadata: dict[str, Any]) -> None:
@@ -276,137 +247,3 @@ class Replica:
 
 def _host_buffer(shape: torch.Size, pinned: bool) -> torch.Tensor:
     return torch.empty(shape, dtype=torch.float32, pin_memory=pinned)
-
-
-# ---------------------------------------------------------------------------------------------------- checkpoints
-
-SNAPSHOT_PREFIXES = ("phi", "delta", "adam.exp_avg", "adam.exp_avg_sq")
-
-
-def snapshot_layout(model_cfg: ModelConfig) -> list[tuple[str, tuple[int, ...]]]:
-    """Names and shapes of an outer-step snapshot (Replica.outer_snapshot), the order GetState serves them in."""
-    with torch.device("meta"):
-        model = LlamaDecoder(model_cfg)
-    named = [(name, tuple(p.shape)) for name, p in named_parameters_ordered(model)]
-    return [(f"{prefix}/{name}", shape) for prefix in SNAPSHOT_PREFIXES for name, shape in named]
-
-
-def save_checkpoint(path: Path, payload: dict[str, Any]) -> None:
-    """Write atomically: a temporary file in the same folder, fsync, rename over the old one, fsync the folder.
-
-    A crash at any moment leaves either the previous checkpoint or the new one, never a torn file.
-    """
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp_name = tempfile.mkstemp(prefix=path.name + ".", suffix=".tmp", dir=path.parent)
-    try:
-        with os.fdopen(fd, "wb") as handle:
-            torch.save({"format": CHECKPOINT_FORMAT, **payload}, handle)
-            handle.flush()
-            os.fsync(handle.fileno())
-        os.replace(tmp_name, path)
-    except BaseException:
-        Path(tmp_name).unlink(missing_ok=True)
-        raise
-    dir_fd = os.open(path.parent, os.O_RDONLY)
-    try:
-        os.fsync(dir_fd)
-    finally:
-        os.close(dir_fd)
-
-
-def load_checkpoint(path: Path) -> dict[str, Any]:
-    if not path.is_file():
-        raise FileNotFoundError(f"no checkpoint at {path}")
-    payload = torch.load(path, map_location="cpu", weights_only=True)
-    if payload.get("format") != CHECKPOINT_FORMAT:
-        raise ValueError(f"{path}: unknown checkpoint format {payload.get('format')!r}")
-    return payload
-
-
-# ---------------------------------------------------------------------------------------------------- a solo run
-
-
-def run_training(
-    train_cfg: TrainConfig,
-    outer_cfg: OuterConfig,
-    data_cfg: DataConfig,
-    *,
-    checkpoint_dir: Path,
-    checkpoint_every: int,
-    fresh: bool = False,
-    replica_index: int = 0,
-    num_replicas: int = 1,
-    eval_every: int = 0,
-) -> Replica:
-    """Train one replica alone: H inner steps, then a solo NoLoCo outer step (group = itself), repeated.
-
-    The full state is checkpointed atomically every ``checkpoint_every`` inner steps and at the end; started again
-    with the same ``checkpoint_dir``, the run continues from the last checkpoint and reaches bit-identical weights.
-    """
-    if checkpoint_every < 1:
-        raise ValueError(f"checkpoint_every must be >= 1, got {checkpoint_every}")
-    corpus = load_corpus(data_cfg)
-    model_cfg = model_config_for(train_cfg.model_size, vocab_size=corpus.vocab_size, max_seq_len=train_cfg.seq_len)
-    shard = ReplicaShard(
-        corpus.train, replica=replica_index, num_replicas=num_replicas, seq_len=train_cfg.seq_len, seed=train_cfg.seed
-    )
-    replica = Replica(model_cfg, train_cfg, [shard])
-    val = validation_batches(
-        corpus.validation,
-        seq_len=train_cfg.seq_len,
-        batch_size=train_cfg.batch_size,
-        num_batches=train_cfg.eval_batches,
-    )
-    algorithm.warn_on_unstable_hyperparameters(outer_cfg.alpha, outer_cfg.beta, outer_cfg.effective_gamma)
-    checkpoint_path = checkpoint_dir / "checkpoint.pt"
-    identity = {
-        "model_config": model_cfg.model_dump(mode="json"),
-        "train_config": train_cfg.model_dump(mode="json"),
-        "tokenizer_json": corpus.tokenizer.json_text,  # so that export, eval and generate decode what it learnt
-    }
-    if checkpoint_path.exists() and not fresh:
-        payload = load_checkpoint(checkpoint_path)
-        if payload["model_config"] != identity["model_config"]:
-            raise ValueError(f"{checkpoint_path} was written for another model: {payload['model_config']}")
-        replica.load_state_dict(payload["replica"])
-        log.info(
-            "resumed from %s at inner step %d (outer step %d)", checkpoint_path, replica.inner_step, replica.outer_step
-        )
-    else:
-        log.info("starting a fresh run: %s, %s", corpus.description, model_cfg)
-    eval_every = eval_every or train_cfg.inner_steps
-    recent: list[float] = []
-    started = time.perf_counter()
-    while replica.inner_step < train_cfg.total_steps:
-        recent.append(replica.train_step())
-        step = replica.inner_step
-        finished = step == train_cfg.total_steps
-        if step % train_cfg.inner_steps == 0 or finished:
-            new_phi, new_delta = algorithm.noloco_outer_step(
-                replica.fast_weights(),
-                replica.phi,
-                replica.delta,
-                [],
-                [],
-                alpha=outer_cfg.alpha,
-                beta=outer_cfg.beta,
-                gamma=outer_cfg.effective_gamma,
-            )
-            replica.apply_outer_step(new_phi, new_delta)
-        if step % eval_every == 0 or finished:
-            val_loss = replica.evaluate(val)
-            log.info(
-                "step %d/%d outer %d  train %.4f  val %.4f (ppl %.3f)  lr %.2e  %.1fs",
-                step,
-                train_cfg.total_steps,
-                replica.outer_step,
-                sum(recent) / len(recent),
-                val_loss,
-                math.exp(val_loss),
-                replica.current_lr,
-                time.perf_counter() - started,
-            )
-            recent.clear()
-        if step % checkpoint_every == 0 or finished:
-            save_checkpoint(checkpoint_path, {**identity, "replica": replica.state_dict()})
-    return replica

@@ -18,17 +18,10 @@ import torch
 from noloco_node.algorithm import noloco_outer_step
 from noloco_node.rpc import peer_pb2 as pb
 from noloco_node.rpc import peer_pb2_grpc as pb_grpc
-from noloco_node.rpc.exchange import (
-    CHANNEL_OPTIONS,
-    EXCHANGE_METHOD,
-    AdmitsEverything,
-    ExchangeError,
-    ExchangeMetrics,
-    Outgoing,
-    exchange_with,
-    fetch_info,
-    start_server,
-)
+from noloco_node.rpc.client import ExchangeError, Outgoing, exchange_with, fetch_info
+from noloco_node.rpc.metrics import ExchangeMetrics
+from noloco_node.rpc.service import EXCHANGE_METHOD, AdmitsEverything, start_server
+from noloco_node.rpc.transport import CHANNEL_OPTIONS
 from noloco_node.wire.payload import Payload, ReceiveBuffers, build_manifest, iter_frames, layout_of
 
 RUN = "run-exchange-test"

@@ -23,7 +23,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from noloco_node.rpc import peer_pb2 as pb
-from noloco_node.rpc.exchange import EXCHANGE_METHOD, GET_STATE_METHOD, INFO_METHOD
+from noloco_node.rpc.service import EXCHANGE_METHOD, GET_STATE_METHOD, INFO_METHOD
 from noloco_node.rpc.transport import CHANNEL_OPTIONS
 from noloco_node.wire.payload import MAX_MESSAGE_BYTES, build_manifest, decode_frame, iter_frames
 

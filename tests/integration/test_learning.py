@@ -7,7 +7,7 @@ from pathlib import Path
 
 from noloco_node.config.models import DataConfig, OuterConfig, TrainConfig
 from noloco_node.data.corpus import load_corpus, validation_batches
-from noloco_node.training.replica import run_training
+from noloco_node.training.solo import run_training
 
 
 def test_tiny_model_learns_python_sources(tmp_path: Path) -> None:

@@ -19,17 +19,10 @@ from pathlib import Path
 import grpc
 import pytest
 
-from noloco_node.rpc.exchange import (
-    EXCHANGE_METHOD,
-    INFO_METHOD,
-    AdmitsEverything,
-    ExchangeError,
-    ExchangeMetrics,
-    StateDownload,
-    exchange_with,
-    fetch_info,
-    start_server,
-)
+from noloco_node.rpc.client import ExchangeError, exchange_with, fetch_info
+from noloco_node.rpc.metrics import ExchangeMetrics
+from noloco_node.rpc.service import EXCHANGE_METHOD, INFO_METHOD, AdmitsEverything, start_server
+from noloco_node.rpc.state_download import StateDownload
 from noloco_node.rpc.transport import CHANNEL_OPTIONS, Transport
 from noloco_node.security.auth import CallAuthenticator, SwarmSecret
 from noloco_node.security.tls import TlsFiles, write_ca, write_node_cert

@@ -11,14 +11,10 @@ import pytest
 import torch
 
 from noloco_node.rpc import peer_pb2 as pb
-from noloco_node.rpc.exchange import (
-    AdmitsEverything,
-    ExchangeError,
-    ExchangeMetrics,
-    Outgoing,
-    StateDownload,
-    start_server,
-)
+from noloco_node.rpc.client import ExchangeError, Outgoing
+from noloco_node.rpc.metrics import ExchangeMetrics
+from noloco_node.rpc.service import AdmitsEverything, start_server
+from noloco_node.rpc.state_download import StateDownload
 from noloco_node.wire.payload import ReceiveBuffers, build_manifest
 
 from .throttling_proxy import ThrottlingProxy

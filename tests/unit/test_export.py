@@ -17,7 +17,8 @@ from noloco_node.errors import DataError
 from noloco_node.model.decoder import LlamaDecoder, named_parameters_ordered
 from noloco_node.model.export import ExportedWeights, checkpoint_weights, load_any, write_export
 from noloco_node.model.inference import generate
-from noloco_node.training.replica import load_checkpoint, run_training, save_checkpoint
+from noloco_node.training.checkpoints import load_checkpoint, save_checkpoint
+from noloco_node.training.solo import run_training
 
 transformers = pytest.importorskip("transformers")  # a dev dependency: CI installs it, so this runs there
 

@@ -9,7 +9,7 @@ import torch
 
 from noloco_node.pairing.rounds import OfferBook, PairingRound
 from noloco_node.rpc import peer_pb2 as pb
-from noloco_node.rpc.exchange import Outgoing
+from noloco_node.rpc.client import Outgoing
 from noloco_node.wire.payload import Payload
 
 

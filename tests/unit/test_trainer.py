@@ -13,7 +13,8 @@ import torch
 from noloco_node import algorithm
 from noloco_node.config.models import TrainConfig, model_config_for
 from noloco_node.data.corpus import ReplicaShard
-from noloco_node.training.replica import Replica, learning_rate, load_checkpoint, save_checkpoint
+from noloco_node.training.checkpoints import load_checkpoint, save_checkpoint
+from noloco_node.training.replica import Replica, learning_rate
 
 TOKENS = (np.arange(200_000) * 7919 % 251).astype(np.uint8)  # deterministic, learnable-ish stream
 

@@ -1,4 +1,4 @@
-"""The gRPC service between peers and its client: weight exchange, state download, peer info.
+"""The gRPC service a node serves to its peers: weight exchange, state download, peer info (client: client.py).
 
 ``Exchange`` is a bidirectional stream: each side sends its payload (wire.py frames) while it receives the other's.
 Both directions run at once; a side that only wrote before reading would deadlock against HTTP/2 flow control
@@ -19,22 +19,20 @@ node's own admission check (the norm bound of payload_guard.py) before it is ble
 
 from __future__ import annotations
 
-import json
 import logging
 import threading
 import time
-from collections import Counter, deque
 from collections.abc import Iterator, Sequence
 from concurrent import futures
-from dataclasses import dataclass
 from typing import Any, Protocol
 
 import grpc
 from google.protobuf.message import DecodeError
 
 from noloco_node.rpc import peer_pb2 as pb
-from noloco_node.rpc import peer_pb2_grpc as pb_grpc
+from noloco_node.rpc.metrics import ExchangeMetrics
 from noloco_node.rpc.transport import CHANNEL_OPTIONS, PLAIN, GuardedCall, Transport, Watchdog
+from noloco_node.security.caller_proof import CallerProofError, CallerVerifier
 from noloco_node.wire.payload import (
     DEFAULT_CHUNK_BYTES,
     Payload,
@@ -47,6 +45,9 @@ from noloco_node.wire.payload import (
 
 log = logging.getLogger(__name__)
 
+
+log = logging.getLogger(__name__)
+
 # The service of proto/noloco/v1/peer.proto. Frames cross gRPC as encoded bytes (wire.py writes and reads them),
 # so the streaming methods are registered and called without protobuf (de)serializers; a client built from the
 # generated stubs still interoperates, since the bytes are the proto's own encoding.
@@ -56,18 +57,24 @@ GET_STATE_METHOD = f"/{SERVICE}/GetState"
 INFO_METHOD = f"/{SERVICE}/Info"
 
 
-@dataclass
-class Outgoing:
-    """What a node sends in one exchange: a manifest and its tensors (a snapshot that will not change)."""
+class OutgoingPayload(Protocol):
+    """What a node sends in one exchange or download: a manifest and its tensors, which nobody writes meanwhile
+    (a static payload, or a wire/published.py copy held for the stream)."""
 
     manifest: pb.Manifest
-    tensors: Sequence
+    tensors: Sequence[Any]
+
+
+class HeldPayload(OutgoingPayload, Protocol):
+    """An outgoing payload held for one reader, who releases it when done (a wire/published.py copy)."""
+
+    def release(self) -> None: ...
 
 
 class ExchangeSession(Protocol):
     """The node's side of one exchange, served or initiated; handed out only when the node can pair now."""
 
-    def outgoing(self) -> Outgoing: ...
+    def outgoing(self) -> OutgoingPayload: ...
 
     def complete(self, payload: Payload) -> None:
         """The partner's verified payload: blend with it (atomically)."""
@@ -92,8 +99,9 @@ class PeerNode(Protocol):
 
     def info(self) -> pb.InfoReply: ...
 
-    def state_snapshot(self) -> Outgoing | None:
-        """The full replica state at the last outer step, for joiners; None when there is none yet."""
+    def state_snapshot(self) -> HeldPayload | None:
+        """The full replica state at the last outer step, held for one joiner's download (the service releases
+        it); None when there is none yet."""
 
     def admit(self, payload: Payload) -> None:
         """Raise PayloadError if this verified payload must still not be blended (the norm bound)."""
@@ -119,77 +127,6 @@ class AdmitsEverything:
         return None
 
 
-# Upper bounds (s) of the exchange-duration histogram's buckets: loopback exchanges of small models take
-# milliseconds, a 1.3B model over a 100 Mbit/s link takes minutes.
-DURATION_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0)
-
-
-class ExchangeMetrics:
-    """Exchanges by outcome, refused payloads by reason, bytes, a duration histogram and the last exchanges.
-
-    Thread-safe: the gRPC server's threads, the callers' worker threads and the status endpoint all touch it.
-    """
-
-    def __init__(self, keep_recent: int = 50) -> None:
-        self._lock = threading.Lock()
-        self.outcomes: Counter[str] = Counter()
-        self.rejected: Counter[str] = Counter()
-        self.bytes_sent = 0
-        self.bytes_received = 0
-        self.recent: deque[dict[str, Any]] = deque(maxlen=keep_recent)
-        self.duration_bucket_counts = [0] * len(DURATION_BUCKETS)  # cumulative, as Prometheus wants them
-        self.duration_sum = 0.0
-        self.duration_count = 0
-
-    def outcome(self, name: str) -> None:
-        with self._lock:
-            self.outcomes[name] += 1
-
-    def rejection(self, reason: str) -> None:
-        with self._lock:
-            self.rejected[reason] += 1
-
-    def add_bytes(self, sent: int = 0, received: int = 0) -> None:
-        with self._lock:
-            self.bytes_sent += sent
-            self.bytes_received += received
-
-    def record(self, *, peer: str, role: str, outcome: str, seconds: float, sent: int, received: int) -> None:
-        """One finished exchange: counted by outcome, timed, and kept in the recent list."""
-        with self._lock:
-            self.outcomes[outcome] += 1
-            self.duration_sum += seconds
-            self.duration_count += 1
-            for index, bound in enumerate(DURATION_BUCKETS):
-                if seconds <= bound:
-                    self.duration_bucket_counts[index] += 1
-            self.recent.append(
-                {
-                    "peer": peer,
-                    "role": role,
-                    "outcome": outcome,
-                    "seconds": seconds,
-                    "bytes_sent": sent,
-                    "bytes_received": received,
-                    "time": time.time(),
-                }
-            )
-
-    def snapshot(self) -> dict[str, Any]:
-        """A consistent copy of everything, for the status endpoint and the metrics page."""
-        with self._lock:
-            return {
-                "outcomes": dict(self.outcomes),
-                "rejected": dict(self.rejected),
-                "bytes_sent": self.bytes_sent,
-                "bytes_received": self.bytes_received,
-                "recent": list(self.recent),
-                "duration_buckets": list(zip(DURATION_BUCKETS, self.duration_bucket_counts, strict=True)),
-                "duration_sum": self.duration_sum,
-                "duration_count": self.duration_count,
-            }
-
-
 class PeerService:
     def __init__(
         self,
@@ -202,8 +139,12 @@ class PeerService:
         max_state_downloads: int = 2,
         min_link_rate: float = 0.0,
         watchdog: Watchdog | None = None,
+        verifier: CallerVerifier | None = None,
     ) -> None:
         self.node = node
+        # Who is calling: the peer id the caller proved (caller_proof.py). Without a verifier (benchmarks' bare
+        # services) the manifest's word is taken, and nothing is decided about peers there.
+        self.verifier = verifier
         self.downloads = threading.BoundedSemaphore(max_state_downloads)
         self.metrics = metrics
         self.chunk_bytes = chunk_bytes
@@ -240,6 +181,20 @@ class PeerService:
         finally:
             self.watchdog.release(guard)
 
+    def _proven_caller(self, context: grpc.ServicerContext, receiver: PayloadReceiver) -> str | None:
+        """The caller's proven peer id (None when this service verifies none); aborts a call without a valid proof
+        (UNAUTHENTICATED) before a byte of its payload is read."""
+        if self.verifier is None:
+            return None
+        try:
+            return self.verifier.verify(EXCHANGE_METHOD, context.invocation_metadata())
+        except CallerProofError as error:
+            receiver.discard()
+            self.metrics.rejection(f"identity_{error.reason}")
+            self.metrics.outcome("unproven_caller")
+            context.abort(grpc.StatusCode.UNAUTHENTICATED, str(error))
+            raise  # abort raises; this keeps type checkers informed
+
     def _exchange(
         self,
         request_iterator: Iterator[bytes],
@@ -247,6 +202,7 @@ class PeerService:
         receiver: PayloadReceiver,
         guard: GuardedCall,
     ) -> Iterator[bytes]:
+        proven = self._proven_caller(context, receiver)
         try:
             first = next(request_iterator)
             receiver.feed(first)  # the manifest: run, names, shapes and sizes are checked before anything else
@@ -261,7 +217,18 @@ class PeerService:
         except PayloadError as error:
             self._refuse(context, error)
         assert receiver.manifest is not None
-        partner = receiver.manifest.peer_id
+        partner = receiver.manifest.peer_id if proven is None else proven
+        if receiver.manifest.peer_id != partner:
+            # A payload under another peer's name: refused, and held against the one who sent it, never against
+            # the peer it named (who may be honest and not even know).
+            receiver.discard()
+            error = PayloadError(
+                grpc.StatusCode.PERMISSION_DENIED,
+                "spoofed_peer_id",
+                f"the manifest names peer {receiver.manifest.peer_id[:24]!r}, but the caller proved it is {partner}",
+            )
+            self.node.bad_payload(partner, error)
+            self._refuse(context, error)
         if self.node.refused_peer(partner):
             receiver.discard()
             self.metrics.outcome("refused_peer")
@@ -363,6 +330,14 @@ class PeerService:
         snapshot = self.node.state_snapshot()
         if snapshot is None:
             context.abort(grpc.StatusCode.UNAVAILABLE, "no outer-step snapshot to serve yet")
+        try:
+            yield from self._serve_state(request, snapshot, context)
+        finally:
+            snapshot.release()  # the copy's buffers may be reused once no joiner reads them
+
+    def _serve_state(
+        self, request: pb.StateRequest, snapshot: HeldPayload, context: grpc.ServicerContext
+    ) -> Iterator[bytes]:
         if request.from_tensor and request.outer_step != snapshot.manifest.outer_step:
             context.abort(
                 grpc.StatusCode.FAILED_PRECONDITION,
@@ -452,6 +427,7 @@ def start_server(
     max_state_downloads: int = 2,
     min_link_rate: float = 0.0,
     transport: Transport = PLAIN,
+    verifier: CallerVerifier | None = None,
 ) -> tuple[grpc.Server, int]:
     """Start the service; returns the server and the port it bound (ephemeral when the bind port is 0).
 
@@ -472,6 +448,7 @@ def start_server(
         max_download_seconds=max_download_seconds,
         max_state_downloads=max_state_downloads,
         min_link_rate=min_link_rate,
+        verifier=verifier,
     )
     server.add_generic_rpc_handlers((_handlers(service),))
     port = transport.add_port(server, bind)
@@ -479,239 +456,3 @@ def start_server(
         raise OSError(f"could not bind the gRPC server to {bind}")
     server.start()
     return server, port
-
-
-class ExchangeError(Exception):
-    """An exchange that produced nothing to blend: refused, cut, timed out, or a bad payload from the partner."""
-
-    def __init__(
-        self, code: grpc.StatusCode, reason: str, message: str, *, bad_payload: PayloadError | None = None
-    ) -> None:
-        super().__init__(f"{code.name}: {message}")
-        self.code = code
-        self.reason = reason
-        self.bad_payload = bad_payload  # set when the partner's payload was refused here (not by the partner)
-
-
-def _receive(call: Any, receiver: PayloadReceiver, address: str, what: str, metrics: ExchangeMetrics | None) -> Payload:
-    """Feed a response stream into its receiver; any failure becomes an ExchangeError naming the peer."""
-    try:
-        try:
-            for frame in call:
-                receiver.feed(frame)
-            return receiver.finish()
-        except BaseException:
-            receiver.discard()  # nothing to blend: the buffers may take the next payload
-            raise
-    except PayloadError as error:
-        call.cancel()
-        if metrics is not None:
-            metrics.rejection(error.reason)
-        raise ExchangeError(
-            error.code, error.reason, f"bad {what} from {address}: {error.message}", bad_payload=error
-        ) from None
-    except grpc.RpcError as error:
-        code = error.code() if hasattr(error, "code") else grpc.StatusCode.UNKNOWN
-        reason = "busy" if code == grpc.StatusCode.ABORTED else code.name.lower()
-        details = error.details() if hasattr(error, "details") else str(error)
-        raise ExchangeError(code, reason, f"{address}: {details}") from None
-
-
-def exchange_with(
-    address: str,
-    outgoing: Outgoing,
-    expected: Sequence[TensorLayout],
-    *,
-    run_fingerprint: str,
-    max_payload_bytes: int,
-    timeout: float,
-    metrics: ExchangeMetrics | None = None,
-    chunk_bytes: int = DEFAULT_CHUNK_BYTES,
-    buffers: ReceiveBuffers | None = None,
-    peer: str | None = None,
-    transport: Transport = PLAIN,
-) -> Payload:
-    """Exchange payloads with the peer at ``address``; returns its verified payload or raises ExchangeError.
-
-    Blocking (call it from a worker thread); the whole call, connection included, is bounded by ``timeout``. With
-    ``metrics``, the exchange is recorded under ``peer`` (default: the address) whatever its outcome. In a private
-    run not one frame is sent before the server has proved membership.
-    """
-    receiver = PayloadReceiver(
-        expected, run_fingerprint=run_fingerprint, max_total_bytes=max_payload_bytes, buffers=buffers
-    )
-    started = time.monotonic()
-    sent = 0
-
-    def count_sent(n: int) -> None:
-        nonlocal sent
-        sent += n
-        if metrics is not None:
-            metrics.add_bytes(sent=n)
-
-    outcome = "failed"
-    try:
-        with transport.channel(address) as channel:
-            metadata, nonce = transport.sign(EXCHANGE_METHOD)
-            checked, server_proved = threading.Event(), [False]
-
-            def frames() -> Iterator[bytes]:
-                # grpc pulls this from its own thread as soon as the call starts: hold the model back until the
-                # server has proved membership (a private run's stranger must not receive a byte of it).
-                if transport.authenticates and not (checked.wait(timeout) and server_proved[0]):
-                    return
-                yield from iter_frames(
-                    outgoing.manifest, outgoing.tensors, chunk_bytes=chunk_bytes, on_chunk=count_sent
-                )
-
-            call = channel.stream_stream(EXCHANGE_METHOD)(frames(), timeout=timeout, metadata=metadata)
-            if transport.authenticates:
-                problem = _server_problem(transport, EXCHANGE_METHOD, nonce, call, address)
-                server_proved[0] = problem is None
-                checked.set()
-                if problem is not None:
-                    raise problem
-            payload = _receive(call, receiver, address, "payload", metrics)
-        outcome = "completed"
-    except ExchangeError as error:
-        outcome = "busy" if error.reason == "busy" else "failed"
-        raise
-    finally:
-        if metrics is not None:
-            metrics.add_bytes(received=receiver.bytes_received)
-            metrics.record(
-                peer=peer or address,
-                role="caller",
-                outcome=outcome,
-                seconds=time.monotonic() - started,
-                sent=sent,
-                received=receiver.bytes_received,
-            )
-    log.debug("exchange with %s: %d bytes in %.3fs", address, receiver.bytes_received, time.monotonic() - started)
-    return payload
-
-
-def _server_problem(transport: Transport, method: str, nonce: str, call: Any, address: str) -> ExchangeError | None:
-    """None when the server proved membership; else the error to raise. A server that refused us for want of a
-    valid proof says UNAUTHENTICATED itself (another secret); any other server is not a member of the run."""
-    problem = transport.server_problem(method, nonce, call)
-    if problem is None:
-        return None
-    call.cancel()
-    if call.code() == grpc.StatusCode.UNAUTHENTICATED:
-        return ExchangeError(grpc.StatusCode.UNAUTHENTICATED, "unauthenticated", f"{address}: {call.details()}")
-    return ExchangeError(grpc.StatusCode.UNAUTHENTICATED, "unauthenticated_peer", f"{address}: {problem}")
-
-
-def fetch_info(address: str, *, timeout: float, transport: Transport = PLAIN) -> pb.InfoReply:
-    metadata, nonce = transport.sign(INFO_METHOD)
-    with transport.channel(address) as channel:
-        reply, call = pb_grpc.PeerStub(channel).Info.with_call(pb.InfoRequest(), timeout=timeout, metadata=metadata)
-        problem = transport.server_problem(INFO_METHOD, nonce, call)
-        if problem is not None:
-            raise ExchangeError(grpc.StatusCode.UNAUTHENTICATED, "unauthenticated_peer", f"{address}: {problem}")
-        return reply
-
-
-class StateDownload:
-    """A joiner's download of a donor's outer-step snapshot, resumable chunk-wise from another donor.
-
-    Every chunk is verified as it arrives; when a donor fails mid-transfer, what arrived is kept and the next donor
-    is asked for the rest (from the tensor and byte where the first stopped), but only if its snapshot is of the
-    same outer step (its counters must match too). The result then holds parts of two replicas of that step, which
-    differ only by the swarm's replica spread; another step means starting over: a state is never stitched across
-    steps.
-    """
-
-    def __init__(self, layout: Sequence[tuple[str, tuple[int, ...]]], *, run_fingerprint: str, peer_id: str) -> None:
-        self.expected = [TensorLayout(name, tuple(shape)) for name, shape in layout]
-        self.run_fingerprint = run_fingerprint
-        self.peer_id = peer_id
-        self.done: list = []  # leading tensors received, the last only in part when partial_bytes is not 0
-        self.partial_bytes = 0
-        self.counters: dict[str, int] | None = None  # of the snapshot being downloaded
-        self.resumed = 0  # downloads that continued where another donor stopped
-
-    def fetch(self, address: str, *, timeout: float, transport: Transport = PLAIN) -> tuple[dict, dict[str, int]]:
-        """Download (the rest of) the snapshot from ``address``; returns the tensors and the counters, or raises
-        ExchangeError with what is complete so far kept for the next donor."""
-        max_bytes = sum(item.numel for item in self.expected) * 4 + 1024
-        resuming = bool(self.done) and self.counters is not None
-        receiver = PayloadReceiver(
-            self.expected,
-            run_fingerprint=self.run_fingerprint,
-            max_total_bytes=max_bytes,
-            allowed_dtypes=("fp32",),
-            prefilled=self.done if resuming else (),
-            prefilled_partial_bytes=self.partial_bytes if resuming else 0,
-        )
-        request = pb.StateRequest(
-            run_fingerprint=self.run_fingerprint,
-            peer_id=self.peer_id,
-            from_tensor=len(self.done) - (1 if self.partial_bytes else 0) if resuming else 0,
-            from_offset=self.partial_bytes if resuming else 0,
-            outer_step=self.counters["outer_step"] if resuming and self.counters else 0,
-        )
-        try:
-            with transport.channel(address) as channel:
-                get_state = channel.unary_stream(GET_STATE_METHOD, request_serializer=pb.StateRequest.SerializeToString)
-                metadata, nonce = transport.sign(GET_STATE_METHOD)
-                call = get_state(request, timeout=timeout, metadata=metadata)
-                if transport.authenticates:
-                    problem = _server_problem(transport, GET_STATE_METHOD, nonce, call, address)
-                    if problem is not None:
-                        raise problem
-                for frame in call:
-                    had_manifest = receiver.manifest is not None
-                    receiver.feed(frame)
-                    if not had_manifest and receiver.manifest is not None:
-                        self._check_counters(receiver.manifest, address, resuming)
-                payload = receiver.finish()
-        except PayloadError as error:
-            if error.reason == "resume_mismatch":
-                self.done, self.partial_bytes = [], 0
-            else:
-                self._keep(receiver)
-            raise ExchangeError(error.code, error.reason, f"bad state from {address}: {error.message}") from None
-        except grpc.RpcError as error:
-            code = error.code() if hasattr(error, "code") else grpc.StatusCode.UNKNOWN
-            if resuming and code == grpc.StatusCode.FAILED_PRECONDITION:  # its snapshot is of another step
-                self.done, self.partial_bytes, self.counters = [], 0, None
-            else:
-                self._keep(receiver)
-            reason = "busy" if code == grpc.StatusCode.RESOURCE_EXHAUSTED else code.name.lower()
-            details = error.details() if hasattr(error, "details") else str(error)
-            raise ExchangeError(code, reason, f"{address}: {details}") from None
-        self.resumed += resuming
-        assert self.counters is not None
-        return payload.tensors, self.counters
-
-    def _keep(self, receiver: PayloadReceiver) -> None:
-        self.done, self.partial_bytes = receiver.received_so_far()
-
-    def _check_counters(self, manifest: pb.Manifest, address: str, resuming: bool) -> None:
-        try:
-            metadata = json.loads(manifest.metadata_json)
-            counters = {key: int(metadata[key]) for key in ("inner_step", "outer_step", "adam_step")}
-        except (ValueError, KeyError, TypeError):
-            raise PayloadError(
-                grpc.StatusCode.INVALID_ARGUMENT, "metadata", f"bad state metadata from {address}"
-            ) from None
-        if min(counters.values()) < 0 or counters["outer_step"] != manifest.outer_step:
-            raise PayloadError(grpc.StatusCode.INVALID_ARGUMENT, "metadata", f"inconsistent counters from {address}")
-        if resuming and counters != self.counters:
-            self.done, self.partial_bytes, self.counters = [], 0, None  # another step: start over elsewhere
-            raise PayloadError(grpc.StatusCode.FAILED_PRECONDITION, "resume_mismatch", f"{address} moved on")
-        self.counters = counters
-
-
-def download_state(
-    address: str,
-    layout: Sequence[tuple[str, tuple[int, ...]]],
-    *,
-    run_fingerprint: str,
-    peer_id: str,
-    timeout: float,
-) -> tuple[dict, dict]:
-    """A joiner's download of a donor's whole outer-step snapshot: verified tensors and the counters."""
-    return StateDownload(layout, run_fingerprint=run_fingerprint, peer_id=peer_id).fetch(address, timeout=timeout)

@@ -1,0 +1,182 @@
+"""The client side of the peer service: exchange payloads with a peer, ask a peer for its Info.
+
+Every call is bounded by its deadline, connection included. In a private run not one frame is sent before the
+server has proved membership; a call to a known peer carries this node's proof of its own identity, made for that
+peer alone (security/caller_proof.py), and the peer's answer must come from the peer id that was dialled.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import grpc
+
+from noloco_node.errors import NolocoError
+from noloco_node.rpc import peer_pb2 as pb
+from noloco_node.rpc import peer_pb2_grpc as pb_grpc
+from noloco_node.rpc.metrics import ExchangeMetrics
+from noloco_node.rpc.service import EXCHANGE_METHOD, INFO_METHOD, OutgoingPayload
+from noloco_node.rpc.transport import PLAIN, Transport
+from noloco_node.wire.payload import (
+    DEFAULT_CHUNK_BYTES,
+    Payload,
+    PayloadError,
+    PayloadReceiver,
+    ReceiveBuffers,
+    TensorLayout,
+    iter_frames,
+)
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class Outgoing:
+    """What a node sends in one exchange: a manifest and its tensors (a snapshot that will not change)."""
+
+    manifest: pb.Manifest
+    tensors: Sequence
+
+
+class ExchangeError(NolocoError):
+    """An exchange that produced nothing to blend: refused, cut, timed out, or a bad payload from the partner."""
+
+    def __init__(
+        self, code: grpc.StatusCode, reason: str, message: str, *, bad_payload: PayloadError | None = None
+    ) -> None:
+        super().__init__(f"{code.name}: {message}")
+        self.code = code
+        self.reason = reason
+        self.bad_payload = bad_payload  # set when the partner's payload was refused here (not by the partner)
+
+
+def _receive(call: Any, receiver: PayloadReceiver, address: str, what: str, metrics: ExchangeMetrics | None) -> Payload:
+    """Feed a response stream into its receiver; any failure becomes an ExchangeError naming the peer."""
+    try:
+        try:
+            for frame in call:
+                receiver.feed(frame)
+            return receiver.finish()
+        except BaseException:
+            receiver.discard()  # nothing to blend: the buffers may take the next payload
+            raise
+    except PayloadError as error:
+        call.cancel()
+        if metrics is not None:
+            metrics.rejection(error.reason)
+        raise ExchangeError(
+            error.code, error.reason, f"bad {what} from {address}: {error.message}", bad_payload=error
+        ) from None
+    except grpc.RpcError as error:
+        code = error.code() if hasattr(error, "code") else grpc.StatusCode.UNKNOWN
+        reason = "busy" if code == grpc.StatusCode.ABORTED else code.name.lower()
+        details = error.details() if hasattr(error, "details") else str(error)
+        raise ExchangeError(code, reason, f"{address}: {details}") from None
+
+
+def exchange_with(
+    address: str,
+    outgoing: OutgoingPayload,
+    expected: Sequence[TensorLayout],
+    *,
+    run_fingerprint: str,
+    max_payload_bytes: int,
+    timeout: float,
+    metrics: ExchangeMetrics | None = None,
+    chunk_bytes: int = DEFAULT_CHUNK_BYTES,
+    buffers: ReceiveBuffers | None = None,
+    peer: str | None = None,
+    transport: Transport = PLAIN,
+) -> Payload:
+    """Exchange payloads with the peer at ``address``; returns its verified payload or raises ExchangeError.
+
+    Blocking (call it from a worker thread); the whole call, connection included, is bounded by ``timeout``. With
+    ``metrics``, the exchange is recorded under ``peer`` (default: the address) whatever its outcome. In a private
+    run not one frame is sent before the server has proved membership.
+    """
+    receiver = PayloadReceiver(
+        expected, run_fingerprint=run_fingerprint, max_total_bytes=max_payload_bytes, buffers=buffers
+    )
+    started = time.monotonic()
+    sent = 0
+
+    def count_sent(n: int) -> None:
+        nonlocal sent
+        sent += n
+        if metrics is not None:
+            metrics.add_bytes(sent=n)
+
+    outcome = "failed"
+    try:
+        with transport.channel(address) as channel:
+            metadata, nonce = transport.sign(EXCHANGE_METHOD, target_peer_id=peer)
+            checked, server_proved = threading.Event(), [False]
+
+            def frames() -> Iterator[bytes]:
+                # grpc pulls this from its own thread as soon as the call starts: hold the model back until the
+                # server has proved membership (a private run's stranger must not receive a byte of it).
+                if transport.authenticates and not (checked.wait(timeout) and server_proved[0]):
+                    return
+                yield from iter_frames(
+                    outgoing.manifest, outgoing.tensors, chunk_bytes=chunk_bytes, on_chunk=count_sent
+                )
+
+            call = channel.stream_stream(EXCHANGE_METHOD)(frames(), timeout=timeout, metadata=metadata)
+            if transport.authenticates:
+                problem = server_problem(transport, EXCHANGE_METHOD, nonce, call, address)
+                server_proved[0] = problem is None
+                checked.set()
+                if problem is not None:
+                    raise problem
+            payload = _receive(call, receiver, address, "payload", metrics)
+        if peer is not None and payload.peer_id != peer:
+            # The DHT record that led here was signed by ``peer``; whoever answers at its address is someone else
+            # (a restarted process on a reused port, or an impostor): its payload is not the partner's.
+            payload.release()
+            raise ExchangeError(
+                grpc.StatusCode.PERMISSION_DENIED, "wrong_peer", f"{address} answered as {payload.peer_id}, not {peer}"
+            )
+        outcome = "completed"
+    except ExchangeError as error:
+        outcome = "busy" if error.reason == "busy" else "failed"
+        raise
+    finally:
+        if metrics is not None:
+            metrics.add_bytes(received=receiver.bytes_received)
+            metrics.record(
+                peer=peer or address,
+                role="caller",
+                outcome=outcome,
+                seconds=time.monotonic() - started,
+                sent=sent,
+                received=receiver.bytes_received,
+            )
+    log.debug("exchange with %s: %d bytes in %.3fs", address, receiver.bytes_received, time.monotonic() - started)
+    return payload
+
+
+def server_problem(transport: Transport, method: str, nonce: str, call: Any, address: str) -> ExchangeError | None:
+    """None when the server proved membership; else the error to raise. A server that refused us for want of a
+    valid proof says UNAUTHENTICATED itself (another secret); any other server is not a member of the run."""
+    problem = transport.server_problem(method, nonce, call)
+    if problem is None:
+        return None
+    call.cancel()
+    if call.code() == grpc.StatusCode.UNAUTHENTICATED:
+        return ExchangeError(grpc.StatusCode.UNAUTHENTICATED, "unauthenticated", f"{address}: {call.details()}")
+    return ExchangeError(grpc.StatusCode.UNAUTHENTICATED, "unauthenticated_peer", f"{address}: {problem}")
+
+
+def fetch_info(address: str, *, timeout: float, transport: Transport = PLAIN) -> pb.InfoReply:
+    metadata, nonce = transport.sign(INFO_METHOD)
+    with transport.channel(address) as channel:
+        reply, call = pb_grpc.PeerStub(channel).Info.with_call(pb.InfoRequest(), timeout=timeout, metadata=metadata)
+        problem = transport.server_problem(INFO_METHOD, nonce, call)
+        if problem is not None:
+            raise ExchangeError(grpc.StatusCode.UNAUTHENTICATED, "unauthenticated_peer", f"{address}: {problem}")
+        return reply

@@ -1,0 +1,186 @@
+"""Checkpoints and the joiner snapshot, both from one copy of the replica's state per outer step, off the trainer.
+
+At an outer step (theta == phi there) the trainer copies the outer state once into reused buffers
+(:class:`OuterStateCopies`): phi, delta and Adam's two moments, with the counters, the data positions and the RNG.
+That one :class:`~noloco_node.wire.published.Published` copy then serves both readers, neither of which touches
+the live replica:
+
+- a joiner's ``GetState`` streams it (rpc/exchange.py), for as long as the stream takes;
+- the :class:`CheckpointWriter` thread turns it into a checkpoint and writes it (``torch.save``, fsync, rename)
+  while the trainer is already in its next inner phase.
+
+A checkpoint is the replica's full state (Replica.state_dict's format), so a node resumes bit-exactly: from an
+outer-step copy, or, when the node stops mid-phase, from the live state the stopped trainer leaves behind.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from noloco_node.atomic_files import write_atomically
+from noloco_node.config.models import ModelConfig
+from noloco_node.model.decoder import LlamaDecoder, named_parameters_ordered
+from noloco_node.training.replica import Replica
+from noloco_node.wire.published import BufferPool, Published
+
+log = logging.getLogger(__name__)
+
+CHECKPOINT_FORMAT = 1
+# The joiner snapshot's tensors, in the order GetState serves them: each prefix over every parameter.
+SNAPSHOT_PREFIXES = ("phi", "delta", "adam.exp_avg", "adam.exp_avg_sq")
+
+
+def snapshot_layout(model_cfg: ModelConfig) -> list[tuple[str, tuple[int, ...]]]:
+    """Names and shapes of an outer-step snapshot, the order GetState serves them in."""
+    with torch.device("meta"):
+        model = LlamaDecoder(model_cfg)
+    named = [(name, tuple(p.shape)) for name, p in named_parameters_ordered(model)]
+    return [(f"{prefix}/{name}", shape) for prefix in SNAPSHOT_PREFIXES for name, shape in named]
+
+
+class OuterStateCopies:
+    """The replica's outer-step state, copied by the trainer into reused buffers (one copy per outer step)."""
+
+    def __init__(self, replica: Replica) -> None:
+        shapes = [tuple(p.shape) for p in replica.params] * len(SNAPSHOT_PREFIXES)
+        self.names = [f"{prefix}/{name}" for prefix in SNAPSHOT_PREFIXES for name in replica.names]
+        self.pool = BufferPool(shapes, torch.float32, pinned=replica.device.type == "cuda")
+
+    def take(self, replica: Replica) -> Published:
+        """Trainer thread, at an outer step: the copy (the caller holds it; ``release`` it when superseded)."""
+        moments: dict[str, list[torch.Tensor]] = {"exp_avg": [], "exp_avg_sq": []}
+        steps: list[float | None] = []
+        for param in replica.params:
+            state = replica.optimizer.state.get(param, {})
+            for moment, tensors in moments.items():
+                value = state.get(moment)
+                tensors.append(value if value is not None else torch.zeros(param.shape))
+            steps.append(float(state["step"]) if "step" in state else None)
+        adam_step = int(max((s for s in steps if s is not None), default=0))
+        metadata: dict[str, Any] = {
+            "counters": {"inner_step": replica.inner_step, "outer_step": replica.outer_step, "adam_step": adam_step},
+            "adam_steps": steps,
+            "param_groups": replica.optimizer.state_dict()["param_groups"],
+            "data_positions": [shard.position for shard in replica.shards],
+            "rng_cpu": torch.get_rng_state(),
+            "rng_cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else [],
+            "param_names": list(replica.names),
+        }
+        return self.pool.publish(
+            [*replica.phi, *replica.delta, *moments["exp_avg"], *moments["exp_avg_sq"]], metadata=metadata
+        )
+
+    def named(self, copy: Published) -> list[tuple[str, torch.Tensor]]:
+        return list(zip(self.names, copy.tensors, strict=True))
+
+
+def replica_state_of(copy: Published) -> dict[str, Any]:
+    """A state copy in Replica.state_dict's format (theta == phi at an outer step), for a checkpoint."""
+    meta = copy.metadata
+    count = len(meta["param_names"])
+    phi, delta, exp_avg, exp_avg_sq = (copy.tensors[i * count : (i + 1) * count] for i in range(4))
+    state: dict[int, dict[str, torch.Tensor]] = {}
+    for index, step in enumerate(meta["adam_steps"]):
+        if step is not None:
+            state[index] = {"step": torch.tensor(step), "exp_avg": exp_avg[index], "exp_avg_sq": exp_avg_sq[index]}
+    return {
+        "param_names": meta["param_names"],
+        "theta": phi,
+        "phi": phi,
+        "delta": delta,
+        "optimizer": {"state": state, "param_groups": meta["param_groups"]},
+        "inner_step": meta["counters"]["inner_step"],
+        "outer_step": meta["counters"]["outer_step"],
+        "data_positions": meta["data_positions"],
+        "rng_cpu": meta["rng_cpu"],
+        "rng_cuda": meta["rng_cuda"],
+    }
+
+
+def save_checkpoint(path: Path, payload: dict[str, Any]) -> None:
+    """Write atomically (atomic_files.py): a crash leaves the previous checkpoint or the new one, never a torn file."""
+    write_atomically(path, lambda handle: torch.save({"format": CHECKPOINT_FORMAT, **payload}, handle))
+
+
+def load_checkpoint(path: Path) -> dict[str, Any]:
+    if not path.is_file():
+        raise FileNotFoundError(f"no checkpoint at {path}")
+    payload = torch.load(path, map_location="cpu", weights_only=True)
+    if payload.get("format") != CHECKPOINT_FORMAT:
+        raise ValueError(f"{path}: unknown checkpoint format {payload.get('format')!r}")
+    return payload
+
+
+class CheckpointWriter:
+    """Writes checkpoints on its own thread, so that the trainer never waits for ``torch.save`` or fsync.
+
+    One write at a time, and at most one waiting: a checkpoint submitted while another waits replaces it (the
+    newest state wins, and a slow disk costs skipped checkpoints, never a slower trainer). ``submit`` takes a
+    function that builds the payload on the writer thread and one that runs when the write is done (it releases
+    the state copy the payload was built from).
+    """
+
+    def __init__(self, path: Path, *, on_written: Callable[[], None] = lambda: None) -> None:
+        self.path = path
+        self.on_written = on_written
+        self._cond = threading.Condition()
+        self._pending: tuple[Callable[[], dict[str, Any]], Callable[[], None]] | None = None
+        self._busy = False
+        self._closed = False
+        self.written = 0
+        self.superseded = 0  # submitted but replaced by a newer one before it was written
+        self.last_error: BaseException | None = None
+        self._thread = threading.Thread(target=self._run, name="checkpoint-writer", daemon=True)
+        self._thread.start()
+
+    def submit(self, build: Callable[[], dict[str, Any]], done: Callable[[], None] = lambda: None) -> None:
+        with self._cond:
+            if self._closed:
+                done()
+                raise RuntimeError("the checkpoint writer is closed")
+            if self._pending is not None:
+                self._pending[1]()
+                self.superseded += 1
+            self._pending = (build, done)
+            self._cond.notify_all()
+
+    def flush(self, timeout: float | None = None) -> bool:
+        """Wait until everything submitted is written; False if ``timeout`` ran out first."""
+        with self._cond:
+            return self._cond.wait_for(lambda: self._pending is None and not self._busy, timeout=timeout)
+
+    def close(self, timeout: float | None = None) -> bool:
+        """Write what is pending, then stop the thread; False if that took longer than ``timeout``."""
+        flushed = self.flush(timeout)
+        with self._cond:
+            self._closed = True
+            self._cond.notify_all()
+        self._thread.join(timeout)
+        return flushed and not self._thread.is_alive()
+
+    def _run(self) -> None:
+        while True:
+            with self._cond:
+                self._cond.wait_for(lambda: self._pending is not None or self._closed)
+                if self._pending is None:
+                    return
+                (build, done), self._pending = self._pending, None
+                self._busy = True
+            try:
+                save_checkpoint(self.path, build())
+                self.written += 1
+                self.on_written()
+            except Exception as error:  # a full disk must be visible, and must not kill the thread
+                self.last_error = error
+                log.exception("could not write the checkpoint %s", self.path)
+            finally:
+                done()
+                with self._cond:
+                    self._busy = False
+                    self._cond.notify_all()

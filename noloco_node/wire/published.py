@@ -1,0 +1,113 @@
+"""Copy-on-publish: what a node hands to other threads is a copy that nobody writes while anyone reads it.
+
+The rule (docs/architecture.md, "Who owns which tensor"): the trainer thread is the only writer of the live
+replica (theta, phi, delta, Adam's moments) and writes it only inside an inner step or an outer step. Every other
+thread (a gRPC handler streaming an exchange or a state download, this node's own exchange calls, the checkpoint
+writer, the norm check of a partner's payload) reads only a :class:`Published` copy. A Published is complete
+before anyone sees it, never written afterwards, and reference-counted: its buffers go back to their
+:class:`BufferPool` for the next copy only when the last holder has released it. So the trainer publishes the
+next outer step's copy while a slow partner is still streaming the last one, and a stream can never send a
+tensor that the outer step is overwriting.
+
+Buffers are reused from one outer step to the next (no allocation on the training path once warm); a pool keeps
+at most ``keep`` idle sets and allocates a new one only while every set it has is still held by a reader.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+
+from noloco_node.rpc import peer_pb2 as pb
+
+
+class Published:
+    """An immutable copy of some tensors (with the manifest that describes them, when they are sent), shared by
+    reference count. The publisher holds the first reference and releases it when it publishes the next one."""
+
+    def __init__(
+        self,
+        pool: BufferPool | None,
+        tensors: list[torch.Tensor],
+        *,
+        manifest: pb.Manifest | None = None,
+        metadata: dict[str, Any] | None = None,
+    ) -> None:
+        self._pool = pool
+        self.tensors = tensors
+        self.manifest = manifest if manifest is not None else pb.Manifest()
+        self.metadata = metadata or {}
+        self._lock = threading.Lock()
+        self._refs = 1
+
+    @property
+    def holders(self) -> int:
+        with self._lock:
+            return self._refs
+
+    def hold(self) -> bool:
+        """Take a reference for reading; False when the copy was already given back (read nothing then)."""
+        with self._lock:
+            if self._refs == 0:
+                return False
+            self._refs += 1
+            return True
+
+    def release(self) -> None:
+        with self._lock:
+            if self._refs == 0:
+                raise RuntimeError("a published copy was released more often than it was held")
+            self._refs -= 1
+            free = self._refs == 0
+        if free and self._pool is not None:
+            self._pool.recycle(self.tensors)
+
+
+class BufferPool:
+    """Reused sets of buffers of fixed shapes for :class:`Published` copies (thread-safe)."""
+
+    def __init__(
+        self, shapes: Sequence[tuple[int, ...]], dtype: torch.dtype, *, pinned: bool = False, keep: int = 2
+    ) -> None:
+        self.shapes = [tuple(shape) for shape in shapes]
+        self.dtype = dtype
+        self.pinned = pinned
+        self.keep = keep
+        self._lock = threading.Lock()
+        self._idle: list[list[torch.Tensor]] = []
+        self.allocated = 0  # buffer sets ever allocated: stays small when readers release in time
+
+    def publish(
+        self,
+        sources: Sequence[torch.Tensor],
+        *,
+        manifest: pb.Manifest | None = None,
+        metadata: dict[str, Any] | None = None,
+    ) -> Published:
+        """Copy ``sources`` (converted to the pool's dtype) into an idle buffer set; the caller holds the result."""
+        if len(sources) != len(self.shapes):
+            raise ValueError(f"{len(sources)} tensors for a pool of {len(self.shapes)}")
+        buffers = self._take()
+        for buffer, source in zip(buffers, sources, strict=True):
+            if tuple(source.shape) != buffer.shape:
+                self.recycle(buffers)
+                raise ValueError(f"a tensor of shape {tuple(source.shape)} for a buffer of shape {tuple(buffer.shape)}")
+            buffer.copy_(source.detach(), non_blocking=self.pinned)
+        if self.pinned and torch.cuda.is_available():
+            torch.cuda.current_stream().synchronize()  # complete before any other thread reads it
+        return Published(self, buffers, manifest=manifest, metadata=metadata)
+
+    def _take(self) -> list[torch.Tensor]:
+        with self._lock:
+            if self._idle:
+                return self._idle.pop()
+            self.allocated += 1
+        return [torch.empty(shape, dtype=self.dtype, pin_memory=self.pinned) for shape in self.shapes]
+
+    def recycle(self, buffers: list[torch.Tensor]) -> None:
+        with self._lock:
+            if len(self._idle) < self.keep:
+                self._idle.append(buffers)
