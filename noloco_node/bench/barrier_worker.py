@@ -20,7 +20,7 @@ import torch.distributed as dist
 
 from noloco_node.config.models import DataConfig, TrainConfig, model_config_for
 from noloco_node.data.corpus import ReplicaShard, load_corpus
-from noloco_node.node.daemon import emulated_step_factor
+from noloco_node.node.fault_injection import emulated_step_factor
 from noloco_node.training.replica import Replica
 
 

@@ -12,7 +12,6 @@ the difference is what being a swarm member costs (DHT, gRPC, buffers, outer sta
 
 from __future__ import annotations
 
-import json
 import statistics
 import subprocess
 import sys
@@ -22,6 +21,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from noloco_node.launcher.local_swarm import LocalSwarm
+from noloco_node.observability.status_file import read_status_document
 
 _BARE = """
 import resource, sys, torch
@@ -123,7 +123,9 @@ def _run_mode(mode: str, nodes: int, steps: int, train_args: list[str], base: Pa
     if crashed:
         raise RuntimeError(f"nodes {crashed} of the {mode} swarm failed; see {base / mode}")
     for slot in swarm.slots:
-        status = json.loads((slot.data_dir / "status.json").read_text())
+        status = read_status_document(slot.data_dir)
+        if status is None:
+            raise RuntimeError(f"node {slot.index} of the {mode} swarm left no status; see {base / mode}")
         result.idle.append(status["comm_wait_fraction"])
         result.blends += sum(1 for h in status["history"] if h["partner"])
         result.outer_steps += len(status["history"])

@@ -19,8 +19,9 @@ import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from noloco_node.discovery.dht import start_bootstrap_process
+from noloco_node.discovery.bootstrap import start_bootstrap_process
 from noloco_node.launcher.swarm import join_command
+from noloco_node.observability.status_file import read_status_document
 
 
 @dataclass
@@ -109,7 +110,7 @@ def run_status_bench(model: str, *, window: float, rounds: int, poll_hz: float) 
             stderr=subprocess.STDOUT,
         )
         try:
-            url = _wait_for_training(base / "node" / "status.json", node)
+            url = _wait_for_training(base / "node", node)
             time.sleep(min(5.0, window))  # past start-up transients
             for _ in range(rounds):
                 result.quiet_steps_per_second.append(_measure(url, window))
@@ -130,13 +131,13 @@ def run_status_bench(model: str, *, window: float, rounds: int, poll_hz: float) 
     return result
 
 
-def _wait_for_training(status_file: Path, node: subprocess.Popen[bytes], timeout: float = 120.0) -> str:
+def _wait_for_training(data_dir: Path, node: subprocess.Popen[bytes], timeout: float = 120.0) -> str:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         if node.poll() is not None:
             raise RuntimeError(f"the node exited with {node.returncode} before training")
+        url = (read_status_document(data_dir) or {}).get("status_url")
         try:
-            url = json.loads(status_file.read_text())["status_url"]
             if url and _inner_step(url) > 0:
                 return url
         except (OSError, ValueError, KeyError):

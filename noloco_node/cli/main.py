@@ -570,18 +570,10 @@ def _bench(args: argparse.Namespace) -> int:
 
 
 def _bootstrap(args: argparse.Namespace) -> int:
-    import signal
-    import threading
+    from noloco_node.discovery.bootstrap import run_bootstrap_peer
 
-    from noloco_node.discovery.dht import run_bootstrap_peer
-
-    stop = threading.Event()
-    for signum in (signal.SIGINT, signal.SIGTERM):
-        signal.signal(signum, lambda *_: stop.set())
     http_bind = (args.http_host, args.http_port) if args.http_port is not None else None
-    run_bootstrap_peer(
-        args.host_maddrs, args.announce_maddrs, stop, initial_peers=args.initial_peers, http_bind=http_bind
-    )
+    run_bootstrap_peer(args.host_maddrs, args.announce_maddrs, initial_peers=args.initial_peers, http_bind=http_bind)
     print("bootstrap peer stopped", file=sys.stderr)
     return 0
 

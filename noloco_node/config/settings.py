@@ -30,6 +30,7 @@ from noloco_node.config.models import (
     OuterConfig,
     TrainConfig,
 )
+from noloco_node.errors import NolocoError
 from noloco_node.security.auth import SECRET_ENV, SECRET_FILE_ENV
 
 if sys.version_info >= (3, 11):
@@ -41,7 +42,7 @@ ENV_PREFIX = "NOLOCO_"
 Path_ = tuple[str, ...]
 
 
-class SettingsError(Exception):
+class SettingsError(NolocoError):
     """A settings file or variable that cannot be used; the message names it."""
 
 

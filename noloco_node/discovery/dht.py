@@ -24,15 +24,10 @@ import logging
 import os
 import re
 import signal
-import subprocess
 import sys
-import threading
 import time
-import urllib.request
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
-from pathlib import Path
 from typing import Any
 
 import hivemind
@@ -48,7 +43,7 @@ log = logging.getLogger(__name__)
 _PR_SET_PDEATHSIG = 1
 
 
-class _TiedDHT(hivemind.DHT):
+class TiedDHT(hivemind.DHT):
     """hivemind.DHT whose helper process (and the p2pd daemon it spawns) dies with the node.
 
     hivemind forks the DHT into a child process that starts p2pd. A node killed with SIGKILL gets no chance to shut
@@ -191,7 +186,7 @@ class Discovery:
     def start(self) -> None:
         """Start the DHT process (it forks: call this before starting gRPC servers or torch threads)."""
         started = time.monotonic()
-        self.dht = _TiedDHT(start=True, **self._dht_kwargs)
+        self.dht = TiedDHT(start=True, **self._dht_kwargs)
         log.info(
             "DHT up in %.1fs as %s, reachable at %s",
             time.monotonic() - started,
@@ -266,119 +261,3 @@ class Discovery:
         if self.dht is not None:
             self.dht.shutdown()
             self.dht = None
-
-
-def run_bootstrap_peer(
-    host_maddrs: Sequence[str],
-    announce_maddrs: Sequence[str] | None,
-    stop: Any,
-    *,
-    initial_peers: Sequence[str] = (),
-    http_bind: tuple[str, int] | None = None,
-) -> list[str]:
-    """A DHT-only peer that others join with ``--bootstrap``; prints its multiaddrs, serves until ``stop`` is set.
-
-    ``stop`` is a ``threading.Event``-like object. With ``http_bind`` it also serves its multiaddrs over HTTP
-    (:func:`serve_maddrs`), so that containers can join with ``--bootstrap http://HOST:PORT/maddrs`` without
-    knowing its peer id in advance. Returns the multiaddrs it served on.
-    """
-    kwargs: dict[str, Any] = {
-        "host_maddrs": list(host_maddrs),
-        "initial_peers": list(initial_peers) or None,
-        # It stores other peers' records too: it must refuse writes that their owners did not sign.
-        "record_validators": [RSASignatureValidator(NodeIdentity.ephemeral().private_key)],
-    }
-    if announce_maddrs:
-        kwargs["announce_maddrs"] = list(announce_maddrs)
-    dht = _TiedDHT(start=True, **kwargs)
-    try:
-        maddrs = [str(m) for m in dht.get_visible_maddrs()]
-        print("bootstrap peer is up; join it with:", flush=True)
-        for maddr in maddrs:
-            print(f"  --bootstrap {maddr}", flush=True)
-        book = serve_maddrs(http_bind, lambda: [str(m) for m in dht.get_visible_maddrs()]) if http_bind else None
-        if book is not None:
-            print(f"  --bootstrap http://HOST:{book.server_address[1]}/maddrs", flush=True)
-        while not stop.wait(1.0):
-            pass
-        if book is not None:
-            book.shutdown()
-        return maddrs
-    finally:
-        dht.shutdown()
-
-
-def serve_maddrs(bind: tuple[str, int], maddrs: Any) -> ThreadingHTTPServer:
-    """``GET /maddrs``: the current multiaddrs, one per line (``/healthz``: 200). Runs in a daemon thread."""
-
-    class Handler(BaseHTTPRequestHandler):
-        def do_GET(self) -> None:
-            if self.path not in ("/maddrs", "/healthz"):
-                self.send_error(404)
-                return
-            body = ("\n".join(maddrs()) + "\n").encode() if self.path == "/maddrs" else b"ok\n"
-            self.send_response(200)
-            self.send_header("Content-Type", "text/plain; charset=utf-8")
-            self.send_header("Content-Length", str(len(body)))
-            self.end_headers()
-            self.wfile.write(body)
-
-        def log_message(self, *_: Any) -> None:  # polled by every joiner: not worth a log line each
-            pass
-
-    server = ThreadingHTTPServer(bind, Handler)
-    server.daemon_threads = True
-    server.timeout = 5
-    threading.Thread(target=server.serve_forever, name="maddrs-http", daemon=True).start()
-    return server
-
-
-def expand_bootstrap(entries: Sequence[str], *, wait: float = 120.0) -> list[str]:
-    """The multiaddrs of ``--bootstrap`` entries: multiaddrs as given, and ``http(s)://`` entries fetched from a
-    bootstrap peer's address book (retried until ``wait`` s have passed: in a compose file or a Kubernetes pod the
-    bootstrap peer may still be starting)."""
-    expanded: list[str] = []
-    for entry in entries:
-        if not entry.startswith(("http://", "https://")):
-            expanded.append(entry)
-            continue
-        deadline = time.monotonic() + wait
-        while True:
-            try:
-                with urllib.request.urlopen(entry, timeout=5) as answer:
-                    found = [line.strip() for line in answer.read().decode().splitlines() if line.startswith("/")]
-                if found:
-                    expanded += found
-                    break
-                problem = "no multiaddrs in the answer"
-            except (OSError, ValueError) as error:
-                problem = str(error)
-            if time.monotonic() >= deadline:
-                raise OSError(f"bootstrap address book {entry} did not answer within {wait:.0f}s: {problem}")
-            log.info("waiting for the bootstrap address book at %s (%s)", entry, problem)
-            time.sleep(2.0)
-    return expanded
-
-
-def start_bootstrap_process(log_path: Path, *, timeout: float = 60.0) -> tuple[subprocess.Popen[str], list[str]]:
-    """Start `noloco-node bootstrap` on 127.0.0.1 as a child process; returns it and the multiaddrs it printed."""
-    with log_path.open("w") as log:
-        process = subprocess.Popen(
-            [sys.executable, "-m", "noloco_node", "bootstrap", "--host-maddrs", "/ip4/127.0.0.1/tcp/0"],
-            stdout=subprocess.PIPE,
-            stderr=log,
-            text=True,
-        )
-    maddrs: list[str] = []
-    deadline = time.monotonic() + timeout
-    assert process.stdout is not None
-    while time.monotonic() < deadline and not maddrs:
-        line = process.stdout.readline()
-        if not line:
-            break
-        if "--bootstrap" in line:
-            maddrs.append(line.split("--bootstrap", 1)[1].strip())
-    if not maddrs:
-        process.kill()
-        raise RuntimeError(f"the bootstrap peer did not start; see {log_path}")
-    return process, maddrs

@@ -7,7 +7,6 @@ straggler). Nodes are real processes with their own DHT peer, gRPC server and st
 
 from __future__ import annotations
 
-import json
 import shutil
 import signal
 import subprocess
@@ -16,8 +15,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from noloco_node.discovery.dht import start_bootstrap_process
+from noloco_node.discovery.bootstrap import start_bootstrap_process
 from noloco_node.launcher.swarm import join_command
+from noloco_node.observability.status_file import read_status_document
 
 
 @dataclass
@@ -61,10 +61,7 @@ class LocalSwarm:
         log.close()  # the child holds its own descriptor
 
     def status(self, slot: NodeSlot) -> dict[str, Any] | None:
-        try:
-            return json.loads((slot.data_dir / "status.json").read_text())
-        except (OSError, ValueError):
-            return None
+        return read_status_document(slot.data_dir)
 
     def _bank(self, slot: NodeSlot) -> None:
         """Add a finished life's exchange counters (its last status.json) to the slot's totals."""

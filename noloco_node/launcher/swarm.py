@@ -19,8 +19,8 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from noloco_node.discovery.dht import start_bootstrap_process
-from noloco_node.node.daemon import read_status
+from noloco_node.discovery.bootstrap import start_bootstrap_process
+from noloco_node.observability.status_file import read_status_document as read_status
 
 
 def join_command(maddrs: Sequence[str], data_dir: Path, *args: str) -> list[str]:

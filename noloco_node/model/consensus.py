@@ -30,7 +30,9 @@ import torch
 
 from noloco_node import algorithm
 from noloco_node.config.models import ModelConfig, NodeConfig
-from noloco_node.discovery.dht import Discovery, PeerRecord, expand_bootstrap
+from noloco_node.discovery.bootstrap import expand_bootstrap
+from noloco_node.discovery.dht import Discovery, PeerRecord
+from noloco_node.errors import NolocoError
 from noloco_node.rpc.client import ExchangeError
 from noloco_node.rpc.state_download import StateDownload
 from noloco_node.security.node_security import NodeSecurity
@@ -38,7 +40,7 @@ from noloco_node.security.payload_guard import relative_distance
 from noloco_node.training.checkpoints import snapshot_layout
 
 
-class ConsensusError(Exception):
+class ConsensusError(NolocoError):
     """Not enough live peers could serve their state."""
 
 

@@ -1,4 +1,4 @@
-"""The node's HTTP status endpoint: a small HTTP/1.1 server on the node's own event loop.
+"""The project's one HTTP server: a node's status endpoint (and a bootstrap peer's /maddrs), on an event loop.
 
 Routes are plain callables that return (content type, body) from numbers the node already holds, so answering
 costs the trainer nothing (no torch, no locks held for long). ``/healthz`` answers 200 or 503 with the health
@@ -13,8 +13,10 @@ import contextlib
 import logging
 from collections.abc import Callable
 from importlib import resources
+from typing import Any
 
-from noloco_node.observability.status import Health
+from noloco_node.observability.metrics import render_metrics
+from noloco_node.observability.status import Health, NodeStatus
 
 log = logging.getLogger(__name__)
 
@@ -29,6 +31,15 @@ _REASONS[503] = "Service Unavailable"
 def status_page() -> bytes:
     """The live swarm page: one self-contained HTML file (inline script and style, no CDN, no build step)."""
     return resources.files("noloco_node.observability").joinpath("web/status.html").read_bytes()
+
+
+def node_routes(status: Callable[[], NodeStatus], exchanges: Callable[[], dict[str, Any]]) -> dict[str, Route]:
+    """A node's pages: its status as JSON, the same numbers for Prometheus, and the live page."""
+    return {
+        "/status": lambda: ("application/json", status().model_dump_json().encode()),
+        "/metrics": lambda: ("text/plain; version=0.0.4; charset=utf-8", render_metrics(status(), exchanges())),
+        "/": lambda: ("text/html; charset=utf-8", status_page()),
+    }
 
 
 class StatusServer:

@@ -58,6 +58,12 @@ class _StatusCollector:
             sum_value=exchanges["duration_sum"],
         )
         yield CounterMetricFamily("noloco_bytes_sent", "Payload bytes sent to peers.", value=exchanges["bytes_sent"])
+        restarts = CounterMetricFamily(
+            "noloco_task_restarts", "Restarts of the node's supervised background tasks.", labels=["task"]
+        )
+        for task in status.tasks:
+            restarts.add_metric([task.name], task.restarts)
+        yield restarts
         yield CounterMetricFamily(
             "noloco_bytes_received", "Payload bytes received from peers.", value=exchanges["bytes_received"]
         )

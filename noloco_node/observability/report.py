@@ -12,24 +12,58 @@ import logging
 import math
 import random
 import time
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 from noloco_node import __version__
+from noloco_node.config.models import NodeConfig, TrainConfig
 from noloco_node.discovery.dht import Discovery
-from noloco_node.observability.status import ExchangeRecord, NodeStatus, OuterStepRecord, SecurityStatus
+from noloco_node.observability.status import (
+    ExchangeRecord,
+    Health,
+    NodeStatus,
+    OuterStepRecord,
+    SecurityStatus,
+    TaskStatus,
+)
 from noloco_node.observability.telemetry import Telemetry
 from noloco_node.rpc import peer_pb2 as pb
 from noloco_node.rpc.client import fetch_info
+from noloco_node.rpc.metrics import ExchangeMetrics
 from noloco_node.rpc.transport import PLAIN, Transport
+from noloco_node.security.node_security import NodeSecurity
+from noloco_node.training.replica import Replica
 from noloco_node.wire.payload import Payload
-
-if TYPE_CHECKING:
-    from noloco_node.node.daemon import Node
 
 log = logging.getLogger("noloco_node.node.daemon")  # progress lines read as the node's own
 
 
-def info_reply(node: Node) -> pb.InfoReply:
+class Supervised(Protocol):
+    tasks: dict[str, Any]
+
+
+class ReportedNode(Protocol):
+    """What a node exposes to be reported on (node/daemon.Node); a protocol, so this module imports no node."""
+
+    peer_id: str
+    run_fingerprint: str
+    address: str
+    reachable: bool
+    status_url: str
+    dht_maddrs: list[str]
+    cfg: NodeConfig
+    train_cfg: TrainConfig
+    telemetry: Telemetry
+    metrics: ExchangeMetrics
+    security: NodeSecurity
+    supervisor: Supervised
+    replica: Replica | None
+
+    def ready_to_pair(self) -> bool: ...
+
+    def health(self) -> Health: ...
+
+
+def info_reply(node: ReportedNode) -> pb.InfoReply:
     """The answer to a peer's Info call: who this node is, how far it is, and its recent curve."""
     replica = node.replica
     train_loss, val_loss = node.telemetry.train_loss(), node.telemetry.val_loss()
@@ -55,7 +89,7 @@ def info_reply(node: Node) -> pb.InfoReply:
     )
 
 
-def node_status(node: Node) -> NodeStatus:
+def node_status(node: ReportedNode) -> NodeStatus:
     """What GET /status serves and status.json holds; plain numbers only, cheap enough for any event loop."""
     replica = node.replica
     counters = node.metrics.snapshot()
@@ -92,11 +126,15 @@ def node_status(node: Node) -> NodeStatus:
         peers=node.telemetry.known_peers(),
         history=[OuterStepRecord(**entry) for entry in node.telemetry.history_list(200)],
         security=security_status(node),
+        tasks=[
+            TaskStatus(name=t.name, restarts=t.restarts, last_error=t.last_error, gave_up=t.gave_up)
+            for t in node.supervisor.tasks.values()
+        ],
         health=node.health(),
     )
 
 
-def security_status(node: Node) -> SecurityStatus:
+def security_status(node: ReportedNode) -> SecurityStatus:
     guard, tls = node.security.norm_guard, node.security.transport.tls
     return SecurityStatus(
         private_run=node.security.secret is not None,

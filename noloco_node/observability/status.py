@@ -32,6 +32,15 @@ class LossPoint(BaseModel):
     time: float = Field(description="Unix time.")
 
 
+class TaskStatus(BaseModel):
+    """A supervised background task of the node (node/supervisor.py): restarted after a failure, visibly."""
+
+    name: str
+    restarts: int = Field(description="Times it failed and was restarted.")
+    last_error: str | None = Field(None, description="The last exception it died of.")
+    gave_up: bool = Field(False, description="It failed too often in a row and is no longer restarted (unhealthy).")
+
+
 class OuterStepRecord(BaseModel):
     """What happened at one outer step of this node."""
 
@@ -121,4 +130,5 @@ class NodeStatus(BaseModel):
     peers: list[KnownPeer] = Field(description="Live peers of the run in the DHT, as this node last saw them.")
     history: list[OuterStepRecord] = Field(description="The last outer steps, oldest first (up to 200).")
     security: SecurityStatus
+    tasks: list[TaskStatus] = Field(default_factory=list, description="The node's supervised background tasks.")
     health: Health

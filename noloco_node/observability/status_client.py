@@ -17,14 +17,16 @@ from typing import TYPE_CHECKING
 
 from pydantic import ValidationError
 
+from noloco_node.errors import NolocoError
 from noloco_node.observability.status import NodeStatus
+from noloco_node.observability.status_file import STATUS_FILE
 
 if TYPE_CHECKING:
     from noloco_node.discovery.dht import PeerRecord
     from noloco_node.security.auth import SwarmSecret
 
 
-class StatusClientError(Exception):
+class StatusClientError(NolocoError):
     """The status could not be read; the message says where and why."""
 
 
@@ -42,7 +44,7 @@ def fetch_status(url: str, *, timeout: float = 5.0) -> NodeStatus:
 
 
 def read_status_file(data_dir: Path) -> NodeStatus:
-    path = data_dir / "status.json"
+    path = data_dir / STATUS_FILE
     try:
         body = path.read_bytes()
     except OSError as error:

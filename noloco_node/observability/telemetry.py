@@ -40,6 +40,7 @@ class HealthInputs:
     stopping: bool
     finished: bool
     dht_alive: bool
+    task_problem: str | None = None  # a supervised background task that gave up (node/supervisor.py)
 
 
 @dataclass
@@ -197,6 +198,8 @@ class Telemetry:
             return Health(state="starting", reason=self.phase, ok=False)
         if not facts.trainer_alive:
             return Health(state="failed", reason="the trainer thread is not running", ok=False)
+        if facts.task_problem is not None:
+            return Health(state="failed", reason=facts.task_problem, ok=False)
         if not facts.dht_alive:
             return Health(state="degraded", reason="the DHT process died: peers cannot find this node", ok=False)
         stalled = time.monotonic() - self.last_progress

@@ -35,6 +35,7 @@ from typing import Any
 
 import grpc
 
+from noloco_node.errors import NolocoError
 from noloco_node.observability import logs
 
 SECRET_ENV = "NOLOCO_SWARM_SECRET"
@@ -49,7 +50,7 @@ MAC_HEADER = "x-noloco-mac"
 SERVER_MAC_HEADER = "x-noloco-server-mac"
 
 
-class SecretError(Exception):
+class SecretError(NolocoError):
     """The secret could not be loaded (missing file, too short, readable by others)."""
 
 

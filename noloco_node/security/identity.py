@@ -19,12 +19,13 @@ from cryptography.hazmat.primitives.asymmetric import rsa
 from hivemind.utils.crypto import RSAPrivateKey, RSAPublicKey
 
 from noloco_node.atomic_files import write_atomically
+from noloco_node.errors import NolocoError
 
 KEY_FILE = "node_key.pem"
 PEER_ID_PREFIX = "nl"
 
 
-class IdentityError(Exception):
+class IdentityError(NolocoError):
     """The key file exists but cannot be used (unreadable, not an RSA key, readable by others)."""
 
 

@@ -15,6 +15,7 @@ from pathlib import Path
 import torch
 
 from noloco_node.config.models import SecurityConfig
+from noloco_node.errors import NolocoError
 from noloco_node.pairing.peer_policy import PeerPolicy
 from noloco_node.rpc.transport import Transport
 from noloco_node.security.auth import CallAuthenticator, SecretError, SwarmSecret, load_secret
@@ -26,7 +27,7 @@ from noloco_node.wire.payload import Payload, PayloadError
 log = logging.getLogger(__name__)
 
 
-class SecuritySetupError(Exception):
+class SecuritySetupError(NolocoError):
     """The node's key, secret or TLS files cannot be used; the message says which and why."""
 
 

@@ -24,10 +24,12 @@ from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import NameOID
 
+from noloco_node.errors import NolocoError
+
 DEFAULT_SERVER_NAME = "noloco-node"
 
 
-class TlsError(Exception):
+class TlsError(NolocoError):
     """TLS is configured but its files cannot be used."""
 
 

@@ -137,6 +137,9 @@ class CheckpointWriter:
         self.superseded = 0  # submitted but replaced by a newer one before it was written
         self.last_error: BaseException | None = None
         self._thread = threading.Thread(target=self._run, name="checkpoint-writer", daemon=True)
+
+    def start(self) -> None:
+        """Start the writer thread (a node starts it after the DHT has forked its helper process)."""
         self._thread.start()
 
     def submit(self, build: Callable[[], dict[str, Any]], done: Callable[[], None] = lambda: None) -> None:
@@ -152,6 +155,8 @@ class CheckpointWriter:
 
     def flush(self, timeout: float | None = None) -> bool:
         """Wait until everything submitted is written; False if ``timeout`` ran out first."""
+        if self._thread.ident is None:
+            self.start()  # nothing can be written before the thread runs
         with self._cond:
             return self._cond.wait_for(lambda: self._pending is None and not self._busy, timeout=timeout)
 
@@ -161,7 +166,8 @@ class CheckpointWriter:
         with self._cond:
             self._closed = True
             self._cond.notify_all()
-        self._thread.join(timeout)
+        if self._thread.ident is not None:
+            self._thread.join(timeout)
         return flushed and not self._thread.is_alive()
 
     def _run(self) -> None:

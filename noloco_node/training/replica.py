@@ -1,8 +1,8 @@
 """One replica: its inner step, its outer state, its evaluation, and its full state for checkpoints.
 
 Inner phase (arXiv 2506.10911, section 3; docs/architecture.md, "The algorithm"): starting from theta = phi, H
-steps of Adam without weight decay, gradients clipped at norm 1.0, a learning rate that warms up linearly and then decays with a cosine to
-0.1x the peak. Adam's state is neither reset nor averaged at outer steps; only the weights are.
+steps of Adam without weight decay, gradients clipped at norm 1.0, a learning rate that warms up linearly and then
+decays with a cosine to 0.1x the peak. Adam's state is neither reset nor averaged at outer steps; only the weights are.
 
 A :class:`Replica` holds everything one participant owns: the fast weights theta (the model's parameters), the
 slow weights phi and outer momentum delta (fp32), the Adam state, the step counters, and its data position. Its

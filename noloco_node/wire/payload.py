@@ -29,6 +29,7 @@ import numpy as np
 import torch
 import xxhash
 
+from noloco_node.errors import NolocoError
 from noloco_node.rpc import peer_pb2 as pb
 
 MAX_MESSAGE_BYTES = 4 * 2**20  # gRPC message limit on both ends: a chunk plus framing, never a whole model
@@ -42,7 +43,7 @@ WIRE_DTYPES: dict[str, tuple[int, torch.dtype]] = {
 _TORCH_DTYPE_OF_WIRE = {code: dtype for code, dtype in WIRE_DTYPES.values()}
 
 
-class PayloadError(Exception):
+class PayloadError(NolocoError):
     """A received payload that must not be used: the gRPC status to answer with and a metric label."""
 
     def __init__(self, code: grpc.StatusCode, reason: str, message: str) -> None:

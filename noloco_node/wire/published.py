@@ -111,3 +111,32 @@ class BufferPool:
         with self._lock:
             if len(self._idle) < self.keep:
                 self._idle.append(buffers)
+
+
+class Latest:
+    """The latest published copy of something (the joiner snapshot), replaced by its publisher and held by readers."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._current: Published | None = None
+
+    def replace(self, copy: Published) -> None:
+        """Make ``copy`` (held by the caller, whose reference passes to this) the latest; release the previous."""
+        with self._lock:
+            previous, self._current = self._current, copy
+        if previous is not None:
+            previous.release()
+
+    def hold(self) -> Published | None:
+        """The latest copy, held for the caller (who releases it), or None."""
+        with self._lock:
+            current = self._current
+            if current is not None and current.hold():
+                return current
+        return None
+
+    def clear(self) -> None:
+        with self._lock:
+            previous, self._current = self._current, None
+        if previous is not None:
+            previous.release()

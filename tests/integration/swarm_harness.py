@@ -8,7 +8,7 @@ import signal
 import subprocess
 from pathlib import Path
 
-from noloco_node.discovery.dht import start_bootstrap_process
+from noloco_node.discovery.bootstrap import start_bootstrap_process
 from noloco_node.launcher.swarm import join_command
 
 

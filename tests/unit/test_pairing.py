@@ -1,4 +1,5 @@
-"""Pairing state without sockets: one exchange at a time, fast refusals, first partner wins, bounded close."""
+"""Pairing state without sockets: one exchange at a time, fast refusals, first partner wins, bounded close, bounded
+offer book, and published copies that are never reused while a stream holds them."""
 
 from __future__ import annotations
 
@@ -7,18 +8,32 @@ import time
 
 import torch
 
-from noloco_node.pairing.rounds import OfferBook, PairingRound
+from noloco_node.pairing.overlap import OfferBook
+from noloco_node.pairing.sync import PairingRound, Stage
 from noloco_node.rpc import peer_pb2 as pb
-from noloco_node.rpc.client import Outgoing
-from noloco_node.wire.payload import Payload
+from noloco_node.wire.payload import Payload, ReceiveBuffers
+from noloco_node.wire.published import BufferPool, Latest, Published
 
 
-def payload(peer: str, step: int) -> Payload:
-    return Payload(pb.Manifest(peer_id=peer, outer_step=step), {"theta/x": torch.zeros(1)})
+class Released(Payload):
+    """A payload that remembers being released (its buffers given back)."""
+
+    released = 0
+
+    def release(self) -> None:
+        self.released += 1
 
 
-def round_at(step: int = 5) -> PairingRound:
-    return PairingRound(step, Outgoing(pb.Manifest(), []))
+def payload(peer: str, step: int) -> Released:
+    return Released(pb.Manifest(peer_id=peer, outer_step=step), {"theta/x": torch.zeros(1)})
+
+
+def offer() -> Published:
+    return BufferPool([(2,)], torch.float32).publish([torch.ones(2)])
+
+
+def round_at(step: int = 5, **kwargs: object) -> PairingRound:
+    return PairingRound(step, offer(), **kwargs)  # type: ignore[arg-type]
 
 
 def test_a_round_serves_one_exchange_at_a_time_and_refuses_the_rest_at_once() -> None:
@@ -32,15 +47,35 @@ def test_a_round_serves_one_exchange_at_a_time_and_refuses_the_rest_at_once() ->
     assert second is not None
     second.complete(payload("a", 4))
     second.release()
-    assert current.partner.peer_id == "a" and current.done.is_set()
+    assert current.stage is Stage.PAIRED and current.partner.peer_id == "a" and current.waiting_over.done()
     assert current.try_session("x", 5, max_staleness=2) is None  # already paired
 
 
-def test_the_first_complete_exchange_is_the_partner() -> None:
+def test_the_first_complete_exchange_is_the_partner_and_a_late_one_is_let_go() -> None:
     current = round_at()
-    current.set_partner(payload("a", 5))
-    current.set_partner(payload("b", 5))
-    assert current.partner.peer_id == "a"
+    first, late = payload("a", 5), payload("b", 5)
+    current.settle(first)
+    current.settle(late)
+    current.wait(timeout=0)
+    assert current.close(wait_for_exchange=0).peer_id == "a"
+    assert late.released == 1 and first.released == 0
+
+
+def test_waiting_past_the_timeout_stops_new_exchanges_but_lets_one_in_flight_finish() -> None:
+    current = round_at()
+    session = current.try_session("x", 5, max_staleness=0)
+    assert session is not None
+    current.wait(timeout=0.01)
+    assert current.stage is Stage.CLOSING and current.try_session("y", 5, max_staleness=0) is None
+    session.complete(payload("x", 5))  # the exchange that was streaming completes: it is still the partner
+    session.release()
+    assert current.close(wait_for_exchange=1).peer_id == "x"
+
+
+def test_a_round_nobody_answered_closes_alone() -> None:
+    current = round_at()
+    current.wait(timeout=0.01)
+    assert current.close(wait_for_exchange=1) is None and current.stage is Stage.CLOSED
 
 
 def test_closing_waits_for_the_exchange_in_flight_then_refuses_new_ones() -> None:
@@ -56,39 +91,99 @@ def test_closing_waits_for_the_exchange_in_flight_then_refuses_new_ones() -> Non
     threading.Thread(target=finish_later).start()
     partner = current.close(wait_for_exchange=10)
     assert partner is not None and partner.peer_id == "late"  # applied whole, not dropped half-way
-    assert current.try_session("x", 5, max_staleness=0) is None
+    assert current.stage is Stage.CLOSED and current.try_session("x", 5, max_staleness=0) is None
 
 
-def test_closing_gives_up_on_an_exchange_that_outlives_its_bound() -> None:
+def test_closing_gives_up_on_an_exchange_that_outlives_its_bound_and_its_copy_stays_valid() -> None:
     current = round_at()
     session = current.try_session("x", 5, max_staleness=0)
     assert session is not None
     assert current.close(wait_for_exchange=0.1) is None
+    # The round let go of its offer, but the stream still holds it: its tensors are intact and not reused.
+    assert current.offer.holders == 1 and torch.equal(session.outgoing().tensors[0], torch.ones(2))
     session.release()
-
-
-def test_offer_book_keeps_the_freshest_offer_within_the_staleness_bound() -> None:
-    book = OfferBook()
-    assert book.try_session() is None  # nothing to offer yet
-    book.offer = Outgoing(pb.Manifest(), [])
-    session = book.try_session()
-    assert session is not None and book.try_session() is None
-    session.complete(payload("a", 3))
-    session.release()
-    book.store(payload("a", 2))  # older than what is held from that peer: ignored
-    book.store(payload("b", 6))
-    book.store(payload("c", 1))
-    assert book.take_freshest(own_outer_step=7, max_staleness=2).peer_id == "b"
-    assert book.take_freshest(own_outer_step=7, max_staleness=2) is None  # each offer is used once
-    book.store(payload("d", 1))
-    assert book.take_freshest(own_outer_step=7, max_staleness=2) is None  # too stale
+    assert current.offer.holders == 0
 
 
 def test_the_last_partner_waits_its_turn_while_others_may_come() -> None:
-    current = PairingRound(5, Outgoing(pb.Manifest(), []), last_partner="old", repeat_after=time.monotonic() + 0.3)
+    current = round_at(last_partner="old", repeat_after=time.monotonic() + 3600)
     assert current.try_session("old", 5, max_staleness=0) is None
     other = current.try_session("new", 5, max_staleness=0)
     assert other is not None
     other.release()
-    time.sleep(0.35)
+    current.repeat_after = time.monotonic()  # its turn has come
     assert current.try_session("old", 5, max_staleness=0) is not None
+
+
+def test_offer_book_keeps_the_freshest_offer_within_the_staleness_bound() -> None:
+    book = OfferBook()
+    assert book.try_session("x") is None  # nothing to offer yet
+    book.set_offer(offer())
+    session = book.try_session("a")
+    assert session is not None and book.try_session("a") is None
+    session.complete(payload("a", 3))
+    session.release()
+    older = payload("a", 2)
+    book.store("a", older)  # older than what is held from that peer: dropped (released)
+    assert older.released == 1
+    book.store("b", payload("b", 6))
+    book.store("c", payload("c", 1))
+    assert book.take_freshest(own_outer_step=7, max_staleness=2).peer_id == "b"
+    assert book.take_freshest(own_outer_step=7, max_staleness=2) is None  # each offer is used once
+    book.store("d", payload("d", 1))
+    assert book.take_freshest(own_outer_step=7, max_staleness=2) is None  # too stale
+
+
+def test_offer_book_stays_bounded_under_many_callers() -> None:
+    """Thousands of callers (under as many proven ids) each leave an offer: the book keeps at most its bound, the
+    freshest, and gives every other payload's buffers back."""
+    book = OfferBook(max_offers=4)
+    book.set_offer(offer())
+    stored = []
+    for caller in range(2000):
+        session = book.try_session(f"peer{caller}")
+        assert session is not None
+        stored.append(payload(f"peer{caller}", caller % 50))
+        session.complete(stored[-1])
+        session.release()
+        assert book.held_offers() <= 4
+    kept = [p for p in stored if p.released == 0]
+    assert len(kept) == 4 and all(p.outer_step == 49 for p in kept)
+    book.close()
+    assert all(p.released == 1 for p in stored)
+
+
+def test_the_pool_never_hands_out_buffers_a_reader_still_holds() -> None:
+    pool = BufferPool([(3,)], torch.float32, keep=2)
+    first = pool.publish([torch.full((3,), 1.0)])
+    assert first.hold()  # a stream reads it
+    first.release()  # the publisher moves on
+    second = pool.publish([torch.full((3,), 2.0)])
+    assert second.tensors[0].data_ptr() != first.tensors[0].data_ptr()
+    assert torch.equal(first.tensors[0], torch.full((3,), 1.0))  # the reader's copy is untouched
+    first.release()  # the stream ends: its buffers go back to the pool
+    second.release()
+    third = pool.publish([torch.full((3,), 3.0)])
+    assert third.tensors[0].data_ptr() in {first.tensors[0].data_ptr(), second.tensors[0].data_ptr()}
+    assert pool.allocated == 2  # reused, not allocated anew
+
+
+def test_latest_hands_out_held_copies_and_releases_the_superseded_one() -> None:
+    pool = BufferPool([(1,)], torch.float32)
+    latest = Latest()
+    assert latest.hold() is None
+    one = pool.publish([torch.ones(1)])
+    latest.replace(one)
+    reader = latest.hold()
+    assert reader is one and one.holders == 2
+    latest.replace(pool.publish([torch.zeros(1)]))
+    assert one.holders == 1  # only the reader keeps it alive now
+    reader.release()
+    assert one.holders == 0
+
+
+def test_receive_buffers_are_reused_after_release() -> None:
+    buffers = ReceiveBuffers(max_idle_bytes=1 << 20)
+    tensor = buffers.take(torch.float32, 10)
+    buffers.give_back([tensor])
+    assert buffers.take(torch.float32, 10).data_ptr() == tensor.data_ptr()

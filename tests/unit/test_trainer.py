@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy as copy_module
 import itertools
 import math
 from pathlib import Path
@@ -13,7 +14,13 @@ import torch
 from noloco_node import algorithm
 from noloco_node.config.models import TrainConfig, model_config_for
 from noloco_node.data.corpus import ReplicaShard
-from noloco_node.training.checkpoints import load_checkpoint, save_checkpoint
+from noloco_node.training.checkpoints import (
+    CheckpointWriter,
+    OuterStateCopies,
+    load_checkpoint,
+    replica_state_of,
+    save_checkpoint,
+)
 from noloco_node.training.replica import Replica, learning_rate
 
 TOKENS = (np.arange(200_000) * 7919 % 251).astype(np.uint8)  # deterministic, learnable-ish stream
@@ -55,7 +62,7 @@ def test_adam_has_no_weight_decay_and_clipping_bounds_the_update() -> None:
 def test_outer_step_restarts_the_inner_phase_from_the_new_slow_weights() -> None:
     replica = make_replica()
     start = [p.clone() for p in replica.phi]
-    replica.train_phase(5)
+    train(replica, 5)
     assert not torch.equal(replica.params[0].detach(), start[0])
     new_phi, new_delta = algorithm.noloco_outer_step(
         replica.fast_weights(), replica.phi, replica.delta, [], [], alpha=0.5, beta=0.7, gamma=0.7
@@ -68,6 +75,35 @@ def test_outer_step_restarts_the_inner_phase_from_the_new_slow_weights() -> None
     # Adam's state is neither reset nor averaged at an outer step.
     for key, value in replica.optimizer.state[replica.params[0]].items():
         assert torch.equal(value, adam_state_before[key])
+
+
+def train(replica: Replica, steps: int) -> list[float]:
+    return [replica.train_step() for _ in range(steps)]
+
+
+def test_a_checkpoint_from_the_outer_state_copy_resumes_bit_exactly(tmp_path: Path) -> None:
+    """The node checkpoints from one copy of the state taken at the outer step (training/checkpoints.py), written
+    by another thread while training goes on: resuming from it is the same as from the live state there."""
+    a = make_replica(seed=3)
+    train(a, 7)
+    a.apply_outer_step(
+        *algorithm.noloco_outer_step(a.fast_weights(), a.phi, a.delta, [], [], alpha=0.5, beta=0.7, gamma=0.7)
+    )
+    copies = OuterStateCopies(a)
+    copy = copies.take(a)
+    live = make_replica(seed=3)
+    live.load_state_dict(copy_module.deepcopy(a.state_dict()))  # torch keeps references to Adam's tensors
+    train(a, 4)  # the trainer goes on while the copy is written: the copy must not change
+    writer = CheckpointWriter(tmp_path / "ckpt.pt")
+    writer.start()
+    writer.submit(lambda: {"replica": replica_state_of(copy)}, copy.release)
+    assert writer.close(timeout=30) and writer.written == 1 and copy.holders == 0
+    b = make_replica(seed=3)
+    b.load_state_dict(load_checkpoint(tmp_path / "ckpt.pt")["replica"])
+    assert (b.inner_step, b.outer_step) == (7, 1)
+    assert train(b, 5) == train(live, 5)
+    for x, y in zip([*live.params, *live.phi, *live.delta], [*b.params, *b.phi, *b.delta], strict=True):
+        assert torch.equal(x, y)
 
 
 def test_ddp_replica_averages_the_gradients_of_every_shard() -> None:
@@ -86,17 +122,17 @@ def test_ddp_replica_averages_the_gradients_of_every_shard() -> None:
 
 def test_state_dict_restores_training_bit_exactly(tmp_path: Path) -> None:
     a = make_replica(seed=3)
-    a.train_phase(7)
+    train(a, 7)
     a.apply_outer_step(
         *algorithm.noloco_outer_step(a.fast_weights(), a.phi, a.delta, [], [], alpha=0.5, beta=0.7, gamma=0.7)
     )
-    a.train_phase(3)
+    train(a, 3)
     save_checkpoint(tmp_path / "ckpt.pt", {"replica": a.state_dict()})
     assert [p.name for p in tmp_path.iterdir()] == ["ckpt.pt"]  # no temporary files left behind
     b = make_replica(seed=3)
     b.load_state_dict(load_checkpoint(tmp_path / "ckpt.pt")["replica"])
     assert (b.inner_step, b.outer_step) == (10, 1)
-    losses_a, losses_b = a.train_phase(6), b.train_phase(6)
+    losses_a, losses_b = train(a, 6), train(b, 6)
     assert losses_a == losses_b
     for x, y in zip([*a.params, *a.phi, *a.delta], [*b.params, *b.phi, *b.delta], strict=True):
         assert torch.equal(x, y)

@@ -1,0 +1,170 @@
+"""Where a node starts from: its data shard, and its state (its own checkpoint, a live donor's, or the run's seed).
+
+- The shard: ``--shard-index`` if given; else the one it trained on before (``shard.json`` in its data dir, so a
+  restart resumes the same data stream); else the first shard, in an order drawn from its peer id, that no live
+  peer holds, so that replicas see different data.
+- The state: its checkpoint, unless the swarm has moved more than ``--max-behind`` outer steps ahead of it; else
+  a donor's snapshot, drawn at random among the freshest live peers and resumable from another donor of the same
+  outer step (rpc/state_download.py); else the run's seed.
+
+Everything here runs on the event loop and awaits the DHT and the donors under deadlines; loading a checkpoint and
+adopting a downloaded state run in threads.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import json
+import logging
+import random
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from noloco_node.atomic_files import write_atomically
+from noloco_node.config.models import NodeConfig, TrainConfig
+from noloco_node.discovery.dht import Discovery, PeerRecord
+from noloco_node.errors import NolocoError
+from noloco_node.observability.telemetry import Telemetry
+from noloco_node.rpc.client import ExchangeError
+from noloco_node.rpc.metrics import ExchangeMetrics
+from noloco_node.rpc.state_download import StateDownload
+from noloco_node.rpc.transport import Transport
+from noloco_node.training.checkpoints import load_checkpoint, snapshot_layout
+from noloco_node.training.replica import Replica
+
+log = logging.getLogger(__name__)
+
+CHECKPOINT_FILE = "checkpoint.pt"
+
+
+class NodeError(NolocoError):
+    """A node that cannot start as configured (the message says why and what to change)."""
+
+
+@dataclass
+class CatchUp:
+    cfg: NodeConfig
+    train_cfg: TrainConfig
+    run_fingerprint: str
+    peer_id: str
+    discovery: Discovery
+    transport: Transport
+    telemetry: Telemetry
+    metrics: ExchangeMetrics
+    download_timeout: float
+
+    async def choose_shard(self) -> int:
+        """This node's data shard (see the module docstring). Two nodes starting in the same second may still pick
+        the same one: nothing breaks, their data overlaps."""
+        if self.cfg.shard_index is not None:
+            return self.cfg.shard_index
+        count = self.cfg.num_shards
+        memory = self.cfg.data_dir / "shard.json"
+        try:
+            saved = json.loads(memory.read_text())
+            if saved.get("run_fingerprint") == self.run_fingerprint and saved.get("num_shards") == count:
+                return int(saved["shard"])
+        except (OSError, ValueError, KeyError, TypeError):
+            pass  # no choice made yet (or an unreadable one): choose
+        try:
+            held = [p.shard for p in await self.discovery.live_peers() if 0 <= p.shard < count]
+        except (TimeoutError, OSError) as error:
+            log.warning("DHT lookup of the peers' shards failed (%s): choosing from the peer id alone", error)
+            held = []
+        seed = int.from_bytes(hashlib.sha256(self.peer_id.encode()).digest()[:8], "big")
+        preference = [int(i) for i in np.random.default_rng(seed).permutation(count)]
+        chosen = min(preference, key=lambda shard: (held.count(shard), preference.index(shard)))
+        record = {"run_fingerprint": self.run_fingerprint, "num_shards": count, "shard": chosen}
+        await asyncio.to_thread(write_atomically, memory, json.dumps(record))
+        return chosen
+
+    async def initial_state(self, replica: Replica) -> None:
+        """Resume from this node's checkpoint unless the swarm has moved far ahead of it; else download a live
+        donor's state; else start from the run's seed."""
+        checkpoint = self.cfg.data_dir / CHECKPOINT_FILE
+        if checkpoint.exists():
+            await self._resume(replica, checkpoint)
+            if not self.cfg.download_state:
+                return
+            peers = await self._donor_candidates()
+            front = max((p.outer_step for p in peers), default=replica.outer_step)
+            if front - replica.outer_step <= self.cfg.max_behind:
+                return
+            log.info(
+                "the checkpoint is %d outer steps behind the swarm (more than --max-behind %d): downloading state",
+                front - replica.outer_step,
+                self.cfg.max_behind,
+            )
+            if not await self.download_state(replica):
+                log.warning("no donor could serve its state: training on from the checkpoint")
+            return
+        if self.cfg.download_state and await self.download_state(replica):
+            return
+        log.info("starting run %s from its seed (%d)", self.run_fingerprint, self.train_cfg.seed)
+
+    async def _resume(self, replica: Replica, checkpoint: Path) -> None:
+        payload = await asyncio.to_thread(load_checkpoint, checkpoint)  # torch.load: never on the event loop
+        if payload.get("run_fingerprint") != self.run_fingerprint:
+            raise NodeError(
+                f"{checkpoint} belongs to run {payload.get('run_fingerprint')}, not {self.run_fingerprint}; use "
+                "another --data-dir"
+            )
+        await asyncio.to_thread(replica.load_state_dict, payload["replica"])
+        self.telemetry.restore_history(payload.get("history", []))
+        log.info("resumed from %s at outer step %d", checkpoint, replica.outer_step)
+
+    async def _donor_candidates(self) -> list[PeerRecord]:
+        try:
+            return [p for p in await self.discovery.live_peers() if p.outer_step > 0 and p.address and p.reachable]
+        except (TimeoutError, OSError) as error:
+            log.warning("DHT lookup for donors failed: %s", error)
+            return []
+
+    async def download_state(self, replica: Replica, rounds: int = 3) -> bool:
+        """Adopt a fresh donor's snapshot. Donors are drawn at random among the freshest (within one outer step of
+        the swarm's front), so joiners spread out; a busy or failing donor is followed by the next one, which
+        continues the download where the last stopped when its snapshot is of the same outer step."""
+        layout = snapshot_layout(replica.model_cfg)
+        download = StateDownload(layout, run_fingerprint=self.run_fingerprint, peer_id=self.peer_id)
+        for attempt in range(rounds):
+            peers = await self._donor_candidates()
+            if not peers:
+                return False
+            front = max(p.outer_step for p in peers)
+            donors = [p for p in peers if p.outer_step >= front - 1]
+            random.shuffle(donors)
+            counters = download.counters
+            if counters is not None:  # a partial download resumes best at its own outer step
+                donors.sort(key=lambda p: p.outer_step != counters["outer_step"])
+            for donor in donors:
+                self.telemetry.phase = f"downloading state of outer step {donor.outer_step} from {donor.peer_id[-8:]}"
+                try:
+                    tensors, got = await asyncio.wait_for(
+                        asyncio.to_thread(
+                            download.fetch, donor.address, timeout=self.download_timeout, transport=self.transport
+                        ),
+                        timeout=self.download_timeout + 5,  # the call has its own deadline; this bounds the hand-off
+                    )
+                except (ExchangeError, asyncio.TimeoutError) as error:
+                    log.warning(
+                        "state download from %s failed (%s); %d tensors kept for the next donor",
+                        donor.peer_id[-8:],
+                        error,
+                        len(download.done),
+                    )
+                    continue
+                await asyncio.to_thread(replica.load_outer_snapshot, tensors, got)
+                self.metrics.outcome("state_downloaded")
+                log.info(
+                    "joined a run in progress: state of outer step %d from %s%s",
+                    replica.outer_step,
+                    donor.peer_id[-8:],
+                    " (resumed where another donor stopped)" if download.resumed else "",
+                )
+                return True
+            if attempt + 1 < rounds:
+                await asyncio.sleep(2.0)
+        return False

@@ -1,0 +1,156 @@
+"""The life of one outer step of a node, on its trainer thread (docs/architecture.md, "The life of an outer step").
+
+At the end of every inner phase (training/loop.py):
+
+1. the pairing strategy gives the partner's payload, or None (it waited for it in sync mode, or took the freshest
+   offer in overlap mode);
+2. the blend: ``algorithm.noloco_outer_step`` (arXiv 2506.10911, eq. 3-5, the paper's sign corrected) over this
+   node and the partner; the strategy sees the result before the replica adopts it (theta = phi);
+3. the upkeep, off the critical path: one copy of the outer state into reused buffers becomes the joiner snapshot
+   and, when due, the checkpoint that the writer thread saves meanwhile (training/checkpoints.py);
+4. evaluation, the history entry, status.json and the DHT record.
+
+This is the only code that writes the replica between inner steps; every other thread reads published copies.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from noloco_node import algorithm
+from noloco_node.config.models import OuterConfig
+from noloco_node.observability.report import ProgressLog
+from noloco_node.observability.telemetry import KEEP_OUTER_STEPS, Telemetry
+from noloco_node.pairing.strategy import PairingStrategy
+from noloco_node.training.checkpoints import CheckpointWriter, OuterStateCopies, replica_state_of
+from noloco_node.training.data_parallel import DataParallel
+from noloco_node.training.loop import InnerPhase
+from noloco_node.training.replica import Batch, Replica
+from noloco_node.wire.payload import Payload, build_manifest
+from noloco_node.wire.published import Latest, Published
+
+
+def partner_tensors(payload: Payload, names: Sequence[str], send_phi: bool) -> tuple[list[torch.Tensor], list]:
+    """The partner's theta (and phi, when the run sends it) in parameter order."""
+    theta = [payload.tensors[f"theta/{n}"] for n in names]
+    phi = [payload.tensors[f"phi/{n}"] for n in names] if send_phi else []
+    return theta, phi
+
+
+@dataclass
+class OuterStepDeps:
+    """What an outer step works with; the node (node/daemon.py) builds it."""
+
+    replica: Replica
+    strategy: PairingStrategy
+    outer_cfg: OuterConfig
+    send_phi: bool
+    run_fingerprint: str
+    peer_id: Callable[[], str]
+    telemetry: Telemetry
+    progress: ProgressLog
+    validation: Sequence[Batch]
+    state_copies: OuterStateCopies
+    snapshot: Latest  # the joiner snapshot that GetState serves
+    checkpoints: CheckpointWriter
+    checkpoint_extra: Callable[[], dict[str, Any]]  # run identity and model config, for every checkpoint
+    checkpoint_every: int
+    write_status: Callable[[], None]
+    loop: asyncio.AbstractEventLoop
+    publish_record: Callable[[], Any]  # a coroutine function, run on the event loop
+    data_parallel: DataParallel | None = None
+
+
+class OuterStep:
+    def __init__(self, deps: OuterStepDeps) -> None:
+        self.deps = deps
+
+    def publish_state(self) -> None:
+        """Copy the outer state (theta == phi here) into reused buffers; it becomes the joiner snapshot, and the
+        checkpoint when one is due. Trainer thread, at an outer step (and once at start)."""
+        deps, replica = self.deps, self.deps.replica
+        copy = deps.state_copies.take(replica)
+        copy.manifest = build_manifest(
+            deps.state_copies.named(copy),
+            wire_dtype="fp32",
+            run_fingerprint=deps.run_fingerprint,
+            peer_id=deps.peer_id(),
+            outer_step=replica.outer_step,
+            metadata_json=json.dumps(copy.metadata["counters"]),
+        )
+        if replica.outer_step % deps.checkpoint_every == 0 and copy.hold():
+            history = deps.telemetry.history_list(KEEP_OUTER_STEPS)  # a copy of the list, as of this step
+            deps.checkpoints.submit(
+                lambda: {**deps.checkpoint_extra(), "replica": replica_state_of(copy), "history": history},
+                copy.release,
+            )
+        deps.snapshot.replace(copy)
+
+    def __call__(self, phase: InnerPhase) -> None:
+        deps, replica = self.deps, self.deps.replica
+        wait_started = time.monotonic()
+        partner = deps.strategy.partner(replica, phase.seconds)
+        waited = time.monotonic() - wait_started
+        blend_started = time.monotonic()
+        self._blend(partner)
+        blend_seconds = time.monotonic() - blend_started
+        if partner is not None:
+            partner.release()  # blended: its buffers can take the next outer step's payload
+        if deps.data_parallel is not None:
+            deps.data_parallel.broadcast_params(replica.params)  # the other ranks adopt theta = phi
+        val_loss = replica.evaluate(deps.validation)
+        entry = {
+            "outer_step": replica.outer_step,
+            "inner_step": replica.inner_step,
+            "train_loss": phase.mean_loss,
+            "val_loss": val_loss,
+            "partner": partner.peer_id if partner else None,
+            "partner_step": partner.outer_step if partner else None,
+            "train_seconds": phase.seconds,
+            "wait_seconds": waited,
+            "blend_seconds": blend_seconds,
+            "upkeep_seconds": 0.0,
+            "time": time.time(),
+        }
+        deps.telemetry.on_outer_step(entry)  # before the state copy: the checkpoint's history includes this step
+        deps.progress.outer_step(entry, partner, deps.telemetry.tokens_per_second())
+        upkeep_started = time.monotonic()
+        self.publish_state()
+        deps.write_status()
+        entry["upkeep_seconds"] = time.monotonic() - upkeep_started  # the same dict the history holds
+        asyncio.run_coroutine_threadsafe(deps.publish_record(), deps.loop)
+
+    def _blend(self, partner: Payload | None) -> None:
+        """The outer step over the group that answered: this node plus the partner, or this node alone."""
+        deps, replica = self.deps, self.deps.replica
+        peer_thetas: list[list[torch.Tensor]] = []
+        peer_phis: list[list[torch.Tensor]] = []
+        if partner is not None:
+            theta, phi = partner_tensors(partner, replica.names, deps.send_phi)
+            peer_thetas, peer_phis = [theta], ([phi] if phi else [])
+        fast = replica.fast_weights()
+        new_phi, new_delta = algorithm.noloco_outer_step(
+            fast,
+            replica.phi,
+            replica.delta,
+            peer_thetas,
+            peer_phis,
+            alpha=deps.outer_cfg.alpha,
+            beta=deps.outer_cfg.beta,
+            gamma=deps.outer_cfg.effective_gamma,
+        )
+        deps.strategy.after_blend(new_phi, fast, replica.phi, replica.outer_step + 1)
+        replica.apply_outer_step(new_phi, new_delta)
+
+
+def held_phi(snapshot: Latest, count: int) -> tuple[Published | None, list[torch.Tensor]]:
+    """The slow weights of the latest published state (held: release it), for checks made off the trainer."""
+    copy = snapshot.hold()
+    return copy, ([] if copy is None else list(copy.tensors[:count]))

@@ -1,0 +1,79 @@
+"""What a node of a run is, derived from its settings alone: the model, the run's fingerprint, the tensors on the
+wire, and the limits that follow from their size (how long an exchange or a state download may take).
+
+Known before the node trains a step, so that a call arriving while the node starts is refused cleanly, and so that
+``export --from swarm`` finds the run by the same fingerprint.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+from noloco_node.config.models import ModelConfig, NodeConfig, OuterConfig, TrainConfig, model_config_for
+from noloco_node.data.corpus import Corpus
+from noloco_node.model.decoder import LlamaDecoder, named_parameters_ordered, run_fingerprint
+from noloco_node.wire.payload import TensorLayout
+
+
+def run_identity(node_cfg: NodeConfig, train_cfg: TrainConfig, corpus: Corpus) -> tuple[ModelConfig, str]:
+    """The model a node of these settings trains and its run's fingerprint (the DHT namespace and pairing key)."""
+    model_cfg = model_config_for(train_cfg.model_size, vocab_size=corpus.vocab_size, max_seq_len=train_cfg.seq_len)
+    fingerprint = run_fingerprint(
+        model_cfg, run_name=node_cfg.run_name, seed=train_cfg.seed, tokenizer=corpus.tokenizer.fingerprint
+    )
+    return model_cfg, fingerprint
+
+
+@dataclass(frozen=True)
+class RunLayout:
+    model_cfg: ModelConfig
+    run_fingerprint: str
+    names: tuple[str, ...]
+    shapes: tuple[tuple[int, ...], ...]
+    send_phi: bool  # gamma != beta: a partner needs our slow weights too (docs/architecture.md, the fast path)
+    wire_dtype: str
+    exchange_timeout: float
+    min_link_rate: float
+
+    @classmethod
+    def of(cls, node_cfg: NodeConfig, train_cfg: TrainConfig, outer_cfg: OuterConfig, corpus: Corpus) -> RunLayout:
+        model_cfg, fingerprint = run_identity(node_cfg, train_cfg, corpus)
+        with torch.device("meta"):
+            shapes_model = LlamaDecoder(model_cfg)
+        named = [(n, tuple(p.shape)) for n, p in named_parameters_ordered(shapes_model)]
+        return cls(
+            model_cfg=model_cfg,
+            run_fingerprint=fingerprint,
+            names=tuple(n for n, _ in named),
+            shapes=tuple(s for _, s in named),
+            send_phi=outer_cfg.effective_gamma != outer_cfg.beta,
+            wire_dtype=node_cfg.wire_dtype,
+            exchange_timeout=node_cfg.exchange_timeout,
+            min_link_rate=node_cfg.min_link_rate,
+        )
+
+    def expected_layout(self) -> list[TensorLayout]:
+        """The tensors of a partner's exchange payload, in order."""
+        prefixes = ("theta", "phi") if self.send_phi else ("theta",)
+        return [
+            TensorLayout(f"{prefix}/{name}", shape)
+            for prefix in prefixes
+            for name, shape in zip(self.names, self.shapes, strict=True)
+        ]
+
+    def exchange_ceiling(self) -> float:
+        """The longest an exchange may take: --exchange-timeout, or longer when the payload needs it at
+        --min-link-rate (both directions share nothing on a full-duplex link, so one payload's time)."""
+        payload = sum(item.numel for item in self.expected_layout()) * (2 if self.wire_dtype == "bf16" else 4)
+        return max(self.exchange_timeout, payload / self.min_link_rate + 10.0)
+
+    def download_timeout(self) -> float:
+        """The deadline of one state download: the fp32 state (4 model-sized tensors) at --min-link-rate."""
+        state = 4 * 4 * sum(math.prod(shape) for shape in self.shapes)
+        return max(self.exchange_timeout, state / self.min_link_rate + 10.0)
+
+    def max_payload_bytes(self) -> int:
+        return sum(item.numel for item in self.expected_layout()) * 4 + 1024

@@ -1,0 +1,82 @@
+"""The node as its gRPC service sees it (rpc/service.PeerNode): sessions from the pairing strategy, the joiner
+snapshot, and the admission of a partner's payload.
+
+Every answer here comes from a published copy or from thread-safe tables, never from the live replica: the norm
+check compares a partner's tensors with the slow weights of the latest published state (held while it reads), so
+it can run in any thread while the trainer applies its outer step.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from noloco_node.node.outer_step import held_phi, partner_tensors
+from noloco_node.node.run_layout import RunLayout
+from noloco_node.pairing.peer_policy import PeerPolicy
+from noloco_node.pairing.strategy import PairingStrategy
+from noloco_node.rpc import peer_pb2 as pb
+from noloco_node.rpc.service import ExchangeSession
+from noloco_node.security.node_security import NodeSecurity
+from noloco_node.wire.payload import Payload, PayloadError, ReceiveBuffers, TensorLayout
+from noloco_node.wire.published import Latest, Published
+
+
+class ServedNode:
+    def __init__(
+        self,
+        layout: RunLayout,
+        *,
+        peer_id: Callable[[], str],
+        strategy: PairingStrategy,
+        snapshot: Latest,
+        security: NodeSecurity,
+        policy: PeerPolicy,
+        receive_buffers: ReceiveBuffers,
+        info: Callable[[], pb.InfoReply],
+    ) -> None:
+        self.layout = layout
+        self.run_fingerprint = layout.run_fingerprint
+        self._peer_id = peer_id
+        self.strategy = strategy
+        self.snapshot = snapshot
+        self.security = security
+        self.policy = policy
+        self.receive_buffers = receive_buffers
+        self._info = info
+        self._expected = layout.expected_layout()
+
+    @property
+    def peer_id(self) -> str:
+        return self._peer_id()
+
+    def expected_layout(self) -> list[TensorLayout]:
+        return self._expected
+
+    def max_payload_bytes(self) -> int:
+        return self.layout.max_payload_bytes()
+
+    def open_session(self, partner_id: str, partner_outer_step: int) -> ExchangeSession | None:
+        return self.strategy.open_session(partner_id, partner_outer_step)
+
+    def info(self) -> pb.InfoReply:
+        return self._info()
+
+    def state_snapshot(self) -> Published | None:
+        return self.snapshot.hold()
+
+    def admit(self, payload: Payload) -> None:
+        """The norm bound (payload_guard.py): the partner's tensors against this node's latest slow weights."""
+        copy, phi = held_phi(self.snapshot, len(self.layout.names))
+        if copy is None:
+            return  # still starting: nothing to compare with, and nothing will be blended before there is
+        try:
+            theta, partner_phi = partner_tensors(payload, self.layout.names, self.layout.send_phi)
+            self.security.admit(payload, [(theta, phi)] + ([(partner_phi, phi)] if partner_phi else []))
+        finally:
+            copy.release()
+
+    def refused_peer(self, partner_id: str) -> bool:
+        return self.policy.quarantined(partner_id)
+
+    def bad_payload(self, partner_id: str, error: PayloadError) -> None:
+        self.security.bad_payload(partner_id, error, self.policy)

@@ -1,0 +1,160 @@
+"""How a node calls its peers, whatever the pairing strategy: whom to call first, and one exchange call.
+
+:class:`PeerCaller` chooses among the run's live peers (ready, reachable, not avoided or quarantined, within the
+staleness bound), orders them (the least recently paired first, at random among equals) and makes one exchange
+call: on the node's own bounded exchange executor (never asyncio's default one, which status fetches share), under
+a deadline learnt from earlier exchanges (peer_policy.py). The partner's payload must then pass the node's
+admission check (the norm bound); a refusal is counted and held against the partner, whose id here is the one its
+DHT record was signed with and whose server answered as that id (rpc/client.py).
+
+Memory is bounded by the live swarm: what is remembered of a peer (when it was last paired) is forgotten once
+the peer has left the DHT.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import random
+import time
+from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+
+import grpc
+
+from noloco_node.discovery.dht import PeerRecord
+from noloco_node.pairing.peer_policy import PeerPolicy
+from noloco_node.rpc.client import ExchangeError, exchange_with
+from noloco_node.rpc.metrics import ExchangeMetrics
+from noloco_node.rpc.service import OutgoingPayload
+from noloco_node.rpc.transport import Transport
+from noloco_node.wire.payload import Payload, PayloadError, ReceiveBuffers, TensorLayout
+from noloco_node.wire.published import Published
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class CallSettings:
+    """What every exchange call of a node shares."""
+
+    run_fingerprint: str
+    expected_layout: Sequence[TensorLayout]
+    max_payload_bytes: int
+    max_staleness: int
+    transport: Transport
+    metrics: ExchangeMetrics
+    receive_buffers: ReceiveBuffers
+
+
+class PeerCaller:
+    def __init__(
+        self,
+        settings: CallSettings,
+        policy: PeerPolicy,
+        *,
+        admit: Callable[[Payload], None],
+        bad_payload: Callable[[str, PayloadError], None],
+        executor: ThreadPoolExecutor,
+    ) -> None:
+        self.settings = settings
+        self.policy = policy
+        self.admit = admit
+        self.bad_payload = bad_payload
+        self.executor = executor
+        self.last_paired: dict[str, int] = {}  # peer id -> outer step of the last blend; live peers only
+
+    def choosable(self, peers: Sequence[PeerRecord], own_step: int) -> list[PeerRecord]:
+        """Peers worth calling now; forgets what it knew of peers no longer live (bounded tables)."""
+        live = {p.peer_id for p in peers}
+        self.policy.forget(live)
+        for gone in set(self.last_paired) - live:
+            del self.last_paired[gone]
+        return [
+            p
+            for p in peers
+            if p.ready
+            and p.address
+            and p.reachable
+            and not self.policy.avoided(p.peer_id)
+            and abs(p.outer_step - own_step) <= self.settings.max_staleness
+        ]
+
+    def order(self, candidates: list[PeerRecord]) -> list[PeerRecord]:
+        """Random among the least recently paired first. Nodes of equal speed reach their outer steps in lockstep
+        and would otherwise keep finding their last partner ready first, splitting the swarm into fixed pairs that
+        never mix (seen in a 4-node swarm before this ordering)."""
+        shuffled = list(candidates)
+        random.shuffle(shuffled)
+        return sorted(shuffled, key=lambda p: self.last_paired.get(p.peer_id, -1))
+
+    def paired(self, peer_id: str, outer_step: int) -> None:
+        self.last_paired[peer_id] = outer_step
+
+    async def call(self, peer: PeerRecord, outgoing: OutgoingPayload) -> Payload | None:
+        """One exchange with ``peer``; its admitted payload, or None (busy, failed, refused: recorded)."""
+        deadline = self.policy.deadline(peer.peer_id)
+        started = time.monotonic()
+        loop = asyncio.get_running_loop()
+        try:
+            # The call is bounded by its own gRPC deadline; the outer bound only covers the hand-off to a thread,
+            # which is immediate: the executor has a thread for every exchange a node can have in flight.
+            payload = await asyncio.wait_for(
+                loop.run_in_executor(self.executor, self._exchange, peer, outgoing, deadline), timeout=deadline + 5
+            )
+        except (ExchangeError, asyncio.TimeoutError) as error:
+            self._failed(peer, deadline, error)
+            return None
+        self.policy.succeeded(peer.peer_id, time.monotonic() - started)
+        return payload
+
+    def _exchange(self, peer: PeerRecord, outgoing: OutgoingPayload, deadline: float) -> Payload:
+        """Exchange thread: the call (holding the published copy it streams), then the admission check."""
+        settings = self.settings
+        if isinstance(outgoing, Published):
+            if not outgoing.hold():
+                raise ExchangeError(grpc.StatusCode.ABORTED, "busy", "the offer was withdrawn before the call")
+            try:
+                payload = self._stream(peer, outgoing, deadline)
+            finally:
+                outgoing.release()
+        else:
+            payload = self._stream(peer, outgoing, deadline)
+        try:
+            self.admit(payload)
+        except PayloadError as error:
+            payload.release()
+            settings.metrics.rejection(error.reason)
+            raise ExchangeError(error.code, error.reason, error.message, bad_payload=error) from None
+        return payload
+
+    def _stream(self, peer: PeerRecord, outgoing: OutgoingPayload, deadline: float) -> Payload:
+        settings = self.settings
+        return exchange_with(
+            peer.address,
+            outgoing,
+            settings.expected_layout,
+            run_fingerprint=settings.run_fingerprint,
+            max_payload_bytes=settings.max_payload_bytes,
+            timeout=deadline,
+            metrics=settings.metrics,
+            buffers=settings.receive_buffers,
+            peer=peer.peer_id,
+            transport=settings.transport,
+        )
+
+    def _failed(self, peer: PeerRecord, deadline: float, error: BaseException) -> None:
+        reason = error.reason if isinstance(error, ExchangeError) else "timeout"
+        if isinstance(error, ExchangeError) and error.bad_payload is not None:
+            self.bad_payload(peer.peer_id, error.bad_payload)
+        elif reason != "busy":
+            avoid = self.policy.failed(peer.peer_id)
+            log.warning(
+                "exchange with %s failed (%s, deadline %.1fs), avoided for %.0fs: %s",
+                peer.peer_id[-8:],
+                reason,
+                deadline,
+                avoid,
+                error,
+            )

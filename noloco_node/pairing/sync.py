@@ -1,0 +1,226 @@
+"""``sync`` pairing: at its outer step a node pairs with a peer at the same step and both blend fresh weights.
+
+The node opens a :class:`PairingRound` and advertises itself ready. Incoming calls (gRPC threads) and its own
+calls to ready peers (event loop) race for the round's exchange lock, which is only ever *tried*, never waited on:
+a node busy with one exchange refuses every other call at once (ABORTED), so two nodes calling each other
+simultaneously both get a fast refusal and retry after random jitter instead of deadlocking. The first exchange
+that completes settles the round with its partner; ``pair_timeout`` without one, or nobody within reach, settles
+it alone (a solo step).
+
+The round goes through explicit stages (:class:`Stage`), and the trainer waits on its future, not on a flag.
+Closing the round refuses new exchanges and lets one in flight finish, bounded by the exchange ceiling. The
+tensors a round sends are a published copy (wire/published.py) held by every stream that reads them, so whatever
+the timing of a slow stream against the trainer's next outer step, nothing it sends is ever overwritten.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import enum
+import logging
+import random
+import threading
+import time
+from concurrent.futures import Future, InvalidStateError
+from concurrent.futures import TimeoutError as FutureTimeout
+
+from noloco_node.pairing.strategy import PairingContext, PairingStrategy
+from noloco_node.training.replica import Replica
+from noloco_node.wire.payload import Payload
+from noloco_node.wire.published import Published
+
+log = logging.getLogger(__name__)
+
+
+class Stage(enum.Enum):
+    OPEN = "open"  # looking for a partner; calls are served
+    CLOSING = "closing"  # no new exchanges; one in flight may still complete and become the partner
+    PAIRED = "paired"  # an exchange completed: the partner is known
+    ALONE = "alone"  # closed without a partner: a solo step
+    CLOSED = "closed"  # the trainer has taken the answer; nothing changes any more
+
+
+class PairingRound:
+    """One outer step's chance to pair: at most one exchange at a time, the first complete one wins."""
+
+    def __init__(
+        self, outer_step: int, offer: Published, *, last_partner: str | None = None, repeat_after: float = 0.0
+    ) -> None:
+        self.outer_step = outer_step
+        self.offer = offer  # held by the round until it closes
+        # The last partner is not taken again before this (monotonic) time when others may become ready: nodes
+        # that blend together restart together and would otherwise stay phase-locked in the same pairs forever.
+        self.last_partner = last_partner
+        self.repeat_after = repeat_after
+        self.stage = Stage.OPEN
+        self.partner: Payload | None = None
+        self.waiting_over: Future[None] = Future()  # the trainer stops waiting: paired, alone, timed out, stopped
+        self.lock = threading.Lock()  # the one exchange in flight
+        self._guard = threading.Lock()  # the stage
+
+    @property
+    def open(self) -> bool:
+        return self.stage is Stage.OPEN
+
+    def may_pair_with(self, peer_id: str) -> bool:
+        return peer_id != self.last_partner or time.monotonic() >= self.repeat_after
+
+    def try_session(self, partner_id: str, partner_outer_step: int, max_staleness: int) -> RoundSession | None:
+        """A session for an incoming call, or None (busy, closing, too far apart, or a too-early repeat)."""
+        with self._guard:
+            if not self.open or abs(partner_outer_step - self.outer_step) > max_staleness:
+                return None
+            if not self.may_pair_with(partner_id) or not self.lock.acquire(blocking=False):
+                return None
+            if not self.offer.hold():  # cannot happen while open (the round holds it); refuse rather than guess
+                self.lock.release()
+                return None
+        return RoundSession(self)
+
+    def settle(self, partner: Payload) -> None:
+        """A completed exchange: the first one is the partner (until the round is closed); a later one is let go
+        (its buffers return to the pool)."""
+        with self._guard:
+            first = self.stage in (Stage.OPEN, Stage.CLOSING)
+            if first:
+                self.stage, self.partner = Stage.PAIRED, partner
+        if first:
+            self._stop_waiting()
+        else:
+            partner.release()
+
+    def stop_waiting(self) -> None:
+        """Nobody within reach, the pair timeout, or a stop: no new exchanges; one in flight may still finish."""
+        with self._guard:
+            if self.stage is Stage.OPEN:
+                self.stage = Stage.CLOSING
+        self._stop_waiting()
+
+    def _stop_waiting(self) -> None:
+        if not self.waiting_over.done():
+            with contextlib.suppress(InvalidStateError):  # two threads may get here at once
+                self.waiting_over.set_result(None)
+
+    def wait(self, timeout: float) -> None:
+        """Trainer thread: until the round is paired or told to stop waiting, at most ``timeout`` s."""
+        try:
+            self.waiting_over.result(timeout=timeout)
+        except FutureTimeout:
+            self.stop_waiting()
+
+    def close(self, wait_for_exchange: float) -> Payload | None:
+        """Refuse new exchanges, let one in flight finish (at most ``wait_for_exchange`` s); returns the partner."""
+        self.stop_waiting()
+        if self.lock.acquire(timeout=wait_for_exchange):
+            self.lock.release()
+        with self._guard:
+            partner = self.partner
+            self.stage = Stage.CLOSED
+        self.offer.release()
+        return partner
+
+
+class RoundSession:
+    """The ExchangeSession of a pairing round: holds the round's exchange lock and its offer until released."""
+
+    def __init__(self, pairing_round: PairingRound) -> None:
+        self.round = pairing_round
+
+    def outgoing(self) -> Published:
+        return self.round.offer
+
+    def complete(self, payload: Payload) -> None:
+        self.round.settle(payload)
+
+    def release(self) -> None:
+        self.round.offer.release()
+        self.round.lock.release()
+
+
+class SyncPairing(PairingStrategy):
+    mode = "sync"
+
+    def __init__(self, ctx: PairingContext) -> None:
+        super().__init__(ctx)
+        self._round: PairingRound | None = None
+        self._last_partner: str | None = None
+        self._known_peers: set[str] = set()
+
+    def ready(self) -> bool:
+        current = self._round
+        return current is not None and current.open
+
+    def open_session(self, partner_id: str, partner_outer_step: int) -> RoundSession | None:
+        current = self._round
+        if current is None or partner_id == self.ctx.peer_id():
+            return None
+        return current.try_session(partner_id, partner_outer_step, self.ctx.max_staleness)
+
+    def partner(self, replica: Replica, phase_seconds: float) -> Payload | None:
+        ctx = self.ctx
+        assert ctx.loop is not None
+        offer = ctx.offers.publish(replica.fast_weights(), replica.phi, replica.outer_step)
+        current = PairingRound(replica.outer_step, offer)
+        if self._known_peers - {self._last_partner, None}:
+            # Others exist: give them a moment to become ready before blending with the last partner again.
+            grace = min(ctx.pair_timeout / 2, phase_seconds / 2)
+            current.last_partner, current.repeat_after = self._last_partner, time.monotonic() + grace
+        self._round = current
+        if ctx.stopping.is_set():  # a stop that came before the round opened: no waiting at all
+            current.stop_waiting()
+        seeker = asyncio.run_coroutine_threadsafe(self._seek_partner(current), ctx.loop)
+        asyncio.run_coroutine_threadsafe(ctx.publish_record(), ctx.loop)
+        ctx.telemetry.beat()
+        current.wait(ctx.pair_timeout)
+        ctx.telemetry.beat()
+        # An exchange still streaming holds the lock and finishes, bounded by the exchange ceiling; it streams a
+        # held copy, so the trainer may go on even if it did not (the partner is then dropped on both sides).
+        partner = current.close(wait_for_exchange=ctx.exchange_ceiling + 5)
+        self._round = None
+        seeker.cancel()
+        if partner is not None:
+            self._last_partner = partner.peer_id
+            ctx.caller.paired(partner.peer_id, replica.outer_step)
+        return partner
+
+    def interrupt(self) -> None:
+        current = self._round
+        if current is not None:
+            current.stop_waiting()
+
+    async def _seek_partner(self, current: PairingRound) -> None:
+        """Call ready peers (least recently paired first) until the round is settled."""
+        ctx = self.ctx
+        # Let the other nodes reaching this outer step publish their readiness before choosing among them.
+        await asyncio.sleep(random.uniform(0.05, 0.25))
+        alone_until = time.monotonic() + ctx.alone_grace
+        while current.open:
+            try:
+                live = await ctx.discovery.live_peers()
+                self._known_peers = {p.peer_id for p in live}
+                ctx.telemetry.on_peers(live)
+                candidates = ctx.caller.choosable(live, current.outer_step)
+            except (TimeoutError, OSError) as error:
+                log.warning("DHT lookup failed: %s", error)
+                live, candidates = [], []
+            within_reach = [p for p in live if abs(p.outer_step - current.outer_step) <= ctx.max_staleness]
+            if not within_reach and time.monotonic() >= alone_until:
+                # Nobody else in the run within the staleness bound (alone, or every other node far ahead or far
+                # behind): waiting the whole pair_timeout would only idle the trainer. A peer that comes within
+                # reach is found at the next outer step.
+                current.stop_waiting()
+                return
+            for peer in ctx.caller.order([p for p in candidates if current.may_pair_with(p.peer_id)]):
+                if not current.open or not current.lock.acquire(blocking=False):
+                    break  # settled, or someone is exchanging with us right now: see how it ends
+                try:
+                    if not current.open:
+                        return
+                    payload = await ctx.caller.call(peer, current.offer)  # the call holds the copy it streams
+                    if payload is not None:
+                        current.settle(payload)
+                        return
+                finally:
+                    current.lock.release()
+            await asyncio.sleep(random.uniform(0.05, 0.3))  # jitter: two nodes calling each other desynchronise
