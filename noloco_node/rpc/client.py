@@ -37,10 +37,17 @@ log = logging.getLogger(__name__)
 
 @dataclass
 class Outgoing:
-    """What a node sends in one exchange: a manifest and its tensors (a snapshot that will not change)."""
+    """A static payload (benchmarks, tests, tools): a manifest and tensors that nothing ever writes, so holding it
+    for a stream costs nothing. A node's own payloads are wire/published.py copies instead."""
 
     manifest: pb.Manifest
     tensors: Sequence
+
+    def hold(self) -> bool:
+        return True
+
+    def release(self) -> None:
+        return None
 
 
 class ExchangeError(NolocoError):

@@ -7,15 +7,17 @@ from collections.abc import Sequence
 
 import grpc
 import torch
+from cryptography.hazmat.primitives.asymmetric import rsa
 
 from noloco_node.config.models import model_config_for
 from noloco_node.model.decoder import LlamaDecoder, named_parameters_ordered
 from noloco_node.rpc import peer_pb2 as pb
 from noloco_node.rpc.client import Outgoing
-from noloco_node.rpc.service import INFO_METHOD
+from noloco_node.rpc.service import EXCHANGE_METHOD, INFO_METHOD
 from noloco_node.rpc.transport import CHANNEL_OPTIONS
 from noloco_node.security.auth import MAC_HEADER, NONCE_HEADER, PEER_HEADER, TIME_HEADER, SwarmSecret, _mac
-from noloco_node.wire.payload import build_manifest
+from noloco_node.security.identity import NodeIdentity, _wrap
+from noloco_node.wire.payload import build_manifest, iter_frames
 
 
 def node_weights(seq_len: int = 64, seed: int = 0, vocab_size: int = 256) -> list[tuple[str, torch.Tensor]]:
@@ -64,3 +66,26 @@ def raw_info(address: str, metadata: list[tuple[str, str]] | None) -> grpc.Statu
 
 def now_ms() -> int:
     return int(time.time() * 1000)
+
+
+def fresh_identity() -> NodeIdentity:
+    """A new key pair, as any stranger can make one (1024-bit: quick to generate; servers accept any RSA size)."""
+    return NodeIdentity(_wrap(rsa.generate_private_key(public_exponent=65537, key_size=1024)))
+
+
+def exchange_status(
+    address: str, frames: Sequence[bytes], metadata: Sequence[tuple[str, str]] | None, timeout: float = 20
+) -> tuple[grpc.StatusCode, str]:
+    """One Exchange call that sends exactly these frames with exactly this metadata; its status and details."""
+    with grpc.insecure_channel(address, options=CHANNEL_OPTIONS) as channel:
+        call = channel.stream_stream(EXCHANGE_METHOD)(iter(frames), timeout=timeout, metadata=metadata)
+        try:
+            for _ in call:
+                pass
+        except grpc.RpcError as error:
+            return error.code(), error.details() or ""
+    return grpc.StatusCode.OK, ""
+
+
+def frames_of(outgoing: Outgoing) -> list[bytes]:
+    return list(iter_frames(outgoing.manifest, outgoing.tensors))

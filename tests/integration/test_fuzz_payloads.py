@@ -25,9 +25,10 @@ from hypothesis import strategies as st
 from noloco_node.rpc import peer_pb2 as pb
 from noloco_node.rpc.service import EXCHANGE_METHOD, GET_STATE_METHOD, INFO_METHOD
 from noloco_node.rpc.transport import CHANNEL_OPTIONS
+from noloco_node.security.caller_proof import prove
 from noloco_node.wire.payload import MAX_MESSAGE_BYTES, build_manifest, decode_frame, iter_frames
 
-from .attacker import node_weights
+from .attacker import fresh_identity, node_weights
 from .swarm_harness import Bootstrap, NodeProcess
 
 TWIN = [
@@ -184,8 +185,10 @@ def twins(tmp_path: Path):
         peer.stop()
 
 
-def _call_exchange(channel: grpc.Channel, frames: list[bytes]) -> tuple[grpc.StatusCode, str]:
-    call = channel.stream_stream(EXCHANGE_METHOD)(iter(frames), timeout=20)
+def _call_exchange(
+    channel: grpc.Channel, frames: list[bytes], metadata: list[tuple[str, str]]
+) -> tuple[grpc.StatusCode, str]:
+    call = channel.stream_stream(EXCHANGE_METHOD)(iter(frames), timeout=20, metadata=metadata)
     try:
         for _ in call:
             pass
@@ -201,6 +204,7 @@ def test_fuzzed_payloads_are_refused_precisely_and_change_nothing(twins: list[No
         assert time.monotonic() < deadline and attacked.process.poll() is None, attacked.output()[-3000:]
         time.sleep(0.2)
     address, fingerprint, started_at = status["address"], status["run_fingerprint"], status["inner_step"]
+    target = status["peer_id"]
     attack = Attack(fingerprint)
     channel = grpc.insecure_channel(address, options=CHANNEL_OPTIONS)
     rss = [_rss_mb(attacked.process.pid)]
@@ -221,8 +225,10 @@ def test_fuzzed_payloads_are_refused_precisely_and_change_nothing(twins: list[No
         )
         @given(data=st.data())
         def one(data: st.DataObject) -> None:
-            peer = f"fuzz-{os.urandom(6).hex()}"  # a fresh identity each time: a quarantine would hide what follows
-            code, details = _call_exchange(channel, attack.build(mutation, data, peer))
+            # A fresh key each time (any stranger can make one and prove it): a quarantine would hide what follows.
+            stranger = fresh_identity()
+            proof = prove(stranger, EXCHANGE_METHOD, target)
+            code, details = _call_exchange(channel, attack.build(mutation, data, stranger.peer_id), proof)
             outcomes[(mutation, code.name)] += 1
             if code not in PRECISE or not details:
                 bad.append(f"{mutation}: {code.name} {details!r}")

@@ -25,10 +25,11 @@ from noloco_node.rpc.service import EXCHANGE_METHOD, INFO_METHOD, AdmitsEverythi
 from noloco_node.rpc.state_download import StateDownload
 from noloco_node.rpc.transport import CHANNEL_OPTIONS, Transport
 from noloco_node.security.auth import CallAuthenticator, SwarmSecret
+from noloco_node.security.caller_proof import prove
 from noloco_node.security.tls import TlsFiles, write_ca, write_node_cert
 from noloco_node.wire.payload import ReceiveBuffers, iter_frames, layout_of
 
-from .attacker import node_weights, now_ms, payload, raw_info, signed_metadata
+from .attacker import fresh_identity, node_weights, now_ms, payload, raw_info, signed_metadata
 from .swarm_harness import Bootstrap, NodeProcess
 
 TRAIN = ["--model", "tiny", "--seq-len", "64", "--batch-size", "8", "--eval-batches", "4"]
@@ -283,7 +284,13 @@ def test_slow_loris_streams_are_cut_and_the_node_serves_again(bootstrap: Bootstr
         channel = grpc.insecure_channel(address, options=CHANNEL_OPTIONS)
         # Two streams take both call slots: one sends nothing, one sends a manifest (and holds a session) then stalls.
         started = time.monotonic()
-        calls = [channel.stream_stream(EXCHANGE_METHOD)(trickle(frames)) for frames in ([], manifest_only)]
+        # Each with a valid proof of a fresh key of its own: a slow-loris caller needs no one else's identity.
+        calls = [
+            channel.stream_stream(EXCHANGE_METHOD)(
+                trickle(frames), metadata=prove(fresh_identity(), EXCHANGE_METHOD, status["peer_id"])
+            )
+            for frames in ([], manifest_only)
+        ]
         time.sleep(1.0)
         assert raw_info(address, None) == grpc.StatusCode.RESOURCE_EXHAUSTED  # the slots are full: refused at once
         codes = []

@@ -1,0 +1,59 @@
+"""Who a node believes: the id it quarantines, pairs with and reports is the one the caller proved (a signature
+with its own key, made for this server), never the manifest's word. Real node process, real gRPC, raw clients."""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+import grpc
+
+from noloco_node.rpc.service import EXCHANGE_METHOD
+from noloco_node.security.caller_proof import prove
+
+from .attacker import exchange_status, frames_of, fresh_identity, node_weights, payload
+from .swarm_harness import Bootstrap, NodeProcess
+
+TRAIN = ["--model", "tiny", "--seq-len", "64", "--batch-size", "8", "--eval-batches", "2"]
+
+
+def test_a_payload_under_another_peers_id_is_refused_and_that_peer_is_untouched(
+    bootstrap: Bootstrap, tmp_path: Path
+) -> None:
+    node = NodeProcess("target", bootstrap, tmp_path, *TRAIN, "--steps", "100000", "--shard-index", "0")
+    try:
+        deadline = time.monotonic() + 90
+        while not ((status := node.status()) and status["address"] and status["inner_step"] > 0):
+            assert time.monotonic() < deadline and node.process.poll() is None, node.output()[-3000:]
+            time.sleep(0.2)
+        address, target, run = status["address"], status["peer_id"], status["run_fingerprint"]
+        weights = node_weights(seq_len=64)
+        honest, attacker = fresh_identity(), fresh_identity()
+
+        def frames(peer_id: str) -> list[bytes]:
+            return frames_of(payload(weights, run_fingerprint=run, peer_id=peer_id, outer_step=0))
+
+        # The attacker proves its own id and sends a payload in the honest peer's name: refused, before any blend.
+        code, details = exchange_status(address, frames(honest.peer_id), prove(attacker, EXCHANGE_METHOD, target))
+        assert code == grpc.StatusCode.PERMISSION_DENIED and attacker.peer_id in details, details
+        # Without a proof, with a proof made for another server, or with a proof used before: UNAUTHENTICATED.
+        assert exchange_status(address, frames(honest.peer_id), None)[0] == grpc.StatusCode.UNAUTHENTICATED
+        elsewhere = prove(honest, EXCHANGE_METHOD, "nl-some-other-server")
+        assert exchange_status(address, frames(honest.peer_id), elsewhere)[0] == grpc.StatusCode.UNAUTHENTICATED
+        captured = prove(honest, EXCHANGE_METHOD, target)
+        first = exchange_status(address, frames(honest.peer_id), captured)[0]
+        assert first not in (grpc.StatusCode.PERMISSION_DENIED, grpc.StatusCode.UNAUTHENTICATED), first
+        assert exchange_status(address, frames(honest.peer_id), captured)[0] == grpc.StatusCode.UNAUTHENTICATED
+        # The honest peer is not quarantined: with a fresh proof it is heard (served, or told busy: not refused).
+        code, details = exchange_status(address, frames(honest.peer_id), prove(honest, EXCHANGE_METHOD, target))
+        assert code not in (grpc.StatusCode.PERMISSION_DENIED, grpc.StatusCode.UNAUTHENTICATED), (code, details)
+        # The one held to account is the sender: even in its own name it is now refused.
+        code, details = exchange_status(address, frames(attacker.peer_id), prove(attacker, EXCHANGE_METHOD, target))
+        assert code == grpc.StatusCode.PERMISSION_DENIED and "refused" in details, details
+        rejected = node.status()["rejected_payloads"]
+        assert rejected.get("spoofed_peer_id") == 1
+        assert rejected.get("identity_no_proof") == 1 and rejected.get("identity_replayed_proof") == 1
+        assert rejected.get("identity_bad_proof") == 1
+        assert node.process.poll() is None
+    finally:
+        node.stop()
