@@ -157,7 +157,7 @@ def run_export(args: argparse.Namespace, resolve: Any) -> int:
         return 0
     from noloco_node.data.corpus import load_corpus
     from noloco_node.model.consensus import ConsensusError, fetch_consensus
-    from noloco_node.node.daemon import run_identity
+    from noloco_node.node.run_layout import run_identity
 
     corpus = load_corpus(settings.data)
     model_cfg, fingerprint = run_identity(settings.node, settings.train, corpus)
