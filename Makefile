@@ -38,6 +38,7 @@ compare: $(STAMP)
 lint: $(STAMP)
 	$(BIN)/ruff check noloco_node tests
 	$(BIN)/ruff format --check noloco_node tests
+	$(BIN)/mypy noloco_node
 
 format: $(STAMP)
 	$(BIN)/ruff format noloco_node tests

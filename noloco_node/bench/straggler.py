@@ -51,7 +51,7 @@ class StragglerResult:
 
 def _run(base: Path, nodes: int, steps: int, model: str, straggler: float | None) -> tuple[list[dict], dict | None]:
     args = ["--model", model, "--steps", str(steps), "--inner-steps", "20", "--eval-batches", "2", "--log-every", "30"]
-    per_node = [[] for _ in range(nodes)]
+    per_node: list[list[str]] = [[] for _ in range(nodes)]
     if straggler is not None:
         per_node.append(["--slow-factor", str(straggler)])
     swarm = LocalSwarm(base, len(per_node), args, per_node)

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import faulthandler
+import functools
 import json
 import math
 import os
@@ -94,6 +95,10 @@ class _SyncPeer(AdmitsEverything):
 
     def state_snapshot(self) -> Outgoing | None:
         return None
+
+
+def _reached(peer: Any, expected: int) -> bool:
+    return bool(peer.completed >= expected)
 
 
 def _agreed_start(lead: float = 0.3) -> float:
@@ -263,7 +268,7 @@ def main() -> None:
                     payload.release()
                 elif partner is not None:
                     with peer.changed:
-                        peer.changed.wait_for(lambda expected=expected: peer.completed >= expected, timeout=900)
+                        peer.changed.wait_for(functools.partial(_reached, peer, expected), timeout=900)
                 end = time.monotonic()
                 entry["pairwise"].append({"kind": kind, "seconds": _latest_end(end) - start})
             work = tensor.clone()

@@ -119,7 +119,7 @@ def run_train_bench(
     device: str = "auto",
 ) -> TrainBenchResult:
     train_cfg = TrainConfig(
-        model_size=size,  # type: ignore[arg-type]
+        model_size=size,
         batch_size=batch_size,
         seq_len=seq_len,
         total_steps=steps + warmup + 1,

@@ -550,8 +550,8 @@ def _bench(args: argparse.Namespace) -> int:
         from noloco_node.bench.status import run_status_bench
 
         print(f"noloco-node bench status: model {args.model}, {os.cpu_count()} CPUs")
-        result = run_status_bench(args.model, window=args.window, rounds=args.rounds, poll_hz=args.poll_hz)
-        print(result.report())
+        status_result = run_status_bench(args.model, window=args.window, rounds=args.rounds, poll_hz=args.poll_hz)
+        print(status_result.report())
         return 0
     from noloco_node.bench.exchange import run_exchange_bench
 

@@ -247,9 +247,8 @@ def show(settings: Settings, sources: Mapping[Path_, str], environ: Mapping[str,
             section = section[part]
         lines += ["", f"[{'.'.join(path)}]"]
         for name in model.model_fields:
-            if isinstance(model.model_fields[name].annotation, type) and issubclass(
-                model.model_fields[name].annotation, BaseModel
-            ):
+            annotation = model.model_fields[name].annotation
+            if isinstance(annotation, type) and issubclass(annotation, BaseModel):
                 continue
             value, origin = section[name], sources.get((*path, name), "default")
             if value is None:

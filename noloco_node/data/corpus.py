@@ -43,12 +43,16 @@ CORPUS_FORMAT = 2
 __all__ = ["ByteTokenizer", "Corpus", "DataError", "ReplicaShard", "load_corpus", "validation_batches"]
 
 
+# A stream of token ids: an array in memory, or prepared shards memory-mapped as one (data/token_store.py).
+TokenStream = np.ndarray | TokenShards
+
+
 @dataclass(frozen=True)
 class Corpus:
     """Train and validation token streams (possibly memory-mapped) and what they came from."""
 
-    train: np.ndarray | TokenShards
-    validation: np.ndarray | TokenShards
+    train: TokenStream
+    validation: TokenStream
     vocab_size: int
     description: str
     fingerprint: str
@@ -177,6 +181,7 @@ def _write_cache(cache: Path, corpus: Corpus, meta: dict[str, object]) -> None:
     """Write the cache into a temporary folder and rename it into place, so readers never see half of it."""
     cache.parent.mkdir(parents=True, exist_ok=True)
     staging = Path(tempfile.mkdtemp(prefix=cache.name + ".", dir=cache.parent))
+    assert isinstance(corpus.train, np.ndarray) and isinstance(corpus.validation, np.ndarray)  # cached: in memory
     np.save(staging / "train.npy", corpus.train)
     np.save(staging / "validation.npy", corpus.validation)
     (staging / "meta.json").write_text(json.dumps(meta))
@@ -288,7 +293,7 @@ class ReplicaShard:
     (epoch, cursor) is all the state there is.
     """
 
-    def __init__(self, tokens: np.ndarray, *, replica: int, num_replicas: int, seq_len: int, seed: int) -> None:
+    def __init__(self, tokens: TokenStream, *, replica: int, num_replicas: int, seq_len: int, seed: int) -> None:
         if not 0 <= replica < num_replicas:
             raise ValueError(f"replica {replica} is not in [0, {num_replicas})")
         self.tokens = tokens
@@ -342,7 +347,7 @@ class ReplicaShard:
 
 
 def validation_batches(
-    tokens: np.ndarray, *, seq_len: int, batch_size: int, num_batches: int
+    tokens: TokenStream, *, seq_len: int, batch_size: int, num_batches: int
 ) -> list[tuple[torch.Tensor, torch.Tensor]]:
     """A fixed set of validation batches, evenly spaced over the validation stream, the same for every replica."""
     available = (len(tokens) - 1) // seq_len

@@ -26,6 +26,7 @@ import time
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import BinaryIO
 
 import numpy as np
 
@@ -91,7 +92,7 @@ class _ShardWriter:
         self.files: list[list] = []  # [name, tokens]
         self.tokens = 0
         self.documents = 0
-        self._handle = None
+        self._handle: BinaryIO | None = None
 
     def write(self, ids: np.ndarray) -> None:
         ids = np.asarray(ids).astype(self.dtype, copy=False)
@@ -100,6 +101,7 @@ class _ShardWriter:
                 self._open_next()
             room = self.shard_tokens - self.files[-1][1]
             head, ids = ids[:room], ids[room:]
+            assert self._handle is not None  # opened just above
             self._handle.write(head.tobytes())
             self.files[-1][1] += len(head)
             self.tokens += len(head)
@@ -307,9 +309,9 @@ def load_prepared(folder: Path) -> PreparedCorpus:
             raise DataError(f"{folder / 'tokenizer.json'} is not the tokenizer this corpus was prepared with")
     else:
         tokenizer = ByteTokenizer()
-    splits = {}
+    splits: dict[str, np.ndarray | TokenShards] = {}
     for split in ("train", "validation"):
-        parts = []
+        parts: list[np.ndarray] = []
         for name, count in meta["splits"][split]["files"]:
             path = folder / name
             size = path.stat().st_size if path.is_file() else -1

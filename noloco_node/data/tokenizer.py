@@ -28,9 +28,15 @@ END_OF_DOCUMENT_TOKENS = ("<|endoftext|>", "</s>", "<eos>", "[EOS]", "<|end_of_t
 
 
 class Tokenizer(Protocol):
-    vocab_size: int
-    fingerprint: str
-    json_text: str | None  # the tokenizer.json content, to copy next to a prepared corpus or an exported model
+    @property
+    def vocab_size(self) -> int: ...
+
+    @property
+    def fingerprint(self) -> str: ...
+
+    @property
+    def json_text(self) -> str | None:
+        """The tokenizer.json content, to copy next to a prepared corpus or an exported model."""
 
     @property
     def document_separator(self) -> list[int]: ...

@@ -116,6 +116,8 @@ class LlamaDecoder(nn.Module):
             self.lm_head.weight = self.embed_tokens.weight
         cos, sin = rotary_tables(cfg.head_dim, cfg.max_seq_len, cfg.rope_theta)
         # Derived from the config, so not part of the state that is checkpointed or exchanged.
+        self.rope_cos: torch.Tensor
+        self.rope_sin: torch.Tensor
         self.register_buffer("rope_cos", cos, persistent=False)
         self.register_buffer("rope_sin", sin, persistent=False)
         self.reset_parameters()

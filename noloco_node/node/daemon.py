@@ -433,8 +433,11 @@ class Node:
         return outer_step
 
     async def _until_stopped(self, finished: asyncio.Future[None], stop_requested: asyncio.Event) -> None:
-        stop_wait = asyncio.ensure_future(stop_requested.wait())
-        await asyncio.wait({finished, stop_wait}, return_when=asyncio.FIRST_COMPLETED)
+        async def stop_asked() -> None:
+            await stop_requested.wait()
+
+        stop_wait = asyncio.ensure_future(stop_asked())
+        await asyncio.wait([finished, stop_wait], return_when=asyncio.FIRST_COMPLETED)
         if self.trainer_error is not None and not stop_requested.is_set():
             # Keep answering: /healthz says 503 and /status says why, so an operator or a probe can see it.
             log.error("trainer failed; serving status for %.0f s before exiting", self.cfg.failure_linger)

@@ -12,6 +12,7 @@ import logging
 import math
 import random
 import time
+from collections.abc import Mapping
 from typing import Any, Protocol
 
 from noloco_node import __version__
@@ -37,8 +38,23 @@ from noloco_node.wire.payload import Payload
 log = logging.getLogger("noloco_node.node.daemon")  # progress lines read as the node's own
 
 
+class TaskView(Protocol):
+    @property
+    def name(self) -> str: ...
+
+    @property
+    def restarts(self) -> int: ...
+
+    @property
+    def last_error(self) -> str | None: ...
+
+    @property
+    def gave_up(self) -> bool: ...
+
+
 class Supervised(Protocol):
-    tasks: dict[str, Any]
+    @property
+    def tasks(self) -> Mapping[str, TaskView]: ...
 
 
 class ReportedNode(Protocol):
@@ -55,7 +71,10 @@ class ReportedNode(Protocol):
     telemetry: Telemetry
     metrics: ExchangeMetrics
     security: NodeSecurity
-    supervisor: Supervised
+
+    @property
+    def supervisor(self) -> Supervised: ...
+
     replica: Replica | None
 
     def ready_to_pair(self) -> bool: ...

@@ -21,8 +21,9 @@ from __future__ import annotations
 import asyncio
 import threading
 from abc import ABC, abstractmethod
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Callable, Coroutine, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -83,7 +84,7 @@ class PairingContext:
     discovery: Discovery
     telemetry: Telemetry
     offers: OfferPublisher
-    publish_record: Callable[[], Awaitable[None]]  # refresh this node's DHT record (its readiness)
+    publish_record: Callable[[], Coroutine[Any, Any, None]]  # refresh this node's DHT record (its readiness)
     stopping: threading.Event
     pair_timeout: float
     alone_grace: float

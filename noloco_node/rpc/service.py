@@ -24,7 +24,7 @@ import threading
 import time
 from collections.abc import Iterator, Sequence
 from concurrent import futures
-from typing import Any, Protocol
+from typing import Any, NoReturn, Protocol
 
 import grpc
 from google.protobuf.message import DecodeError
@@ -61,8 +61,11 @@ class OutgoingPayload(Protocol):
     """What a node sends in one exchange or download: a manifest and its tensors, which nobody writes meanwhile
     (a static payload, or a wire/published.py copy held for the stream)."""
 
-    manifest: pb.Manifest
-    tensors: Sequence[Any]
+    @property
+    def manifest(self) -> pb.Manifest: ...
+
+    @property
+    def tensors(self) -> Sequence[Any]: ...
 
 
 class HeldPayload(OutgoingPayload, Protocol):
@@ -86,9 +89,15 @@ class ExchangeSession(Protocol):
 class PeerNode(Protocol):
     """What the gRPC service needs from the node it serves."""
 
-    run_fingerprint: str
-    peer_id: str
-    receive_buffers: ReceiveBuffers  # reused from one exchange to the next
+    @property
+    def run_fingerprint(self) -> str: ...
+
+    @property
+    def peer_id(self) -> str: ...
+
+    @property
+    def receive_buffers(self) -> ReceiveBuffers:
+        """Reused from one exchange to the next."""
 
     def expected_layout(self) -> Sequence[TensorLayout]: ...
 
@@ -163,10 +172,10 @@ class PeerService:
             buffers=self.node.receive_buffers,
         )
 
-    def _refuse(self, context: grpc.ServicerContext, error: PayloadError) -> None:
+    def _refuse(self, context: grpc.ServicerContext, error: PayloadError) -> NoReturn:
         self.metrics.rejection(error.reason)
         self.metrics.outcome("refused_payload")
-        context.abort(error.code, error.message)
+        _abort(context, error.code, error.message)
 
     def Exchange(self, request_iterator: Iterator[bytes], context: grpc.ServicerContext) -> Iterator[bytes]:  # noqa: N802
         receiver = self._receiver()
@@ -192,8 +201,7 @@ class PeerService:
             receiver.discard()
             self.metrics.rejection(f"identity_{error.reason}")
             self.metrics.outcome("unproven_caller")
-            context.abort(grpc.StatusCode.UNAUTHENTICATED, str(error))
-            raise  # abort raises; this keeps type checkers informed
+            _abort(context, grpc.StatusCode.UNAUTHENTICATED, str(error))
 
     def _exchange(
         self,
@@ -211,7 +219,7 @@ class PeerService:
             # ended or broken, depending on timing. Only a caller that closed without sending is malformed.
             receiver.discard()
             if guard.cut_reason is None and isinstance(ended, StopIteration) and context.is_active():
-                context.abort(grpc.StatusCode.INVALID_ARGUMENT, "empty exchange stream")
+                _abort(context, grpc.StatusCode.INVALID_ARGUMENT, "empty exchange stream")
             self.metrics.outcome(f"cut_{guard.cut_reason}" if guard.cut_reason else "aborted")
             return
         except PayloadError as error:
@@ -222,17 +230,17 @@ class PeerService:
             # A payload under another peer's name: refused, and held against the one who sent it, never against
             # the peer it named (who may be honest and not even know).
             receiver.discard()
-            error = PayloadError(
+            spoofed = PayloadError(
                 grpc.StatusCode.PERMISSION_DENIED,
                 "spoofed_peer_id",
                 f"the manifest names peer {receiver.manifest.peer_id[:24]!r}, but the caller proved it is {partner}",
             )
-            self.node.bad_payload(partner, error)
-            self._refuse(context, error)
+            self.node.bad_payload(partner, spoofed)
+            self._refuse(context, spoofed)
         if self.node.refused_peer(partner):
             receiver.discard()
             self.metrics.outcome("refused_peer")
-            context.abort(grpc.StatusCode.PERMISSION_DENIED, "refused: a recent payload from this peer was bad")
+            _abort(context, grpc.StatusCode.PERMISSION_DENIED, "refused: a recent payload from this peer was bad")
         started = time.monotonic()
         sent = 0
 
@@ -256,7 +264,7 @@ class PeerService:
         if session is None:
             receiver.discard()
             finish("busy")
-            context.abort(grpc.StatusCode.ABORTED, f"{self.node.peer_id} is busy or not ready to pair")
+            _abort(context, grpc.StatusCode.ABORTED, f"{self.node.peer_id} is busy or not ready to pair")
         reader: threading.Thread | None = None
         try:
             outcome: dict[str, object] = {}
@@ -294,29 +302,31 @@ class PeerService:
                     partner,
                     guard.cut_reason or outcome.get("broken", "deadline"),
                 )
-                context.abort(
+                _abort(
+                    context,
                     grpc.StatusCode.DEADLINE_EXCEEDED if reader.is_alive() else grpc.StatusCode.CANCELLED,
                     "the partner's payload did not arrive whole",
                 )
-            if "error" not in outcome:
+            received = outcome.get("payload")
+            if isinstance(received, Payload):
                 try:
-                    self.node.admit(outcome["payload"])  # type: ignore[arg-type]
-                except PayloadError as error:
-                    outcome["error"] = error
-                    outcome.pop("payload").release()  # type: ignore[union-attr]
-            if "error" in outcome:
-                error = outcome["error"]
-                assert isinstance(error, PayloadError)
-                self.metrics.rejection(error.reason)
-                if error.reason == "incomplete":
+                    self.node.admit(received)
+                except PayloadError as refused:
+                    outcome["error"] = refused
+                    received.release()
+            problem = outcome.get("error")
+            if isinstance(problem, PayloadError):
+                self.metrics.rejection(problem.reason)
+                if problem.reason == "incomplete":
                     # The stream ended early: what a peer killed mid-exchange looks like from here. Refused, but
                     # not held against the peer (a restarted node must not find itself quarantined).
                     finish("aborted")
                 else:
-                    self.node.bad_payload(partner, error)
+                    self.node.bad_payload(partner, problem)
                     finish("refused_payload")
-                context.abort(error.code, error.message)
-            session.complete(outcome["payload"])  # type: ignore[arg-type]
+                _abort(context, problem.code, problem.message)
+            assert isinstance(received, Payload)
+            session.complete(received)
             finish("completed")
         finally:
             session.release()
@@ -326,10 +336,10 @@ class PeerService:
     def GetState(self, raw: bytes, context: grpc.ServicerContext) -> Iterator[bytes]:  # noqa: N802
         request = _parse(pb.StateRequest, raw, context)
         if request.run_fingerprint != self.node.run_fingerprint:
-            context.abort(grpc.StatusCode.FAILED_PRECONDITION, f"this peer trains run {self.node.run_fingerprint}")
+            _abort(context, grpc.StatusCode.FAILED_PRECONDITION, f"this peer trains run {self.node.run_fingerprint}")
         snapshot = self.node.state_snapshot()
         if snapshot is None:
-            context.abort(grpc.StatusCode.UNAVAILABLE, "no outer-step snapshot to serve yet")
+            _abort(context, grpc.StatusCode.UNAVAILABLE, "no outer-step snapshot to serve yet")
         try:
             yield from self._serve_state(request, snapshot, context)
         finally:
@@ -339,7 +349,8 @@ class PeerService:
         self, request: pb.StateRequest, snapshot: HeldPayload, context: grpc.ServicerContext
     ) -> Iterator[bytes]:
         if request.from_tensor and request.outer_step != snapshot.manifest.outer_step:
-            context.abort(
+            _abort(
+                context,
                 grpc.StatusCode.FAILED_PRECONDITION,
                 f"cannot resume a download of outer step {request.outer_step}: this snapshot is of outer step "
                 f"{snapshot.manifest.outer_step}",
@@ -352,14 +363,15 @@ class PeerService:
                 or request.from_offset >= snapshot.manifest.tensors[request.from_tensor].num_bytes
             )
         ):
-            context.abort(
+            _abort(
+                context,
                 grpc.StatusCode.INVALID_ARGUMENT,
                 f"cannot resume at tensor {request.from_tensor}, byte {request.from_offset}",
             )
         # Downloads are served from a snapshot (never blocking training) but cost CPU and bandwidth: a few at a time.
         if not self.downloads.acquire(blocking=False):
             self.metrics.outcome("download_busy")
-            context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, "busy: serving its maximum of state downloads")
+            _abort(context, grpc.StatusCode.RESOURCE_EXHAUSTED, "busy: serving its maximum of state downloads")
         sent = 0
 
         def count_sent(n: int) -> None:
@@ -393,13 +405,19 @@ class PeerService:
         return self.node.info()
 
 
+def _abort(context: grpc.ServicerContext, code: grpc.StatusCode, message: str) -> NoReturn:
+    """End the call with ``code``: grpc's ``abort`` raises, and saying so keeps the handlers' types honest."""
+    context.abort(code, message)
+    raise AssertionError("grpc's ServicerContext.abort returned")
+
+
 def _parse(message: Any, raw: bytes, context: grpc.ServicerContext) -> Any:
     """Requests are parsed here, not by grpc, so that garbage gets INVALID_ARGUMENT (grpc's own deserializer
     failing answers INTERNAL, which says nothing useful to the caller)."""
     try:
         return message.FromString(raw)
     except DecodeError:
-        context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"malformed {message.DESCRIPTOR.name}")
+        _abort(context, grpc.StatusCode.INVALID_ARGUMENT, f"malformed {message.DESCRIPTOR.name}")
 
 
 def _handlers(service: PeerService) -> grpc.GenericRpcHandler:

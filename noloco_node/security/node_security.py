@@ -37,7 +37,11 @@ class NodeSecurity:
         try:
             self.identity = NodeIdentity.load_or_create(data_dir)
             self.secret: SwarmSecret | None = load_secret(cfg.secret_file)
-            tls = TlsFiles(cfg.tls_cert, cfg.tls_key, cfg.tls_ca, cfg.tls_server_name) if cfg.tls_cert else None
+            tls = (
+                TlsFiles(cfg.tls_cert, cfg.tls_key, cfg.tls_ca, cfg.tls_server_name)
+                if cfg.tls_cert and cfg.tls_key  # the settings refuse one without the other
+                else None
+            )
             authenticator = (
                 CallAuthenticator(self.secret, self.identity.peer_id, max_clock_skew=cfg.max_clock_skew)
                 if self.secret

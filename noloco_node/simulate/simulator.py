@@ -28,7 +28,7 @@ import json
 import math
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -126,7 +126,7 @@ def _stale_noloco_round(
     results = {}
     for group in random_groups(len(replicas), rng):
         for i in group:
-            partner_offers = [offers[j] for j in group if j != i and offers[j] is not None]
+            partner_offers = [offer for j in group if j != i and (offer := offers[j]) is not None]
             results[i] = algorithm.noloco_outer_step(
                 replicas[i].fast_weights(),
                 replicas[i].phi,
@@ -224,7 +224,7 @@ def simulation_model_config(cfg: SimulateConfig, corpus: Corpus) -> ModelConfig:
     return model_config_for(cfg.train.model_size, vocab_size=corpus.vocab_size, max_seq_len=cfg.train.seq_len)
 
 
-def relative_metrics(results: dict[str, MethodResult]) -> dict[str, float]:
+def relative_metrics(results: Mapping[str, MethodResult]) -> dict[str, float]:
     """The paper's metric ``(ppl_diloco - ppl_noloco) / ppl_ddp`` (positive: NoLoCo better) for each DiLoCo
     variant, keyed by the variant for ``noloco`` and by ``"<diloco variant> vs <noloco variant>"`` for the others."""
     relative: dict[str, float] = {}
@@ -241,7 +241,7 @@ def relative_metrics(results: dict[str, MethodResult]) -> dict[str, float]:
 
 @dataclass
 class Comparison:
-    results: dict[str, MethodResult]
+    results: Mapping[str, MethodResult]
     relative_metric: dict[str, float]  # "(ppl_X - ppl_noloco) / ppl_ddp" for each DiLoCo variant X
 
     def table(self) -> str:
@@ -274,7 +274,9 @@ def compare(cfg: SimulateConfig, *, progress: ProgressFn = _print_progress) -> C
         f"tokens; {cfg.replicas} replicas, model {cfg.train.model_size}, {cfg.train.total_steps} inner steps, "
         f"H = {cfg.train.inner_steps}"
     )
-    results = {method: run_method(method, cfg, corpus, progress=progress) for method in cfg.methods}
+    results: dict[str, MethodResult] = {
+        method: run_method(method, cfg, corpus, progress=progress) for method in cfg.methods
+    }
     comparison = Comparison(results, relative_metrics(results))
     write_outputs(comparison, cfg, corpus)
     return comparison
@@ -384,7 +386,9 @@ def seed_study(
         for seed in seeds:
             run_cfg = cfg.model_copy(update={"replicas": count, "train": cfg.train.model_copy(update={"seed": seed})})
             progress(f"--- {count} replicas, seed {seed}")
-            results = {method: run_method(method, run_cfg, corpus, progress=progress) for method in cfg.methods}
+            results: dict[str, MethodResult] = {
+                method: run_method(method, run_cfg, corpus, progress=progress) for method in cfg.methods
+            }
             comparisons.setdefault(count, []).append(Comparison(results, relative_metrics(results)))
     study = SeedStudy(list(seeds), comparisons)
     cfg.out_dir.mkdir(parents=True, exist_ok=True)

@@ -93,7 +93,7 @@ def build_manifest(
         outer_step=outer_step,
         metadata_json=metadata_json,
         tensors=[
-            pb.TensorSpec(name=name, shape=list(t.shape), dtype=code, num_bytes=t.numel() * itemsize)
+            pb.TensorSpec(name=name, shape=list(t.shape), dtype=code, num_bytes=t.numel() * itemsize)  # type: ignore[arg-type]
             for name, t in named_tensors
         ],
     )
@@ -183,12 +183,12 @@ def iter_frames(
         flat = flat.contiguous().view(-1)
         direct = flat.dtype == dtype  # already in the wire dtype: send straight from its storage
         if direct:
-            raw = memoryview(flat.view(torch.uint8).numpy())
+            raw = flat.view(torch.uint8).numpy().data
         else:
             if dtype not in staging:
                 staging[dtype] = torch.empty(chunk_bytes // itemsize, dtype=dtype)
             buffer = staging[dtype]
-            buffer_bytes = memoryview(buffer.view(torch.uint8).numpy())
+            buffer_bytes = buffer.view(torch.uint8).numpy().data
         step = chunk_bytes // itemsize
         for start in range(skip // itemsize, flat.numel(), step):
             count = min(step, flat.numel() - start)
