@@ -1,23 +1,82 @@
-"""A local swarm that benchmarks can hurt: a bootstrap peer and N `noloco-node join` processes on 127.0.0.1, each
-of which can be killed, restarted on its data directory, or replaced by a newcomer with an empty one.
+"""The one local-swarm launcher: a bootstrap peer and N `noloco-node join` processes on 127.0.0.1.
 
-`swarm.py` is the user's launcher; this is the same processes under a benchmark's control (bench chaos, bench
-straggler). Nodes are real processes with their own DHT peer, gRPC server and status endpoint.
+Nodes are real processes with their own DHT peer, gRPC server and status endpoint; each can be stopped
+gracefully, killed, restarted on its data directory, or replaced by a newcomer with an empty one. The user's
+``noloco-node swarm`` (launcher/swarm.py), the benchmarks (bench idle, chaos, straggler, stragglers) and the test
+harness all start nodes through :func:`launch_node` and :class:`LocalSwarm`, and stop them through
+:func:`stop_gracefully`.
 """
 
 from __future__ import annotations
 
+import os
 import shutil
 import signal
 import subprocess
+import sys
 from collections import Counter
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from noloco_node.discovery.bootstrap import start_bootstrap_process
-from noloco_node.launcher.swarm import join_command
 from noloco_node.observability.status_file import read_status_document
+
+
+def join_command(maddrs: Sequence[str], data_dir: Path, *args: str, log_format: str = "text") -> list[str]:
+    """The command line of one local swarm member: one torch thread, its own data directory, an ephemeral status
+    port (many nodes on one machine; each logs its URL and writes it into its status.json)."""
+    return [
+        sys.executable,
+        "-m",
+        "noloco_node",
+        "--log-format",
+        log_format,
+        "join",
+        "--bootstrap",
+        *maddrs,
+        "--data-dir",
+        str(data_dir),
+        "--torch-threads",
+        "1",
+        "--status-port",
+        "0",
+        *args,
+    ]
+
+
+def launch_node(
+    maddrs: Sequence[str],
+    data_dir: Path,
+    args: Sequence[str],
+    log_path: Path,
+    *,
+    env: dict[str, str] | None = None,
+    log_format: str = "text",
+) -> subprocess.Popen[bytes]:
+    """Start one node process, its output in ``log_path``."""
+    data_dir.mkdir(parents=True, exist_ok=True)
+    with log_path.open("w") as log:  # the child holds its own descriptor
+        return subprocess.Popen(
+            join_command(maddrs, data_dir, *args, log_format=log_format),
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            env={**os.environ, **(env or {})},
+        )
+
+
+def stop_gracefully(process: subprocess.Popen[bytes] | subprocess.Popen[str], timeout: float) -> int:
+    """SIGTERM, then SIGKILL if it has not left within ``timeout`` s; returns its exit code (-9 when killed)."""
+    if process.poll() is None:
+        process.send_signal(signal.SIGTERM)
+        try:
+            return process.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            process.kill()
+            process.wait()
+            return -9
+    return process.returncode
 
 
 @dataclass
@@ -35,7 +94,13 @@ class NodeSlot:
 
 
 class LocalSwarm:
-    def __init__(self, base: Path, num_nodes: int, node_args: list[str], per_node_args: list[list[str]] | None = None):
+    def __init__(
+        self,
+        base: Path,
+        num_nodes: int,
+        node_args: Sequence[str],
+        per_node_args: Sequence[Sequence[str]] | None = None,
+    ) -> None:
         self.base = base
         base.mkdir(parents=True, exist_ok=True)
         self.bootstrap, self.maddrs = start_bootstrap_process(base / "bootstrap.log")
@@ -54,11 +119,9 @@ class LocalSwarm:
     def start(self, slot: NodeSlot) -> None:
         slot.lives += 1
         slot.killed_by_us = False
-        log = (self.base / f"node{slot.index}.life{slot.lives}.log").open("w")
-        slot.process = subprocess.Popen(
-            join_command(self.maddrs, slot.data_dir, *slot.args), stdout=log, stderr=subprocess.STDOUT
+        slot.process = launch_node(
+            self.maddrs, slot.data_dir, slot.args, self.base / f"node{slot.index}.life{slot.lives}.log"
         )
-        log.close()  # the child holds its own descriptor
 
     def status(self, slot: NodeSlot) -> dict[str, Any] | None:
         return read_status_document(slot.data_dir)
@@ -93,25 +156,22 @@ class LocalSwarm:
     def running(self) -> list[NodeSlot]:
         return [slot for slot in self.slots if slot.process is not None and slot.process.poll() is None]
 
-    def stop(self, timeout: float = 60.0) -> None:
+    def stop(self, timeout: float = 60.0) -> list[int]:
+        """Stop every node gracefully (all at once), then the bootstrap peer; returns the nodes' exit codes."""
         for slot in self.running():
             assert slot.process is not None
             slot.process.send_signal(signal.SIGTERM)
+        codes = []
         for slot in self.slots:
             if slot.process is None:
                 continue
-            try:
-                slot.process.wait(timeout=timeout)
-            except subprocess.TimeoutExpired:
-                slot.process.kill()
-                slot.process.wait()
+            code = stop_gracefully(slot.process, timeout)
+            if code == -9 and not slot.killed_by_us:
                 slot.crashes.append(-9)  # did not leave within the bound: counted as a failure
+            codes.append(code)
         self.poll()
-        self.bootstrap.send_signal(signal.SIGTERM)
-        try:
-            self.bootstrap.wait(timeout=20)
-        except subprocess.TimeoutExpired:
-            self.bootstrap.kill()
+        stop_gracefully(self.bootstrap, 20)
+        return codes
 
     def logs(self, slot: NodeSlot) -> str:
         return "".join(

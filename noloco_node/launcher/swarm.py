@@ -12,34 +12,13 @@ import json
 import math
 import shutil
 import signal
-import subprocess
-import sys
 import time
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from noloco_node.discovery.bootstrap import start_bootstrap_process
+from noloco_node.launcher.local_swarm import LocalSwarm
 from noloco_node.observability.status_file import read_status_document as read_status
-
-
-def join_command(maddrs: Sequence[str], data_dir: Path, *args: str) -> list[str]:
-    """The command line of one local swarm member: one torch thread, its own data directory."""
-    return [
-        sys.executable,
-        "-m",
-        "noloco_node",
-        "join",
-        "--bootstrap",
-        *maddrs,
-        "--data-dir",
-        str(data_dir),
-        "--torch-threads",
-        "1",
-        "--status-port",
-        "0",  # many nodes on one machine: each gets an ephemeral status port (logged, and in its status.json)
-        *args,
-    ]
 
 
 def _progress_line(statuses: list[dict[str, Any] | None]) -> str:
@@ -118,9 +97,6 @@ def run_swarm(
             shutil.rmtree(path)
         for path in [*out_dir.glob("node*.log"), out_dir / "summary.json"]:
             path.unlink(missing_ok=True)
-    bootstrap, maddrs = start_bootstrap_process(out_dir / "bootstrap.log")
-    print(f"bootstrap peer: {maddrs[0]}", flush=True)
-    nodes: list[subprocess.Popen[bytes]] = []
     interrupted = False
 
     def on_interrupt(_signum: int, _frame: object) -> None:
@@ -128,46 +104,24 @@ def run_swarm(
         interrupted = True
 
     previous = signal.signal(signal.SIGINT, on_interrupt)
+    swarm = LocalSwarm(out_dir, num_nodes, list(node_args))
     try:
-        for i in range(num_nodes):
-            command = join_command(
-                maddrs, out_dir / f"node{i}", "--shard-index", str(i), "--num-shards", str(num_nodes), *node_args
-            )
-            with (out_dir / f"node{i}.log").open("w") as log:
-                nodes.append(subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT))
+        print(f"bootstrap peer: {swarm.maddrs[0]}", flush=True)
         print(
             f"{num_nodes} nodes started; logs and checkpoints in {out_dir}/ (Ctrl-C stops them gracefully)", flush=True
         )
         last_line, last_print = "", 0.0
-        while any(node.poll() is None for node in nodes):
-            if interrupted:
-                print("stopping the swarm: SIGTERM to every node", flush=True)
-                for node in nodes:
-                    if node.poll() is None:
-                        node.send_signal(signal.SIGTERM)
-                break
-            line = _progress_line([read_status(out_dir / f"node{i}") for i in range(num_nodes)])
+        while swarm.running() and not interrupted:
+            line = _progress_line([swarm.status(slot) for slot in swarm.slots])
             if line != last_line and time.monotonic() - last_print >= progress_every:
                 print(line, flush=True)
                 last_line, last_print = line, time.monotonic()
             time.sleep(0.5)
-        codes = []
-        for node in nodes:
-            try:
-                codes.append(node.wait(timeout=60))
-            except subprocess.TimeoutExpired:
-                node.kill()
-                codes.append(node.wait())
+        if interrupted:
+            print("stopping the swarm: SIGTERM to every node", flush=True)
     finally:
+        codes = swarm.stop(timeout=60)
         signal.signal(signal.SIGINT, previous)
-        for node in nodes:
-            if node.poll() is None:
-                node.kill()
-        bootstrap.send_signal(signal.SIGTERM)
-        try:
-            bootstrap.wait(timeout=20)
-        except subprocess.TimeoutExpired:
-            bootstrap.kill()
     summary = summarize(out_dir, num_nodes)
     summary["exit_codes"] = codes
     (out_dir / "summary.json").write_text(json.dumps(summary, indent=2))

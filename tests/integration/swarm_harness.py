@@ -1,15 +1,13 @@
-"""Real processes for swarm tests: a `noloco-node bootstrap` peer and `noloco-node join` nodes on 127.0.0.1."""
+"""Real processes for swarm tests: a `noloco-node bootstrap` peer and `noloco-node join` nodes on 127.0.0.1, started
+and stopped by the package's one launcher (noloco_node/launcher/local_swarm.py); this adds what tests look at."""
 
 from __future__ import annotations
 
-import json
-import os
-import signal
-import subprocess
 from pathlib import Path
 
 from noloco_node.discovery.bootstrap import start_bootstrap_process
-from noloco_node.launcher.swarm import join_command
+from noloco_node.launcher.local_swarm import launch_node, stop_gracefully
+from noloco_node.observability.status_file import read_status_document
 
 
 class Bootstrap:
@@ -17,11 +15,7 @@ class Bootstrap:
         self.process, self.maddrs = start_bootstrap_process(log_dir / "bootstrap.log")
 
     def stop(self) -> None:
-        self.process.send_signal(signal.SIGTERM)
-        try:
-            self.process.wait(timeout=20)
-        except subprocess.TimeoutExpired:
-            self.process.kill()
+        stop_gracefully(self.process, 20)
 
 
 class NodeProcess:
@@ -38,13 +32,7 @@ class NodeProcess:
         self.data_dir = base / name
         self.data_dir.mkdir(parents=True, exist_ok=True)
         self.log_path = base / f"{name}.log"
-        self.log = self.log_path.open("w")
-        self.command = join_command(bootstrap.maddrs, self.data_dir, *args)
-        join_at = self.command.index("join")
-        self.command[join_at:join_at] = ["--log-format", log_format]  # a global flag: before the subcommand
-        self.process = subprocess.Popen(
-            self.command, stdout=self.log, stderr=subprocess.STDOUT, env={**os.environ, **(env or {})}
-        )
+        self.process = launch_node(bootstrap.maddrs, self.data_dir, args, self.log_path, env=env, log_format=log_format)
 
     def descendants(self) -> list[int]:
         """Every process below this node (its DHT helper and the p2pd daemon it runs), from /proc."""
@@ -63,27 +51,13 @@ class NodeProcess:
         return found
 
     def status(self) -> dict | None:
-        try:
-            return json.loads((self.data_dir / "status.json").read_text())
-        except (OSError, ValueError):
-            return None
+        return read_status_document(self.data_dir)
 
     def wait(self, timeout: float) -> int:
-        try:
-            return self.process.wait(timeout=timeout)
-        finally:
-            self.log.flush()
+        return self.process.wait(timeout=timeout)
 
     def output(self) -> str:
-        if not self.log.closed:
-            self.log.flush()
         return self.log_path.read_text()
 
     def stop(self) -> None:
-        if self.process.poll() is None:
-            self.process.send_signal(signal.SIGTERM)
-            try:
-                self.process.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                self.process.kill()
-        self.log.close()
+        stop_gracefully(self.process, 30)
