@@ -27,12 +27,14 @@ from noloco_node.config.models import model_config_for
 from noloco_node.model.decoder import LlamaDecoder, named_parameters_ordered
 from noloco_node.rpc import peer_pb2 as pb
 from noloco_node.rpc.client import Outgoing, exchange_with
+from noloco_node.rpc.contracts import AdmitsEverything
 from noloco_node.rpc.metrics import ExchangeMetrics
-from noloco_node.rpc.service import AdmitsEverything, start_server
+from noloco_node.rpc.service import start_server
 from noloco_node.rpc.state_download import download_state
 from noloco_node.rpc.transport import CHANNEL_OPTIONS
 from noloco_node.security.payload_guard import relative_distance
-from noloco_node.wire.payload import Payload, ReceiveBuffers, TensorLayout, build_manifest, layout_of
+from noloco_node.wire.frames import TensorLayout, build_manifest, layout_of
+from noloco_node.wire.payload import Payload, ReceiveBuffers
 
 RUN = "bench-exchange"
 TCP_BUFFER = 4 * 2**20

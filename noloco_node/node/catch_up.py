@@ -24,7 +24,8 @@ from pathlib import Path
 import numpy as np
 
 from noloco_node.atomic_files import write_atomically
-from noloco_node.config.models import NodeConfig, TrainConfig
+from noloco_node.config.models import ModelConfig, NodeConfig, TrainConfig
+from noloco_node.data.corpus import Corpus, ReplicaShard
 from noloco_node.discovery.dht import Discovery, PeerRecord
 from noloco_node.errors import NolocoError
 from noloco_node.observability.telemetry import Telemetry
@@ -33,6 +34,7 @@ from noloco_node.rpc.metrics import ExchangeMetrics
 from noloco_node.rpc.state_download import StateDownload
 from noloco_node.rpc.transport import Transport
 from noloco_node.training.checkpoints import load_checkpoint, snapshot_layout
+from noloco_node.training.data_parallel import DataParallel
 from noloco_node.training.replica import Replica
 
 log = logging.getLogger(__name__)
@@ -80,6 +82,25 @@ class CatchUp:
         record = {"run_fingerprint": self.run_fingerprint, "num_shards": count, "shard": chosen}
         await asyncio.to_thread(write_atomically, memory, json.dumps(record))
         return chosen
+
+    async def replica(
+        self, shard_index: int, corpus: Corpus, model_cfg: ModelConfig, data_parallel: DataParallel | None
+    ) -> Replica:
+        """The replica on its shard (of this member's slice of it, on several GPUs), in its initial state; in a
+        multi-GPU member every rank then starts from rank 0's state."""
+        index, count = shard_index, self.cfg.num_shards
+        if data_parallel is not None:
+            await asyncio.to_thread(data_parallel.share_shard_index, index)
+            index, count = data_parallel.shard(index, count)
+        shard = ReplicaShard(
+            corpus.train, replica=index, num_replicas=count, seq_len=self.train_cfg.seq_len, seed=self.train_cfg.seed
+        )
+        replica = await asyncio.to_thread(Replica, model_cfg, self.train_cfg, [shard], data_parallel=data_parallel)
+        self.telemetry.phase = "looking for a checkpoint or a donor's state"
+        await self.initial_state(replica)
+        if data_parallel is not None:
+            await asyncio.to_thread(data_parallel.broadcast_state, replica)
+        return replica
 
     async def initial_state(self, replica: Replica) -> None:
         """Resume from this node's checkpoint unless the swarm has moved far ahead of it; else download a live

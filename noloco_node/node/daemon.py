@@ -22,32 +22,27 @@ import contextlib
 import logging
 import signal
 import threading
-from concurrent.futures import ThreadPoolExecutor
 
 import torch
 
 from noloco_node import algorithm
 from noloco_node.config.models import DataConfig, NodeConfig, OuterConfig, TrainConfig
-from noloco_node.data.corpus import ReplicaShard, load_corpus, validation_batches
+from noloco_node.data.corpus import load_corpus, validation_batches
 from noloco_node.discovery.bootstrap import expand_bootstrap
 from noloco_node.discovery.dht import Discovery, PeerRecord
 from noloco_node.discovery.reachability import announce_host, check_reachable
 from noloco_node.node.catch_up import CHECKPOINT_FILE, CatchUp, NodeError
 from noloco_node.node.fault_injection import fault_hooks
 from noloco_node.node.outer_step import OuterStep, OuterStepDeps
+from noloco_node.node.peering import Peering
 from noloco_node.node.run_layout import RunLayout
-from noloco_node.node.served import ServedNode
 from noloco_node.node.supervisor import Supervisor
 from noloco_node.observability import report
 from noloco_node.observability.http_server import StatusServer, node_routes
 from noloco_node.observability.status import Health, NodeStatus
 from noloco_node.observability.status_file import write_status_file
 from noloco_node.observability.telemetry import KEEP_OUTER_STEPS, HealthInputs, Telemetry
-from noloco_node.pairing.caller import CallSettings, PeerCaller
-from noloco_node.pairing.overlap import OverlapPairing
 from noloco_node.pairing.peer_policy import PeerPolicy
-from noloco_node.pairing.strategy import OfferPublisher, PairingContext, PairingStrategy
-from noloco_node.pairing.sync import SyncPairing
 from noloco_node.rpc import peer_pb2 as pb
 from noloco_node.rpc.metrics import ExchangeMetrics
 from noloco_node.rpc.service import start_server
@@ -56,15 +51,11 @@ from noloco_node.security.node_security import NodeSecurity, SecuritySetupError
 from noloco_node.training.checkpoints import CheckpointWriter, OuterStateCopies
 from noloco_node.training.data_parallel import DataParallel, weights_digest
 from noloco_node.training.follower import run_follower
-from noloco_node.training.loop import InnerLoop
 from noloco_node.training.replica import Replica
-from noloco_node.wire.payload import ReceiveBuffers
 from noloco_node.wire.published import Latest
 
 log = logging.getLogger(__name__)
 
-STRATEGIES: dict[str, type[PairingStrategy]] = {"sync": SyncPairing, "overlap": OverlapPairing}
-EXCHANGE_THREADS = 4  # exchanges a node can have in flight at once (one per strategy today, and room)
 
 __all__ = ["Node", "NodeError", "run_node"]
 
@@ -121,54 +112,21 @@ class Node:
         self.checkpoints = CheckpointWriter(
             node_cfg.data_dir / CHECKPOINT_FILE, on_written=self.telemetry.on_checkpoint
         )
-        self.exchanges = ThreadPoolExecutor(EXCHANGE_THREADS, thread_name_prefix="exchange")
-        self.receive_buffers = ReceiveBuffers(max_idle_bytes=self.layout.max_payload_bytes())
-        self.caller = PeerCaller(
-            CallSettings(
-                run_fingerprint=self.run_fingerprint,
-                expected_layout=self.layout.expected_layout(),
-                max_payload_bytes=self.layout.max_payload_bytes(),
-                max_staleness=node_cfg.max_staleness,
-                transport=self.security.transport,
-                metrics=self.metrics,
-                receive_buffers=self.receive_buffers,
-            ),
-            self.policy,
-            admit=lambda payload: self.served.admit(payload),
-            bad_payload=lambda peer, error: self.served.bad_payload(peer, error),
-            executor=self.exchanges,
-        )
-        self.pairing_context = PairingContext(
-            peer_id=lambda: self.peer_id,
-            caller=self.caller,
-            discovery=self.discovery,
-            telemetry=self.telemetry,
-            offers=OfferPublisher(
-                self.layout.names,
-                self.layout.shapes,
-                send_phi=self.layout.send_phi,
-                wire_dtype=node_cfg.wire_dtype,
-                run_fingerprint=self.run_fingerprint,
-                peer_id=lambda: self.peer_id,
-            ),
-            publish_record=self._publish,
-            stopping=self.stop_event,
-            pair_timeout=node_cfg.pair_timeout,
-            alone_grace=node_cfg.alone_grace,
-            max_staleness=node_cfg.max_staleness,
-            exchange_ceiling=self.layout.exchange_ceiling(),
-        )
-        self.strategy = STRATEGIES[node_cfg.mode](self.pairing_context)
-        self.served = ServedNode(
+        self.peering = Peering.build(
+            node_cfg,
             self.layout,
             peer_id=lambda: self.peer_id,
-            strategy=self.strategy,
-            snapshot=self.snapshot,
             security=self.security,
             policy=self.policy,
-            receive_buffers=self.receive_buffers,
+            metrics=self.metrics,
+            discovery=self.discovery,
+            telemetry=self.telemetry,
+            snapshot=self.snapshot,
+            publish_record=self._publish,
+            stopping=self.stop_event,
             info=self.info,
         )
+        self.strategy = self.peering.strategy
         self._progress = report.ProgressLog(every=node_cfg.log_every, total_steps=train_cfg.total_steps)
 
     # ------------------------------------------------------------------------------------------ what it says
@@ -230,23 +188,10 @@ class Node:
     # ------------------------------------------------------------------------------------------ trainer thread
 
     def _train(self, outer_step: OuterStep, finished: asyncio.Future[None], loop: asyncio.AbstractEventLoop) -> None:
-        replica = self.replica
-        assert replica is not None
         try:
-            self.strategy.start(replica)
-
-            def on_step(replica: Replica, loss: float, seconds: float) -> None:
-                self.telemetry.on_inner_step(replica.inner_step, loss, seconds, replica.current_lr)
-
-            inner = InnerLoop(
-                replica,
-                total_steps=self.train_cfg.total_steps,
-                inner_steps=self.train_cfg.inner_steps,
-                stop_requested=self.stop_event.is_set,
-                after_step=[*fault_hooks(self.cfg, self.peer_id), on_step],
+            outer_step.train(
+                self.train_cfg, stop_requested=self.stop_event.is_set, hooks=fault_hooks(self.cfg, self.peer_id)
             )
-            for phase in inner.phases():
-                outer_step(phase)
         except BaseException as error:  # a dead trainer must be visible, not silent
             self.trainer_error = error
             log.exception("trainer thread failed")
@@ -275,7 +220,7 @@ class Node:
     async def run(self) -> int:
         """Serve until training ends or SIGINT/SIGTERM; returns the exit code."""
         loop = asyncio.get_running_loop()
-        self.pairing_context.loop = loop
+        self.peering.context.loop = loop
         stop_requested = asyncio.Event()
         for signum in (signal.SIGINT, signal.SIGTERM):
             loop.add_signal_handler(signum, stop_requested.set)
@@ -319,7 +264,7 @@ class Node:
 
     async def _start_grpc(self, components: contextlib.AsyncExitStack) -> int:
         server, port = start_server(
-            self.served,
+            self.peering.served,
             self.metrics,
             bind=f"{self.cfg.grpc_host}:{self.cfg.grpc_port}",
             max_call_seconds=self.layout.exchange_ceiling(),
@@ -334,7 +279,7 @@ class Node:
         async def stop() -> None:
             await asyncio.to_thread(lambda: server.stop(grace=2).wait(5))
             self.security.transport.close_channels()
-            self.exchanges.shutdown(wait=False, cancel_futures=True)
+            self.peering.exchanges.shutdown(wait=False, cancel_futures=True)
 
         components.push_async_callback(stop)
         self.address = f"{announce_host(self.cfg.grpc_host, self.cfg.announce_host)}:{self.cfg.announce_port or port}"
@@ -374,24 +319,7 @@ class Node:
             download_timeout=self.layout.download_timeout(),
         )
         self.shard = await catch_up.choose_shard()
-        index, count = self.shard, self.cfg.num_shards
-        if self.data_parallel is not None:
-            await asyncio.to_thread(self.data_parallel.share_shard_index, index)
-            index, count = self.data_parallel.shard(index, count)
-        shard = ReplicaShard(
-            self.corpus.train,
-            replica=index,
-            num_replicas=count,
-            seq_len=self.train_cfg.seq_len,
-            seed=self.train_cfg.seed,
-        )
-        self.replica = replica = await asyncio.to_thread(
-            Replica, self.model_cfg, self.train_cfg, [shard], data_parallel=self.data_parallel
-        )
-        self.telemetry.phase = "looking for a checkpoint or a donor's state"
-        await catch_up.initial_state(replica)
-        if self.data_parallel is not None:
-            await asyncio.to_thread(self.data_parallel.broadcast_state, replica)
+        self.replica = replica = await catch_up.replica(self.shard, self.corpus, self.model_cfg, self.data_parallel)
         validation = validation_batches(
             self.corpus.validation,
             seq_len=self.train_cfg.seq_len,

@@ -25,15 +25,16 @@ from typing import Any
 import torch
 
 from noloco_node import algorithm
-from noloco_node.config.models import OuterConfig
+from noloco_node.config.models import OuterConfig, TrainConfig
 from noloco_node.observability.report import ProgressLog
 from noloco_node.observability.telemetry import KEEP_OUTER_STEPS, Telemetry
 from noloco_node.pairing.strategy import PairingStrategy
 from noloco_node.training.checkpoints import CheckpointWriter, OuterStateCopies, replica_state_of
 from noloco_node.training.data_parallel import DataParallel
-from noloco_node.training.loop import InnerPhase
+from noloco_node.training.loop import InnerLoop, InnerPhase, StepHook
 from noloco_node.training.replica import Batch, Replica
-from noloco_node.wire.payload import Payload, build_manifest
+from noloco_node.wire.frames import build_manifest
+from noloco_node.wire.payload import Payload
 from noloco_node.wire.published import Latest, Published
 
 
@@ -71,6 +72,24 @@ class OuterStepDeps:
 class OuterStep:
     def __init__(self, deps: OuterStepDeps) -> None:
         self.deps = deps
+
+    def train(self, train_cfg: TrainConfig, *, stop_requested: Callable[[], bool], hooks: Sequence[StepHook]) -> None:
+        """The trainer thread's whole life: the one inner loop with this outer step between its phases."""
+        deps = self.deps
+        deps.strategy.start(deps.replica)
+
+        def on_step(replica: Replica, loss: float, seconds: float) -> None:
+            deps.telemetry.on_inner_step(replica.inner_step, loss, seconds, replica.current_lr)
+
+        inner = InnerLoop(
+            deps.replica,
+            total_steps=train_cfg.total_steps,
+            inner_steps=train_cfg.inner_steps,
+            stop_requested=stop_requested,
+            after_step=[*hooks, on_step],
+        )
+        for phase in inner.phases():
+            self(phase)
 
     def publish_state(self) -> None:
         """Copy the outer state (theta == phi here) into reused buffers; it becomes the joiner snapshot, and the

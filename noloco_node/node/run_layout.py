@@ -15,7 +15,7 @@ import torch
 from noloco_node.config.models import ModelConfig, NodeConfig, OuterConfig, TrainConfig, model_config_for
 from noloco_node.data.corpus import Corpus
 from noloco_node.model.decoder import LlamaDecoder, named_parameters_ordered, run_fingerprint
-from noloco_node.wire.payload import TensorLayout
+from noloco_node.wire.frames import TensorLayout
 
 
 def run_identity(node_cfg: NodeConfig, train_cfg: TrainConfig, corpus: Corpus) -> tuple[ModelConfig, str]:

@@ -15,9 +15,10 @@ from noloco_node.node.run_layout import RunLayout
 from noloco_node.pairing.peer_policy import PeerPolicy
 from noloco_node.pairing.strategy import PairingStrategy
 from noloco_node.rpc import peer_pb2 as pb
-from noloco_node.rpc.service import ExchangeSession
+from noloco_node.rpc.contracts import ExchangeSession
 from noloco_node.security.node_security import NodeSecurity
-from noloco_node.wire.payload import Payload, PayloadError, ReceiveBuffers, TensorLayout
+from noloco_node.wire.frames import PayloadError, TensorLayout
+from noloco_node.wire.payload import Payload, ReceiveBuffers
 from noloco_node.wire.published import Latest, Published
 
 

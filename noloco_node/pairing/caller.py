@@ -26,10 +26,11 @@ import grpc
 from noloco_node.discovery.dht import PeerRecord
 from noloco_node.pairing.peer_policy import PeerPolicy
 from noloco_node.rpc.client import ExchangeError, exchange_with
+from noloco_node.rpc.contracts import OutgoingPayload
 from noloco_node.rpc.metrics import ExchangeMetrics
-from noloco_node.rpc.service import OutgoingPayload
 from noloco_node.rpc.transport import Transport
-from noloco_node.wire.payload import Payload, PayloadError, ReceiveBuffers, TensorLayout
+from noloco_node.wire.frames import PayloadError, TensorLayout
+from noloco_node.wire.payload import Payload, ReceiveBuffers
 from noloco_node.wire.published import Published
 
 log = logging.getLogger(__name__)

@@ -13,7 +13,7 @@ each with its own methods:
   exchange between outer steps.
 
 Strategies: ``sync`` (pairing/sync.py) and ``overlap`` (pairing/overlap.py); a third one implements this class
-and is added to :data:`STRATEGIES`-style registries in node/daemon.py.
+and is registered in node/peering.py's ``STRATEGIES``.
 """
 
 from __future__ import annotations
@@ -30,9 +30,10 @@ import torch
 from noloco_node.discovery.dht import Discovery
 from noloco_node.observability.telemetry import Telemetry
 from noloco_node.pairing.caller import PeerCaller
-from noloco_node.rpc.service import ExchangeSession
+from noloco_node.rpc.contracts import ExchangeSession
 from noloco_node.training.replica import Replica
-from noloco_node.wire.payload import Payload, build_manifest
+from noloco_node.wire.frames import build_manifest
+from noloco_node.wire.payload import Payload
 from noloco_node.wire.published import BufferPool, Published
 
 

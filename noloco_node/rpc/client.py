@@ -19,18 +19,12 @@ import grpc
 from noloco_node.errors import NolocoError
 from noloco_node.rpc import peer_pb2 as pb
 from noloco_node.rpc import peer_pb2_grpc as pb_grpc
+from noloco_node.rpc.contracts import OutgoingPayload
 from noloco_node.rpc.metrics import ExchangeMetrics
-from noloco_node.rpc.service import EXCHANGE_METHOD, INFO_METHOD, OutgoingPayload
+from noloco_node.rpc.service import EXCHANGE_METHOD, INFO_METHOD
 from noloco_node.rpc.transport import PLAIN, Transport
-from noloco_node.wire.payload import (
-    DEFAULT_CHUNK_BYTES,
-    Payload,
-    PayloadError,
-    PayloadReceiver,
-    ReceiveBuffers,
-    TensorLayout,
-    iter_frames,
-)
+from noloco_node.wire.frames import DEFAULT_CHUNK_BYTES, PayloadError, TensorLayout, iter_frames
+from noloco_node.wire.payload import Payload, PayloadReceiver, ReceiveBuffers
 
 log = logging.getLogger(__name__)
 

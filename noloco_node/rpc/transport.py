@@ -25,7 +25,7 @@ from noloco_node.security.auth import AuthInterceptor, CallAuthenticator
 from noloco_node.security.caller_proof import prove
 from noloco_node.security.identity import NodeIdentity
 from noloco_node.security.tls import TlsFiles
-from noloco_node.wire.payload import MAX_MESSAGE_BYTES
+from noloco_node.wire.frames import MAX_MESSAGE_BYTES
 
 log = logging.getLogger(__name__)
 

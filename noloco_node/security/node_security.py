@@ -22,7 +22,8 @@ from noloco_node.security.auth import CallAuthenticator, SecretError, SwarmSecre
 from noloco_node.security.identity import IdentityError, NodeIdentity
 from noloco_node.security.payload_guard import Complaints, NormGuard, relative_distance
 from noloco_node.security.tls import TlsError, TlsFiles
-from noloco_node.wire.payload import Payload, PayloadError
+from noloco_node.wire.frames import PayloadError
+from noloco_node.wire.payload import Payload
 
 log = logging.getLogger(__name__)
 

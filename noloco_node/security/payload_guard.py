@@ -29,7 +29,7 @@ from collections.abc import Sequence
 import grpc
 import torch
 
-from noloco_node.wire.payload import PayloadError
+from noloco_node.wire.frames import PayloadError
 
 log = logging.getLogger(__name__)
 

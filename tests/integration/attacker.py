@@ -17,7 +17,7 @@ from noloco_node.rpc.service import EXCHANGE_METHOD, INFO_METHOD
 from noloco_node.rpc.transport import CHANNEL_OPTIONS
 from noloco_node.security.auth import MAC_HEADER, NONCE_HEADER, PEER_HEADER, TIME_HEADER, SwarmSecret, _mac
 from noloco_node.security.identity import NodeIdentity, _wrap
-from noloco_node.wire.payload import build_manifest, iter_frames
+from noloco_node.wire.frames import build_manifest, iter_frames
 
 
 def node_weights(seq_len: int = 64, seed: int = 0, vocab_size: int = 256) -> list[tuple[str, torch.Tensor]]:

@@ -19,10 +19,12 @@ from noloco_node.algorithm import noloco_outer_step
 from noloco_node.rpc import peer_pb2 as pb
 from noloco_node.rpc import peer_pb2_grpc as pb_grpc
 from noloco_node.rpc.client import ExchangeError, Outgoing, exchange_with, fetch_info
+from noloco_node.rpc.contracts import AdmitsEverything
 from noloco_node.rpc.metrics import ExchangeMetrics
-from noloco_node.rpc.service import EXCHANGE_METHOD, AdmitsEverything, start_server
+from noloco_node.rpc.service import EXCHANGE_METHOD, start_server
 from noloco_node.rpc.transport import CHANNEL_OPTIONS
-from noloco_node.wire.payload import Payload, ReceiveBuffers, build_manifest, iter_frames, layout_of
+from noloco_node.wire.frames import build_manifest, iter_frames, layout_of
+from noloco_node.wire.payload import Payload, ReceiveBuffers
 
 RUN = "run-exchange-test"
 

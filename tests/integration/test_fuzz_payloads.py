@@ -26,7 +26,7 @@ from noloco_node.rpc import peer_pb2 as pb
 from noloco_node.rpc.service import EXCHANGE_METHOD, GET_STATE_METHOD, INFO_METHOD
 from noloco_node.rpc.transport import CHANNEL_OPTIONS
 from noloco_node.security.caller_proof import prove
-from noloco_node.wire.payload import MAX_MESSAGE_BYTES, build_manifest, decode_frame, iter_frames
+from noloco_node.wire.frames import MAX_MESSAGE_BYTES, build_manifest, decode_frame, iter_frames
 
 from .attacker import fresh_identity, node_weights
 from .swarm_harness import Bootstrap, NodeProcess

@@ -20,14 +20,16 @@ import grpc
 import pytest
 
 from noloco_node.rpc.client import ExchangeError, exchange_with, fetch_info
+from noloco_node.rpc.contracts import AdmitsEverything
 from noloco_node.rpc.metrics import ExchangeMetrics
-from noloco_node.rpc.service import EXCHANGE_METHOD, INFO_METHOD, AdmitsEverything, start_server
+from noloco_node.rpc.service import EXCHANGE_METHOD, INFO_METHOD, start_server
 from noloco_node.rpc.state_download import StateDownload
 from noloco_node.rpc.transport import CHANNEL_OPTIONS, Transport
 from noloco_node.security.auth import CallAuthenticator, SwarmSecret
 from noloco_node.security.caller_proof import prove
 from noloco_node.security.tls import TlsFiles, write_ca, write_node_cert
-from noloco_node.wire.payload import ReceiveBuffers, iter_frames, layout_of
+from noloco_node.wire.frames import iter_frames, layout_of
+from noloco_node.wire.payload import ReceiveBuffers
 
 from .attacker import fresh_identity, node_weights, now_ms, payload, raw_info, signed_metadata
 from .swarm_harness import Bootstrap, NodeProcess

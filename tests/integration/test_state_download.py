@@ -12,10 +12,12 @@ import torch
 
 from noloco_node.rpc import peer_pb2 as pb
 from noloco_node.rpc.client import ExchangeError, Outgoing
+from noloco_node.rpc.contracts import AdmitsEverything
 from noloco_node.rpc.metrics import ExchangeMetrics
-from noloco_node.rpc.service import AdmitsEverything, start_server
+from noloco_node.rpc.service import start_server
 from noloco_node.rpc.state_download import StateDownload
-from noloco_node.wire.payload import ReceiveBuffers, build_manifest
+from noloco_node.wire.frames import build_manifest
+from noloco_node.wire.payload import ReceiveBuffers
 
 from .throttling_proxy import ThrottlingProxy
 

@@ -17,11 +17,13 @@ from noloco_node.data.corpus import ReplicaShard
 from noloco_node.pairing.strategy import OfferPublisher
 from noloco_node.pairing.sync import PairingRound
 from noloco_node.rpc.client import Outgoing
+from noloco_node.rpc.contracts import AdmitsEverything
 from noloco_node.rpc.metrics import ExchangeMetrics
-from noloco_node.rpc.service import EXCHANGE_METHOD, AdmitsEverything, start_server
+from noloco_node.rpc.service import EXCHANGE_METHOD, start_server
 from noloco_node.rpc.transport import CHANNEL_OPTIONS
 from noloco_node.training.replica import Replica
-from noloco_node.wire.payload import PayloadReceiver, ReceiveBuffers, TensorLayout, build_manifest, iter_frames
+from noloco_node.wire.frames import TensorLayout, build_manifest, iter_frames
+from noloco_node.wire.payload import PayloadReceiver, ReceiveBuffers
 
 RUN = "ownership-test"
 TOKENS = torch.randint(0, 256, (50_000,), generator=torch.Generator().manual_seed(0))

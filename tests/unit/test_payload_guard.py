@@ -15,7 +15,7 @@ from noloco_node.config.settings import SettingsError, env_layer
 from noloco_node.pairing.peer_policy import PeerPolicy
 from noloco_node.rpc.transport import GuardedCall, Watchdog
 from noloco_node.security.payload_guard import Complaints, NormGuard, relative_distance
-from noloco_node.wire.payload import PayloadError
+from noloco_node.wire.frames import PayloadError
 
 
 def test_relative_distance_is_exact_and_slices_big_tensors() -> None:

@@ -7,17 +7,16 @@ import pytest
 import torch
 
 from noloco_node.rpc import peer_pb2 as pb
-from noloco_node.wire.payload import (
+from noloco_node.wire.frames import (
     MAX_CHUNK_BYTES,
     PayloadError,
-    PayloadReceiver,
-    ReceiveBuffers,
     build_manifest,
     chunk_checksum,
     encode_chunk_frame,
     iter_frames,
     layout_of,
 )
+from noloco_node.wire.payload import PayloadReceiver, ReceiveBuffers
 
 RUN = "run-abc"
 

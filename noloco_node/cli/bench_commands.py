@@ -1,0 +1,200 @@
+"""``noloco-node bench ...``: the benchmarks, each printing its figure next to a reference measured in the same run
+(docs/benchmarks.md has the reports)."""
+
+from __future__ import annotations
+
+import argparse
+import os
+from pathlib import Path
+from typing import Any
+
+from noloco_node.config.models import MODEL_SIZES
+
+
+def add_bench_parsers(commands: Any) -> None:
+    bench = commands.add_parser("bench", help="benchmarks that print a figure next to a same-run reference")
+    benches = bench.add_subparsers(dest="bench", required=True)
+    exchange = benches.add_parser(
+        "exchange",
+        help="exchange a model's weights between two node processes, against raw TCP measured in the same run",
+    )
+    exchange.add_argument("--model", default="125m", choices=list(MODEL_SIZES), help="model size whose weights move")
+    exchange.add_argument("--vocab-size", type=int, default=256, help="vocabulary of that model")
+    exchange.add_argument("--wire-dtype", default="bf16", choices=["bf16", "fp32"])
+    exchange.add_argument("--chunk-bytes", type=int, default=2**20, help="bytes per chunk message")
+    exchange.add_argument("--repeats", type=int, default=5, help="runs of each measurement (the best is kept)")
+    exchange.add_argument(
+        "--link-rate", help="run over a veth pair shaped with tc tbf to this rate, e.g. 1gbit (needs root)"
+    )
+    status_bench = benches.add_parser(
+        "status",
+        help="training throughput of a real node with and without a client polling /status 10 times a second",
+    )
+    status_bench.add_argument("--model", default="tiny", choices=list(MODEL_SIZES), help="model size the node trains")
+    status_bench.add_argument("--window", type=float, default=20.0, help="seconds of each measured phase")
+    status_bench.add_argument("--rounds", type=int, default=3, help="alternations of quiet and polled phases")
+    status_bench.add_argument("--poll-hz", type=float, default=10.0, help="requests per second while polled")
+
+    chaos = benches.add_parser(
+        "chaos",
+        help="a local swarm trains while nodes are SIGKILLed and come back; against the same run without faults",
+    )
+    chaos.add_argument("--minutes", type=float, default=4.0, help="length of the run without faults (and of the kills)")
+    chaos.add_argument("--nodes", type=int, default=6, help="swarm size")
+    chaos.add_argument("--model", default="tiny", choices=list(MODEL_SIZES), help="model size the swarm trains")
+    chaos.add_argument("--kill-every", type=float, default=60.0, help="mean seconds between SIGKILLs")
+    chaos.add_argument("--no-baseline", action="store_true", help="only the faulty run, for --minutes (a soak)")
+    chaos.add_argument("--seed", type=int, default=0, help="seed of the fault schedule")
+    chaos.add_argument("--out", type=Path, help="keep logs, checkpoints and chaos.json here")
+
+    straggler = benches.add_parser(
+        "straggler",
+        help="the inner-step throughput of a swarm with one node N times slower, against the same swarm without it",
+    )
+    straggler.add_argument("--nodes", type=int, default=3, help="normal-speed nodes")
+    straggler.add_argument("--slow-factor", type=float, default=5.0, help="how much slower the straggler is")
+    straggler.add_argument("--steps", type=int, default=1000, help="inner steps each normal node trains")
+    straggler.add_argument("--model", default="tiny", choices=list(MODEL_SIZES), help="model size")
+
+    stragglers = benches.add_parser(
+        "stragglers",
+        help="log-normal step times: a swarm in sync and overlap mode against DiLoCo's global barrier",
+    )
+    stragglers.add_argument("--nodes", type=int, default=4, help="replicas in each run")
+    stragglers.add_argument("--steps", type=int, default=200, help="inner steps each replica trains")
+    stragglers.add_argument("--inner-steps", type=int, default=20, help="H: inner steps between outer steps")
+    stragglers.add_argument("--step-seconds", type=float, default=0.1, help="mean time of one inner step")
+    stragglers.add_argument("--sigma", type=float, default=0.5, help="log-normal sigma of the step times")
+    stragglers.add_argument("--model", default="tiny", choices=list(MODEL_SIZES), help="model size")
+    stragglers.add_argument("--modes", default="sync,overlap", help="pairing modes to measure, comma-separated")
+
+    idle = benches.add_parser(
+        "idle", help="the trainer's idle fraction per pairing mode in a local swarm, and a node's peak memory"
+    )
+    idle.add_argument("--nodes", type=int, default=4, help="nodes in the local swarm")
+    idle.add_argument("--steps", type=int, default=600, help="inner steps each node trains")
+    idle.add_argument("--model", default="tiny", choices=list(MODEL_SIZES), help="model size")
+    idle.add_argument("--modes", default="sync,overlap", help="pairing modes to measure, comma-separated")
+
+    sync_bench = benches.add_parser(
+        "sync",
+        help="a NoLoCo pairwise exchange round against a ring all-reduce, N hosts on shaped links (needs root)",
+    )
+    sync_bench.add_argument("--nodes", default="4,8,16,32", help="host counts, comma-separated")
+    sync_bench.add_argument("--sizes-mb", default="1,16,64", help="tensor sizes in MB, comma-separated")
+    sync_bench.add_argument("--rate-mbit", type=float, default=100.0, help="each host's upload and download")
+    sync_bench.add_argument("--rtt-ms", type=float, default=50.0, help="round-trip time between two hosts")
+    sync_bench.add_argument("--jitter-ms", type=float, default=0.0, help="uniform +- jitter per packet and way")
+    sync_bench.add_argument("--warm-rounds", type=int, default=2, help="pairwise rounds on pooled connections")
+    sync_bench.add_argument("--ring-rounds", type=int, default=2, help="all-reduce rounds (the best is kept)")
+    sync_bench.add_argument(
+        "--no-hivemind", action="store_true", help="skip the hivemind all-reduce round (its matchmaking is slow)"
+    )
+
+    train_bench = benches.add_parser(
+        "train", help="training throughput (tokens/s) and MFU of a named model size on this device"
+    )
+    train_bench.add_argument("--model", default="small", choices=list(MODEL_SIZES), help="model size")
+    train_bench.add_argument("--steps", type=int, default=20, help="measured inner steps (after 3 of warm-up)")
+    train_bench.add_argument("--batch-size", type=int, default=8, help="sequences per step")
+    train_bench.add_argument("--seq-len", type=int, default=256, help="tokens per sequence")
+    train_bench.add_argument("--device", default="auto", help="auto, cpu, cuda, cuda:N")
+
+
+def run_bench(args: argparse.Namespace) -> int:
+    if args.bench == "chaos":
+        from noloco_node.bench.chaos import run_chaos_bench
+
+        print(f"noloco-node bench chaos: {args.nodes} nodes, model {args.model}, {os.cpu_count()} CPUs", flush=True)
+        if args.out:
+            args.out.mkdir(parents=True, exist_ok=True)
+        chaos_result = run_chaos_bench(
+            minutes=args.minutes,
+            nodes=args.nodes,
+            model=args.model,
+            kill_every=args.kill_every,
+            baseline=not args.no_baseline,
+            seed=args.seed,
+            out=args.out,
+        )
+        print(chaos_result.report())
+        return 0
+    if args.bench == "straggler":
+        from noloco_node.bench.straggler import run_straggler_bench
+
+        print(f"noloco-node bench straggler: {args.nodes} nodes + 1 at {args.slow_factor:g}x slower", flush=True)
+        print(run_straggler_bench(args.nodes, args.slow_factor, args.steps, args.model).report())
+        return 0
+    if args.bench == "stragglers":
+        from noloco_node.bench.stragglers import run_stragglers_bench
+
+        print(f"noloco-node bench stragglers: {os.cpu_count()} CPUs", flush=True)
+        stragglers_result = run_stragglers_bench(
+            args.nodes,
+            args.steps,
+            args.inner_steps,
+            args.step_seconds,
+            args.sigma,
+            args.model,
+            modes=tuple(m for m in args.modes.split(",") if m),
+        )
+        print(stragglers_result.report())
+        return 0
+    if args.bench == "idle":
+        from noloco_node.bench.idle import run_idle_bench
+
+        print(f"noloco-node bench idle: {os.cpu_count()} CPUs", flush=True)
+        modes = tuple(m for m in args.modes.split(",") if m)
+        unknown = [m for m in modes if m not in ("sync", "overlap")]
+        if unknown or not modes:
+            raise SystemExit(f"noloco-node bench idle: --modes takes sync and/or overlap, not {args.modes!r}")
+        print(run_idle_bench(args.nodes, args.steps, args.model, modes=modes).report())
+        return 0
+    if args.bench == "sync":
+        from noloco_node.bench.sync import run_sync_bench
+
+        print(
+            f"noloco-node bench sync: {os.cpu_count()} CPUs, hosts {args.nodes}, tensors {args.sizes_mb} MB", flush=True
+        )
+        sync_result = run_sync_bench(
+            [int(n) for n in args.nodes.split(",")],
+            [float(s) for s in args.sizes_mb.split(",")],
+            rate_mbit=args.rate_mbit,
+            rtt_ms=args.rtt_ms,
+            jitter_ms=args.jitter_ms,
+            warm_rounds=args.warm_rounds,
+            ring_rounds=args.ring_rounds,
+            hivemind=not args.no_hivemind,
+        )
+        print(sync_result.report())
+        return 0
+    if args.bench == "train":
+        from noloco_node.bench.train import run_train_bench
+
+        print(f"noloco-node bench train: {os.cpu_count()} CPUs, torch {__import__('torch').__version__}", flush=True)
+        train_result = run_train_bench(
+            args.model, steps=args.steps, batch_size=args.batch_size, seq_len=args.seq_len, device=args.device
+        )
+        print(train_result.report())
+        return 0
+    if args.bench == "status":
+        from noloco_node.bench.status import run_status_bench
+
+        print(f"noloco-node bench status: model {args.model}, {os.cpu_count()} CPUs")
+        status_result = run_status_bench(args.model, window=args.window, rounds=args.rounds, poll_hz=args.poll_hz)
+        print(status_result.report())
+        return 0
+    from noloco_node.bench.exchange import run_exchange_bench
+
+    result = run_exchange_bench(
+        args.model,
+        vocab=args.vocab_size,
+        wire_dtype=args.wire_dtype,
+        chunk_bytes=args.chunk_bytes,
+        repeats=args.repeats,
+        link_rate=args.link_rate,
+    )
+    where = f"a veth pair shaped to {args.link_rate}" if args.link_rate else "loopback"
+    print(f"noloco-node bench exchange over {where}, {os.cpu_count()} CPUs")
+    print(result.report(args.model, args.wire_dtype))
+    return 0

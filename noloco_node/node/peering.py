@@ -1,0 +1,118 @@
+"""A node's peering side, assembled: how it calls peers, when it pairs, and what its gRPC service sees.
+
+- :class:`~noloco_node.pairing.caller.PeerCaller` makes this node's exchange calls, on its own bounded executor;
+- the pairing strategy (sync or overlap, :data:`STRATEGIES`) decides when, and offers published copies of the
+  weights (:class:`~noloco_node.pairing.strategy.OfferPublisher`);
+- :class:`~noloco_node.node.served.ServedNode` answers the peers' calls from the strategy and the latest
+  published state.
+
+They share the node's identity, security, per-peer policy, metrics and receive buffers; nothing here starts a
+thread or a task (the daemon does, in its start order).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Coroutine
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from threading import Event
+from typing import Any
+
+from noloco_node.config.models import NodeConfig
+from noloco_node.discovery.dht import Discovery
+from noloco_node.node.run_layout import RunLayout
+from noloco_node.node.served import ServedNode
+from noloco_node.observability.telemetry import Telemetry
+from noloco_node.pairing.caller import CallSettings, PeerCaller
+from noloco_node.pairing.overlap import OverlapPairing
+from noloco_node.pairing.peer_policy import PeerPolicy
+from noloco_node.pairing.strategy import OfferPublisher, PairingContext, PairingStrategy
+from noloco_node.pairing.sync import SyncPairing
+from noloco_node.rpc import peer_pb2 as pb
+from noloco_node.rpc.metrics import ExchangeMetrics
+from noloco_node.security.node_security import NodeSecurity
+from noloco_node.wire.payload import ReceiveBuffers
+from noloco_node.wire.published import Latest
+
+STRATEGIES: dict[str, type[PairingStrategy]] = {"sync": SyncPairing, "overlap": OverlapPairing}
+EXCHANGE_THREADS = 4  # exchanges a node can have in flight at once (one per strategy today, and room)
+
+
+@dataclass
+class Peering:
+    caller: PeerCaller
+    context: PairingContext
+    strategy: PairingStrategy
+    served: ServedNode
+    exchanges: ThreadPoolExecutor
+    receive_buffers: ReceiveBuffers
+
+    @classmethod
+    def build(
+        cls,
+        cfg: NodeConfig,
+        layout: RunLayout,
+        *,
+        peer_id: Callable[[], str],
+        security: NodeSecurity,
+        policy: PeerPolicy,
+        metrics: ExchangeMetrics,
+        discovery: Discovery,
+        telemetry: Telemetry,
+        snapshot: Latest,
+        publish_record: Callable[[], Coroutine[Any, Any, None]],
+        stopping: Event,
+        info: Callable[[], pb.InfoReply],
+    ) -> Peering:
+        exchanges = ThreadPoolExecutor(EXCHANGE_THREADS, thread_name_prefix="exchange")  # threads start on use
+        receive_buffers = ReceiveBuffers(max_idle_bytes=layout.max_payload_bytes())
+        served: list[ServedNode] = []  # the caller admits payloads through the served node, built below
+        caller = PeerCaller(
+            CallSettings(
+                run_fingerprint=layout.run_fingerprint,
+                expected_layout=layout.expected_layout(),
+                max_payload_bytes=layout.max_payload_bytes(),
+                max_staleness=cfg.max_staleness,
+                transport=security.transport,
+                metrics=metrics,
+                receive_buffers=receive_buffers,
+            ),
+            policy,
+            admit=lambda payload: served[0].admit(payload),
+            bad_payload=lambda peer, error: served[0].bad_payload(peer, error),
+            executor=exchanges,
+        )
+        context = PairingContext(
+            peer_id=peer_id,
+            caller=caller,
+            discovery=discovery,
+            telemetry=telemetry,
+            offers=OfferPublisher(
+                layout.names,
+                layout.shapes,
+                send_phi=layout.send_phi,
+                wire_dtype=cfg.wire_dtype,
+                run_fingerprint=layout.run_fingerprint,
+                peer_id=peer_id,
+            ),
+            publish_record=publish_record,
+            stopping=stopping,
+            pair_timeout=cfg.pair_timeout,
+            alone_grace=cfg.alone_grace,
+            max_staleness=cfg.max_staleness,
+            exchange_ceiling=layout.exchange_ceiling(),
+        )
+        strategy = STRATEGIES[cfg.mode](context)
+        served.append(
+            ServedNode(
+                layout,
+                peer_id=peer_id,
+                strategy=strategy,
+                snapshot=snapshot,
+                security=security,
+                policy=policy,
+                receive_buffers=receive_buffers,
+                info=info,
+            )
+        )
+        return cls(caller, context, strategy, served[0], exchanges, receive_buffers)

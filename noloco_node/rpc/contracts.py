@@ -1,0 +1,91 @@
+"""What the peer service (rpc/service.py) and its client need from the node: the payloads it sends, the session
+of one exchange, and the node it serves. Protocols only, so that the rpc layer depends on no node.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any, Protocol
+
+from noloco_node.rpc import peer_pb2 as pb
+from noloco_node.wire.frames import PayloadError, TensorLayout
+from noloco_node.wire.payload import Payload, ReceiveBuffers
+
+
+class OutgoingPayload(Protocol):
+    """What a node sends in one exchange or download: a manifest and its tensors, which nobody writes meanwhile
+    (a static payload, or a wire/published.py copy held for the stream)."""
+
+    @property
+    def manifest(self) -> pb.Manifest: ...
+
+    @property
+    def tensors(self) -> Sequence[Any]: ...
+
+
+class HeldPayload(OutgoingPayload, Protocol):
+    """An outgoing payload held for one reader, who releases it when done (a wire/published.py copy)."""
+
+    def release(self) -> None: ...
+
+
+class ExchangeSession(Protocol):
+    """The node's side of one exchange, served or initiated; handed out only when the node can pair now."""
+
+    def outgoing(self) -> OutgoingPayload: ...
+
+    def complete(self, payload: Payload) -> None:
+        """The partner's verified payload: blend with it (atomically)."""
+
+    def release(self) -> None:
+        """The exchange is over, whatever its outcome; the node may pair again."""
+
+
+class PeerNode(Protocol):
+    """What the gRPC service needs from the node it serves."""
+
+    @property
+    def run_fingerprint(self) -> str: ...
+
+    @property
+    def peer_id(self) -> str: ...
+
+    @property
+    def receive_buffers(self) -> ReceiveBuffers:
+        """Reused from one exchange to the next."""
+
+    def expected_layout(self) -> Sequence[TensorLayout]: ...
+
+    def max_payload_bytes(self) -> int: ...
+
+    def open_session(self, partner_id: str, partner_outer_step: int) -> ExchangeSession | None:
+        """A session if this node can exchange with that partner now; None means busy (ABORTED)."""
+
+    def info(self) -> pb.InfoReply: ...
+
+    def state_snapshot(self) -> HeldPayload | None:
+        """The full replica state at the last outer step, held for one joiner's download (the service releases
+        it); None when there is none yet."""
+
+    def admit(self, payload: Payload) -> None:
+        """Raise PayloadError if this verified payload must still not be blended (the norm bound)."""
+
+    def refused_peer(self, partner_id: str) -> bool:
+        """True for a peer this node no longer exchanges with (it sent a bad payload recently)."""
+
+    def bad_payload(self, partner_id: str, error: PayloadError) -> None:
+        """A partner's payload was refused for its content (already counted): log it and avoid the partner."""
+
+
+class AdmitsEverything:
+    """PeerNode defaults for nodes without an admission policy (benchmarks, test doubles): every verified payload
+    is admitted and no peer is refused."""
+
+    def admit(self, payload: Payload) -> None:
+        return None
+
+    def refused_peer(self, partner_id: str) -> bool:
+        return False
+
+    def bad_payload(self, partner_id: str, error: PayloadError) -> None:
+        return None
