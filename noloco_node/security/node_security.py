@@ -48,7 +48,7 @@ class NodeSecurity:
                 if self.secret
                 else None
             )
-            self.transport = Transport(authenticator=authenticator, tls=tls)
+            self.transport = Transport(authenticator=authenticator, tls=tls, identity=self.identity)
         except (IdentityError, SecretError, TlsError) as error:
             raise SecuritySetupError(str(error)) from None
         if tls is None and self.secret is not None:
