@@ -73,18 +73,25 @@ def fresh_identity() -> NodeIdentity:
     return NodeIdentity(_wrap(rsa.generate_private_key(public_exponent=65537, key_size=1024)))
 
 
+def call_exchange(
+    channel: grpc.Channel, frames: Sequence[bytes], metadata: Sequence[tuple[str, str]] | None, timeout: float = 20
+) -> tuple[grpc.StatusCode, str]:
+    """One Exchange call that sends exactly these frames with exactly this metadata; its status and details."""
+    call = channel.stream_stream(EXCHANGE_METHOD)(iter(frames), timeout=timeout, metadata=metadata)
+    try:
+        for _ in call:
+            pass
+    except grpc.RpcError as error:
+        return error.code(), error.details() or ""
+    return grpc.StatusCode.OK, ""
+
+
 def exchange_status(
     address: str, frames: Sequence[bytes], metadata: Sequence[tuple[str, str]] | None, timeout: float = 20
 ) -> tuple[grpc.StatusCode, str]:
-    """One Exchange call that sends exactly these frames with exactly this metadata; its status and details."""
+    """:func:`call_exchange` on a channel of its own."""
     with grpc.insecure_channel(address, options=CHANNEL_OPTIONS) as channel:
-        call = channel.stream_stream(EXCHANGE_METHOD)(iter(frames), timeout=timeout, metadata=metadata)
-        try:
-            for _ in call:
-                pass
-        except grpc.RpcError as error:
-            return error.code(), error.details() or ""
-    return grpc.StatusCode.OK, ""
+        return call_exchange(channel, frames, metadata, timeout)
 
 
 def frames_of(outgoing: Outgoing) -> list[bytes]:

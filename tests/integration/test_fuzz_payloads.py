@@ -28,7 +28,7 @@ from noloco_node.rpc.transport import CHANNEL_OPTIONS
 from noloco_node.security.caller_proof import prove
 from noloco_node.wire.frames import MAX_MESSAGE_BYTES, build_manifest, decode_frame, iter_frames
 
-from .attacker import fresh_identity, node_weights
+from .attacker import call_exchange, fresh_identity, node_weights
 from .swarm_harness import Bootstrap, NodeProcess
 
 TWIN = [
@@ -185,18 +185,6 @@ def twins(tmp_path: Path):
         peer.stop()
 
 
-def _call_exchange(
-    channel: grpc.Channel, frames: list[bytes], metadata: list[tuple[str, str]]
-) -> tuple[grpc.StatusCode, str]:
-    call = channel.stream_stream(EXCHANGE_METHOD)(iter(frames), timeout=20, metadata=metadata)
-    try:
-        for _ in call:
-            pass
-    except grpc.RpcError as error:
-        return error.code(), error.details() or ""
-    return grpc.StatusCode.OK, ""
-
-
 def test_fuzzed_payloads_are_refused_precisely_and_change_nothing(twins: list[NodeProcess]) -> None:
     attacked, twin = twins
     deadline = time.monotonic() + 120
@@ -228,7 +216,7 @@ def test_fuzzed_payloads_are_refused_precisely_and_change_nothing(twins: list[No
             # A fresh key each time (any stranger can make one and prove it): a quarantine would hide what follows.
             stranger = fresh_identity()
             proof = prove(stranger, EXCHANGE_METHOD, target)
-            code, details = _call_exchange(channel, attack.build(mutation, data, stranger.peer_id), proof)
+            code, details = call_exchange(channel, attack.build(mutation, data, stranger.peer_id), proof)
             outcomes[(mutation, code.name)] += 1
             if code not in PRECISE or not details:
                 bad.append(f"{mutation}: {code.name} {details!r}")
