@@ -297,7 +297,7 @@ class Node:
             log.warning("%s", check.advice(self.address, port))
 
     async def _start_status_endpoint(self, components: contextlib.AsyncExitStack) -> None:
-        server = StatusServer(node_routes(self.status, lambda: self.metrics.snapshot()), healthz=self.health)
+        server = StatusServer(node_routes(self.status, self.metrics.registry), healthz=self.health)
         port = await server.start(self.cfg.status_host, self.cfg.status_port)
         components.push_async_callback(server.close)
         self.status_url = f"http://{self.cfg.status_host}:{port}"

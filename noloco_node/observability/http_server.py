@@ -13,9 +13,10 @@ import contextlib
 import logging
 from collections.abc import Callable
 from importlib import resources
-from typing import Any
 
-from noloco_node.observability.metrics import render_metrics
+from prometheus_client import CollectorRegistry
+
+from noloco_node.observability.metrics import register_status, render_metrics
 from noloco_node.observability.status import Health, NodeStatus
 
 log = logging.getLogger(__name__)
@@ -33,11 +34,12 @@ def status_page() -> bytes:
     return resources.files("noloco_node.observability").joinpath("web/status.html").read_bytes()
 
 
-def node_routes(status: Callable[[], NodeStatus], exchanges: Callable[[], dict[str, Any]]) -> dict[str, Route]:
-    """A node's pages: its status as JSON, the same numbers for Prometheus, and the live page."""
+def node_routes(status: Callable[[], NodeStatus], registry: CollectorRegistry) -> dict[str, Route]:
+    """A node's pages: its status as JSON, its registry for Prometheus (status gauges included), the live page."""
+    register_status(registry, status)
     return {
         "/status": lambda: ("application/json", status().model_dump_json().encode()),
-        "/metrics": lambda: ("text/plain; version=0.0.4; charset=utf-8", render_metrics(status(), exchanges())),
+        "/metrics": lambda: ("text/plain; version=0.0.4; charset=utf-8", render_metrics(registry)),
         "/": lambda: ("text/html; charset=utf-8", status_page()),
     }
 

@@ -1,20 +1,19 @@
-"""`GET /metrics`: a node's status in the Prometheus text format (counters, gauges, one histogram).
+"""`GET /metrics`: the node's registry in the Prometheus text format.
 
-Built at scrape time from the same numbers as /status (status.NodeStatus) plus the exchange-duration histogram
-of exchange.ExchangeMetrics, through prometheus_client's exposition code, so the output is exactly what
-Prometheus parses. Every series carries no per-peer label: label sets stay bounded however large the swarm.
+The exchange counters and the duration histogram are prometheus_client objects in the node's own registry
+(rpc/metrics.py). This module adds to that registry a collector of the node's status (what it is, its steps, its
+losses, its health, its tasks' restarts), read at scrape time from the same document as ``/status``. Every series
+carries no per-peer label: label sets stay bounded however large the swarm.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-from typing import Any
+from collections.abc import Callable, Iterator
 
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.core import (
     CounterMetricFamily,
     GaugeMetricFamily,
-    HistogramMetricFamily,
     InfoMetricFamily,
     Metric,
 )
@@ -23,12 +22,11 @@ from noloco_node.observability.status import NodeStatus
 
 
 class _StatusCollector:
-    def __init__(self, status: NodeStatus, exchanges: dict[str, Any]) -> None:
+    def __init__(self, status: Callable[[], NodeStatus]) -> None:
         self.status = status
-        self.exchanges = exchanges
 
     def collect(self) -> Iterator[Metric]:
-        status, exchanges = self.status, self.exchanges
+        status = self.status()
         yield InfoMetricFamily(
             "noloco_node",
             "What this node is.",
@@ -41,32 +39,12 @@ class _StatusCollector:
                 "model_size": status.model_size,
             },
         )
-        outcomes = CounterMetricFamily("noloco_exchanges", "Exchanges by outcome.", labels=["outcome"])
-        for outcome, count in sorted(exchanges["outcomes"].items()):
-            outcomes.add_metric([outcome], count)
-        yield outcomes
-        rejected = CounterMetricFamily("noloco_rejected_payloads", "Refused payloads by reason.", labels=["reason"])
-        for reason, count in sorted(exchanges["rejected"].items()):
-            rejected.add_metric([reason], count)
-        yield rejected
-        buckets = [(str(bound), count) for bound, count in exchanges["duration_buckets"]]
-        buckets.append(("+Inf", exchanges["duration_count"]))
-        yield HistogramMetricFamily(
-            "noloco_exchange_duration_seconds",
-            "Wall time of exchanges, as caller or called side, whatever their outcome.",
-            buckets=buckets,
-            sum_value=exchanges["duration_sum"],
-        )
-        yield CounterMetricFamily("noloco_bytes_sent", "Payload bytes sent to peers.", value=exchanges["bytes_sent"])
         restarts = CounterMetricFamily(
             "noloco_task_restarts", "Restarts of the node's supervised background tasks.", labels=["task"]
         )
         for task in status.tasks:
             restarts.add_metric([task.name], task.restarts)
         yield restarts
-        yield CounterMetricFamily(
-            "noloco_bytes_received", "Payload bytes received from peers.", value=exchanges["bytes_received"]
-        )
         yield CounterMetricFamily(
             "noloco_inner_steps", "Inner optimizer steps of this replica.", value=status.inner_step
         )
@@ -94,7 +72,10 @@ class _StatusCollector:
                 yield GaugeMetricFamily(name, documentation, value=value)
 
 
-def render_metrics(status: NodeStatus, exchanges: dict[str, Any]) -> bytes:
-    registry = CollectorRegistry(auto_describe=False)
-    registry.register(_StatusCollector(status, exchanges))
+def register_status(registry: CollectorRegistry, status: Callable[[], NodeStatus]) -> None:
+    """Serve the node's status gauges from ``registry`` too, read at every scrape."""
+    registry.register(_StatusCollector(status))
+
+
+def render_metrics(registry: CollectorRegistry) -> bytes:
     return generate_latest(registry)

@@ -1,14 +1,27 @@
-"""Counters of a node's exchanges: outcomes, refused payloads by reason, bytes, a duration histogram, the last ones.
+"""A node's exchange metrics: prometheus_client counters and a histogram in the node's own registry, and the last
+exchanges.
 
-Thread-safe: the gRPC server's threads, the callers' threads and the status endpoint all touch it.
+Each node (and each benchmark peer) has its own :class:`~prometheus_client.CollectorRegistry`, so two nodes in one
+process never share a series. ``GET /metrics`` serves the registry as it is (observability/http_server.py adds the
+node's status gauges to it); ``/status`` reads the same objects through :meth:`ExchangeMetrics.snapshot`. No
+series carries a per-peer label: label sets stay bounded however large the swarm, and the peer of each recent
+exchange is in ``/status`` instead.
+
+Thread-safe: the gRPC server's threads, the exchange threads and the status endpoint all touch it.
 """
 
 from __future__ import annotations
 
 import threading
 import time
-from collections import Counter, deque
+from collections import deque
 from typing import Any
+
+from prometheus_client import CollectorRegistry, Counter, Histogram, disable_created_metrics
+
+# Series named *_created (one per label set, the time it was first seen) double the output and no dashboard of this
+# project reads them.
+disable_created_metrics()
 
 # Upper bounds (s) of the exchange-duration histogram's buckets: loopback exchanges of small models take
 # milliseconds, a 1.3B model over a 100 Mbit/s link takes minutes.
@@ -16,66 +29,76 @@ DURATION_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0
 
 
 class ExchangeMetrics:
-    """Exchanges by outcome, refused payloads by reason, bytes, a duration histogram and the last exchanges.
-
-    Thread-safe: the gRPC server's threads, the callers' worker threads and the status endpoint all touch it.
-    """
+    """Exchanges by outcome, refused payloads by reason, bytes, a duration histogram and the last exchanges."""
 
     def __init__(self, keep_recent: int = 50) -> None:
+        self.registry = CollectorRegistry()
+        self._outcomes = Counter("noloco_exchanges", "Exchanges by outcome.", ["outcome"], registry=self.registry)
+        self._rejected = Counter(
+            "noloco_rejected_payloads", "Refused payloads by reason.", ["reason"], registry=self.registry
+        )
+        self._sent = Counter("noloco_bytes_sent", "Payload bytes sent to peers.", registry=self.registry)
+        self._received = Counter("noloco_bytes_received", "Payload bytes received from peers.", registry=self.registry)
+        self._duration = Histogram(
+            "noloco_exchange_duration_seconds",
+            "Wall time of exchanges, as caller or called side, whatever their outcome.",
+            buckets=DURATION_BUCKETS,
+            registry=self.registry,
+        )
         self._lock = threading.Lock()
-        self.outcomes: Counter[str] = Counter()
-        self.rejected: Counter[str] = Counter()
-        self.bytes_sent = 0
-        self.bytes_received = 0
         self.recent: deque[dict[str, Any]] = deque(maxlen=keep_recent)
-        self.duration_bucket_counts = [0] * len(DURATION_BUCKETS)  # cumulative, as Prometheus wants them
-        self.duration_sum = 0.0
-        self.duration_count = 0
 
     def outcome(self, name: str) -> None:
-        with self._lock:
-            self.outcomes[name] += 1
+        self._outcomes.labels(name).inc()
 
     def rejection(self, reason: str) -> None:
-        with self._lock:
-            self.rejected[reason] += 1
+        self._rejected.labels(reason).inc()
 
     def add_bytes(self, sent: int = 0, received: int = 0) -> None:
-        with self._lock:
-            self.bytes_sent += sent
-            self.bytes_received += received
+        if sent:
+            self._sent.inc(sent)
+        if received:
+            self._received.inc(received)
 
     def record(self, *, peer: str, role: str, outcome: str, seconds: float, sent: int, received: int) -> None:
         """One finished exchange: counted by outcome, timed, and kept in the recent list."""
+        self._outcomes.labels(outcome).inc()
+        self._duration.observe(seconds)
+        entry = {
+            "peer": peer,
+            "role": role,
+            "outcome": outcome,
+            "seconds": seconds,
+            "bytes_sent": sent,
+            "bytes_received": received,
+            "time": time.time(),
+        }
         with self._lock:
-            self.outcomes[outcome] += 1
-            self.duration_sum += seconds
-            self.duration_count += 1
-            for index, bound in enumerate(DURATION_BUCKETS):
-                if seconds <= bound:
-                    self.duration_bucket_counts[index] += 1
-            self.recent.append(
-                {
-                    "peer": peer,
-                    "role": role,
-                    "outcome": outcome,
-                    "seconds": seconds,
-                    "bytes_sent": sent,
-                    "bytes_received": received,
-                    "time": time.time(),
-                }
-            )
+            self.recent.append(entry)
 
     def snapshot(self) -> dict[str, Any]:
-        """A consistent copy of everything, for the status endpoint and the metrics page."""
+        """The numbers ``/status`` shows, read from the same objects ``/metrics`` serves."""
         with self._lock:
-            return {
-                "outcomes": dict(self.outcomes),
-                "rejected": dict(self.rejected),
-                "bytes_sent": self.bytes_sent,
-                "bytes_received": self.bytes_received,
-                "recent": list(self.recent),
-                "duration_buckets": list(zip(DURATION_BUCKETS, self.duration_bucket_counts, strict=True)),
-                "duration_sum": self.duration_sum,
-                "duration_count": self.duration_count,
-            }
+            recent = list(self.recent)
+        return {
+            "outcomes": _by_label(self._outcomes, "outcome"),
+            "rejected": _by_label(self._rejected, "reason"),
+            "bytes_sent": int(_total(self._sent)),
+            "bytes_received": int(_total(self._received)),
+            "recent": recent,
+        }
+
+
+def _by_label(counter: Counter, label: str) -> dict[str, int]:
+    return {
+        sample.labels[label]: int(sample.value)
+        for metric in counter.collect()
+        for sample in metric.samples
+        if sample.name.endswith("_total")
+    }
+
+
+def _total(counter: Counter) -> float:
+    return sum(
+        sample.value for metric in counter.collect() for sample in metric.samples if sample.name.endswith("_total")
+    )

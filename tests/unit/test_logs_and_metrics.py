@@ -9,8 +9,9 @@ import logging
 from prometheus_client.parser import text_string_to_metric_families
 
 from noloco_node.observability.logs import configure_logging
-from noloco_node.observability.metrics import render_metrics
+from noloco_node.observability.metrics import register_status, render_metrics
 from noloco_node.observability.status import Health, NodeStatus, SecurityStatus
+from noloco_node.rpc.metrics import ExchangeMetrics
 
 
 def test_json_lines_for_ours_and_hivemind(monkeypatch) -> None:
@@ -77,20 +78,22 @@ def status(**changes: object) -> NodeStatus:
 
 
 def test_metrics_parse_and_leave_absent_values_out() -> None:
-    exchanges = {
-        "outcomes": {"completed": 4, "busy": 1},
-        "rejected": {"not_finite": 2},
-        "bytes_sent": 10,
-        "bytes_received": 20,
-        "duration_buckets": [(0.1, 3), (1.0, 5)],
-        "duration_sum": 2.0,
-        "duration_count": 5,
-    }
-    families = {f.name: f for f in text_string_to_metric_families(render_metrics(status(), exchanges).decode())}
+    metrics = ExchangeMetrics()  # the node's own registry, with real prometheus_client objects in it
+    for seconds in (0.01, 0.02, 0.03, 0.5):
+        metrics.record(peer="p", role="caller", outcome="completed", seconds=seconds, sent=1, received=2)
+    metrics.record(peer="p", role="served", outcome="busy", seconds=0.5, sent=0, received=0)
+    metrics.rejection("not_finite")
+    metrics.rejection("not_finite")
+    metrics.add_bytes(sent=10, received=20)
+    register_status(metrics.registry, status)
+    families = {f.name: f for f in text_string_to_metric_families(render_metrics(metrics.registry).decode())}
     samples = {(s.name, tuple(sorted(s.labels.items()))): s.value for f in families.values() for s in f.samples}
     assert samples[("noloco_exchanges_total", (("outcome", "completed"),))] == 4
     assert samples[("noloco_rejected_payloads_total", (("reason", "not_finite"),))] == 2
     assert samples[("noloco_exchange_duration_seconds_bucket", (("le", "+Inf"),))] == 5
+    assert samples[("noloco_exchange_duration_seconds_bucket", (("le", "0.05"),))] == 3
+    assert samples[("noloco_bytes_sent_total", ())] == 10 and samples[("noloco_bytes_received_total", ())] == 20
+    assert metrics.snapshot()["outcomes"] == {"completed": 4, "busy": 1}  # /status reads the same objects
     assert samples[("noloco_inner_steps_total", ())] == 120 and samples[("noloco_train_loss", ())] == 2.5
     assert "noloco_val_loss" not in families and "noloco_checkpoint_age_seconds" not in families
     assert families["noloco_node_info"].samples[0].labels["run_fingerprint"] == "f"
