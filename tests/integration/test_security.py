@@ -275,7 +275,8 @@ def test_slow_loris_streams_are_cut_and_the_node_serves_again(bootstrap: Bootstr
     try:
         status = _wait_for(lambda: (s := node.status()) and s["address"] and s["inner_step"] > 0 and s, 120, "target")
         address, fingerprint = status["address"], status["run_fingerprint"]
-        outgoing = payload(node_weights(), run_fingerprint=fingerprint, peer_id="loris", outer_step=1)
+        loris = fresh_identity()  # a key of its own: a slow-loris caller needs no one else's identity
+        outgoing = payload(node_weights(), run_fingerprint=fingerprint, peer_id=loris.peer_id, outer_step=1)
         manifest_only = [next(iter_frames(outgoing.manifest, outgoing.tensors))]
         release = threading.Event()
 
@@ -286,10 +287,9 @@ def test_slow_loris_streams_are_cut_and_the_node_serves_again(bootstrap: Bootstr
         channel = grpc.insecure_channel(address, options=CHANNEL_OPTIONS)
         # Two streams take both call slots: one sends nothing, one sends a manifest (and holds a session) then stalls.
         started = time.monotonic()
-        # Each with a valid proof of a fresh key of its own: a slow-loris caller needs no one else's identity.
         calls = [
             channel.stream_stream(EXCHANGE_METHOD)(
-                trickle(frames), metadata=prove(fresh_identity(), EXCHANGE_METHOD, status["peer_id"])
+                trickle(frames), metadata=prove(loris, EXCHANGE_METHOD, status["peer_id"])
             )
             for frames in ([], manifest_only)
         ]

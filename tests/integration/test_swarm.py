@@ -104,6 +104,7 @@ def test_two_nodes_blend_exactly_as_the_algorithm_says(bootstrap: Bootstrap, tmp
         device="cpu",
     )
     model_cfg = model_config_for("tiny", vocab_size=256, max_seq_len=64)
+    from noloco_node.training.loop import InnerLoop
     from noloco_node.training.replica import Replica
 
     torch.set_num_threads(threads)
@@ -111,7 +112,7 @@ def test_two_nodes_blend_exactly_as_the_algorithm_says(bootstrap: Bootstrap, tmp
     for shard_index in range(2):
         shard = ReplicaShard(corpus.train, replica=shard_index, num_replicas=2, seq_len=64, seed=5)
         replica = Replica(model_cfg, train_cfg, [shard])
-        replica.train_phase(10)
+        next(InnerLoop(replica, total_steps=10, inner_steps=10).phases())  # the same one phase the node ran
         replicas.append(replica)
     for i, replica in enumerate(replicas):
         partner = replicas[1 - i]
