@@ -1,7 +1,7 @@
 """`noloco-node bench exchange`: how fast two node processes exchange a model, against raw TCP on the same machine.
 
 Two processes each hold the fp32 weights of a named model size (random values of the right shapes) and run the
-node's own gRPC service and client (exchange.py, wire.py); one calls the other's ``Exchange``, so each direction
+node's own gRPC service and client (rpc/, wire/); one calls the other's ``Exchange``, so each direction
 carries the full payload at once, exactly as a pairing does. The reference is measured in the same run between two
 plain Python processes: a socket sending the same number of bytes one way, and the same both ways at once. The
 figure is the ratio, so it holds on a noisy machine. Peak RSS of the exchanging processes is printed next to the
@@ -13,16 +13,13 @@ from __future__ import annotations
 import json
 import multiprocessing as mp
 import resource
-import socket
-import threading
 import time
-from concurrent import futures
 from dataclasses import dataclass
 from typing import Any
 
-import grpc
 import torch
 
+from noloco_node.bench.exchange_references import Where, bare_grpc_seconds, enter, raw_tcp_seconds
 from noloco_node.config.models import model_config_for
 from noloco_node.model.decoder import LlamaDecoder, named_parameters_ordered
 from noloco_node.rpc import peer_pb2 as pb
@@ -31,13 +28,11 @@ from noloco_node.rpc.contracts import AdmitsEverything
 from noloco_node.rpc.metrics import ExchangeMetrics
 from noloco_node.rpc.service import start_server
 from noloco_node.rpc.state_download import download_state
-from noloco_node.rpc.transport import CHANNEL_OPTIONS
 from noloco_node.security.payload_guard import relative_distance
 from noloco_node.wire.frames import TensorLayout, build_manifest, layout_of
 from noloco_node.wire.payload import Payload, ReceiveBuffers
 
 RUN = "bench-exchange"
-TCP_BUFFER = 4 * 2**20
 
 
 def _rss_mb() -> float:
@@ -97,17 +92,10 @@ class _BenchPeer(AdmitsEverything):
         self._state = Outgoing(manifest, [t for _, t in named])
 
 
-def _enter(namespace: str | None) -> None:
-    if namespace:
-        from noloco_node.bench.netns import enter_namespace
-
-        enter_namespace(namespace)
-
-
 def _server_process(
     size: str, vocab: int, wire_dtype: str, chunk_bytes: int, conn: Any, namespace: str | None, host: str
 ) -> None:
-    _enter(namespace)
+    enter(namespace)
     torch.set_num_threads(1)
     named = _weights(size, vocab, seed=1)
     peer = _BenchPeer(named, wire_dtype)
@@ -130,7 +118,7 @@ def _client_process(
     conn: Any,
     namespace: str | None,
 ) -> None:
-    _enter(namespace)
+    enter(namespace)
     torch.set_num_threads(1)
     named = _weights(size, vocab, seed=2)
     manifest = build_manifest(named, wire_dtype=wire_dtype, run_fingerprint=RUN, peer_id="bench-client", outer_step=1)
@@ -174,139 +162,6 @@ def _client_process(
             "peak_rss_mb": exchange_peak,
         }
     )
-
-
-def _tcp_receiver(total: int, listener_port: Any, both_ways: bool, conn: Any, namespace: str | None, host: str) -> None:
-    _enter(namespace)
-    listener = socket.socket()
-    listener.bind((host, 0))
-    listener.listen(1)
-    listener_port.send(listener.getsockname()[1])
-    peer, _ = listener.accept()
-    _transfer(peer, total, both_ways, send=both_ways)
-    conn.send("done")
-
-
-def _transfer(sock: socket.socket, total: int, both_ways: bool, *, send: bool) -> None:
-    """Receive ``total`` bytes (and, both ways, send as many at the same time from a thread)."""
-    import threading
-
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, TCP_BUFFER)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, TCP_BUFFER)
-    data = memoryview(bytearray(min(total, 64 * 2**20)))
-
-    def sender() -> None:
-        sent = 0
-        while sent < total:
-            n = min(len(data), total - sent)
-            sock.sendall(data[:n])
-            sent += n
-
-    thread = threading.Thread(target=sender) if send else None
-    if thread:
-        thread.start()
-    if both_ways or not send:
-        buffer = memoryview(bytearray(min(total, 64 * 2**20)))
-        received = 0
-        while received < total:
-            n = sock.recv_into(buffer, min(len(buffer), total - received))
-            if n == 0:
-                raise ConnectionError("peer closed early")
-            received += n
-    if thread:
-        thread.join()
-
-
-def _tcp_sender(
-    total: int, address: tuple[str, int], both_ways: bool, done: Any, conn: Any, namespace: str | None
-) -> None:
-    _enter(namespace)
-    sock = socket.create_connection(address)
-    started = time.perf_counter()
-    _transfer(sock, total, both_ways, send=True)
-    done.recv()
-    conn.send(time.perf_counter() - started)
-    sock.close()
-
-
-def _raw_tcp_seconds(
-    total: int, *, both_ways: bool, where: tuple[tuple[str | None, str], tuple[str | None, str]]
-) -> float:
-    """Two plain processes moving ``total`` bytes (one way, or both ways at once) over the same path."""
-    (server_ns, server_host), (client_ns, _client_host) = where
-    ctx = mp.get_context("spawn")
-    port_rx, port_tx = ctx.Pipe(duplex=False)
-    done_rx, done_tx = ctx.Pipe(duplex=False)
-    result_rx, result_tx = ctx.Pipe(duplex=False)
-    receiver = ctx.Process(target=_tcp_receiver, args=(total, port_tx, both_ways, done_tx, server_ns, server_host))
-    receiver.start()
-    port = port_rx.recv()
-    sender = ctx.Process(
-        target=_tcp_sender, args=(total, (server_host, port), both_ways, done_rx, result_tx, client_ns)
-    )
-    sender.start()
-    elapsed = result_rx.recv()
-    sender.join()
-    receiver.join()
-    return elapsed
-
-
-def _bare_grpc_server(chunks: int, chunk_bytes: int, conn: Any, namespace: str | None, host: str) -> None:
-    """gRPC alone: a bidirectional stream of ready-made byte messages, nothing converted, checked or copied."""
-    _enter(namespace)
-    blob = b"\0" * chunk_bytes
-
-    def echo(requests: Any, context: Any) -> Any:
-        reader = threading.Thread(target=lambda: sum(1 for _ in requests))
-        reader.start()
-        for _ in range(chunks):
-            yield blob
-        reader.join()
-
-    handler = grpc.method_handlers_generic_handler("bench.Bare", {"Both": grpc.stream_stream_rpc_method_handler(echo)})
-    server = grpc.server(futures.ThreadPoolExecutor(max_workers=4), options=CHANNEL_OPTIONS)
-    server.add_generic_rpc_handlers((handler,))
-    conn.send(server.add_insecure_port(f"{host}:0"))
-    server.start()
-    conn.recv()
-    server.stop(grace=None)
-
-
-def _bare_grpc_seconds(total: int, chunk_bytes: int, repeats: int, where: Where) -> float:
-    """The floor any gRPC transport has on this path: ``total`` bytes each way in ``chunk_bytes`` messages."""
-    (server_ns, server_host), (client_ns, _) = where
-    chunks = -(-total // chunk_bytes)
-    ctx = mp.get_context("spawn")
-    server_rx, server_tx = ctx.Pipe()
-    server = ctx.Process(target=_bare_grpc_server, args=(chunks, chunk_bytes, server_tx, server_ns, server_host))
-    server.start()
-    port = server_rx.recv()
-    result_rx, result_tx = ctx.Pipe(duplex=False)
-    client = ctx.Process(
-        target=_bare_grpc_client, args=(chunks, chunk_bytes, f"{server_host}:{port}", repeats, result_tx, client_ns)
-    )
-    client.start()
-    seconds = result_rx.recv()
-    client.join()
-    server_rx.send("stop")
-    server.join()
-    return seconds
-
-
-def _bare_grpc_client(
-    chunks: int, chunk_bytes: int, address: str, repeats: int, conn: Any, namespace: str | None
-) -> None:
-    _enter(namespace)
-    blob = b"\0" * chunk_bytes
-    with grpc.insecure_channel(address, options=CHANNEL_OPTIONS) as channel:
-        both = channel.stream_stream("/bench.Bare/Both")
-        seconds = []
-        for _ in range(repeats):
-            started = time.perf_counter()
-            for _ in both(iter([blob] * chunks), timeout=600):
-                pass
-            seconds.append(time.perf_counter() - started)
-    conn.send(min(seconds))
 
 
 @dataclass
@@ -398,9 +253,6 @@ def _bits_per_second(rate: str) -> float:
     raise ValueError(f"unknown rate {rate!r}: use e.g. 1gbit, 100mbit")
 
 
-Where = tuple[tuple[str | None, str], tuple[str | None, str]]
-
-
 def _run(size: str, vocab: int, wire_dtype: str, chunk_bytes: int, repeats: int, where: Where) -> ExchangeBenchResult:
     (server_ns, server_host), (client_ns, _) = where
     ctx = mp.get_context("spawn")
@@ -429,12 +281,12 @@ def _run(size: str, vocab: int, wire_dtype: str, chunk_bytes: int, repeats: int,
         payload_bytes=payload,
         model_fp32_bytes=numel * 4,
         exchange_seconds=min(client_report["seconds"]),
-        tcp_one_way_seconds=min(_raw_tcp_seconds(payload, both_ways=False, where=where) for _ in range(repeats)),
-        tcp_both_ways_seconds=min(_raw_tcp_seconds(payload, both_ways=True, where=where) for _ in range(repeats)),
-        bare_grpc_seconds=_bare_grpc_seconds(payload, chunk_bytes, repeats, where),
+        tcp_one_way_seconds=min(raw_tcp_seconds(payload, both_ways=False, where=where) for _ in range(repeats)),
+        tcp_both_ways_seconds=min(raw_tcp_seconds(payload, both_ways=True, where=where) for _ in range(repeats)),
+        bare_grpc_seconds=bare_grpc_seconds(payload, chunk_bytes, repeats, where),
         download_seconds=min(client_report["download_seconds"]),
         norm_check_seconds=min(client_report["norm_seconds"]),
-        tcp_download_seconds=min(_raw_tcp_seconds(numel * 4, both_ways=False, where=where) for _ in range(repeats)),
+        tcp_download_seconds=min(raw_tcp_seconds(numel * 4, both_ways=False, where=where) for _ in range(repeats)),
         client_extra_rss_mb=client_report["peak_rss_mb"] - client_report["baseline_rss_mb"],
         server_extra_rss_mb=server_report["peak_rss_mb"] - server_report["baseline_rss_mb"],
     )

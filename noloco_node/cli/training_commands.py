@@ -85,7 +85,7 @@ def run_simulate(args: argparse.Namespace) -> int:
         settings["out_dir"] = args.out
     cfg = SimulateConfig(**settings)
     if args.seeds or args.replica_counts:
-        from noloco_node.simulate.simulator import seed_study
+        from noloco_node.simulate.study import seed_study
 
         if not args.compare:
             raise SystemExit("noloco-node simulate: --seeds and --replica-counts need --compare")

@@ -45,7 +45,7 @@ from noloco_node.training.replica import Replica, resolve_device
 ProgressFn = Callable[[str], None]
 
 
-def _print_progress(line: str) -> None:
+def print_progress(line: str) -> None:
     print(line, file=sys.stderr, flush=True)
 
 
@@ -165,7 +165,7 @@ def run_method(
     cfg: SimulateConfig,
     corpus: Corpus,
     *,
-    progress: ProgressFn = _print_progress,
+    progress: ProgressFn = print_progress,
 ) -> MethodResult:
     """Train ``cfg.replicas`` replicas with one method and record its curves."""
     train = cfg.train
@@ -266,7 +266,7 @@ class Comparison:
         return "\n".join(lines)
 
 
-def compare(cfg: SimulateConfig, *, progress: ProgressFn = _print_progress) -> Comparison:
+def compare(cfg: SimulateConfig, *, progress: ProgressFn = print_progress) -> Comparison:
     """Run every method in ``cfg.methods`` on the same seeds and data; write metrics.json and curves.png."""
     corpus = load_corpus(cfg.data)
     progress(
@@ -331,122 +331,3 @@ def plot_curves(comparison: Comparison, path: Path, *, title: str) -> None:
 
 
 # ---------------------------------------------------------------------------------------------------- seed study
-
-
-@dataclass
-class SeedStudy:
-    """``compare`` repeated over seeds (initial weights, data dealing, pairings) and replica counts."""
-
-    seeds: list[int]
-    comparisons: dict[int, list[Comparison]]  # replica count -> one comparison per seed
-
-    def table(self) -> str:
-        blocks = []
-        for count, runs in self.comparisons.items():
-            methods = list(runs[0].results)
-            rows = [
-                f"{count} replicas, {len(runs)} seeds ({', '.join(map(str, self.seeds))}): mean +- std over seeds",
-                "| method | final val loss | val ppl | ppl vs DDP | weight spread |",
-                "|---|---:|---:|---:|---:|",
-            ]
-            for method in methods:
-                losses = np.array([run.results[method].final_val_loss for run in runs])
-                ppls = np.array([run.results[method].final_val_ppl for run in runs])
-                spread = np.mean([run.results[method].final_spread for run in runs])
-                versus = "n/a"
-                if "ddp" in methods:
-                    ratios = np.array(
-                        [run.results[method].final_val_ppl / run.results["ddp"].final_val_ppl for run in runs]
-                    )
-                    versus = f"{(ratios.mean() - 1) * 100:+.2f}% +- {ratios.std() * 100:.2f}"
-                rows.append(
-                    f"| {method} | {losses.mean():.4f} +- {losses.std():.4f} | {ppls.mean():.3f} | {versus} | "
-                    f"{spread:.2e} |"
-                )
-            for key in runs[0].relative_metric:
-                values = np.array([run.relative_metric[key] for run in runs]) * 100
-                diloco, _, noloco = key.partition(" vs ")
-                wins = int((values > 0).sum())
-                rows.append(
-                    f"(ppl_{diloco} - ppl_{noloco or 'noloco'}) / ppl_ddp = {values.mean():+.2f}% "
-                    f"+- {values.std():.2f} (min {values.min():+.2f}, max {values.max():+.2f}; NoLoCo better in "
-                    f"{wins}/{len(values)} seeds)"
-                )
-            blocks.append("\n".join(rows))
-        return "\n\n".join(blocks)
-
-
-def seed_study(
-    cfg: SimulateConfig, seeds: list[int], replica_counts: list[int], *, progress: ProgressFn = _print_progress
-) -> SeedStudy:
-    """Every method of ``cfg.methods`` for every replica count and seed; writes study.json and study.png."""
-    corpus = load_corpus(cfg.data)
-    comparisons: dict[int, list[Comparison]] = {}
-    for count in replica_counts:
-        for seed in seeds:
-            run_cfg = cfg.model_copy(update={"replicas": count, "train": cfg.train.model_copy(update={"seed": seed})})
-            progress(f"--- {count} replicas, seed {seed}")
-            results: dict[str, MethodResult] = {
-                method: run_method(method, run_cfg, corpus, progress=progress) for method in cfg.methods
-            }
-            comparisons.setdefault(count, []).append(Comparison(results, relative_metrics(results)))
-    study = SeedStudy(list(seeds), comparisons)
-    cfg.out_dir.mkdir(parents=True, exist_ok=True)
-    payload = {
-        "config": cfg.model_dump(mode="json"),
-        "corpus": corpus.description,
-        "seeds": list(seeds),
-        "runs": {
-            str(count): [
-                {
-                    "results": {name: asdict(r) for name, r in run.results.items()},
-                    "relative_metric": run.relative_metric,
-                }
-                for run in runs
-            ]
-            for count, runs in comparisons.items()
-        },
-        "table": study.table(),
-    }
-    (cfg.out_dir / "study.json").write_text(json.dumps(payload, indent=2))
-    plot_study(study, cfg.out_dir / "study.png", model=cfg.train.model_size)
-    return study
-
-
-def plot_study(study: SeedStudy, path: Path, *, model: str) -> None:
-    """Per replica count: the seed-mean validation loss (band: min to max over seeds) and weight spread."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    counts = list(study.comparisons)
-    fig, axes = plt.subplots(len(counts), 2, figsize=(12, 4.2 * len(counts)), squeeze=False)
-    for row, count in enumerate(counts):
-        runs = study.comparisons[count]
-        loss_ax, spread_ax = axes[row]
-        finals = []
-        for method in runs[0].results:
-            steps = runs[0].results[method].steps
-            curves = np.array([run.results[method].val_loss for run in runs])
-            line = loss_ax.plot(steps, curves.mean(axis=0), label=method, marker=".")[0]
-            loss_ax.fill_between(steps, curves.min(axis=0), curves.max(axis=0), color=line.get_color(), alpha=0.15)
-            finals.append(curves.mean(axis=0)[-1])
-            spreads = np.array([run.results[method].spread for run in runs]).mean(axis=0)
-            if (spreads[1:] > 0).any():
-                spread_ax.plot(steps[1:], spreads[1:], label=method, color=line.get_color(), marker=".")
-        loss_ax.set(
-            xlabel="inner steps per replica",
-            ylabel="validation loss (nats/token)",
-            title=f"{count} replicas, {model} model, {len(runs)} seeds",
-        )
-        loss_ax.set_ylim(min(finals) - 0.1, max(finals) + 0.8)
-        loss_ax.legend(fontsize=8)
-        loss_ax.grid(alpha=0.3)
-        spread_ax.set(xlabel="inner steps per replica", ylabel="weight std across replicas (RMS)", yscale="log")
-        if spread_ax.lines:
-            spread_ax.legend(fontsize=8)
-        spread_ax.grid(alpha=0.3)
-    fig.tight_layout()
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
