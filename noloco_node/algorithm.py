@@ -30,7 +30,7 @@ import torch
 
 TensorList = Sequence[torch.Tensor]
 
-# Defaults from the paper's code (NoLoCo) and from DESIGN.md (DiLoCo baselines).
+# Defaults from the paper's code (NoLoCo) and the DiLoCo papers' settings (baselines; docs/architecture.md).
 NOLOCO_ALPHA = 0.5
 NOLOCO_BETA = 0.7
 NOLOCO_GAMMA = 0.7

@@ -2,7 +2,7 @@
 
 The trainer thread reports inner steps, outer steps and checkpoints; the event loop reports what the DHT and the
 peers' Info calls said. Everything here is plain numbers under one lock (no torch), so that serving status costs
-the trainer nothing. The health verdict (DESIGN.md: a node must say why it is unwell) is computed here too.
+the trainer nothing. The health verdict (a node must say why it is unwell) is computed here too.
 """
 
 from __future__ import annotations

@@ -1,9 +1,8 @@
 """Admission of a verified payload: the norm bound on a partner's weights, and rate-limited complaints about peers.
 
-wire.py proves a payload well-formed (names, shapes, dtypes, sizes, checksums, finite values). That does not make
-it a model of this run: random weights, or honest weights scaled by 1000, pass every one of those checks and would
-wreck the blend (NoLoCo's outer step, DESIGN.md, moves phi towards the partner's theta by beta/2 of the gap). So
-before a partner's tensors are blended, their distance from this node's own slow weights is measured,
+wire/payload.py proves a payload well-formed (names, shapes, dtypes, sizes, checksums, finite values). That does not
+make it a model of this run: random weights, or honest weights scaled by 1000, pass every one of those checks and
+would wreck the blend (NoLoCo's outer step moves phi towards the partner's theta by beta/2 of the gap). So before a partner's tensors are blended, their distance from this node's own slow weights is measured,
 
     d = ||theta_partner - phi_own||_2 / ||phi_own||_2        (over all tensors at once; also for phi if sent)
 
@@ -11,7 +10,7 @@ and the payload is refused (INVALID_ARGUMENT, reason ``norm_bound``) when d exce
 when configured; by default it is ``factor`` times the median distance of the recently accepted payloads (a
 median, so that a hostile partner cannot ratchet it up by pushing each accepted payload a little further), and
 ``initial`` until a few exchanges have been seen. Honest replicas stay close (the pull towards the group mean keeps
-the spread bounded, DESIGN.md), so honest partners sit well inside the bound.
+the spread bounded, docs/architecture.md), so honest partners sit well inside the bound.
 
 A member that holds the secret can still send a subtly bad model inside the bound; see the README's threat model.
 """

@@ -68,7 +68,7 @@ class DataParallel:
         return configured
 
     def start(self) -> None:
-        """Join the process group (rank 0 only after its DHT helper has forked: DESIGN.md start order)."""
+        """Join the process group (rank 0 only after its DHT helper has forked: docs/architecture.md, start order)."""
         backend = "nccl" if torch.cuda.is_available() else "gloo"
         if torch.cuda.is_available():
             torch.cuda.set_device(self.local_rank)

@@ -100,7 +100,7 @@ class Replica:
             eps=train_cfg.adam_eps,
             weight_decay=0.0,
         )
-        # Outer state in fp32 whatever the training dtype (DESIGN.md): phi starts equal to theta, delta at zero. It
+        # Outer state in fp32 whatever the training dtype (docs/architecture.md): phi starts as theta, delta at zero. It
         # lives on the host whatever the training device: on a GPU it would take two more model copies of GPU
         # memory, and the outer step, the exchange and the donor snapshot all work on the host. Pinned on a CUDA
         # machine, so that the copies to and from the GPU are asynchronous DMA.

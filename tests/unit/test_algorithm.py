@@ -85,7 +85,7 @@ def test_fast_path_equals_general_form_when_gamma_equals_beta(num_peers: int) ->
     peer_thetas = [random_params(10 + p) for p in range(num_peers)]
     peer_phis = [random_params(20 + p) for p in range(num_peers)]
     fast = noloco_outer_step(theta, phi, delta, peer_thetas, [], alpha=0.5, beta=0.7, gamma=0.7)
-    # The general form, written out from DESIGN.md with the peers' slow weights.
+    # The general form, written out from docs/architecture.md with the peers' slow weights.
     for k in range(len(theta)):
         mean_theta = (theta[k] + sum(p[k] for p in peer_thetas)) / (1 + num_peers)
         mean_phi = (phi[k] + sum(p[k] for p in peer_phis)) / (1 + num_peers)
