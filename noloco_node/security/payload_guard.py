@@ -2,7 +2,8 @@
 
 wire/payload.py proves a payload well-formed (names, shapes, dtypes, sizes, checksums, finite values). That does not
 make it a model of this run: random weights, or honest weights scaled by 1000, pass every one of those checks and
-would wreck the blend (NoLoCo's outer step moves phi towards the partner's theta by beta/2 of the gap). So before a partner's tensors are blended, their distance from this node's own slow weights is measured,
+would wreck the blend (NoLoCo's outer step moves phi towards the partner's theta by beta/2 of the gap). So before
+a partner's tensors are blended, their distance from this node's own slow weights is measured,
 
     d = ||theta_partner - phi_own||_2 / ||phi_own||_2        (over all tensors at once; also for phi if sent)
 
