@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import threading
 import time
+from collections import Counter as CounterDict
 from collections import deque
 from typing import Any
 
@@ -48,6 +49,24 @@ class ExchangeMetrics:
         self._lock = threading.Lock()
         self.recent: deque[dict[str, Any]] = deque(maxlen=keep_recent)
 
+    @property
+    def outcomes(self) -> CounterDict[str]:
+        """Exchanges by outcome, as counted so far (a missing outcome counts 0)."""
+        return CounterDict(_by_label(self._outcomes, "outcome"))
+
+    @property
+    def rejected(self) -> CounterDict[str]:
+        """Refused payloads by reason, as counted so far (a missing reason counts 0)."""
+        return CounterDict(_by_label(self._rejected, "reason"))
+
+    @property
+    def bytes_sent(self) -> int:
+        return int(_total(self._sent))
+
+    @property
+    def bytes_received(self) -> int:
+        return int(_total(self._received))
+
     def outcome(self, name: str) -> None:
         self._outcomes.labels(name).inc()
 
@@ -81,10 +100,10 @@ class ExchangeMetrics:
         with self._lock:
             recent = list(self.recent)
         return {
-            "outcomes": _by_label(self._outcomes, "outcome"),
-            "rejected": _by_label(self._rejected, "reason"),
-            "bytes_sent": int(_total(self._sent)),
-            "bytes_received": int(_total(self._received)),
+            "outcomes": dict(self.outcomes),
+            "rejected": dict(self.rejected),
+            "bytes_sent": self.bytes_sent,
+            "bytes_received": self.bytes_received,
             "recent": recent,
         }
 
