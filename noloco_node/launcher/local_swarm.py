@@ -66,17 +66,27 @@ def launch_node(
         )
 
 
-def stop_gracefully(process: subprocess.Popen[bytes] | subprocess.Popen[str], timeout: float) -> int:
-    """SIGTERM, then SIGKILL if it has not left within ``timeout`` s; returns its exit code (-9 when killed)."""
+Process = subprocess.Popen[bytes] | subprocess.Popen[str]
+
+
+def stop_gracefully(process: Process, timeout: float) -> int:
+    """One SIGTERM, then SIGKILL if it has not left within ``timeout`` s; returns its exit code (-9 when killed).
+
+    One: a node leaves gracefully on the first, and a second one sent while it is already tearing down could
+    only cut that short."""
     if process.poll() is None:
         process.send_signal(signal.SIGTERM)
-        try:
-            return process.wait(timeout=timeout)
-        except subprocess.TimeoutExpired:
-            process.kill()
-            process.wait()
-            return -9
-    return process.returncode
+    return wait_or_kill(process, timeout)
+
+
+def wait_or_kill(process: Process, timeout: float) -> int:
+    """Its exit code once it has left, or -9 after a SIGKILL when it has not within ``timeout`` s."""
+    try:
+        return process.wait(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        process.kill()
+        process.wait()
+        return -9
 
 
 @dataclass
@@ -157,7 +167,8 @@ class LocalSwarm:
         return [slot for slot in self.slots if slot.process is not None and slot.process.poll() is None]
 
     def stop(self, timeout: float = 60.0) -> list[int]:
-        """Stop every node gracefully (all at once), then the bootstrap peer; returns the nodes' exit codes."""
+        """Stop every node gracefully (one SIGTERM each, all at once), then the bootstrap peer; returns the nodes'
+        exit codes."""
         for slot in self.running():
             assert slot.process is not None
             slot.process.send_signal(signal.SIGTERM)
@@ -165,7 +176,7 @@ class LocalSwarm:
         for slot in self.slots:
             if slot.process is None:
                 continue
-            code = stop_gracefully(slot.process, timeout)
+            code = wait_or_kill(slot.process, timeout)
             if code == -9 and not slot.killed_by_us:
                 slot.crashes.append(-9)  # did not leave within the bound: counted as a failure
             codes.append(code)

@@ -418,5 +418,11 @@ def run_node(node_cfg: NodeConfig, train_cfg: TrainConfig, outer_cfg: OuterConfi
     try:
         import uvloop
     except ImportError:
-        return asyncio.run(node.run())
-    return uvloop.run(node.run())
+        code = asyncio.run(node.run())
+    else:
+        code = uvloop.run(node.run())
+    # The loop has finished (and with it the node's handlers): a stop signal sent again now, by a launcher or an
+    # orchestrator that repeats itself, would kill a node that is already leaving cleanly.
+    for signum in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(signum, signal.SIG_IGN)
+    return code
