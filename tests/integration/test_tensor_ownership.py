@@ -16,6 +16,7 @@ from noloco_node.config.models import TrainConfig, model_config_for
 from noloco_node.data.corpus import ReplicaShard
 from noloco_node.pairing.strategy import OfferPublisher
 from noloco_node.pairing.sync import PairingRound
+from noloco_node.rpc import peer_pb2 as pb
 from noloco_node.rpc.client import Outgoing
 from noloco_node.rpc.contracts import AdmitsEverything
 from noloco_node.rpc.metrics import ExchangeMetrics
@@ -50,8 +51,8 @@ class _RoundNode(AdmitsEverything):
         self.sessions += 1
         return self.round.try_session(partner_id, partner_outer_step, max_staleness=2)
 
-    def info(self):
-        raise NotImplementedError
+    def info(self) -> pb.InfoReply:
+        return pb.InfoReply(peer_id=self.peer_id, run_fingerprint=RUN, ready_to_pair=self.round.open)
 
     def state_snapshot(self) -> None:
         return None
