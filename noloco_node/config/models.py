@@ -246,12 +246,11 @@ class SecurityConfig(_Settings):
     norm_bound: float | None = Field(
         None,
         gt=0,
-        description="Largest relative L2 distance of a partner's weights from this node's (default: learnt, "
-        "norm_bound_factor x the median of recent accepted exchanges).",
+        description="Largest relative L2 distance of a partner's weights from this node's (default: norm_bound_factor "
+        "x this node's own largest relative movement over its last 8 inner phases).",
     )
-    norm_bound_factor: float = Field(5.0, gt=1.0, description="The learnt bound: this many times the median.")
-    norm_bound_initial: float = Field(
-        1.0, gt=0, description="The bound until a few exchanges have been accepted (relative L2 distance)."
+    norm_bound_factor: float = Field(
+        3.0, gt=1.0, description="The bound: this many times this node's own recent movement per inner phase."
     )
     quarantine_seconds: float = Field(
         600.0, ge=0, description="How long a peer that sent a refused payload is neither called nor served (s)."

@@ -320,6 +320,8 @@ class Node:
         )
         self.shard = await catch_up.choose_shard()
         self.replica = replica = await catch_up.replica(self.shard, self.corpus, self.model_cfg, self.data_parallel)
+        # A resumed node is bounded at once by the movements its checkpoint recorded (payload_guard.py).
+        self.security.norm_guard.restore([h["movement"] for h in self.telemetry.history_list(16) if "movement" in h])
         validation = validation_batches(
             self.corpus.validation,
             seq_len=self.train_cfg.seq_len,
@@ -345,6 +347,7 @@ class Node:
                 write_status=self.write_status,
                 loop=asyncio.get_running_loop(),
                 publish_record=self._publish,
+                norm_guard=self.security.norm_guard,
                 data_parallel=self.data_parallel,
             )
         )

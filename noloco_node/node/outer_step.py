@@ -6,6 +6,8 @@ At the end of every inner phase (training/loop.py):
    offer in overlap mode);
 2. the blend: ``algorithm.noloco_outer_step`` (arXiv 2506.10911, eq. 3-5, the paper's sign corrected) over this
    node and the partner; the strategy sees the result before the replica adopts it (theta = phi);
+0. before pairing, this phase's own movement ||theta - phi|| / ||phi|| is measured: it sets the norm bound a
+   partner's payload is checked against (security/payload_guard.py);
 3. the upkeep, off the critical path: one copy of the outer state into reused buffers becomes the joiner snapshot
    and, when due, the checkpoint that the writer thread saves meanwhile (training/checkpoints.py);
 4. evaluation, the history entry, status.json and the DHT record.
@@ -29,6 +31,7 @@ from noloco_node.config.models import OuterConfig, TrainConfig
 from noloco_node.observability.report import ProgressLog
 from noloco_node.observability.telemetry import KEEP_OUTER_STEPS, Telemetry
 from noloco_node.pairing.strategy import PairingStrategy
+from noloco_node.security.payload_guard import NormGuard, relative_distance
 from noloco_node.training.checkpoints import CheckpointWriter, OuterStateCopies, replica_state_of
 from noloco_node.training.data_parallel import DataParallel
 from noloco_node.training.loop import InnerLoop, InnerPhase, StepHook
@@ -66,6 +69,7 @@ class OuterStepDeps:
     write_status: Callable[[], None]
     loop: asyncio.AbstractEventLoop
     publish_record: Callable[[], Any]  # a coroutine function, run on the event loop
+    norm_guard: NormGuard  # bounds partners by this node's own movement, measured here before each pairing
     data_parallel: DataParallel | None = None
 
 
@@ -114,6 +118,10 @@ class OuterStep:
 
     def __call__(self, phase: InnerPhase) -> None:
         deps, replica = self.deps, self.deps.replica
+        # This phase's own movement, before pairing: the norm bound a partner is checked against comes from it
+        # (payload_guard.py), so the first exchange is already bounded and no payload can widen the bound.
+        movement = relative_distance(replica.fast_weights(), replica.phi)
+        deps.norm_guard.observe_own_movement(movement)
         wait_started = time.monotonic()
         partner = deps.strategy.partner(replica, phase.seconds)
         waited = time.monotonic() - wait_started
@@ -136,6 +144,7 @@ class OuterStep:
             "wait_seconds": waited,
             "blend_seconds": blend_seconds,
             "upkeep_seconds": 0.0,
+            "movement": movement,  # kept in the checkpoint's history: a restarted node's norm bound starts from it
             "time": time.time(),
         }
         deps.telemetry.on_outer_step(entry)  # before the state copy: the checkpoint's history includes this step

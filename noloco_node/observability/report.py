@@ -160,7 +160,7 @@ def security_status(node: ReportedNode) -> SecurityStatus:
         tls=tls is not None,
         mutual_tls=tls is not None and tls.ca is not None,
         norm_bound=guard.bound(),
-        norm_bound_learnt=guard.learnt,
+        norm_bound_basis=guard.basis,
         last_partner_distance=guard.last_distance,
     )
 

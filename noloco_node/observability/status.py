@@ -93,8 +93,12 @@ class SecurityStatus(BaseModel):
     private_run: bool = Field(description="A swarm secret is set: calls and DHT records must prove membership.")
     tls: bool = Field(description="gRPC runs over TLS.")
     mutual_tls: bool = Field(description="Peers must present a certificate signed by the run's CA.")
-    norm_bound: float = Field(description="Current bound on a partner's relative L2 distance from this node.")
-    norm_bound_learnt: bool = Field(description="The bound comes from recent exchanges (not fixed, not initial).")
+    norm_bound: float | None = Field(
+        description="Current bound on a partner's relative L2 distance from this node (None before its first phase)."
+    )
+    norm_bound_basis: Literal["fixed", "own_movement", "none_yet"] = Field(
+        description="Where the bound comes from: configured, or this node's own recent movement (never from peers)."
+    )
     last_partner_distance: float | None = Field(description="Relative L2 distance of the last admitted partner.")
 
 

@@ -148,7 +148,8 @@ class PeerCaller:
     def _failed(self, peer: PeerRecord, deadline: float, error: BaseException) -> None:
         reason = error.reason if isinstance(error, ExchangeError) else "timeout"
         if isinstance(error, ExchangeError) and error.bad_payload is not None:
-            self.bad_payload(peer.peer_id, error.bad_payload)
+            if error.bad_payload.blames_sender:
+                self.bad_payload(peer.peer_id, error.bad_payload)
         elif reason != "busy":
             avoid = self.policy.failed(peer.peer_id)
             log.warning(

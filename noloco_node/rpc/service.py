@@ -232,9 +232,7 @@ class PeerService:
             problem = outcome.get("error")
             if isinstance(problem, PayloadError):
                 self.metrics.rejection(problem.reason)
-                if problem.reason == "incomplete":
-                    # The stream ended early: what a peer killed mid-exchange looks like from here. Refused, but
-                    # not held against the peer (a restarted node must not find itself quarantined).
+                if not problem.blames_sender:
                     finish("aborted")
                 else:
                     self.node.bad_payload(partner, problem)

@@ -53,7 +53,7 @@ class NodeSecurity:
             raise SecuritySetupError(str(error)) from None
         if tls is None and self.secret is not None:
             log.warning("private run without TLS: members are authenticated, but traffic is not encrypted")
-        self.norm_guard = NormGuard(fixed=cfg.norm_bound, factor=cfg.norm_bound_factor, initial=cfg.norm_bound_initial)
+        self.norm_guard = NormGuard(fixed=cfg.norm_bound, factor=cfg.norm_bound_factor)
         self.complaints = Complaints()
 
     @property

@@ -7,11 +7,20 @@ a partner's tensors are blended, their distance from this node's own slow weight
 
     d = ||theta_partner - phi_own||_2 / ||phi_own||_2        (over all tensors at once; also for phi if sent)
 
-and the payload is refused (INVALID_ARGUMENT, reason ``norm_bound``) when d exceeds the bound. The bound is fixed
-when configured; by default it is ``factor`` times the median distance of the recently accepted payloads (a
-median, so that a hostile partner cannot ratchet it up by pushing each accepted payload a little further), and
-``initial`` until a few exchanges have been seen. Honest replicas stay close (the pull towards the group mean keeps
-the spread bounded, docs/architecture.md), so honest partners sit well inside the bound.
+and the payload is refused (INVALID_ARGUMENT, reason ``norm_bound``) when d exceeds the bound.
+
+The bound is ``factor`` times the largest relative movement of this node's *own* recent inner phases,
+``||theta_own - phi_own|| / ||phi_own||`` over the last ``window`` outer steps (fixed instead when configured).
+Why this node's own movement and not the distances of accepted payloads: a bound learnt from what peers send can
+be walked up by the peers who send it (three payloads just inside a bound of 1.0 once lifted a learnt bound to
+4.75, after which random weights were blended), while no payload moves a node's own phase. It is sound from the
+first exchange (a node measures its phase before it pairs) and after a restart (the movements are in the
+checkpoint's history). Why the movement bounds an honest partner: replicas start from the same weights and move
+at the same learning rate, and the pull towards the group mean keeps the spread bounded, so an honest partner's
+theta sits within its own phase's movement plus the spread of this node's phi; measured on the tiny model (4
+replicas, H = 20 and 50), ``d / max(recent own movement)`` stayed below 1.3, hence the default factor of 3.
+Until this node has finished one phase it has no bound, and refuses a payload as *not ready* (ABORTED, never held
+against the peer).
 
 A member that holds the secret can still send a subtly bad model inside the bound; see the README's threat model.
 """
@@ -20,7 +29,6 @@ from __future__ import annotations
 
 import logging
 import math
-import statistics
 import threading
 import time
 from collections import deque
@@ -33,6 +41,7 @@ from noloco_node.wire.frames import PayloadError
 
 log = logging.getLogger(__name__)
 
+NOT_READY = "not_ready"  # a refusal that says nothing about the peer
 DISTANCE_SLICE = 1 << 20  # elements per slice: the distance never allocates a model-sized temporary
 
 
@@ -51,41 +60,50 @@ def relative_distance(partner: Sequence[torch.Tensor], own: Sequence[torch.Tenso
 
 
 class NormGuard:
-    """The bound on a partner's relative distance, learnt from recently accepted payloads. Thread-safe."""
+    """The bound on a partner's relative distance, from this node's own recent movement. Thread-safe."""
 
-    def __init__(
-        self,
-        *,
-        fixed: float | None = None,
-        factor: float = 5.0,
-        initial: float = 1.0,
-        window: int = 32,
-        min_history: int = 4,
-    ) -> None:
+    def __init__(self, *, fixed: float | None = None, factor: float = 3.0, window: int = 8) -> None:
         self.fixed = fixed
         self.factor = factor
-        self.initial = initial
-        self.min_history = min_history
-        self._accepted: deque[float] = deque(maxlen=window)
+        self._movements: deque[float] = deque(maxlen=window)
         self._lock = threading.Lock()
         self.last_distance: float | None = None
 
-    def bound(self) -> float:
+    def observe_own_movement(self, movement: float) -> None:
+        """Trainer thread, at the end of every inner phase and before pairing: ||theta - phi|| / ||phi||."""
+        if math.isfinite(movement):
+            with self._lock:
+                self._movements.append(movement)
+
+    def restore(self, movements: Sequence[float]) -> None:
+        """The movements a checkpoint recorded (oldest first), so that a restarted node is bounded at once."""
+        with self._lock:
+            self._movements.extend(m for m in movements if isinstance(m, (int, float)) and math.isfinite(m))
+
+    def bound(self) -> float | None:
+        """The current bound; None before this node has measured one phase of its own (and none is fixed)."""
         if self.fixed is not None:
             return self.fixed
         with self._lock:
-            if len(self._accepted) < self.min_history:
-                return self.initial
-            return self.factor * statistics.median(self._accepted)
+            return self.factor * max(self._movements) if self._movements else None
 
     @property
-    def learnt(self) -> bool:
+    def basis(self) -> str:
+        """Where the bound comes from: ``fixed``, ``own_movement``, or ``none_yet``."""
+        if self.fixed is not None:
+            return "fixed"
         with self._lock:
-            return self.fixed is None and len(self._accepted) >= self.min_history
+            return "own_movement" if self._movements else "none_yet"
 
     def admit(self, distance: float, peer: str) -> None:
-        """Accept (and learn from) the distance, or raise PayloadError naming it and the bound."""
+        """Accept the distance, or raise PayloadError naming it and the bound. Nothing is learnt from it."""
         bound = self.bound()
+        if bound is None:
+            raise PayloadError(
+                grpc.StatusCode.ABORTED,
+                NOT_READY,
+                "this node has not finished an inner phase yet, so it has no bound to check a partner against",
+            )
         if not math.isfinite(distance) or distance > bound:
             raise PayloadError(
                 grpc.StatusCode.INVALID_ARGUMENT,
@@ -94,7 +112,6 @@ class NormGuard:
                 f"{bound:.3g}",
             )
         with self._lock:
-            self._accepted.append(distance)
             self.last_distance = distance
 
 

@@ -44,6 +44,13 @@ class PayloadError(NolocoError):
         self.reason = reason
         self.message = message
 
+    @property
+    def blames_sender(self) -> bool:
+        """Whether the payload says something bad about its sender. A stream that ended early is what a peer
+        killed mid-exchange looks like, and a receiver with no bound yet judges nobody: neither is held against
+        the peer (a restarted node must not find itself quarantined)."""
+        return self.reason not in ("incomplete", "not_ready")
+
 
 def _invalid(reason: str, message: str) -> PayloadError:
     return PayloadError(grpc.StatusCode.INVALID_ARGUMENT, reason, message)

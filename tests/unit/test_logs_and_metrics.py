@@ -69,7 +69,7 @@ def status(**changes: object) -> NodeStatus:
             tls=False,
             mutual_tls=False,
             norm_bound=1.0,
-            norm_bound_learnt=False,
+            norm_bound_basis="own_movement",
             last_partner_distance=None,
         ),
         health=Health(state="training", reason="", ok=True),

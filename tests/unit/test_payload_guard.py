@@ -28,20 +28,29 @@ def test_relative_distance_is_exact_and_slices_big_tensors() -> None:
     assert relative_distance([t.to(torch.bfloat16) for t in own], own) < 0.01
 
 
-def test_the_bound_starts_at_initial_then_follows_the_median_of_accepted_distances() -> None:
-    guard = NormGuard(factor=5.0, initial=1.0, min_history=4)
-    assert guard.bound() == 1.0 and not guard.learnt
+def test_the_bound_follows_the_nodes_own_movement_and_no_payload_widens_it() -> None:
+    guard = NormGuard(factor=3.0, window=4)
+    with pytest.raises(PayloadError) as not_ready:  # no phase of its own yet: no judgement, and no blame
+        guard.admit(0.01, "p")
+    assert not_ready.value.reason == "not_ready" and not not_ready.value.blames_sender
+    assert guard.bound() is None and guard.basis == "none_yet"
+    guard.observe_own_movement(0.1)
+    assert guard.bound() == pytest.approx(0.3) and guard.basis == "own_movement"
+    for _ in range(50):  # the ratchet: payloads just inside the bound, over and over
+        guard.admit(0.29, "attacker")
+    assert guard.bound() == pytest.approx(0.3)
     with pytest.raises(PayloadError) as refused:
-        guard.admit(1.5, "p")
-    assert refused.value.reason == "norm_bound" and "1.5" in refused.value.message
-    for distance in (0.1, 0.2, 0.1, 0.3):
-        guard.admit(distance, "p")
-    assert guard.learnt and guard.bound() == pytest.approx(5 * 0.15)
-    guard.admit(0.7, "attacker")  # inside the bound; pushing the median takes half the window
-    assert guard.bound() == pytest.approx(5 * 0.2)
+        guard.admit(1.4, "attacker")  # random weights
+    assert refused.value.reason == "norm_bound" and "1.4" in refused.value.message and refused.value.blames_sender
+    for movement in (0.05, 0.04, 0.03, 0.02):  # the largest of the last `window` phases
+        guard.observe_own_movement(movement)
+    assert guard.bound() == pytest.approx(0.15)
     with pytest.raises(PayloadError):
         guard.admit(float("nan"), "p")
-    assert NormGuard(fixed=0.05).bound() == 0.05
+    restarted = NormGuard(factor=3.0)
+    restarted.restore([0.05, float("nan"), 0.02])  # from the checkpoint's history: bounded before any phase
+    assert restarted.bound() == pytest.approx(0.15)
+    assert NormGuard(fixed=0.05).bound() == 0.05 and NormGuard(fixed=0.05).basis == "fixed"
 
 
 def test_complaints_are_logged_once_per_peer_and_reason_per_interval(caplog: pytest.LogCaptureFixture) -> None:
