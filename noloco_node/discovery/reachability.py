@@ -61,7 +61,7 @@ class Reachability:
 def check_reachable(address: str, peer_id: str, transport: Transport, *, timeout: float = 5.0) -> Reachability:
     """Call this node's own Info at ``address``: reachable if this node answers there."""
     try:
-        reply = fetch_info(address, timeout=timeout, transport=transport)
+        reply = fetch_info(address, timeout=timeout, transport=transport, peer_id=peer_id)
     except ExchangeError as error:
         return Reachability(False, str(error))
     except Exception as error:  # grpc.RpcError and friends: whatever stops a peer stops us too

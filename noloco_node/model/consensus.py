@@ -155,7 +155,9 @@ def fetch_consensus(
                 f"downloading the state of {record.peer_id[-12:]} at {record.address} (outer step {record.outer_step})"
             )
             try:
-                tensors, counters = download.fetch(record.address, timeout=timeout, transport=security.transport)
+                tensors, counters = download.fetch(
+                    record.address, timeout=timeout, transport=security.transport, donor_peer_id=record.peer_id
+                )
             except ExchangeError as error:
                 failures.append(f"{record.peer_id[-12:]}: {error}")
                 continue

@@ -165,7 +165,11 @@ class CatchUp:
                 try:
                     tensors, got = await asyncio.wait_for(
                         asyncio.to_thread(
-                            download.fetch, donor.address, timeout=self.download_timeout, transport=self.transport
+                            download.fetch,
+                            donor.address,
+                            timeout=self.download_timeout,
+                            transport=self.transport,
+                            donor_peer_id=donor.peer_id,
                         ),
                         timeout=self.download_timeout + 5,  # the call has its own deadline; this bounds the hand-off
                     )

@@ -221,7 +221,8 @@ async def watch_peers(
         async def ask(peer_id: str, address: str) -> None:
             try:
                 reply = await asyncio.wait_for(
-                    asyncio.to_thread(fetch_info, address, timeout=2.0, transport=transport), timeout=3.0
+                    asyncio.to_thread(fetch_info, address, timeout=2.0, transport=transport, peer_id=peer_id),
+                    timeout=3.0,
                 )
             except Exception as error:  # an unreachable peer is shown without its curve, not an error here
                 log.debug("Info from %s failed: %r", peer_id[-8:], error)

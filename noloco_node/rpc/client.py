@@ -115,7 +115,7 @@ def exchange_with(
     outcome = "failed"
     try:
         with transport.channel(address) as channel:
-            metadata, nonce = transport.sign(EXCHANGE_METHOD, target_peer_id=peer)
+            metadata, nonce = transport.sign(EXCHANGE_METHOD, peer or "")
             checked, server_proved = threading.Event(), [False]
 
             def frames() -> Iterator[bytes]:
@@ -173,8 +173,9 @@ def server_problem(transport: Transport, method: str, nonce: str, call: Any, add
     return ExchangeError(grpc.StatusCode.UNAUTHENTICATED, "unauthenticated_peer", f"{address}: {problem}")
 
 
-def fetch_info(address: str, *, timeout: float, transport: Transport = PLAIN) -> pb.InfoReply:
-    metadata, nonce = transport.sign(INFO_METHOD)
+def fetch_info(address: str, *, timeout: float, transport: Transport = PLAIN, peer_id: str = "") -> pb.InfoReply:
+    """The Info of the node ``peer_id`` at ``address`` (the proofs are made for that node alone)."""
+    metadata, nonce = transport.sign(INFO_METHOD, peer_id)
     with transport.channel(address) as channel:
         reply, call = pb_grpc.PeerStub(channel).Info.with_call(pb.InfoRequest(), timeout=timeout, metadata=metadata)
         problem = transport.server_problem(INFO_METHOD, nonce, call)

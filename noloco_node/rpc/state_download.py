@@ -34,9 +34,11 @@ class StateDownload:
         self.counters: dict[str, int] | None = None  # of the snapshot being downloaded
         self.resumed = 0  # downloads that continued where another donor stopped
 
-    def fetch(self, address: str, *, timeout: float, transport: Transport = PLAIN) -> tuple[dict, dict[str, int]]:
-        """Download (the rest of) the snapshot from ``address``; returns the tensors and the counters, or raises
-        ExchangeError with what is complete so far kept for the next donor."""
+    def fetch(
+        self, address: str, *, timeout: float, transport: Transport = PLAIN, donor_peer_id: str = ""
+    ) -> tuple[dict, dict[str, int]]:
+        """Download (the rest of) the snapshot of the node ``donor_peer_id`` at ``address``; returns the tensors and
+        the counters, or raises ExchangeError with what is complete so far kept for the next donor."""
         max_bytes = sum(item.numel for item in self.expected) * 4 + 1024
         resuming = bool(self.done) and self.counters is not None
         receiver = PayloadReceiver(
@@ -57,7 +59,7 @@ class StateDownload:
         try:
             with transport.channel(address) as channel:
                 get_state = channel.unary_stream(GET_STATE_METHOD, request_serializer=pb.StateRequest.SerializeToString)
-                metadata, nonce = transport.sign(GET_STATE_METHOD)
+                metadata, nonce = transport.sign(GET_STATE_METHOD, donor_peer_id)
                 call = get_state(request, timeout=timeout, metadata=metadata)
                 if transport.authenticates:
                     problem = server_problem(transport, GET_STATE_METHOD, nonce, call, address)

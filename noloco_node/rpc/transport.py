@@ -116,11 +116,14 @@ class Transport:
         options = [*self.channel_options, ("grpc.ssl_target_name_override", self.tls.server_name)]
         return grpc.secure_channel(address, self._channel_credentials, options=options)
 
-    def sign(self, method: str, target_peer_id: str | None = None) -> tuple[list[tuple[str, str]] | None, str]:
-        """Metadata for one call and the nonce its answer must prove: the membership proof of a private run, and,
-        for a call to a known peer, the proof of this node's own peer id made for that peer alone."""
-        metadata, nonce = ([], "") if self.authenticator is None else self.authenticator.call_metadata(method)
-        if self.identity is not None and target_peer_id:
+    def sign(self, method: str, target_peer_id: str) -> tuple[list[tuple[str, str]] | None, str]:
+        """Metadata for one call to the server ``target_peer_id`` and the nonce its answer must prove: the
+        membership proof of a private run and the proof of this node's own peer id, both made for that server
+        alone (a proof captured in front of one node is worthless in front of another)."""
+        metadata, nonce = (
+            ([], "") if self.authenticator is None else self.authenticator.call_metadata(method, target_peer_id)
+        )
+        if self.identity is not None:
             metadata = [*metadata, *prove(self.identity, method, target_peer_id)]
         return (metadata or None), nonce
 

@@ -5,7 +5,10 @@ A private run shares one secret (a file, or the ``NOLOCO_SWARM_SECRET`` variable
 purpose, and what travels is a MAC.
 
 - A call carries ``x-noloco-peer``, ``x-noloco-time`` (ms), ``x-noloco-nonce`` and ``x-noloco-mac`` = HMAC over
-  the method, the peer id, the time and the nonce. The server refuses it with UNAUTHENTICATED, before any handler
+  the method, the caller's peer id, **the server's peer id**, the time and the nonce. Binding the server means a
+  proof captured in front of one member (in a run without TLS, anyone on the path can read it) is worthless in
+  front of every other; in front of the same member its nonce has been seen. The server refuses a call with
+  UNAUTHENTICATED, before any handler
   runs and so before it reveals anything about its model, when the MAC is missing or wrong, when the time is more
   than ``max_clock_skew`` away from its own clock (stale), or when the nonce was already seen (replayed); nonces
   are remembered for twice the skew, after which the time check refuses a replay anyway.
@@ -113,10 +116,11 @@ class CallAuthenticator:
 
     # ------------------------------------------------------------------ client side
 
-    def call_metadata(self, method: str) -> tuple[list[tuple[str, str]], str]:
-        """The metadata that proves membership for one call, and its nonce (to check the server's answer)."""
+    def call_metadata(self, method: str, target_peer_id: str) -> tuple[list[tuple[str, str]], str]:
+        """The metadata that proves membership for one call to the server ``target_peer_id`` (and to no other),
+        and its nonce (to check the server's answer)."""
         now, nonce = str(int(time.time() * 1000)), secrets.token_hex(16)
-        mac = _mac(self.key, "call", method, self.peer_id, now, nonce)
+        mac = _mac(self.key, "call", method, self.peer_id, target_peer_id, now, nonce)
         return [(PEER_HEADER, self.peer_id), (TIME_HEADER, now), (NONCE_HEADER, nonce), (MAC_HEADER, mac)], nonce
 
     def check_server(self, method: str, nonce: str, metadata: Sequence[tuple[str, Any]] | None) -> str | None:
@@ -140,7 +144,7 @@ class CallAuthenticator:
         assert isinstance(peer, str) and isinstance(sent_at, str) and isinstance(nonce, str) and isinstance(mac, str)
         if len(nonce) != 32 or len(peer) > 128 or not sent_at.isdigit() or len(sent_at) > 16:
             return "malformed"
-        if not hmac.compare_digest(mac, _mac(self.key, "call", method, peer, sent_at, nonce)):
+        if not hmac.compare_digest(mac, _mac(self.key, "call", method, peer, self.peer_id, sent_at, nonce)):
             return "bad_mac"
         now = time.time()
         if abs(now - int(sent_at) / 1000) > self.max_clock_skew:
@@ -162,7 +166,7 @@ class CallAuthenticator:
 REFUSAL_MESSAGES = {
     "missing": "this run is private: the call carries no membership proof",
     "malformed": "malformed membership proof",
-    "bad_mac": "membership proof does not verify (wrong swarm secret)",
+    "bad_mac": "membership proof does not verify (wrong swarm secret, or made for another server)",
     "stale": "membership proof is stale: its timestamp is outside the allowed clock skew",
     "replayed": "membership proof was already used (replayed request)",
     "nonce_cache_full": "too many calls within the replay window",

@@ -42,10 +42,11 @@ def payload(
 
 
 def signed_metadata(
-    secret: SwarmSecret, method: str, *, peer: str, sent_at_ms: int, nonce: str
+    secret: SwarmSecret, method: str, *, peer: str, target: str, sent_at_ms: int, nonce: str
 ) -> list[tuple[str, str]]:
-    """Metadata exactly as a member signs it, with the time and nonce of the test's choosing."""
-    mac = _mac(secret.key("grpc"), "call", method, peer, str(sent_at_ms), nonce)
+    """Metadata exactly as a member signs it for the server ``target``, with the time and nonce of the test's
+    choosing."""
+    mac = _mac(secret.key("grpc"), "call", method, peer, target, str(sent_at_ms), nonce)
     return [(PEER_HEADER, peer), (TIME_HEADER, str(sent_at_ms)), (NONCE_HEADER, nonce), (MAC_HEADER, mac)]
 
 

@@ -126,17 +126,32 @@ def test_a_private_run_pairs_its_members_and_refuses_everyone_else(bootstrap: Bo
             assert download_refused.value.code == grpc.StatusCode.UNAUTHENTICATED and not download.done
 
         # A member's signed call goes through once; the same metadata again is a replay; an old one is stale.
+        target = status["peer_id"]
         nonce = secrets.token_hex(16)
-        signed = signed_metadata(right, INFO_METHOD, peer="intruder", sent_at_ms=now_ms(), nonce=nonce)
+        signed = signed_metadata(right, INFO_METHOD, peer="intruder", target=target, sent_at_ms=now_ms(), nonce=nonce)
+        # Captured on the path (no TLS) before it reached member0, the proof is replayed to the other member first:
+        # it was made for member0 alone, so member1 refuses it, and member0 still takes the original once.
+        other_member = _wait_for(lambda: (s := members[1].status()) and s["address"] and s, 120, "member1")
+        assert raw_info(other_member["address"], signed) == grpc.StatusCode.UNAUTHENTICATED
         assert raw_info(address, signed) == grpc.StatusCode.OK
         assert raw_info(address, signed) == grpc.StatusCode.UNAUTHENTICATED
         stale = signed_metadata(
-            right, INFO_METHOD, peer="intruder", sent_at_ms=now_ms() - 600_000, nonce=secrets.token_hex(16)
+            right,
+            INFO_METHOD,
+            peer="intruder",
+            target=target,
+            sent_at_ms=now_ms() - 600_000,
+            nonce=secrets.token_hex(16),
         )
         assert raw_info(address, stale) == grpc.StatusCode.UNAUTHENTICATED
         # A MAC made for another method does not open this one.
         other = signed_metadata(
-            right, "/noloco.v1.Peer/GetState", peer="intruder", sent_at_ms=now_ms(), nonce=secrets.token_hex(16)
+            right,
+            "/noloco.v1.Peer/GetState",
+            peer="intruder",
+            target=target,
+            sent_at_ms=now_ms(),
+            nonce=secrets.token_hex(16),
         )
         assert raw_info(address, other) == grpc.StatusCode.UNAUTHENTICATED
 

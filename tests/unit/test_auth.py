@@ -30,12 +30,15 @@ def _pair(secret: bytes = b"0123456789abcdef-shared") -> tuple[CallAuthenticator
 
 def test_a_signed_call_passes_once_and_the_server_proves_itself() -> None:
     client, server = _pair()
-    metadata, nonce = client.call_metadata(METHOD)
+    metadata, nonce = client.call_metadata(METHOD, "server")
     checked = server.check_call(METHOD, metadata)
     assert checked == ("client", nonce)
     assert server.check_call(METHOD, metadata) == "replayed"
+    # The same proof in front of another member of the run (a replay captured on the path): refused there too.
+    other_member = CallAuthenticator(SwarmSecret(b"0123456789abcdef-shared", "test"), "another-server")
+    assert other_member.check_call(METHOD, metadata) == "bad_mac"
     assert client.check_server(METHOD, nonce, server.reply_metadata(METHOD, nonce)) is None
-    other_nonce = client.call_metadata(METHOD)[1]
+    other_nonce = client.call_metadata(METHOD, "server")[1]
     assert client.check_server(METHOD, other_nonce, server.reply_metadata(METHOD, nonce)) is not None  # not this call
 
 
@@ -43,8 +46,8 @@ def test_missing_wrong_tampered_and_stale_proofs_are_refused() -> None:
     client, server = _pair()
     _, stranger = _pair(b"another-secret-of-16-bytes-or-more")
     assert server.check_call(METHOD, []) == "missing"
-    assert server.check_call(METHOD, stranger.call_metadata(METHOD)[0]) == "bad_mac"
-    metadata = dict(client.call_metadata(METHOD)[0])
+    assert server.check_call(METHOD, stranger.call_metadata(METHOD, "server")[0]) == "bad_mac"
+    metadata = dict(client.call_metadata(METHOD, "server")[0])
     assert server.check_call("/noloco.v1.Peer/GetState", list(metadata.items())) == "bad_mac"  # bound to the method
     tampered = {**metadata, "x-noloco-peer": "someone-else"}
     assert server.check_call(METHOD, list(tampered.items())) == "bad_mac"
@@ -53,7 +56,7 @@ def test_missing_wrong_tampered_and_stale_proofs_are_refused() -> None:
     real_time = time.time
     try:
         time.time = lambda: real_time() - 600  # type: ignore[assignment]
-        old = client_from_the_past.call_metadata(METHOD)[0]
+        old = client_from_the_past.call_metadata(METHOD, "server")[0]
     finally:
         time.time = real_time  # type: ignore[assignment]
     assert server.check_call(METHOD, old) == "stale"
