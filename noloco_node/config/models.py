@@ -255,7 +255,20 @@ class SecurityConfig(_Settings):
     quarantine_seconds: float = Field(
         600.0, ge=0, description="How long a peer that sent a refused payload is neither called nor served (s)."
     )
-    max_concurrent_calls: int = Field(8, ge=2, le=256, description="gRPC calls served at once; more are refused.")
+    max_concurrent_calls: int = Field(8, ge=2, le=256, description="Exchanges served at once; more are refused.")
+    max_calls_per_address: int = Field(
+        4,
+        ge=1,
+        le=256,
+        description="Calls of each kind (exchange, download, Info) served at once to one remote address: one host "
+        "cannot take every slot by minting keys.",
+    )
+    stall_seconds: float = Field(
+        2.0,
+        gt=0,
+        description="A served call that moves no byte for this long is cut, and its peer and address are served no "
+        "exchange for 30 s (doubling on each further stall): a caller cannot hold the pairing round silent.",
+    )
 
     @model_validator(mode="after")
     def _tls_files_together(self) -> SecurityConfig:

@@ -32,6 +32,7 @@ from noloco_node.discovery.bootstrap import expand_bootstrap
 from noloco_node.discovery.dht import Discovery, PeerRecord
 from noloco_node.discovery.reachability import announce_host, check_reachable
 from noloco_node.node.catch_up import CHECKPOINT_FILE, CatchUp, NodeError
+from noloco_node.node.descriptors import connection_budget, raise_descriptor_limit
 from noloco_node.node.fault_injection import fault_hooks
 from noloco_node.node.outer_step import OuterStep, OuterStepDeps
 from noloco_node.node.peering import Peering
@@ -65,6 +66,7 @@ class Node:
 
     def __init__(self, node_cfg: NodeConfig, train_cfg: TrainConfig, outer_cfg: OuterConfig, data_cfg: DataConfig):
         self.cfg = node_cfg
+        self.descriptor_limit = raise_descriptor_limit()  # before anything opens a file or a socket
         self.train_cfg = train_cfg
         self.outer_cfg = outer_cfg
         self.corpus = load_corpus(data_cfg)
@@ -87,6 +89,7 @@ class Node:
         )
         self.peer_id = self.security.peer_id
         self.address = ""
+        self._status_file_errors = 0
         self.reachable = True  # until the self-check says otherwise
         self.status_url = ""
         self.dht_maddrs: list[str] = []
@@ -170,7 +173,12 @@ class Node:
 
     def write_status(self) -> None:
         """status.json in the data dir: the same document as GET /status, for launchers and post-mortems."""
-        write_status_file(self.cfg.data_dir, self.status())
+        try:
+            write_status_file(self.cfg.data_dir, self.status())
+        except OSError as error:  # a full disk or no descriptor left: the next outer step writes it again
+            self._status_file_errors += 1
+            if self._status_file_errors in (1, 10, 100) or self._status_file_errors % 1000 == 0:
+                log.warning("could not write status.json (%d times so far): %s", self._status_file_errors, error)
 
     # ------------------------------------------------------------------------------------------ event loop tasks
 
@@ -272,6 +280,9 @@ class Node:
             max_state_downloads=self.cfg.max_state_downloads,
             max_concurrent_calls=self.cfg.security.max_concurrent_calls,
             min_link_rate=self.cfg.min_link_rate,
+            stall_seconds=self.cfg.security.stall_seconds,
+            max_calls_per_address=self.cfg.security.max_calls_per_address,
+            max_connections=connection_budget(self.descriptor_limit),
             transport=self.security.transport,
             verifier=CallerVerifier(self.peer_id, max_clock_skew=self.cfg.security.max_clock_skew),
         )

@@ -12,8 +12,9 @@ RESOURCE_EXHAUSTED when oversized), and each refusal is counted by reason in :cl
 The server uses grpc's synchronous API on a thread pool: handlers convert and copy tensors, which must never run
 on the node's event loop, and on loopback the synchronous stack with 1 MiB chunks is the faster one. Every call
 carries a deadline, and the server enforces its own whatever the caller asked for (transport.Watchdog: a limit per
-call and a minimum transfer rate, against slow-loris callers); the server bounds concurrent calls. Channels,
-TLS and the membership proofs of a private run come from transport.py; a verified payload must still pass the
+call, a stall limit and a minimum transfer rate, against slow-loris callers), and admission.py decides who may
+hold which slot: per kind of call, per proven peer, per remote address, and a bar on those whose calls stalled.
+Channels, TLS and the membership proofs of a private run come from transport.py; a verified payload must still pass the
 node's own admission check (the norm bound of payload_guard.py) before it is blended.
 """
 
@@ -30,15 +31,14 @@ import grpc
 from google.protobuf.message import DecodeError
 
 from noloco_node.rpc import peer_pb2 as pb
+from noloco_node.rpc.admission import DOWNLOAD, EXCHANGE, INFO, Admission, Refused, Ticket, remote_host
 from noloco_node.rpc.contracts import HeldPayload, PeerNode
 from noloco_node.rpc.metrics import ExchangeMetrics
 from noloco_node.rpc.transport import CHANNEL_OPTIONS, PLAIN, GuardedCall, Transport, Watchdog
-from noloco_node.security.caller_proof import CallerProofError, CallerVerifier
+from noloco_node.security.caller_proof import KEY_HEADER, CallerProofError, CallerVerifier
+from noloco_node.security.payload_guard import Complaints
 from noloco_node.wire.frames import DEFAULT_CHUNK_BYTES, PayloadError, iter_frames
 from noloco_node.wire.payload import Payload, PayloadReceiver
-
-log = logging.getLogger(__name__)
-
 
 log = logging.getLogger(__name__)
 
@@ -49,6 +49,10 @@ SERVICE = "noloco.v1.Peer"
 EXCHANGE_METHOD = f"/{SERVICE}/Exchange"
 GET_STATE_METHOD = f"/{SERVICE}/GetState"
 INFO_METHOD = f"/{SERVICE}/Info"
+INFO_SLOTS = 4  # Info answers in milliseconds: a few slots keep it answerable whatever else is going on
+REFUSAL_THREADS = 8
+HANDSHAKE_SECONDS = 5.0  # a TCP connection that says nothing is closed after this
+IDLE_CONNECTION_SECONDS = 300.0
 
 
 class PeerService:
@@ -62,14 +66,20 @@ class PeerService:
         max_download_seconds: float = 600.0,
         max_state_downloads: int = 2,
         min_link_rate: float = 0.0,
+        stall_seconds: float = 0.0,
         watchdog: Watchdog | None = None,
         verifier: CallerVerifier | None = None,
+        admission: Admission | None = None,
     ) -> None:
         self.node = node
         # Who is calling: the peer id the caller proved (caller_proof.py). Without a verifier (benchmarks' bare
         # services) the manifest's word is taken, and nothing is decided about peers there.
         self.verifier = verifier
-        self.downloads = threading.BoundedSemaphore(max_state_downloads)
+        self.admission = admission or Admission(
+            slots={EXCHANGE: 8, DOWNLOAD: max_state_downloads, INFO: 4}, per_address=8
+        )
+        self.stall_seconds = stall_seconds
+        self.complaints = Complaints()
         self.metrics = metrics
         self.chunk_bytes = chunk_bytes
         # A caller that sets no deadline (or a huge one), or trickles its bytes, must not hold a worker thread and
@@ -92,31 +102,57 @@ class PeerService:
         self.metrics.outcome("refused_payload")
         _abort(context, error.code, error.message)
 
+    def _caller(self, method: str, context: grpc.ServicerContext, *, required: bool) -> str | None:
+        """The caller's proven peer id (None when this service verifies none, or for an optional proof that was
+        not given); aborts a call with a bad or missing required proof (UNAUTHENTICATED) before its handler reads
+        a byte."""
+        metadata = context.invocation_metadata()
+        if self.verifier is None or (not required and not any(key == KEY_HEADER for key, _ in metadata or ())):
+            return None
+        try:
+            return self.verifier.verify(method, metadata)
+        except CallerProofError as error:
+            self.metrics.rejection(f"identity_{error.reason}")
+            self.metrics.outcome("unproven_caller")
+            _abort(context, grpc.StatusCode.UNAUTHENTICATED, str(error))
+
+    def _admit(self, kind: str, context: grpc.ServicerContext, caller: str | None) -> Ticket:
+        """A slot for this call (admission.py), or RESOURCE_EXHAUSTED at once, before any work."""
+        try:
+            return self.admission.enter(kind, peer=caller, address=remote_host(context.peer()))
+        except Refused as refused:
+            self.metrics.rejection(f"admission_{refused.reason}")
+            self.metrics.outcome("download_busy" if kind == DOWNLOAD else f"refused_{refused.reason}")
+            _abort(context, grpc.StatusCode.RESOURCE_EXHAUSTED, str(refused))
+
+    def _leave(self, ticket: Ticket, guard: GuardedCall) -> None:
+        """Give the slot back; a call the watchdog cut for stalling bars its peer and its address (admission.py)."""
+        self.watchdog.release(guard)
+        self.admission.leave(ticket)
+        if guard.cut_reason == "stalled" and ticket.kind == EXCHANGE:
+            barred = self.admission.stalled(ticket)
+            self.complaints.complain(
+                ticket.address,
+                "stalled",
+                f"an exchange from {ticket.peer or 'an unproven caller'} moved no byte for {self.stall_seconds:.0f}s; "
+                f"its address and peer are served no exchange for {barred:.0f}s",
+            )
+
     def Exchange(self, request_iterator: Iterator[bytes], context: grpc.ServicerContext) -> Iterator[bytes]:  # noqa: N802
+        proven = self._caller(EXCHANGE_METHOD, context, required=True)
+        ticket = self._admit(EXCHANGE, context, proven)
         receiver = self._receiver()
         guard = self.watchdog.watch(
             context,
             limit=self.max_call_seconds,
             progress=lambda: receiver.bytes_received,
             min_rate=self.min_link_rate,
+            stall=self.stall_seconds,
         )
         try:
-            yield from self._exchange(request_iterator, context, receiver, guard)
+            yield from self._exchange(request_iterator, context, receiver, guard, proven)
         finally:
-            self.watchdog.release(guard)
-
-    def _proven_caller(self, context: grpc.ServicerContext, receiver: PayloadReceiver) -> str | None:
-        """The caller's proven peer id (None when this service verifies none); aborts a call without a valid proof
-        (UNAUTHENTICATED) before a byte of its payload is read."""
-        if self.verifier is None:
-            return None
-        try:
-            return self.verifier.verify(EXCHANGE_METHOD, context.invocation_metadata())
-        except CallerProofError as error:
-            receiver.discard()
-            self.metrics.rejection(f"identity_{error.reason}")
-            self.metrics.outcome("unproven_caller")
-            _abort(context, grpc.StatusCode.UNAUTHENTICATED, str(error))
+            self._leave(ticket, guard)
 
     def _exchange(
         self,
@@ -124,8 +160,8 @@ class PeerService:
         context: grpc.ServicerContext,
         receiver: PayloadReceiver,
         guard: GuardedCall,
+        proven: str | None,
     ) -> Iterator[bytes]:
-        proven = self._proven_caller(context, receiver)
         try:
             first = next(request_iterator)
             receiver.feed(first)  # the manifest: run, names, shapes and sizes are checked before anything else
@@ -247,19 +283,40 @@ class PeerService:
                 receiver.discard()  # a no-op once the payload was handed over
 
     def GetState(self, raw: bytes, context: grpc.ServicerContext) -> Iterator[bytes]:  # noqa: N802
+        caller = self._caller(GET_STATE_METHOD, context, required=True)
         request = _parse(pb.StateRequest, raw, context)
         if request.run_fingerprint != self.node.run_fingerprint:
             _abort(context, grpc.StatusCode.FAILED_PRECONDITION, f"this peer trains run {self.node.run_fingerprint}")
-        snapshot = self.node.state_snapshot()
-        if snapshot is None:
-            _abort(context, grpc.StatusCode.UNAVAILABLE, "no outer-step snapshot to serve yet")
+        # Downloads are served from a snapshot (never blocking training) but cost CPU and bandwidth: a few at a
+        # time, one per proven peer, in slots of their own (an exchange flood cannot take them).
+        ticket = self._admit(DOWNLOAD, context, caller)
+        sent = [0]
+        # A joiner that stops reading must not hold a download slot (and a worker thread) until its own deadline.
+        guard = self.watchdog.watch(
+            context,
+            limit=self.max_download_seconds,
+            progress=lambda: sent[0],
+            min_rate=self.min_link_rate,
+            stall=self.stall_seconds,
+        )
         try:
-            yield from self._serve_state(request, snapshot, context)
+            snapshot = self.node.state_snapshot()
+            if snapshot is None:
+                _abort(context, grpc.StatusCode.UNAVAILABLE, "no outer-step snapshot to serve yet")
+            try:
+                yield from self._serve_state(request, snapshot, context, guard, sent)
+            finally:
+                snapshot.release()  # the copy's buffers may be reused once no joiner reads them
         finally:
-            snapshot.release()  # the copy's buffers may be reused once no joiner reads them
+            self._leave(ticket, guard)
 
     def _serve_state(
-        self, request: pb.StateRequest, snapshot: HeldPayload, context: grpc.ServicerContext
+        self,
+        request: pb.StateRequest,
+        snapshot: HeldPayload,
+        context: grpc.ServicerContext,
+        guard: GuardedCall,
+        sent: list[int],
     ) -> Iterator[bytes]:
         if request.from_tensor and request.outer_step != snapshot.manifest.outer_step:
             _abort(
@@ -281,21 +338,11 @@ class PeerService:
                 grpc.StatusCode.INVALID_ARGUMENT,
                 f"cannot resume at tensor {request.from_tensor}, byte {request.from_offset}",
             )
-        # Downloads are served from a snapshot (never blocking training) but cost CPU and bandwidth: a few at a time.
-        if not self.downloads.acquire(blocking=False):
-            self.metrics.outcome("download_busy")
-            _abort(context, grpc.StatusCode.RESOURCE_EXHAUSTED, "busy: serving its maximum of state downloads")
-        sent = 0
 
         def count_sent(n: int) -> None:
-            nonlocal sent
-            sent += n
+            sent[0] += n
             self.metrics.add_bytes(sent=n)
 
-        # A joiner that stops reading must not hold a download slot (and a worker thread) until its own deadline.
-        guard = self.watchdog.watch(
-            context, limit=self.max_download_seconds, progress=lambda: sent, min_rate=self.min_link_rate
-        )
         try:
             yield from iter_frames(
                 snapshot.manifest,
@@ -309,13 +356,17 @@ class PeerService:
         except GeneratorExit:
             self.metrics.outcome(f"download_cut_{guard.cut_reason}" if guard.cut_reason else "download_aborted")
             raise
-        finally:
-            self.watchdog.release(guard)
-            self.downloads.release()
 
     def Info(self, raw: bytes, context: grpc.ServicerContext) -> pb.InfoReply:  # noqa: N802
-        _parse(pb.InfoRequest, raw, context)
-        return self.node.info()
+        # Info tells what the node's DHT record already says publicly: a caller may prove who it is, or not. Its
+        # slots are its own, so that a flood of exchanges or downloads never makes a node unanswerable.
+        caller = self._caller(INFO_METHOD, context, required=False)
+        ticket = self._admit(INFO, context, caller)
+        try:
+            _parse(pb.InfoRequest, raw, context)
+            return self.node.info()
+        finally:
+            self.admission.leave(ticket)
 
 
 def _abort(context: grpc.ServicerContext, code: grpc.StatusCode, message: str) -> NoReturn:
@@ -357,18 +408,37 @@ def start_server(
     max_download_seconds: float = 600.0,
     max_state_downloads: int = 2,
     min_link_rate: float = 0.0,
+    stall_seconds: float = 0.0,
+    max_calls_per_address: int = 8,
+    max_connections: int = 1024,
     transport: Transport = PLAIN,
     verifier: CallerVerifier | None = None,
 ) -> tuple[grpc.Server, int]:
     """Start the service; returns the server and the port it bound (ephemeral when the bind port is 0).
 
-    Calls beyond ``max_concurrent_calls`` get RESOURCE_EXHAUSTED from grpc itself; calls of a private run without
-    a valid membership proof get UNAUTHENTICATED from the transport's interceptor before any handler runs.
+    Exchanges beyond ``max_concurrent_calls``, downloads beyond ``max_state_downloads`` and Info calls beyond
+    ``INFO_SLOTS`` are refused with RESOURCE_EXHAUSTED by admission.py, each kind in its own slots; calls of a
+    private run without a valid membership proof get UNAUTHENTICATED from the transport's interceptor before any
+    handler runs. Connections are bounded too (file descriptors): at most ``max_connections`` open, one that has
+    not finished its HTTP/2 handshake within ``HANDSHAKE_SECONDS`` is closed, and one with no call for
+    ``IDLE_CONNECTION_SECONDS`` as well (a peer's pooled channel reconnects by itself).
     """
+    admission = Admission(
+        slots={EXCHANGE: max_concurrent_calls, DOWNLOAD: max_state_downloads, INFO: INFO_SLOTS},
+        per_address=max_calls_per_address,
+    )
+    # Every admitted call holds a thread; refusals are quick but need one too, hence the margin.
+    threads = max_concurrent_calls + max_state_downloads + INFO_SLOTS + REFUSAL_THREADS
+    options = [
+        *CHANNEL_OPTIONS,
+        ("grpc.max_allowed_incoming_connections", max_connections),
+        ("grpc.server_handshake_timeout_ms", int(HANDSHAKE_SECONDS * 1000)),
+        ("grpc.max_connection_idle_ms", int(IDLE_CONNECTION_SECONDS * 1000)),
+    ]
     server = grpc.server(
-        futures.ThreadPoolExecutor(max_workers=max_concurrent_calls, thread_name_prefix="grpc-peer"),
-        options=CHANNEL_OPTIONS,
-        maximum_concurrent_rpcs=max_concurrent_calls,
+        futures.ThreadPoolExecutor(max_workers=threads, thread_name_prefix="grpc-peer"),
+        options=options,
+        maximum_concurrent_rpcs=threads,
         interceptors=transport.interceptors(lambda reason: metrics.rejection(f"auth_{reason}")),
     )
     service = PeerService(
@@ -379,7 +449,9 @@ def start_server(
         max_download_seconds=max_download_seconds,
         max_state_downloads=max_state_downloads,
         min_link_rate=min_link_rate,
+        stall_seconds=stall_seconds,
         verifier=verifier,
+        admission=admission,
     )
     server.add_generic_rpc_handlers((_handlers(service),))
     port = transport.add_port(server, bind)

@@ -5,8 +5,9 @@ themselves: it makes a plaintext or TLS channel (tls.py), signs each call for a 
 server's answering proof (auth.py), and installs the authenticating interceptor on the server.
 
 :class:`Watchdog` bounds every served call from the server's side, whatever deadline the caller set (or did not):
-a call is cancelled when it runs past its limit, or when, after a short grace, it moves fewer bytes per second
-than the slowest link the run allows (``min_link_rate``). A slow-loris caller that opens streams and trickles (or
+a call is cancelled when it runs past its limit, when no byte has moved for ``stall`` seconds (a stream that
+never sent a byte, or stopped), or when, after a short grace, it moves fewer bytes per second than the slowest
+link the run allows (``min_link_rate``). A slow-loris caller that opens streams and trickles (or
 stops reading) therefore holds a worker thread and the pairing lock for seconds, not for the exchange ceiling.
 """
 
@@ -154,9 +155,12 @@ class GuardedCall:
     progress: Callable[[], int]
     min_rate: float
     grace: float
+    stall: float = 0.0  # cut when no byte has moved for this long (0: never)
     started: float = field(default_factory=time.monotonic)
     cut_reason: str | None = None
     transferred: bool = False  # every byte has moved: only the deadline applies from here on
+    last_bytes: int = 0
+    last_change: float = field(default_factory=time.monotonic)
 
 
 class Watchdog:
@@ -178,8 +182,9 @@ class Watchdog:
         progress: Callable[[], int] = lambda: 0,
         min_rate: float = 0.0,
         grace: float = 5.0,
+        stall: float = 0.0,
     ) -> GuardedCall:
-        call = GuardedCall(context, time.monotonic() + limit, progress, min_rate, grace)
+        call = GuardedCall(context, time.monotonic() + limit, progress, min_rate, grace, stall)
         with self._lock:
             self._by_id[id(call)] = call
         return call
@@ -209,6 +214,11 @@ class Watchdog:
         elapsed = now - call.started
         if call.transferred:
             return None
+        moved = call.progress()
+        if moved != call.last_bytes:
+            call.last_bytes, call.last_change = moved, now
+        elif call.stall > 0 and now - call.last_change > call.stall:
+            return "stalled"  # a silent stream (nothing since it opened), or one that stopped moving
         if call.min_rate > 0 and elapsed > call.grace and call.progress() < call.min_rate * (elapsed - call.grace):
             return "too_slow"
         return None

@@ -1,0 +1,59 @@
+"""Who may hold what on a node's server (rpc/admission.py): slots per kind, per peer and per address, and bars."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+
+from noloco_node.node.descriptors import connection_budget
+from noloco_node.rpc.admission import DOWNLOAD, EXCHANGE, INFO, Admission, Refused, remote_host
+
+
+def test_each_kind_has_its_own_slots_and_one_host_cannot_take_them_all() -> None:
+    admission = Admission(slots={EXCHANGE: 3, DOWNLOAD: 1, INFO: 2}, per_address=2)
+    held = [admission.enter(EXCHANGE, peer=f"sybil{i}", address="10.0.0.9") for i in range(2)]
+    with pytest.raises(Refused) as per_address:  # a third key from the same host
+        admission.enter(EXCHANGE, peer="sybil2", address="10.0.0.9")
+    assert per_address.value.reason == "per_address"
+    honest = admission.enter(EXCHANGE, peer="honest", address="10.0.0.1")
+    with pytest.raises(Refused) as full:
+        admission.enter(EXCHANGE, peer="late", address="10.0.0.2")
+    assert full.value.reason == "no_slot"
+    # Exchanges are full, yet a download and Info still have their slots.
+    admission.enter(DOWNLOAD, peer="joiner", address="10.0.0.3")
+    admission.enter(INFO, peer=None, address="10.0.0.9")
+    with pytest.raises(Refused) as per_peer:
+        admission.enter(DOWNLOAD, peer="joiner", address="10.0.0.4")
+    assert per_peer.value.reason in ("per_peer", "no_slot")
+    for ticket in [*held, honest]:
+        admission.leave(ticket)
+    assert admission.in_use()[EXCHANGE] == 0
+    one = admission.enter(EXCHANGE, peer="honest", address="10.0.0.1")
+    with pytest.raises(Refused) as twice:
+        admission.enter(EXCHANGE, peer="honest", address="10.0.0.5")
+    assert twice.value.reason == "per_peer"
+    admission.leave(one)
+
+
+def test_a_stall_bars_its_peer_and_address_from_exchanges_doubling_each_time() -> None:
+    admission = Admission(slots={EXCHANGE: 4, DOWNLOAD: 1, INFO: 1}, bar_seconds=0.2, max_bar_seconds=10)
+    ticket = admission.enter(EXCHANGE, peer="hog", address="10.0.0.9")
+    admission.leave(ticket)
+    assert admission.stalled(ticket) == pytest.approx(0.2)
+    for peer, address in (("hog", "10.0.0.8"), ("new-key", "10.0.0.9")):
+        with pytest.raises(Refused) as barred:
+            admission.enter(EXCHANGE, peer=peer, address=address)
+        assert barred.value.reason == "barred"
+    admission.leave(admission.enter(INFO, peer="hog", address="10.0.0.9"))  # still answered
+    admission.leave(admission.enter(EXCHANGE, peer="honest", address="10.0.0.1"))
+    time.sleep(0.25)
+    again = admission.enter(EXCHANGE, peer="hog", address="10.0.0.9")
+    admission.leave(again)
+    assert admission.stalled(again) == pytest.approx(0.4)
+
+
+def test_remote_hosts_and_the_connection_budget() -> None:
+    assert remote_host("ipv4:127.0.0.2:5555") == "127.0.0.2"
+    assert remote_host("ipv6:[::1]:5555") == "::1"
+    assert connection_budget(1024) == 384 and connection_budget(100) == 16 and connection_budget(10**7) == 4096
