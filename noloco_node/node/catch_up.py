@@ -7,6 +7,17 @@
   a donor's snapshot, drawn at random among the freshest live peers and resumable from another donor of the same
   outer step (rpc/state_download.py); else the run's seed.
 
+Whom a node believes here: a DHT record is signed by its owner, but its owner may lie. One record claiming outer
+step 1,000,000 once made a fresh joiner adopt an attacker's random state, and a member restarting from a good
+checkpoint believe itself 999,924 steps behind and throw it away. So:
+
+- **The swarm's front is corroborated**: the furthest outer step that at least two peers claim (one record
+  alone cannot move it; with a single peer in sight, its claim), and donors are the peers within one step of it.
+- **A downloaded state is measured before it is adopted**, on this node's own validation batches: a member
+  adopts it only if it is no worse than its own checkpoint's state, a fresh joiner only if it is at least
+  ``STATE_IMPROVEMENT`` better than the run's seed (a donor past outer step 0 has learnt something). A state that
+  fails is dropped whole, its donor is not asked again, and the node keeps what it had.
+
 Everything here runs on the event loop and awaits the DHT and the donors under deadlines; loading a checkpoint and
 adopting a downloaded state run in threads.
 """
@@ -18,6 +29,7 @@ import hashlib
 import json
 import logging
 import random
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -35,11 +47,25 @@ from noloco_node.rpc.state_download import StateDownload
 from noloco_node.rpc.transport import Transport
 from noloco_node.training.checkpoints import load_checkpoint, snapshot_layout
 from noloco_node.training.data_parallel import DataParallel
-from noloco_node.training.replica import Replica
+from noloco_node.training.replica import Batch, Replica
 
 log = logging.getLogger(__name__)
 
 CHECKPOINT_FILE = "checkpoint.pt"
+STATE_IMPROVEMENT = 0.01  # a joiner adopts a donor's state only if its validation loss is 1% below the seed's
+
+
+def credible_front(peers: Sequence[PeerRecord]) -> int | None:
+    """The furthest outer step at least two peers claim to have reached (with one peer, its claim); None if none."""
+    claims = sorted((p.outer_step for p in peers), reverse=True)
+    if not claims:
+        return None
+    return claims[1] if len(claims) > 1 else claims[0]
+
+
+def donors_near(peers: Sequence[PeerRecord], front: int) -> list[PeerRecord]:
+    """The peers within one outer step of the front: a claim far beyond it is not believed."""
+    return [p for p in peers if front - 1 <= p.outer_step <= front + 1]
 
 
 class NodeError(NolocoError):
@@ -57,6 +83,7 @@ class CatchUp:
     telemetry: Telemetry
     metrics: ExchangeMetrics
     download_timeout: float
+    validation: Sequence[Batch]  # this node's own batches: a donor's state is measured on them before adoption
 
     async def choose_shard(self) -> int:
         """This node's data shard (see the module docstring). Two nodes starting in the same second may still pick
@@ -103,26 +130,25 @@ class CatchUp:
         return replica
 
     async def initial_state(self, replica: Replica) -> None:
-        """Resume from this node's checkpoint unless the swarm has moved far ahead of it; else download a live
-        donor's state; else start from the run's seed."""
+        """Resume from this node's checkpoint unless the swarm has credibly moved far ahead of it; else download a
+        live donor's state that measures well; else start from the run's seed."""
         checkpoint = self.cfg.data_dir / CHECKPOINT_FILE
         if checkpoint.exists():
             await self._resume(replica, checkpoint)
             if not self.cfg.download_state:
                 return
-            peers = await self._donor_candidates()
-            front = max((p.outer_step for p in peers), default=replica.outer_step)
-            if front - replica.outer_step <= self.cfg.max_behind:
+            front = credible_front(await self._donor_candidates())
+            if front is None or front - replica.outer_step <= self.cfg.max_behind:
                 return
             log.info(
                 "the checkpoint is %d outer steps behind the swarm (more than --max-behind %d): downloading state",
                 front - replica.outer_step,
                 self.cfg.max_behind,
             )
-            if not await self.download_state(replica):
-                log.warning("no donor could serve its state: training on from the checkpoint")
+            if not await self.download_state(replica, has_own_state=True):
+                log.warning("no donor served a state better than the checkpoint's: training on from the checkpoint")
             return
-        if self.cfg.download_state and await self.download_state(replica):
+        if self.cfg.download_state and await self.download_state(replica, has_own_state=False):
             return
         log.info("starting run %s from its seed (%d)", self.run_fingerprint, self.train_cfg.seed)
 
@@ -144,18 +170,21 @@ class CatchUp:
             log.warning("DHT lookup for donors failed: %s", error)
             return []
 
-    async def download_state(self, replica: Replica, rounds: int = 3) -> bool:
-        """Adopt a fresh donor's snapshot. Donors are drawn at random among the freshest (within one outer step of
-        the swarm's front), so joiners spread out; a busy or failing donor is followed by the next one, which
-        continues the download where the last stopped when its snapshot is of the same outer step."""
+    async def download_state(self, replica: Replica, *, has_own_state: bool, rounds: int = 3) -> bool:
+        """Adopt a fresh donor's snapshot that measures well (see the module docstring). Donors are drawn at
+        random near the credible front, so joiners spread out; a busy or failing donor is followed by the next
+        one, which continues the download where the last stopped when its snapshot is of the same outer step."""
         layout = snapshot_layout(replica.model_cfg)
+        own_loss = await asyncio.to_thread(replica.evaluate, self.validation)
+        needed = own_loss if has_own_state else own_loss * (1 - STATE_IMPROVEMENT)
+        refused: set[str] = set()
         download = StateDownload(layout, run_fingerprint=self.run_fingerprint, peer_id=self.peer_id)
         for attempt in range(rounds):
-            peers = await self._donor_candidates()
-            if not peers:
+            peers = [p for p in await self._donor_candidates() if p.peer_id not in refused]
+            front = credible_front(peers)
+            if front is None:
                 return False
-            front = max(p.outer_step for p in peers)
-            donors = [p for p in peers if p.outer_step >= front - 1]
+            donors = donors_near(peers, front)
             random.shuffle(donors)
             counters = download.counters
             if counters is not None:  # a partial download resumes best at its own outer step
@@ -181,12 +210,30 @@ class CatchUp:
                         len(download.done),
                     )
                     continue
+                phi = [tensors[f"phi/{name}"] for name in replica.names]
+                loss = await asyncio.to_thread(replica.loss_of, phi, self.validation)
+                if not loss <= needed:  # NaN fails too
+                    refused.add(donor.peer_id)
+                    download = StateDownload(layout, run_fingerprint=self.run_fingerprint, peer_id=self.peer_id)
+                    self.metrics.outcome("state_refused")
+                    log.warning(
+                        "refused the state of outer step %d from %s: validation loss %.4f on this node's batches, "
+                        "against %.4f for %s",
+                        got["outer_step"],
+                        donor.peer_id,
+                        loss,
+                        own_loss,
+                        "its own checkpoint" if has_own_state else "the run's seed",
+                    )
+                    continue
                 await asyncio.to_thread(replica.load_outer_snapshot, tensors, got)
                 self.metrics.outcome("state_downloaded")
                 log.info(
-                    "joined a run in progress: state of outer step %d from %s%s",
+                    "joined a run in progress: state of outer step %d from %s (validation loss %.4f, against %.4f)%s",
                     replica.outer_step,
                     donor.peer_id[-8:],
+                    loss,
+                    own_loss,
                     " (resumed where another donor stopped)" if download.resumed else "",
                 )
                 return True

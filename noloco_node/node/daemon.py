@@ -318,6 +318,12 @@ class Node:
     async def _prepare_replica(self) -> OuterStep:
         """The replica on its shard, resumed or downloaded, and its first published state."""
         self.checkpoints.start()
+        validation = validation_batches(
+            self.corpus.validation,
+            seq_len=self.train_cfg.seq_len,
+            batch_size=self.train_cfg.batch_size,
+            num_batches=self.train_cfg.eval_batches,
+        )
         catch_up = CatchUp(
             cfg=self.cfg,
             train_cfg=self.train_cfg,
@@ -328,17 +334,12 @@ class Node:
             telemetry=self.telemetry,
             metrics=self.metrics,
             download_timeout=self.layout.download_timeout(),
+            validation=validation,
         )
         self.shard = await catch_up.choose_shard()
         self.replica = replica = await catch_up.replica(self.shard, self.corpus, self.model_cfg, self.data_parallel)
         # A resumed node is bounded at once by the movements its checkpoint recorded (payload_guard.py).
         self.security.norm_guard.restore([h["movement"] for h in self.telemetry.history_list(16) if "movement" in h])
-        validation = validation_batches(
-            self.corpus.validation,
-            seq_len=self.train_cfg.seq_len,
-            batch_size=self.train_cfg.batch_size,
-            num_batches=self.train_cfg.eval_batches,
-        )
         outer_step = OuterStep(
             OuterStepDeps(
                 replica=replica,

@@ -90,13 +90,12 @@ class Admission:
         now = time.monotonic()
         with self._lock:
             if kind == EXCHANGE:
-                for key in (f"peer:{peer}" if peer else None, f"address:{address}"):
-                    bar = self._bars.get(key) if key else None
+                for what, key in (("peer", f"peer:{peer}" if peer else ""), ("address", f"address:{address}")):
+                    bar = self._bars.get(key)
                     if bar is not None and bar.until > now:
                         raise Refused(
                             "barred",
-                            f"refused for {bar.until - now:.0f}s more: an earlier call from this "
-                            f"{key.split(':')[0]} stalled",
+                            f"refused for {bar.until - now:.0f}s more: an earlier call from this {what} stalled",
                         )
             if self._in_use[kind] >= self.slots[kind]:
                 raise Refused("no_slot", f"busy: all {self.slots[kind]} {kind} slots are in use")

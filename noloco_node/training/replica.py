@@ -190,6 +190,19 @@ class Replica:
     # ------------------------------------------------------------------------------------------ evaluation
 
     @torch.no_grad()
+    def loss_of(self, weights: Sequence[torch.Tensor], batches: Sequence[Batch]) -> float:
+        """The validation loss of other weights (in parameter order), this replica's own put back afterwards: a
+        donor's state is measured before it is adopted. Costs one copy of the parameters."""
+        own = [p.detach().clone() for p in self.params]
+        try:
+            for param, weight in zip(self.params, weights, strict=True):
+                param.copy_(weight)
+            return self.evaluate(batches)
+        finally:
+            for param, saved in zip(self.params, own, strict=True):
+                param.copy_(saved)
+
+    @torch.no_grad()
     def evaluate(self, batches: Sequence[Batch]) -> float:
         """Mean validation loss (nats per token) of the current fast weights over fixed batches."""
         self.model.eval()
