@@ -31,7 +31,7 @@ from noloco_node.security.tls import TlsFiles, write_ca, write_node_cert
 from noloco_node.wire.frames import iter_frames, layout_of
 from noloco_node.wire.payload import ReceiveBuffers
 
-from .attacker import fresh_identity, node_weights, now_ms, payload, raw_info, signed_metadata
+from .attacker import exchange_status, fresh_identity, node_weights, now_ms, payload, raw_info, signed_metadata
 from .swarm_harness import Bootstrap, NodeProcess
 
 TRAIN = ["--model", "tiny", "--seq-len", "64", "--batch-size", "8", "--eval-batches", "4"]
@@ -300,16 +300,23 @@ def test_slow_loris_streams_are_cut_and_the_node_serves_again(bootstrap: Bootstr
             release.wait(120)  # then nothing: no more bytes, and no deadline set by this caller
 
         channel = grpc.insecure_channel(address, options=CHANNEL_OPTIONS)
-        # Two streams take both call slots: one sends nothing, one sends a manifest (and holds a session) then stalls.
+        # Two streams of two keys take both exchange slots: one sends nothing, one sends a manifest (and holds a
+        # session) then stalls. A second stream of one key is refused at once: one exchange per proven peer.
+        second = fresh_identity()
         started = time.monotonic()
         calls = [
             channel.stream_stream(EXCHANGE_METHOD)(
-                trickle(frames), metadata=prove(loris, EXCHANGE_METHOD, status["peer_id"])
+                trickle(frames), metadata=prove(key, EXCHANGE_METHOD, status["peer_id"])
             )
-            for frames in ([], manifest_only)
+            for key, frames in ((loris, []), (second, manifest_only))
         ]
         time.sleep(1.0)
-        assert raw_info(address, None) == grpc.StatusCode.RESOURCE_EXHAUSTED  # the slots are full: refused at once
+        third = fresh_identity()
+        code, details = exchange_status(address, manifest_only, prove(third, EXCHANGE_METHOD, status["peer_id"]))
+        assert code == grpc.StatusCode.RESOURCE_EXHAUSTED and "exchange slots" in details, details
+        code, details = exchange_status(address, manifest_only, prove(loris, EXCHANGE_METHOD, status["peer_id"]))
+        assert code == grpc.StatusCode.RESOURCE_EXHAUSTED and "this peer" in details, details
+        assert raw_info(address, None) == grpc.StatusCode.OK  # Info has slots of its own: answered all along
         codes = []
         for call in calls:
             with pytest.raises(grpc.RpcError) as cut:
@@ -318,8 +325,13 @@ def test_slow_loris_streams_are_cut_and_the_node_serves_again(bootstrap: Bootstr
             codes.append(cut.value.code())
         cut_after = time.monotonic() - started
         assert codes == [grpc.StatusCode.CANCELLED, grpc.StatusCode.CANCELLED]
-        assert cut_after < 30  # the watchdog's grace is 5 s; the exchange ceiling (60 s) never came into it
-        assert raw_info(address, None) == grpc.StatusCode.OK  # serving again
+        assert cut_after < 10  # no byte for --stall-seconds (2 s); the exchange ceiling (60 s) never came into it
+        # The address they came from is now served no exchange for a while, whatever key it shows.
+        code, details = exchange_status(
+            address, manifest_only, prove(fresh_identity(), EXCHANGE_METHOD, status["peer_id"])
+        )
+        assert code == grpc.StatusCode.RESOURCE_EXHAUSTED and "stalled" in details, details
+        assert raw_info(address, None) == grpc.StatusCode.OK  # and Info is still answered
         release.set()
         channel.close()
 
@@ -328,10 +340,11 @@ def test_slow_loris_streams_are_cut_and_the_node_serves_again(bootstrap: Bootstr
 
         # The handlers record the cut a moment after the caller sees CANCELLED: wait for both records.
         live = _wait_for(
-            lambda: (s := status_now())["exchange_outcomes"].get("cut_too_slow", 0) >= 2 and s, 20, "records"
+            lambda: (s := status_now())["exchange_outcomes"].get("cut_stalled", 0) >= 2 and s, 20, "records"
         )
         assert live["inner_step"] > status["inner_step"]  # it trained on throughout
         # One cut before its manifest, one mid-exchange.
-        assert live["exchange_outcomes"].get("cut_too_slow", 0) == 2, live["exchange_outcomes"]
+        assert live["exchange_outcomes"].get("cut_stalled", 0) == 2, live["exchange_outcomes"]
+        assert live["rejected_payloads"].get("admission_barred") == 1, live["rejected_payloads"]
     finally:
         node.stop()
