@@ -10,6 +10,7 @@ harness all start nodes through :func:`launch_node` and :class:`LocalSwarm`, and
 from __future__ import annotations
 
 import os
+import resource
 import shutil
 import signal
 import subprocess
@@ -54,8 +55,15 @@ def launch_node(
     *,
     env: dict[str, str] | None = None,
     log_format: str = "text",
+    open_files: int | None = None,
 ) -> subprocess.Popen[bytes]:
-    """Start one node process, its output in ``log_path``."""
+    """Start one node process, its output in ``log_path``; ``open_files`` sets its open-file limit (soft and hard),
+    for drills of a node on a host with a low one."""
+
+    def limit_open_files() -> None:
+        if open_files is not None:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (open_files, open_files))
+
     data_dir.mkdir(parents=True, exist_ok=True)
     with log_path.open("w") as log:  # the child holds its own descriptor
         return subprocess.Popen(
@@ -63,6 +71,7 @@ def launch_node(
             stdout=log,
             stderr=subprocess.STDOUT,
             env={**os.environ, **(env or {})},
+            preexec_fn=limit_open_files if open_files is not None else None,
         )
 
 

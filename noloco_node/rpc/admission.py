@@ -97,10 +97,10 @@ class Admission:
                             "barred",
                             f"refused for {bar.until - now:.0f}s more: an earlier call from this {what} stalled",
                         )
-            if self._in_use[kind] >= self.slots[kind]:
-                raise Refused("no_slot", f"busy: all {self.slots[kind]} {kind} slots are in use")
             if peer is not None and kind != INFO and self._by_peer.get((kind, peer), 0) >= 1:
                 raise Refused("per_peer", f"busy: this peer already has a {kind} call in progress")
+            if self._in_use[kind] >= self.slots[kind]:
+                raise Refused("no_slot", f"busy: all {self.slots[kind]} {kind} slots are in use")
             if self._by_address.get((kind, address), 0) >= self.per_address:
                 raise Refused("per_address", f"busy: {self.per_address} {kind} calls from this address already")
             self._in_use[kind] += 1

@@ -19,6 +19,9 @@ checkpoint's history). Why the movement bounds an honest partner: replicas start
 at the same learning rate, and the pull towards the group mean keeps the spread bounded, so an honest partner's
 theta sits within its own phase's movement plus the spread of this node's phi; measured on the tiny model (4
 replicas, H = 20 and 50), ``d / max(recent own movement)`` stayed below 1.3, hence the default factor of 3.
+Whatever the movement, the bound never exceeds ``CEILING`` (0.9): weights as far from this node's as zero is
+(d = 1, and random weights sit at d >= 1) are nobody's honest partner, and early in a run, when a tiny model's
+first phases move it by up to 46% of its norm, 3x the movement alone would admit them.
 Until this node has finished one phase it has no bound, and refuses a payload as *not ready* (ABORTED, never held
 against the peer).
 
@@ -41,6 +44,7 @@ from noloco_node.wire.frames import PayloadError
 
 log = logging.getLogger(__name__)
 
+CEILING = 0.9  # the loosest bound ever: zero weights are at distance 1.0, random ones beyond
 NOT_READY = "not_ready"  # a refusal that says nothing about the peer
 DISTANCE_SLICE = 1 << 20  # elements per slice: the distance never allocates a model-sized temporary
 
@@ -85,7 +89,7 @@ class NormGuard:
         if self.fixed is not None:
             return self.fixed
         with self._lock:
-            return self.factor * max(self._movements) if self._movements else None
+            return min(CEILING, self.factor * max(self._movements)) if self._movements else None
 
     @property
     def basis(self) -> str:

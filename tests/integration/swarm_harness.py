@@ -27,12 +27,15 @@ class NodeProcess:
         *args: str,
         log_format: str = "text",
         env: dict[str, str] | None = None,
+        open_files: int | None = None,
     ) -> None:
         self.name = name
         self.data_dir = base / name
         self.data_dir.mkdir(parents=True, exist_ok=True)
         self.log_path = base / f"{name}.log"
-        self.process = launch_node(bootstrap.maddrs, self.data_dir, args, self.log_path, env=env, log_format=log_format)
+        self.process = launch_node(
+            bootstrap.maddrs, self.data_dir, args, self.log_path, env=env, log_format=log_format, open_files=open_files
+        )
 
     def descendants(self) -> list[int]:
         """Every process below this node (its DHT helper and the p2pd daemon it runs), from /proc."""

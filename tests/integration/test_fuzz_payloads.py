@@ -189,7 +189,7 @@ def test_fuzzed_payloads_are_refused_precisely_and_change_nothing(twins: list[No
     attacked, twin = twins
     # One fresh key per exchange example (a quarantine would hide what follows), made while the nodes start up, so
     # that the attack runs at full speed while the attacked node trains.
-    strangers = [fresh_identity() for _ in range(16 * len(MUTATIONS))]
+    strangers = [fresh_identity() for _ in range(16 * len(MUTATIONS) + 120)]
     deadline = time.monotonic() + 120
     while not ((status := attacked.status()) and status["address"] and status["inner_step"] >= 60):
         assert time.monotonic() < deadline and attacked.process.poll() is None, attacked.output()[-3000:]
@@ -243,7 +243,9 @@ def test_fuzzed_payloads_are_refused_precisely_and_change_nothing(twins: list[No
         method=st.sampled_from([GET_STATE_METHOD, INFO_METHOD]),
     )
     def requests(raw: bytes, method: str) -> None:
-        call = channel.unary_stream(method)(raw, timeout=20)
+        # A stranger's own key proves who asks (GetState requires it): the request itself is what is fuzzed.
+        asker = strangers.pop() if strangers else fresh_identity()
+        call = channel.unary_stream(method)(raw, timeout=20, metadata=prove(asker, method, target))
         try:
             for _ in call:
                 pass

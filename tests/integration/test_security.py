@@ -291,8 +291,11 @@ def test_slow_loris_streams_are_cut_and_the_node_serves_again(bootstrap: Bootstr
         status = _wait_for(lambda: (s := node.status()) and s["address"] and s["inner_step"] > 0 and s, 120, "target")
         address, fingerprint = status["address"], status["run_fingerprint"]
         loris = fresh_identity()  # a key of its own: a slow-loris caller needs no one else's identity
-        outgoing = payload(node_weights(), run_fingerprint=fingerprint, peer_id=loris.peer_id, outer_step=1)
-        manifest_only = [next(iter_frames(outgoing.manifest, outgoing.tensors))]
+
+        def manifest_only(key) -> list[bytes]:
+            outgoing = payload(node_weights(), run_fingerprint=fingerprint, peer_id=key.peer_id, outer_step=1)
+            return [next(iter_frames(outgoing.manifest, outgoing.tensors))]
+
         release = threading.Event()
 
         def trickle(first: list[bytes]):
@@ -308,13 +311,13 @@ def test_slow_loris_streams_are_cut_and_the_node_serves_again(bootstrap: Bootstr
             channel.stream_stream(EXCHANGE_METHOD)(
                 trickle(frames), metadata=prove(key, EXCHANGE_METHOD, status["peer_id"])
             )
-            for key, frames in ((loris, []), (second, manifest_only))
+            for key, frames in ((loris, []), (second, manifest_only(second)))
         ]
         time.sleep(1.0)
         third = fresh_identity()
-        code, details = exchange_status(address, manifest_only, prove(third, EXCHANGE_METHOD, status["peer_id"]))
+        code, details = exchange_status(address, manifest_only(third), prove(third, EXCHANGE_METHOD, status["peer_id"]))
         assert code == grpc.StatusCode.RESOURCE_EXHAUSTED and "exchange slots" in details, details
-        code, details = exchange_status(address, manifest_only, prove(loris, EXCHANGE_METHOD, status["peer_id"]))
+        code, details = exchange_status(address, manifest_only(loris), prove(loris, EXCHANGE_METHOD, status["peer_id"]))
         assert code == grpc.StatusCode.RESOURCE_EXHAUSTED and "this peer" in details, details
         assert raw_info(address, None) == grpc.StatusCode.OK  # Info has slots of its own: answered all along
         codes = []
@@ -327,8 +330,9 @@ def test_slow_loris_streams_are_cut_and_the_node_serves_again(bootstrap: Bootstr
         assert codes == [grpc.StatusCode.CANCELLED, grpc.StatusCode.CANCELLED]
         assert cut_after < 10  # no byte for --stall-seconds (2 s); the exchange ceiling (60 s) never came into it
         # The address they came from is now served no exchange for a while, whatever key it shows.
+        fourth = fresh_identity()
         code, details = exchange_status(
-            address, manifest_only, prove(fresh_identity(), EXCHANGE_METHOD, status["peer_id"])
+            address, manifest_only(fourth), prove(fourth, EXCHANGE_METHOD, status["peer_id"])
         )
         assert code == grpc.StatusCode.RESOURCE_EXHAUSTED and "stalled" in details, details
         assert raw_info(address, None) == grpc.StatusCode.OK  # and Info is still answered

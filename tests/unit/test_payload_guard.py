@@ -51,6 +51,9 @@ def test_the_bound_follows_the_nodes_own_movement_and_no_payload_widens_it() -> 
     restarted.restore([0.05, float("nan"), 0.02])  # from the checkpoint's history: bounded before any phase
     assert restarted.bound() == pytest.approx(0.15)
     assert NormGuard(fixed=0.05).bound() == 0.05 and NormGuard(fixed=0.05).basis == "fixed"
+    early = NormGuard(factor=3.0)
+    early.observe_own_movement(0.46)  # a tiny model's second phase from its random init moves this much
+    assert early.bound() == pytest.approx(0.9)  # weights at zero (distance 1.0) are refused all the same
 
 
 def test_complaints_are_logged_once_per_peer_and_reason_per_interval(caplog: pytest.LogCaptureFixture) -> None:

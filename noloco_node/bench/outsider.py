@@ -1,0 +1,473 @@
+"""One outsider against a swarm: each attack of docs/threat-model.md, as a client of ``proto/noloco/v1/peer.proto``.
+
+Used by ``noloco-node bench outsider`` (all attacks at once against a local swarm) and by
+``tests/integration/test_outsider.py`` (one test per attack). It holds no secret and no honest peer's key: it makes
+keys of its own (as many as it likes), reads what any peer may read (Info, GetState, the DHT) and sends what it
+wants. It comes from an address of its own, through :class:`SourceBoundRelay` on a loopback swarm, as an outsider
+on the internet would; honest nodes share 127.0.0.1.
+
+The attacks (numbered as in the issue that measured them):
+
+1. a payload in an honest peer's name (:func:`forged_payload`);
+2. the norm-bound ratchet: payloads just inside the bound, then random and scaled weights (:func:`ratchet`);
+3. a fake donor: a signed DHT record claiming outer step 1,000,000 and a GetState serving random weights
+   (:class:`FakeDonor`);
+4. holding the pairing round (a valid manifest, then silence: :func:`hog_once`) and the server slots (silent
+   streams: :func:`silent_stream`);
+5. idle TCP connections by the thousand (:func:`idle_connections`);
+6. replayed membership proofs need a private run and a captured proof; tests/integration/test_security.py has it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import math
+import socket
+import threading
+import time
+from collections import Counter
+from collections.abc import Callable, Iterator, Sequence
+from concurrent import futures
+from dataclasses import dataclass, field
+
+import grpc
+import torch
+from cryptography.hazmat.primitives.asymmetric import rsa
+
+from noloco_node.config.models import ModelConfig
+from noloco_node.discovery.dht import Discovery, PeerRecord
+from noloco_node.model.decoder import LlamaDecoder, named_parameters_ordered
+from noloco_node.rpc import peer_pb2 as pb
+from noloco_node.rpc.client import ExchangeError, Outgoing, fetch_info
+from noloco_node.rpc.service import EXCHANGE_METHOD, GET_STATE_METHOD, SERVICE
+from noloco_node.rpc.state_download import StateDownload
+from noloco_node.rpc.transport import CHANNEL_OPTIONS, Transport
+from noloco_node.security.caller_proof import prove
+from noloco_node.security.identity import NodeIdentity, _wrap
+from noloco_node.training.checkpoints import snapshot_layout
+from noloco_node.wire.frames import build_manifest, iter_frames
+
+CLAIMED_STEP = 1_000_000
+
+
+def fresh_identity() -> NodeIdentity:
+    """A new key pair, as any stranger makes one (1024-bit: quick; servers accept any RSA size)."""
+    return NodeIdentity(_wrap(rsa.generate_private_key(public_exponent=65537, key_size=1024)))
+
+
+@dataclass
+class Target:
+    """What the outsider knows of one honest node (all of it public: its DHT record or its Info)."""
+
+    peer_id: str
+    address: str
+    run_fingerprint: str
+    outer_step: int = 0
+
+
+class SourceBoundRelay:
+    """Listens on 127.0.0.1 and relays every connection to ``target`` from ``source`` (127.0.0.2 by default), so
+    that a node sees the outsider at an address of its own. Daemon threads; ``close`` stops it."""
+
+    def __init__(self, target: str, source: str = "127.0.0.2") -> None:
+        host, port = target.rsplit(":", 1)
+        self.target, self.source = (host, int(port)), source
+        self._listener = socket.create_server(("127.0.0.1", 0))
+        self.address = f"127.0.0.1:{self._listener.getsockname()[1]}"
+        self._closed = threading.Event()
+        threading.Thread(target=self._accept, daemon=True, name="relay").start()
+
+    def _accept(self) -> None:
+        while not self._closed.is_set():
+            try:
+                client, _ = self._listener.accept()
+            except OSError:
+                return
+            upstream = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+            try:
+                upstream.bind((self.source, 0))
+                upstream.connect(self.target)
+            except OSError:
+                client.close()
+                upstream.close()
+                continue
+            for a, b in ((client, upstream), (upstream, client)):
+                threading.Thread(target=_pump, args=(a, b), daemon=True, name="relay-pump").start()
+
+    def close(self) -> None:
+        self._closed.set()
+        self._listener.close()
+
+
+def _pump(source: socket.socket, sink: socket.socket) -> None:
+    try:
+        while data := source.recv(1 << 16):
+            sink.sendall(data)
+    except OSError:
+        pass
+    finally:
+        for sock in (source, sink):
+            with contextlib.suppress(OSError):
+                sock.shutdown(socket.SHUT_RDWR)
+            sock.close()
+
+
+# ---------------------------------------------------------------------------------------------- payloads
+
+
+def theta_names(model_cfg: ModelConfig) -> list[tuple[str, tuple[int, ...]]]:
+    with torch.device("meta"):
+        model = LlamaDecoder(model_cfg)
+    return [(f"theta/{name}", tuple(p.shape)) for name, p in named_parameters_ordered(model)]
+
+
+def download_phi(
+    target: Target, model_cfg: ModelConfig, identity: NodeIdentity, timeout: float = 30
+) -> list[torch.Tensor]:
+    """The target's slow weights, as GetState hands them to anyone (the distance of a crafted payload from them
+    is then exact)."""
+    download = StateDownload(
+        snapshot_layout(model_cfg), run_fingerprint=target.run_fingerprint, peer_id=identity.peer_id
+    )
+    tensors, _ = download.fetch(
+        target.address, timeout=timeout, transport=Transport(identity=identity), donor_peer_id=target.peer_id
+    )
+    return [tensors[name.replace("theta/", "phi/", 1)] for name, _ in theta_names(model_cfg)]
+
+
+def at_distance(phi: Sequence[torch.Tensor], distance: float, seed: int = 0) -> list[torch.Tensor]:
+    """Weights exactly ``distance`` (relative L2) from ``phi``, in a random direction."""
+    generator = torch.Generator().manual_seed(seed)
+    noise = [torch.randn(p.shape, generator=generator) for p in phi]
+    scale = distance * math.sqrt(sum(float((p.float() ** 2).sum()) for p in phi))
+    scale /= math.sqrt(sum(float((n**2).sum()) for n in noise))
+    return [p.float() + scale * n for p, n in zip(phi, noise, strict=True)]
+
+
+def payload_frames(
+    target: Target,
+    model_cfg: ModelConfig,
+    tensors: Sequence[torch.Tensor],
+    *,
+    peer_id: str,
+    wire_dtype: str = "bf16",
+) -> list[bytes]:
+    named = [(name, t) for (name, _), t in zip(theta_names(model_cfg), tensors, strict=True)]
+    manifest = build_manifest(
+        named,
+        wire_dtype=wire_dtype,
+        run_fingerprint=target.run_fingerprint,
+        peer_id=peer_id,
+        outer_step=target.outer_step,
+    )
+    outgoing = Outgoing(manifest, [t for _, t in named])
+    return list(iter_frames(outgoing.manifest, outgoing.tensors))
+
+
+def send_exchange(
+    address: str, target: Target, frames: Sequence[bytes], identity: NodeIdentity, *, timeout: float = 30
+) -> tuple[grpc.StatusCode, str]:
+    """One Exchange sending exactly ``frames`` with a valid proof of ``identity`` made for the target."""
+    with grpc.insecure_channel(address, options=CHANNEL_OPTIONS) as channel:
+        call = channel.stream_stream(EXCHANGE_METHOD)(
+            iter(frames), timeout=timeout, metadata=prove(identity, EXCHANGE_METHOD, target.peer_id)
+        )
+        try:
+            for _ in call:
+                pass
+        except grpc.RpcError as error:
+            return error.code(), error.details() or ""
+    return grpc.StatusCode.OK, ""
+
+
+def forged_payload(
+    address: str, target: Target, model_cfg: ModelConfig, honest_peer_id: str, identity: NodeIdentity
+) -> tuple[grpc.StatusCode, str]:
+    """Attack 1: garbage (random weights) in an honest peer's name, under the outsider's own (valid) proof."""
+    phi_like = [torch.randn(shape) for _, shape in theta_names(model_cfg)]
+    return send_exchange(address, target, payload_frames(target, model_cfg, phi_like, peer_id=honest_peer_id), identity)
+
+
+def ratchet(address: str, target: Target, model_cfg: ModelConfig, phi: Sequence[torch.Tensor]) -> dict[str, list[str]]:
+    """Attack 2: three payloads at relative distance 0.95 from the target's own phi, then random weights and phi
+    scaled by 3, each under a fresh key (a quarantine of one key stops nothing: each payload is judged on its own).
+    Returns each payload's status code name, by kind."""
+    codes: dict[str, list[str]] = {"ratchet_0.95": [], "random": [], "scaled_3x": []}
+    payloads = [("ratchet_0.95", at_distance(phi, 0.95, seed)) for seed in range(3)]
+    payloads.append(("random", [torch.randn(p.shape) * float(p.float().std()) for p in phi]))
+    payloads.append(("scaled_3x", [3 * p.float() for p in phi]))
+    for kind, weights in payloads:
+        key = fresh_identity()
+        frames = payload_frames(target, model_cfg, weights, peer_id=key.peer_id)
+        codes[kind].append(send_exchange(address, target, frames, key)[0].name)
+    return codes
+
+
+# ---------------------------------------------------------------------------------------------- holding things
+
+
+def hog_once(address: str, target: Target, manifest_frame: bytes, *, silent: bool, hold: float = 60.0) -> str:
+    """Attack 4: open an exchange with a fresh key, send the manifest (or nothing) and then nothing at all, until
+    the node cuts it (or ``hold`` s). Returns the status code name."""
+    identity = fresh_identity()
+    release = threading.Event()
+
+    def frames() -> Iterator[bytes]:
+        if not silent:
+            yield manifest_frame
+        release.wait(hold)
+
+    with grpc.insecure_channel(address, options=CHANNEL_OPTIONS) as channel:
+        call = channel.stream_stream(EXCHANGE_METHOD)(
+            frames(), timeout=hold, metadata=prove(identity, EXCHANGE_METHOD, target.peer_id)
+        )
+        try:
+            for _ in call:
+                pass
+            code = "OK"
+        except grpc.RpcError as error:
+            code = error.code().name
+        finally:
+            release.set()
+    return code
+
+
+def silent_stream(address: str, target: Target, hold: float = 60.0) -> str:
+    return hog_once(address, target, b"", silent=True, hold=hold)
+
+
+def idle_connections(address: str, count: int) -> list[socket.socket]:
+    """Attack 5: TCP connections that never send a byte (the caller closes them)."""
+    host, port = address.rsplit(":", 1)
+    opened = []
+    for _ in range(count):
+        sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        sock.setblocking(False)
+        try:
+            sock.connect_ex((host, int(port)))
+        except OSError:
+            sock.close()
+            break
+        opened.append(sock)
+    return opened
+
+
+def probe_info(target: Target, transport: Transport) -> str:
+    """An honest caller's Info: the status code name it got."""
+    try:
+        fetch_info(target.address, timeout=5, transport=transport, peer_id=target.peer_id)
+    except ExchangeError as error:
+        return error.code.name
+    except grpc.RpcError as error:
+        return error.code().name
+    return "OK"
+
+
+def probe_state(target: Target, transport: Transport) -> str:
+    """An honest caller's state download, to its first frame (the node answered; the rest is not needed)."""
+    metadata, _ = transport.sign(GET_STATE_METHOD, target.peer_id)
+    with grpc.insecure_channel(target.address, options=CHANNEL_OPTIONS) as channel:
+        call = channel.unary_stream(GET_STATE_METHOD, request_serializer=pb.StateRequest.SerializeToString)(
+            pb.StateRequest(run_fingerprint=target.run_fingerprint), timeout=5, metadata=metadata
+        )
+        try:
+            next(iter(call))
+            call.cancel()
+            return "OK"
+        except grpc.RpcError as error:
+            return error.code().name
+
+
+# ---------------------------------------------------------------------------------------------- the fake donor
+
+
+class FakeDonor:
+    """Attack 3: a GetState server of the outsider's own, serving random weights as the state of outer step
+    1,000,000, and a DHT record, signed with the outsider's own key, that says so (refreshed until ``close``)."""
+
+    def __init__(self, maddrs: Sequence[str], run_fingerprint: str, model_cfg: ModelConfig) -> None:
+        self.identity = fresh_identity()
+        self.run_fingerprint = run_fingerprint
+        counters = {"inner_step": CLAIMED_STEP * 50, "outer_step": CLAIMED_STEP, "adam_step": CLAIMED_STEP * 50}
+        named = [(name, torch.randn(shape) * 0.05) for name, shape in snapshot_layout(model_cfg)]
+        self.manifest = build_manifest(
+            named,
+            wire_dtype="fp32",
+            run_fingerprint=run_fingerprint,
+            peer_id=self.identity.peer_id,
+            outer_step=CLAIMED_STEP,
+            metadata_json=json.dumps(counters),
+        )
+        self.tensors = [t for _, t in named]
+        self.served = 0
+        self.server = grpc.server(futures.ThreadPoolExecutor(max_workers=4), options=CHANNEL_OPTIONS)
+        handler = grpc.unary_stream_rpc_method_handler(self._get_state)
+        self.server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(SERVICE, {"GetState": handler}),))
+        self.address = f"127.0.0.1:{self.server.add_insecure_port('127.0.0.1:0')}"
+        self.server.start()
+        self.discovery = Discovery(run_fingerprint, initial_peers=list(maddrs), identity=self.identity, record_ttl=10)
+        self.discovery.start()
+        self._stop = threading.Event()
+        self._publisher = threading.Thread(target=self._publish_forever, daemon=True, name="fake-donor-record")
+        self._publisher.start()
+
+    def _get_state(self, _request: bytes, _context: grpc.ServicerContext) -> Iterator[bytes]:
+        self.served += 1
+        yield from iter_frames(self.manifest, self.tensors)
+
+    def _publish_forever(self) -> None:
+        record = PeerRecord(
+            peer_id=self.identity.peer_id,
+            address=self.address,
+            run_fingerprint=self.run_fingerprint,
+            outer_step=CLAIMED_STEP,
+            inner_step=CLAIMED_STEP * 50,
+            ready=False,
+            reachable=True,
+            shard=99,
+        )
+        while not self._stop.is_set():
+            with contextlib.suppress(TimeoutError, OSError):
+                asyncio.run(self.discovery.publish(record))
+            self._stop.wait(3.0)
+
+    def close(self) -> None:
+        self._stop.set()
+        self._publisher.join(10)
+        self.server.stop(grace=1)
+        self.discovery.shutdown()
+
+
+# ---------------------------------------------------------------------------------------------- all at once
+
+
+@dataclass
+class OutsiderReport:
+    """What the outsider did and what it saw, by attack."""
+
+    forged: Counter[str] = field(default_factory=Counter)
+    ratchet: Counter[str] = field(default_factory=Counter)
+    hogs: Counter[str] = field(default_factory=Counter)
+    silent: Counter[str] = field(default_factory=Counter)
+    idle_connections: int = 0
+    probes: Counter[str] = field(default_factory=Counter)  # Info / GetState asked of the honest nodes
+
+    def line(self) -> str:
+        def show(counter: Counter[str]) -> str:
+            return ", ".join(f"{k} {v}" for k, v in sorted(counter.items())) or "none"
+
+        return (
+            f"forged: {show(self.forged)}; ratchet: {show(self.ratchet)}; lock hogs: {show(self.hogs)}; silent "
+            f"streams: {show(self.silent)}; idle connections opened: {self.idle_connections}; honest probes: "
+            f"{show(self.probes)}"
+        )
+
+
+class Outsider:
+    """Every attack at once against ``targets`` (read again from ``targets_now`` as the swarm moves), from
+    127.0.0.2, until ``stop``. Each target gets its relay, a lock hog, ``silent_streams`` silent streams, idle
+    connections, a forged payload and the ratchet every ``every`` seconds; a probe from 127.0.0.1 asks each
+    target's Info and GetState twice a second to see whether honest callers are still answered."""
+
+    def __init__(
+        self,
+        targets_now: Callable[[], list[Target]],
+        model_cfg: ModelConfig,
+        *,
+        silent_streams: int = 10,
+        idle: int = 200,
+        every: float = 10.0,
+    ) -> None:
+        self.targets_now = targets_now
+        self.model_cfg = model_cfg
+        self.silent_streams = silent_streams
+        self.idle = idle
+        self.every = every
+        self.report = OutsiderReport()
+        self._stop = threading.Event()
+        self._threads: list[threading.Thread] = []
+        self._relays: dict[str, SourceBoundRelay] = {}
+        self._sockets: list[socket.socket] = []
+        self._lock = threading.Lock()
+
+    def _relay(self, target: Target) -> str:
+        with self._lock:
+            relay = self._relays.get(target.address)
+            if relay is None:
+                relay = self._relays[target.address] = SourceBoundRelay(target.address)
+            return relay.address
+
+    def _current(self, peer_id: str) -> Target | None:
+        return next((t for t in self.targets_now() if t.peer_id == peer_id), None)
+
+    def start(self) -> None:
+        for target in self.targets_now():
+            self._spawn(self._hog_loop, target.peer_id)
+            for _ in range(self.silent_streams):
+                self._spawn(self._silent_loop, target.peer_id)
+            self._spawn(self._payload_loop, target.peer_id)
+            self._spawn(self._probe_loop, target.peer_id)
+            self._sockets += idle_connections(self._relay(target), self.idle)
+        self.report.idle_connections = len(self._sockets)
+
+    def _spawn(self, loop: Callable[[str], None], peer_id: str) -> None:
+        thread = threading.Thread(target=loop, args=(peer_id,), daemon=True, name=f"outsider-{loop.__name__}")
+        thread.start()
+        self._threads.append(thread)
+
+    def _hog_loop(self, peer_id: str) -> None:
+        while not self._stop.is_set() and (target := self._current(peer_id)) is not None:
+            manifest = payload_frames(
+                target, self.model_cfg, [torch.zeros(s) for _, s in theta_names(self.model_cfg)], peer_id="x"
+            )[0]
+            self.report.hogs[hog_once(self._relay(target), target, manifest, silent=False, hold=30)] += 1
+
+    def _silent_loop(self, peer_id: str) -> None:
+        while not self._stop.is_set() and (target := self._current(peer_id)) is not None:
+            self.report.silent[silent_stream(self._relay(target), target, hold=30)] += 1
+            self._stop.wait(0.1)
+
+    def _payload_loop(self, peer_id: str) -> None:
+        identity = fresh_identity()
+        while not self._stop.is_set() and (target := self._current(peer_id)) is not None:
+            honest = next((t.peer_id for t in self.targets_now() if t.peer_id != peer_id), peer_id)
+            address = self._relay(target)
+            self.report.forged[forged_payload(address, target, self.model_cfg, honest, identity)[0].name] += 1
+            try:
+                phi = download_phi(target, self.model_cfg, identity)
+                for kind, codes in ratchet(address, target, self.model_cfg, phi).items():
+                    for code in codes:
+                        self.report.ratchet[f"{kind} {code}"] += 1
+            except ExchangeError as error:
+                self.report.ratchet[f"phi download {error.reason}"] += 1
+            self._stop.wait(self.every)
+
+    def _probe_loop(self, peer_id: str) -> None:
+        prober = fresh_identity()  # an honest-looking caller at the honest nodes' address
+        transport = Transport(identity=prober)
+        while not self._stop.is_set() and (target := self._current(peer_id)) is not None:
+            for method, probe in (("info", probe_info), ("get_state", probe_state)):
+                self.report.probes[f"{method} {probe(target, transport)}"] += 1
+            self._stop.wait(0.5)
+
+    def stop(self) -> OutsiderReport:
+        self._stop.set()
+        for sock in self._sockets:
+            sock.close()
+        for thread in self._threads:
+            thread.join(40)
+        for relay in self._relays.values():
+            relay.close()
+        return self.report
+
+
+def wait_until(predicate: Callable[[], object], timeout: float, what: str) -> object:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        value = predicate()
+        if value:
+            return value
+        time.sleep(0.2)
+    raise TimeoutError(f"timed out waiting for {what}")

@@ -1,0 +1,301 @@
+"""One outsider against real node processes: each attack that once stopped a swarm's learning, poisoned a member or
+crashed a node, and what the node does about it now (docs/threat-model.md). The outsider (noloco_node/bench/
+outsider.py) holds no secret and no honest key; it comes from 127.0.0.2 where it holds connections, as an
+outsider on the internet comes from an address of its own. The replayed membership proof (attack 6) is in
+test_security.py, with the private run it needs."""
+
+from __future__ import annotations
+
+import json
+import resource
+import threading
+import time
+import urllib.request
+from pathlib import Path
+
+import grpc
+import pytest
+import torch
+
+from noloco_node.bench.outsider import (
+    CLAIMED_STEP,
+    FakeDonor,
+    SourceBoundRelay,
+    Target,
+    download_phi,
+    forged_payload,
+    fresh_identity,
+    hog_once,
+    idle_connections,
+    payload_frames,
+    probe_info,
+    probe_state,
+    ratchet,
+    silent_stream,
+    theta_names,
+)
+from noloco_node.config.models import model_config_for
+from noloco_node.rpc.client import fetch_info
+from noloco_node.rpc.transport import Transport
+
+from .swarm_harness import Bootstrap, NodeProcess
+
+TRAIN = ["--model", "tiny", "--seq-len", "64", "--batch-size", "8", "--eval-batches", "2"]
+MODEL = model_config_for("tiny", vocab_size=256, max_seq_len=64)
+
+
+def _wait_for(predicate, timeout: float, what: str):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        value = predicate()
+        if value:
+            return value
+        time.sleep(0.2)
+    raise AssertionError(f"timed out waiting for {what}")
+
+
+def _live(status: dict) -> dict:
+    with urllib.request.urlopen(f"{status['status_url']}/status", timeout=10) as answer:
+        return json.loads(answer.read())
+
+
+def _target(status: dict) -> Target:
+    return Target(status["peer_id"], status["address"], status["run_fingerprint"], status["outer_step"])
+
+
+def _blends_with(node: NodeProcess, partner_id: str, after: float) -> int:
+    return sum(1 for h in node.status()["history"] if h["partner"] == partner_id and h["time"] > after)
+
+
+def test_a_forged_payload_is_refused_and_the_real_peer_keeps_blending(bootstrap: Bootstrap, tmp_path: Path) -> None:
+    args = [*TRAIN, "--steps", "100000", "--inner-steps", "10", "--pair-timeout", "5"]
+    nodes = [NodeProcess(f"n{i}", bootstrap, tmp_path, *args, "--shard-index", str(i)) for i in range(2)]
+    try:
+        a, b = (
+            _wait_for(lambda n=n: (s := n.status()) and s["address"] and s["outer_step"] >= 1 and s, 120, n.name)
+            for n in nodes
+        )
+        attacked = time.time()
+        # Garbage in b's name, under the outsider's own valid proof, several times: refused each time.
+        for _ in range(3):
+            code, details = forged_payload(a["address"], _target(_live(a)), MODEL, b["peer_id"], fresh_identity())
+            assert code == grpc.StatusCode.PERMISSION_DENIED, (code, details)
+        # b is not quarantined: the two keep blending with each other.
+        _wait_for(lambda: _blends_with(nodes[0], b["peer_id"], attacked) >= 3, 90, "blends of a with b")
+        _wait_for(lambda: _blends_with(nodes[1], a["peer_id"], attacked) >= 3, 90, "blends of b with a")
+        assert _live(a)["rejected_payloads"].get("spoofed_peer_id") == 3
+    finally:
+        for node in nodes:
+            node.stop()
+
+
+def test_the_norm_bound_is_not_ratcheted_from_a_cold_start_nor_after_a_restart(
+    bootstrap: Bootstrap, tmp_path: Path
+) -> None:
+    args = [*TRAIN, "--steps", "100000", "--inner-steps", "10", "--mode", "overlap", "--checkpoint-every", "1"]
+    node = NodeProcess("target", bootstrap, tmp_path, *args)
+    outsider = fresh_identity()
+
+    def attack() -> tuple[dict, dict[str, list[str]], dict]:
+        status = _wait_for(
+            lambda: (s := node.status()) and s["address"] and s["outer_step"] >= 1 and s, 120, "one phase"
+        )
+        before = _live(status)
+        target = _target(before)
+        phi = download_phi(target, MODEL, outsider)
+        codes = ratchet(status["address"], target, MODEL, phi)
+        return before, codes, _live(status)
+
+    def own_bound(status: dict) -> float:
+        movements = [h["movement"] for h in status["history"][-8:]]
+        return min(0.9, 3.0 * max(movements))
+
+    try:
+        before, codes, after = attack()
+        assert before["security"]["norm_bound_basis"] == "own_movement"
+        # Random and scaled weights never get in, whatever the payloads before them did.
+        assert codes["random"] == ["INVALID_ARGUMENT"] and codes["scaled_3x"] == ["INVALID_ARGUMENT"], codes
+        # The bound is this node's own movement times 3: the payloads at 0.95 moved it by nothing.
+        assert after["security"]["norm_bound"] == pytest.approx(own_bound(after), rel=1e-6)
+        assert codes["ratchet_0.95"] == ["INVALID_ARGUMENT"] * 3, codes  # beyond the ceiling, from the start
+        node.stop()
+        # After a restart the bound comes back from the checkpoint at once: no window of a loose bound.
+        node = NodeProcess("target", bootstrap, tmp_path, *args)
+        restarted = _wait_for(lambda: (s := node.status()) and s["address"] and s, 120, "the restarted node")
+        assert restarted["security"]["norm_bound_basis"] == "own_movement", restarted["security"]
+        assert restarted["security"]["norm_bound"] == pytest.approx(own_bound(restarted), rel=1e-6)
+        _, codes, after = attack()
+        assert codes["random"] == ["INVALID_ARGUMENT"] and codes["scaled_3x"] == ["INVALID_ARGUMENT"], codes
+        assert after["security"]["norm_bound"] == pytest.approx(own_bound(after), rel=1e-6)
+    finally:
+        node.stop()
+
+
+def test_a_fake_donor_is_adopted_neither_by_a_joiner_nor_by_a_restarting_member(
+    bootstrap: Bootstrap, tmp_path: Path
+) -> None:
+    args = [*TRAIN, "--steps", "100000", "--inner-steps", "10", "--pair-timeout", "3", "--checkpoint-every", "1"]
+    member = NodeProcess("member", bootstrap, tmp_path, *args, "--shard-index", "0")
+    donor = None
+    joiners: list[NodeProcess] = []
+    try:
+        status = _wait_for(lambda: (s := member.status()) and s["outer_step"] >= 3 and s, 120, "member at step 3")
+        donor = FakeDonor(bootstrap.maddrs, status["run_fingerprint"], MODEL)
+        # Alone with the fake donor, a joiner has only its record to go on: it downloads the state, measures it
+        # on its own validation batches and refuses it.
+        member.stop()
+        alone = NodeProcess("alone", bootstrap, tmp_path, *args, "--shard-index", "1")
+        joiners.append(alone)
+        _wait_for(lambda: "refused the state of outer step" in alone.output(), 120, "the joiner's refusal")
+        first = _wait_for(lambda: (s := alone.status()) and s["history"] and s, 120, "the joiner's first step")
+        assert first["history"][0]["outer_step"] == 1  # from the run's seed, not from step 1,000,000
+        alone.stop()
+        # The member restarts from its good checkpoint with an honest peer and the fake donor in sight: the
+        # front two peers agree on is the honest one's, so it never thinks itself a million steps behind.
+        member = NodeProcess("member", bootstrap, tmp_path, *args, "--shard-index", "0")
+        joiner = NodeProcess("joiner", bootstrap, tmp_path, *args, "--shard-index", "2")
+        joiners.append(joiner)
+        back = _wait_for(
+            lambda: (s := member.status()) and s["history"] and s["outer_step"] >= status["outer_step"] + 2 and s,
+            120,
+            "member back",
+        )
+        assert back["outer_step"] < CLAIMED_STEP
+        assert "downloading state" not in member.output() and "resumed from" in member.output()
+        # A fresh joiner with both in sight downloads from the member, never from the fake donor.
+        _wait_for(lambda: "joined a run in progress" in joiner.output(), 120, "the joiner's download")
+        assert donor.identity.peer_id[-8:] not in joiner.output().split("joined a run in progress")[1].splitlines()[0]
+        assert joiner.status()["outer_step"] < CLAIMED_STEP
+    finally:
+        for node in [member, *joiners]:
+            node.stop()
+        if donor is not None:
+            donor.close()
+
+
+def test_a_lock_hog_and_slot_exhaustion_leave_honest_nodes_blending_and_answering(
+    bootstrap: Bootstrap, tmp_path: Path
+) -> None:
+    args = [*TRAIN, "--steps", "100000", "--inner-steps", "10", "--pair-timeout", "5"]
+    nodes = [NodeProcess(f"n{i}", bootstrap, tmp_path, *args, "--shard-index", str(i)) for i in range(2)]
+    stop = threading.Event()
+    relays: list[SourceBoundRelay] = []
+    results: dict[str, list[str]] = {"hog": [], "silent": [], "info": [], "state": []}
+    try:
+        statuses = [
+            _wait_for(lambda n=n: (s := n.status()) and s["address"] and s["outer_step"] >= 2 and s, 120, n.name)
+            for n in nodes
+        ]
+        window = 40.0
+
+        def blend_fraction(start: float, end: float) -> tuple[float, int]:
+            entries = [h for n in nodes for h in n.status()["history"] if start < h["time"] <= end]
+            return sum(h["partner"] is not None for h in entries) / max(1, len(entries)), len(entries)
+
+        quiet_start = time.time()
+        time.sleep(window)
+        quiet = blend_fraction(quiet_start, time.time())
+
+        def hog(status: dict, relay: SourceBoundRelay) -> None:
+            while not stop.is_set():
+                target = _target(_live(status))
+                manifest = payload_frames(target, MODEL, [torch.zeros(s) for _, s in theta_names(MODEL)], peer_id="x")[
+                    0
+                ]
+                results["hog"].append(hog_once(relay.address, target, manifest, silent=False, hold=20))
+
+        def silent(status: dict, relay: SourceBoundRelay) -> None:
+            while not stop.is_set():
+                results["silent"].append(silent_stream(relay.address, _target(status), hold=20))
+                stop.wait(0.1)
+
+        def probe(status: dict) -> None:
+            transport = Transport(identity=fresh_identity())
+            while not stop.is_set():
+                results["info"].append(probe_info(_target(status), transport))
+                results["state"].append(probe_state(_target(status), transport))
+                stop.wait(0.5)
+
+        threads = []
+        for status in statuses:
+            relay = SourceBoundRelay(status["address"])
+            relays.append(relay)
+            threads.append(threading.Thread(target=hog, args=(status, relay), daemon=True))
+            threads += [threading.Thread(target=silent, args=(status, relay), daemon=True) for _ in range(10)]
+            threads.append(threading.Thread(target=probe, args=(status,), daemon=True))
+        attack_start = time.time()
+        for thread in threads:
+            thread.start()
+        time.sleep(window)
+        attacked = blend_fraction(attack_start, time.time())
+        stop.set()
+        for thread in threads:
+            thread.join(30)
+        print(f"blend fraction without the outsider {quiet}, with it {attacked}; outsider saw {results}")
+        assert attacked[0] >= 0.8 * quiet[0], (quiet, attacked)
+        answered = [r == "OK" for r in results["info"] + results["state"]]
+        assert len(answered) > 40 and sum(answered) >= 0.95 * len(answered), results
+        live = _live(statuses[0])
+        assert live["rejected_payloads"].get("admission_barred", 0) > 0, live["rejected_payloads"]
+        assert all(n.process.poll() is None for n in nodes)
+    finally:
+        stop.set()
+        for relay in relays:
+            relay.close()
+        for node in nodes:
+            node.stop()
+
+
+def test_two_thousand_idle_connections_under_a_1024_descriptor_limit_do_not_stop_the_node(
+    bootstrap: Bootstrap, tmp_path: Path
+) -> None:
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if hard != resource.RLIM_INFINITY and hard < 2500:
+        pytest.skip(f"this test process may open at most {hard} files; it needs 2,500")
+    resource.setrlimit(resource.RLIMIT_NOFILE, (max(soft, 2500), hard))
+    node = NodeProcess(
+        "target",
+        bootstrap,
+        tmp_path,
+        *TRAIN,
+        "--steps",
+        "100000",
+        "--inner-steps",
+        "10",
+        "--checkpoint-every",
+        "1",
+        open_files=1024,
+    )
+    sockets = []
+    try:
+        status = _wait_for(lambda: (s := node.status()) and s["address"] and s["outer_step"] >= 1 and s, 120, "start")
+        flood_start = time.time()
+        checkpoint = node.data_dir / "checkpoint.pt"
+        sockets = idle_connections(status["address"], 2000)
+        assert len(sockets) == 2000
+        time.sleep(25)
+        assert node.process.poll() is None, node.output()[-3000:]
+        during = node.status()
+        assert during["outer_step"] >= status["outer_step"] + 2  # it trained on
+        assert checkpoint.stat().st_mtime > flood_start + 5  # and checkpointed during the flood
+        for sock in sockets:
+            sock.close()
+        sockets = []
+        # Its server answers again once the idle connections are gone.
+        transport = Transport(identity=fresh_identity())
+        reply = _wait_for(lambda: _try_info(status, transport), 30, "an Info answer after the flood")
+        assert reply.peer_id == status["peer_id"]
+        assert node.process.poll() is None
+        assert "Too many open files" not in node.output()
+    finally:
+        for sock in sockets:
+            sock.close()
+        resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
+        node.stop()
+
+
+def _try_info(status: dict, transport: Transport):
+    try:
+        return fetch_info(status["address"], timeout=5, transport=transport, peer_id=status["peer_id"])
+    except Exception:
+        return None
