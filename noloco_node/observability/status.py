@@ -56,6 +56,9 @@ class OuterStepRecord(BaseModel):
     upkeep_seconds: float = Field(
         0.0, description="Trainer time at this outer step outside the wait, blend and evaluation: snapshot, checkpoint."
     )
+    movement: float | None = Field(
+        None, description="This node's own relative movement in the phase, ||theta - phi|| / ||phi||: the norm bound."
+    )
     time: float
 
 
