@@ -20,10 +20,12 @@ The attacks (numbered as in the issue that measured them):
 
 from __future__ import annotations
 
+import argparse
 import asyncio
 import contextlib
 import json
 import math
+import os
 import socket
 import threading
 import time
@@ -31,14 +33,16 @@ from collections import Counter
 from collections.abc import Callable, Iterator, Sequence
 from concurrent import futures
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import grpc
 import torch
 from cryptography.hazmat.primitives.asymmetric import rsa
 
-from noloco_node.config.models import ModelConfig
+from noloco_node.config.models import ModelConfig, model_config_for
 from noloco_node.discovery.dht import Discovery, PeerRecord
 from noloco_node.model.decoder import LlamaDecoder, named_parameters_ordered
+from noloco_node.observability.status_file import read_status_document
 from noloco_node.rpc import peer_pb2 as pb
 from noloco_node.rpc.client import ExchangeError, Outgoing, fetch_info
 from noloco_node.rpc.service import EXCHANGE_METHOD, GET_STATE_METHOD, SERVICE
@@ -55,6 +59,32 @@ CLAIMED_STEP = 1_000_000
 def fresh_identity() -> NodeIdentity:
     """A new key pair, as any stranger makes one (1024-bit: quick; servers accept any RSA size)."""
     return NodeIdentity(_wrap(rsa.generate_private_key(public_exponent=65537, key_size=1024)))
+
+
+class KeyRing:
+    """Keys made ahead of time and handed out in turn: on a machine it shares with the swarm, the outsider must
+    not spend its CPU making keys (an outsider on the internet spends its own)."""
+
+    def __init__(self, count: int = 64) -> None:
+        self._keys = [fresh_identity() for _ in range(count)]
+        self._next = 0
+        self._lock = threading.Lock()
+
+    def next(self) -> NodeIdentity:
+        with self._lock:
+            self._next = (self._next + 1) % len(self._keys)
+            return self._keys[self._next]
+
+
+KEYS: KeyRing | None = None
+
+
+def key() -> NodeIdentity:
+    """The next of the outsider's keys (the ring is made on first use)."""
+    global KEYS
+    if KEYS is None:
+        KEYS = KeyRing()
+    return KEYS.next()
 
 
 @dataclass
@@ -208,15 +238,26 @@ def ratchet(address: str, target: Target, model_cfg: ModelConfig, phi: Sequence[
 # ---------------------------------------------------------------------------------------------- holding things
 
 
-def hog_once(address: str, target: Target, manifest_frame: bytes, *, silent: bool, hold: float = 60.0) -> str:
-    """Attack 4: open an exchange with a fresh key, send the manifest (or nothing) and then nothing at all, until
-    the node cuts it (or ``hold`` s). Returns the status code name."""
-    identity = fresh_identity()
+def manifest_frame(target: Target, model_cfg: ModelConfig, peer_id: str) -> bytes:
+    """The first frame of a valid payload for ``target`` in ``peer_id``'s name (nothing else is encoded)."""
+    named = [(name, torch.zeros(shape)) for name, shape in theta_names(model_cfg)]
+    manifest = build_manifest(
+        named, wire_dtype="bf16", run_fingerprint=target.run_fingerprint, peer_id=peer_id, outer_step=target.outer_step
+    )
+    return next(iter_frames(manifest, [t for _, t in named]))
+
+
+def hog_once(address: str, target: Target, model_cfg: ModelConfig | None, *, hold: float = 60.0) -> str:
+    """Attack 4: open an exchange under another of the outsider's keys, send a valid manifest (or, without a
+    model config, nothing) and then nothing at all, until the node cuts it (or ``hold`` s). Returns the status
+    code name; a hog that got in is cut (CANCELLED), one that did not is refused at once."""
+    identity = key()
+    first = manifest_frame(target, model_cfg, identity.peer_id) if model_cfg is not None else None
     release = threading.Event()
 
     def frames() -> Iterator[bytes]:
-        if not silent:
-            yield manifest_frame
+        if first is not None:
+            yield first
         release.wait(hold)
 
     with grpc.insecure_channel(address, options=CHANNEL_OPTIONS) as channel:
@@ -235,7 +276,11 @@ def hog_once(address: str, target: Target, manifest_frame: bytes, *, silent: boo
 
 
 def silent_stream(address: str, target: Target, hold: float = 60.0) -> str:
-    return hog_once(address, target, b"", silent=True, hold=hold)
+    """Attack 4, on the slots: a stream that sends nothing at all."""
+    return hog_once(address, target, None, hold=hold)
+
+
+REFUSED_PAUSE = 0.5  # after a refusal, the outsider tries again this soon (a cut hog reconnects at once)
 
 
 def idle_connections(address: str, count: int) -> list[socket.socket]:
@@ -365,6 +410,9 @@ class OutsiderReport:
         )
 
 
+ATTACKS = ("hog", "silent", "payloads", "idle")  # the fake donor is a FakeDonor of its own
+
+
 class Outsider:
     """Every attack at once against ``targets`` (read again from ``targets_now`` as the swarm moves), from
     127.0.0.2, until ``stop``. Each target gets its relay, a lock hog, ``silent_streams`` silent streams, idle
@@ -376,10 +424,17 @@ class Outsider:
         targets_now: Callable[[], list[Target]],
         model_cfg: ModelConfig,
         *,
+        attacks: Sequence[str] = ATTACKS,
         silent_streams: int = 10,
         idle: int = 200,
         every: float = 10.0,
+        source: str = "127.0.0.2",
     ) -> None:
+        unknown = set(attacks) - set(ATTACKS)
+        if unknown:
+            raise ValueError(f"unknown attacks {sorted(unknown)}; choose among {', '.join(ATTACKS)}")
+        self.attacks = set(attacks)
+        self.source = source
         self.targets_now = targets_now
         self.model_cfg = model_cfg
         self.silent_streams = silent_streams
@@ -396,7 +451,7 @@ class Outsider:
         with self._lock:
             relay = self._relays.get(target.address)
             if relay is None:
-                relay = self._relays[target.address] = SourceBoundRelay(target.address)
+                relay = self._relays[target.address] = SourceBoundRelay(target.address, self.source)
             return relay.address
 
     def _current(self, peer_id: str) -> Target | None:
@@ -404,12 +459,16 @@ class Outsider:
 
     def start(self) -> None:
         for target in self.targets_now():
-            self._spawn(self._hog_loop, target.peer_id)
-            for _ in range(self.silent_streams):
-                self._spawn(self._silent_loop, target.peer_id)
-            self._spawn(self._payload_loop, target.peer_id)
+            if "hog" in self.attacks:
+                self._spawn(self._hog_loop, target.peer_id)
+            if "silent" in self.attacks:
+                for _ in range(self.silent_streams):
+                    self._spawn(self._silent_loop, target.peer_id)
+            if "payloads" in self.attacks:
+                self._spawn(self._payload_loop, target.peer_id)
             self._spawn(self._probe_loop, target.peer_id)
-            self._sockets += idle_connections(self._relay(target), self.idle)
+            if "idle" in self.attacks:
+                self._sockets += idle_connections(self._relay(target), self.idle)
         self.report.idle_connections = len(self._sockets)
 
     def _spawn(self, loop: Callable[[str], None], peer_id: str) -> None:
@@ -419,15 +478,17 @@ class Outsider:
 
     def _hog_loop(self, peer_id: str) -> None:
         while not self._stop.is_set() and (target := self._current(peer_id)) is not None:
-            manifest = payload_frames(
-                target, self.model_cfg, [torch.zeros(s) for _, s in theta_names(self.model_cfg)], peer_id="x"
-            )[0]
-            self.report.hogs[hog_once(self._relay(target), target, manifest, silent=False, hold=30)] += 1
+            code = hog_once(self._relay(target), target, self.model_cfg, hold=30)
+            self.report.hogs[code] += 1
+            if code != "CANCELLED":
+                self._stop.wait(REFUSED_PAUSE)
 
     def _silent_loop(self, peer_id: str) -> None:
         while not self._stop.is_set() and (target := self._current(peer_id)) is not None:
-            self.report.silent[silent_stream(self._relay(target), target, hold=30)] += 1
-            self._stop.wait(0.1)
+            code = silent_stream(self._relay(target), target, hold=30)
+            self.report.silent[code] += 1
+            if code != "CANCELLED":
+                self._stop.wait(REFUSED_PAUSE)
 
     def _payload_loop(self, peer_id: str) -> None:
         identity = fresh_identity()
@@ -463,11 +524,56 @@ class Outsider:
         return self.report
 
 
-def wait_until(predicate: Callable[[], object], timeout: float, what: str) -> object:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        value = predicate()
-        if value:
-            return value
-        time.sleep(0.2)
-    raise TimeoutError(f"timed out waiting for {what}")
+def targets_from_status_files(data_dirs: Sequence[Path]) -> Callable[[], list[Target]]:
+    """The honest nodes as their status files show them: a local shortcut for what their DHT records say."""
+
+    def now() -> list[Target]:
+        found = []
+        for data_dir in data_dirs:
+            status = read_status_document(data_dir)
+            if status and status.get("address"):
+                found.append(
+                    Target(status["peer_id"], status["address"], status["run_fingerprint"], status["outer_step"])
+                )
+        return found
+
+    return now
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """``python -m noloco_node.bench.outsider``: the outsider as a process of its own, at the lowest CPU priority
+    (on a machine it shares with the swarm it stands for a host of its own, so it must not take the nodes' CPU).
+    Prints its report as JSON."""
+    parser = argparse.ArgumentParser(description=main.__doc__)
+    parser.add_argument("--data-dir", type=Path, action="append", required=True, help="an honest node's data dir")
+    parser.add_argument("--model", default="tiny")
+    parser.add_argument("--vocab-size", type=int, default=256)
+    parser.add_argument("--seq-len", type=int, default=64)
+    parser.add_argument("--seconds", type=float, required=True)
+    parser.add_argument("--attacks", default=",".join(ATTACKS))
+    parser.add_argument("--silent-streams", type=int, default=10)
+    parser.add_argument("--idle", type=int, default=200)
+    parser.add_argument("--source", default="127.0.0.2", help="the loopback address the outsider comes from")
+    args = parser.parse_args(argv)
+    os.nice(19)
+    model_cfg = model_config_for(args.model, vocab_size=args.vocab_size, max_seq_len=args.seq_len)
+    outsider = Outsider(
+        targets_from_status_files(args.data_dir),
+        model_cfg,
+        attacks=[a for a in args.attacks.split(",") if a],
+        silent_streams=args.silent_streams,
+        idle=args.idle,
+        source=args.source,
+    )
+    key()  # the key ring, made before the clock starts
+    outsider.start()
+    time.sleep(args.seconds)
+    report = outsider.stop()
+    print(
+        json.dumps({name: dict(value) if isinstance(value, Counter) else value for name, value in vars(report).items()})
+    )
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

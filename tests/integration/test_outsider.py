@@ -8,30 +8,24 @@ from __future__ import annotations
 
 import json
 import resource
-import threading
+import subprocess
+import sys
 import time
 import urllib.request
+from collections import Counter
 from pathlib import Path
 
 import grpc
 import pytest
-import torch
 
 from noloco_node.bench.outsider import (
     FakeDonor,
-    SourceBoundRelay,
     Target,
     download_phi,
     forged_payload,
     fresh_identity,
-    hog_once,
     idle_connections,
-    payload_frames,
-    probe_info,
-    probe_state,
     ratchet,
-    silent_stream,
-    theta_names,
 )
 from noloco_node.config.models import model_config_for
 from noloco_node.rpc.client import fetch_info
@@ -181,72 +175,62 @@ def test_a_fake_donor_is_adopted_neither_by_a_joiner_nor_by_a_restarting_member(
 def test_a_lock_hog_and_slot_exhaustion_leave_honest_nodes_blending_and_answering(
     bootstrap: Bootstrap, tmp_path: Path
 ) -> None:
-    args = [*TRAIN, "--steps", "100000", "--inner-steps", "10", "--pair-timeout", "5"]
+    """The outsider runs as a process of its own at the lowest CPU priority: on these shared 2 cores it stands
+    for a host of its own, and what is measured is what it does to the nodes, not the CPU it burns."""
+    args = [*TRAIN, "--steps", "100000", "--inner-steps", "20", "--pair-timeout", "5"]
     nodes = [NodeProcess(f"n{i}", bootstrap, tmp_path, *args, "--shard-index", str(i)) for i in range(2)]
-    stop = threading.Event()
-    relays: list[SourceBoundRelay] = []
-    results: dict[str, list[str]] = {"hog": [], "silent": [], "info": [], "state": []}
     try:
         statuses = [
             _wait_for(lambda n=n: (s := n.status()) and s["address"] and s["outer_step"] >= 2 and s, 120, n.name)
             for n in nodes
         ]
-        window = 40.0
+        window = 20.0
 
-        def blend_fraction(start: float, end: float) -> tuple[float, int]:
-            entries = [h for n in nodes for h in n.status()["history"] if start < h["time"] <= end]
-            return sum(h["partner"] is not None for h in entries) / max(1, len(entries)), len(entries)
+        def blends(start: float, end: float) -> int:
+            """Blends of both nodes in the window (the status keeps each node's last 200 outer steps: enough)."""
+            return sum(1 for n in nodes for h in n.status()["history"] if start < h["time"] <= end and h["partner"])
+
+        def attack(attacks: str, source: str) -> tuple[int, dict]:
+            started = time.time()
+            outsider = subprocess.run(
+                [
+                    sys.executable,
+                    "-m",
+                    "noloco_node.bench.outsider",
+                    *(item for n in nodes for item in ("--data-dir", str(n.data_dir))),
+                    *("--seconds", str(window), "--attacks", attacks, "--source", source),
+                ],
+                capture_output=True,
+                text=True,
+                timeout=window + 120,
+            )
+            assert outsider.returncode == 0, outsider.stderr[-3000:]
+            return blends(started, started + window), json.loads(outsider.stdout.strip().splitlines()[-1])
 
         quiet_start = time.time()
         time.sleep(window)
-        quiet = blend_fraction(quiet_start, time.time())
-
-        def hog(status: dict, relay: SourceBoundRelay) -> None:
-            while not stop.is_set():
-                target = _target(_live(status))
-                manifest = payload_frames(target, MODEL, [torch.zeros(s) for _, s in theta_names(MODEL)], peer_id="x")[
-                    0
-                ]
-                results["hog"].append(hog_once(relay.address, target, manifest, silent=False, hold=20))
-
-        def silent(status: dict, relay: SourceBoundRelay) -> None:
-            while not stop.is_set():
-                results["silent"].append(silent_stream(relay.address, _target(status), hold=20))
-                stop.wait(0.1)
-
-        def probe(status: dict) -> None:
-            transport = Transport(identity=fresh_identity())
-            while not stop.is_set():
-                results["info"].append(probe_info(_target(status), transport))
-                results["state"].append(probe_state(_target(status), transport))
-                stop.wait(0.5)
-
-        threads = []
-        for status in statuses:
-            relay = SourceBoundRelay(status["address"])
-            relays.append(relay)
-            threads.append(threading.Thread(target=hog, args=(status, relay), daemon=True))
-            threads += [threading.Thread(target=silent, args=(status, relay), daemon=True) for _ in range(10)]
-            threads.append(threading.Thread(target=probe, args=(status,), daemon=True))
-        attack_start = time.time()
-        for thread in threads:
-            thread.start()
-        time.sleep(window)
-        attacked = blend_fraction(attack_start, time.time())
-        stop.set()
-        for thread in threads:
-            thread.join(30)
-        print(f"blend fraction without the outsider {quiet}, with it {attacked}; outsider saw {results}")
-        assert attacked[0] >= 0.8 * quiet[0], (quiet, attacked)
-        answered = [r == "OK" for r in results["info"] + results["state"]]
-        assert len(answered) > 40 and sum(answered) >= 0.95 * len(answered), results
+        quiet = blends(quiet_start, time.time())
+        # The lock hog alone (from an address of its own): a valid manifest, then silence, again and again.
+        hogged, hog_seen = attack("hog", "127.0.0.3")
+        # Then the hog and ten silent streams per node, from another address.
+        flooded, seen = attack("hog,silent", "127.0.0.2")
+        print(
+            f"blends in {window:.0f} s: without the outsider {quiet}, under the lock hog {hogged}, under the hog and "
+            f"the silent streams {flooded}; the outsider saw {hog_seen} and {seen}"
+        )
+        assert hogged >= 0.8 * quiet and flooded >= 0.8 * quiet, (quiet, hogged, flooded)
+        # It tried: a hog got the round and was cut, then its address was refused; so were the silent streams.
+        assert hog_seen["hogs"].get("CANCELLED", 0) >= 1 and hog_seen["hogs"].get("RESOURCE_EXHAUSTED", 0) >= 1, (
+            hog_seen
+        )
+        assert seen["silent"].get("CANCELLED", 0) >= 1 and seen["silent"].get("RESOURCE_EXHAUSTED", 0) >= 10, seen
+        probes = Counter(hog_seen["probes"]) + Counter(seen["probes"])
+        answered = sum(v for k, v in probes.items() if k.endswith(" OK"))
+        assert sum(probes.values()) > 40 and answered >= 0.95 * sum(probes.values()), probes
         live = _live(statuses[0])
         assert live["rejected_payloads"].get("admission_barred", 0) > 0, live["rejected_payloads"]
         assert all(n.process.poll() is None for n in nodes)
     finally:
-        stop.set()
-        for relay in relays:
-            relay.close()
         for node in nodes:
             node.stop()
 
