@@ -68,6 +68,7 @@ class TiedDHT(hivemind.DHT):
 
 
 DEFAULT_RECORD_TTL = 30.0
+MAX_LIVE_PEERS = 1024  # records a node considers at once: a flood of fake ones cannot grow its tables
 DEFAULT_DHT_TIMEOUT = 10.0
 
 
@@ -233,7 +234,7 @@ class Discovery:
         return await self.publish(tombstone)
 
     async def live_peers(self, *, include_self: bool = False) -> list[PeerRecord]:
-        """Every unexpired, well-formed, non-tombstone record of this run, newest first."""
+        """Every unexpired, well-formed, non-tombstone record of this run, newest first (at most MAX_LIVE_PEERS)."""
         future = self._require().get(self.key, latest=True, return_future=True)
         found = await self._await(future, "get")
         if found is None or not isinstance(found.value, dict):
@@ -255,7 +256,8 @@ class Discovery:
             if record.peer_id == own and not include_self:
                 continue
             records.append(record)
-        return sorted(records, key=lambda r: r.updated, reverse=True)
+        # Records cost nothing to publish: past this many, the oldest are not even looked at (bounded tables).
+        return sorted(records, key=lambda r: r.updated, reverse=True)[:MAX_LIVE_PEERS]
 
     def shutdown(self) -> None:
         if self.dht is not None:

@@ -83,12 +83,20 @@ class PeerCaller:
         ]
 
     def order(self, candidates: list[PeerRecord]) -> list[PeerRecord]:
-        """Random among the least recently paired first. Nodes of equal speed reach their outer steps in lockstep
-        and would otherwise keep finding their last partner ready first, splitting the swarm into fixed pairs that
-        never mix (seen in a 4-node swarm before this ordering)."""
+        """One peer never paired with (so that newcomers are found), then the peers paired with before, least
+        recently paired first (random among equals), then the other strangers.
+
+        Least recently paired first: nodes of equal speed reach their outer steps in lockstep and would otherwise
+        keep finding their last partner ready first, splitting the swarm into fixed pairs that never mix (seen in
+        a 4-node swarm). One stranger only, before the peers that answered: a record costs nothing to publish,
+        and a hundred ready records of peers that never answer must not be called before the ones that do."""
         shuffled = list(candidates)
         random.shuffle(shuffled)
-        return sorted(shuffled, key=lambda p: self.last_paired.get(p.peer_id, -1))
+        known = sorted(
+            (p for p in shuffled if p.peer_id in self.last_paired), key=lambda p: self.last_paired[p.peer_id]
+        )
+        strangers = [p for p in shuffled if p.peer_id not in self.last_paired]
+        return strangers[:1] + known + strangers[1:]
 
     def paired(self, peer_id: str, outer_step: int) -> None:
         self.last_paired[peer_id] = outer_step
