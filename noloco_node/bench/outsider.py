@@ -26,9 +26,9 @@ import contextlib
 import json
 import math
 import os
+import signal
 import socket
 import threading
-import time
 from collections import Counter
 from collections.abc import Callable, Iterator, Sequence
 from concurrent import futures
@@ -415,7 +415,7 @@ ATTACKS = ("hog", "silent", "payloads", "idle")  # the fake donor is a FakeDonor
 
 class Outsider:
     """Every attack at once against ``targets`` (read again from ``targets_now`` as the swarm moves), from
-    127.0.0.2, until ``stop``. Each target gets its relay, a lock hog, ``silent_streams`` silent streams, idle
+    127.0.0.2 (payloads from 127.0.0.3), until ``stop``. Each target gets its relay, a lock hog, ``silent_streams`` silent streams, idle
     connections, a forged payload and the ratchet every ``every`` seconds; a probe from 127.0.0.1 asks each
     target's Info and GetState twice a second to see whether honest callers are still answered."""
 
@@ -429,12 +429,16 @@ class Outsider:
         idle: int = 200,
         every: float = 10.0,
         source: str = "127.0.0.2",
+        payload_source: str = "127.0.0.3",
     ) -> None:
         unknown = set(attacks) - set(ATTACKS)
         if unknown:
             raise ValueError(f"unknown attacks {sorted(unknown)}; choose among {', '.join(ATTACKS)}")
         self.attacks = set(attacks)
         self.source = source
+        # Payloads come from a second address: the first is soon barred for its stalls, and what is measured
+        # here is whether the payloads themselves get in.
+        self.payload_source = payload_source
         self.targets_now = targets_now
         self.model_cfg = model_cfg
         self.silent_streams = silent_streams
@@ -447,11 +451,13 @@ class Outsider:
         self._sockets: list[socket.socket] = []
         self._lock = threading.Lock()
 
-    def _relay(self, target: Target) -> str:
+    def _relay(self, target: Target, source: str | None = None) -> str:
+        """The relay to ``target`` from ``source`` (default: the outsider's main address)."""
+        source = source or self.source
         with self._lock:
-            relay = self._relays.get(target.address)
+            relay = self._relays.get(f"{source}>{target.address}")
             if relay is None:
-                relay = self._relays[target.address] = SourceBoundRelay(target.address, self.source)
+                relay = self._relays[f"{source}>{target.address}"] = SourceBoundRelay(target.address, source)
             return relay.address
 
     def _current(self, peer_id: str) -> Target | None:
@@ -494,7 +500,7 @@ class Outsider:
         identity = fresh_identity()
         while not self._stop.is_set() and (target := self._current(peer_id)) is not None:
             honest = next((t.peer_id for t in self.targets_now() if t.peer_id != peer_id), peer_id)
-            address = self._relay(target)
+            address = self._relay(target, self.payload_source)
             self.report.forged[forged_payload(address, target, self.model_cfg, honest, identity)[0].name] += 1
             try:
                 phi = download_phi(target, self.model_cfg, identity)
@@ -566,8 +572,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         source=args.source,
     )
     key()  # the key ring, made before the clock starts
+    done = threading.Event()
+    for signum in (signal.SIGINT, signal.SIGTERM):  # stopped early, it still reports what it saw
+        signal.signal(signum, lambda *_: done.set())
     outsider.start()
-    time.sleep(args.seconds)
+    done.wait(args.seconds)
     report = outsider.stop()
     print(
         json.dumps({name: dict(value) if isinstance(value, Counter) else value for name, value in vars(report).items()})

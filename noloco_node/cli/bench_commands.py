@@ -47,6 +47,16 @@ def add_bench_parsers(commands: Any) -> None:
     chaos.add_argument("--seed", type=int, default=0, help="seed of the fault schedule")
     chaos.add_argument("--out", type=Path, help="keep logs, checkpoints and chaos.json here")
 
+    outsider = benches.add_parser(
+        "outsider",
+        help="a local swarm trains while one outsider does every attack at once; against the same run without it",
+    )
+    outsider.add_argument("--nodes", type=int, default=3, help="honest nodes")
+    outsider.add_argument("--model", default="tiny", choices=list(MODEL_SIZES), help="model size the swarm trains")
+    outsider.add_argument("--steps", type=int, default=2000, help="inner steps each node trains (both runs)")
+    outsider.add_argument("--inner-steps", type=int, default=20, help="H: inner steps between outer steps")
+    outsider.add_argument("--out", type=Path, help="keep logs and checkpoints here (default: a temporary folder)")
+
     straggler = benches.add_parser(
         "straggler",
         help="the inner-step throughput of a swarm with one node N times slower, against the same swarm without it",
@@ -118,6 +128,24 @@ def run_bench(args: argparse.Namespace) -> int:
             out=args.out,
         )
         print(chaos_result.report())
+        return 0
+    if args.bench == "outsider":
+        import tempfile
+
+        from noloco_node.bench.outsider_swarm import run_outsider_bench
+
+        print(
+            f"noloco-node bench outsider: {args.nodes} honest nodes, model {args.model}, {args.steps} inner steps, "
+            f"{os.cpu_count()} CPUs",
+            flush=True,
+        )
+        with tempfile.TemporaryDirectory(prefix="noloco-outsider-") as scratch:
+            out = args.out or Path(scratch)
+            print(
+                run_outsider_bench(
+                    nodes=args.nodes, model=args.model, steps=args.steps, inner_steps=args.inner_steps, out=out
+                ).report()
+            )
         return 0
     if args.bench == "straggler":
         from noloco_node.bench.straggler import run_straggler_bench

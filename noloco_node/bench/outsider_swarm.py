@@ -1,0 +1,167 @@
+"""`noloco-node bench outsider`: a local swarm trains with one outsider doing every attack at once, against the same
+swarm without it, in the same run.
+
+Two runs of the same swarm (same nodes, model, data, seed and inner steps):
+
+1. without the outsider;
+2. with it: from its own address and at the lowest CPU priority (bench/outsider.py: on shared cores it stands for
+   a host of its own), it holds the pairing round with valid manifests followed by silence, opens ten silent
+   streams per node, sends payloads in honest peers' names, runs the norm-bound ratchet with random and scaled
+   weights, holds 200 idle TCP connections per node and, through a signed DHT record, offers a random state as
+   the run's outer step 1,000,000. Halfway through both runs one honest node is stopped and restarted from its
+   checkpoint (where the fake donor could capture it).
+
+The report: for each run, the honest nodes' blends per minute and per outer step, their final validation loss at
+the same inner step, crashes, and whether the restarted node downloaded a state; then what the outsider saw.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import statistics
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from noloco_node.bench.outsider import FakeDonor
+from noloco_node.config.models import model_config_for
+from noloco_node.launcher.local_swarm import LocalSwarm
+
+
+@dataclass
+class SwarmRun:
+    label: str
+    seconds: float = 0.0
+    outer_steps: int = 0
+    blends: int = 0
+    final_val_losses: list[float] = field(default_factory=list)
+    crashes: list[int] = field(default_factory=list)
+    restart_downloaded: bool = False
+    outsider: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def blends_per_minute(self) -> float:
+        return 60 * self.blends / self.seconds if self.seconds else math.nan
+
+    @property
+    def mean_val_loss(self) -> float:
+        return statistics.mean(self.final_val_losses) if self.final_val_losses else math.nan
+
+    def line(self) -> str:
+        return (
+            f"{self.label:>16}: {self.seconds:6.1f} s, {self.blends:4d} blends in {self.outer_steps:4d} outer steps "
+            f"({self.blends_per_minute:6.1f}/min, {self.blends / max(1, self.outer_steps):.0%} of steps), final val "
+            f"loss {self.mean_val_loss:.4f}, crashes {len(self.crashes)}, restarted node downloaded a state: "
+            f"{'yes' if self.restart_downloaded else 'no'}"
+        )
+
+
+@dataclass
+class OutsiderBenchResult:
+    quiet: SwarmRun
+    attacked: SwarmRun
+
+    def report(self) -> str:
+        rate = self.attacked.blends_per_minute / self.quiet.blends_per_minute
+        loss = self.attacked.mean_val_loss / self.quiet.mean_val_loss - 1
+        return "\n".join(
+            [
+                self.quiet.line(),
+                self.attacked.line(),
+                f"with the outsider: {rate:.0%} of the blend rate (target >= 80%), final val loss {loss:+.2%} "
+                "(target within 5%)",
+                f"the outsider saw: {json.dumps(self.attacked.outsider, sort_keys=True)}",
+            ]
+        )
+
+
+def _node_args(model: str, steps: int, inner_steps: int) -> list[str]:
+    return [
+        *("--model", model, "--seq-len", "64", "--steps", str(steps), "--inner-steps", str(inner_steps)),
+        *("--eval-batches", "4", "--pair-timeout", "5", "--record-ttl", "10", "--log-every", "30"),
+        *("--checkpoint-every", "1"),
+    ]
+
+
+def _run(base: Path, label: str, nodes: int, model: str, steps: int, inner_steps: int, attack: bool) -> SwarmRun:
+    run = SwarmRun(label)
+    swarm = LocalSwarm(base, nodes, _node_args(model, steps, inner_steps))
+    donor: FakeDonor | None = None
+    outsider: subprocess.Popen[str] | None = None
+    started = time.monotonic()
+    try:
+        first = _wait(lambda: all((swarm.status(s) or {}).get("outer_step", 0) >= 1 for s in swarm.slots), 300)
+        if not first:
+            raise RuntimeError(f"the swarm did not start; see the node logs in {base}")
+        if attack:
+            status = swarm.status(swarm.slots[0]) or {}
+            model_cfg = model_config_for(model, vocab_size=256, max_seq_len=64)
+            donor = FakeDonor(swarm.maddrs, status["run_fingerprint"], model_cfg)
+            outsider = subprocess.Popen(
+                [
+                    sys.executable,
+                    *("-m", "noloco_node.bench.outsider", "--model", model, "--seconds", "100000"),
+                    *(item for s in swarm.slots for item in ("--data-dir", str(s.data_dir))),
+                ],
+                stdout=subprocess.PIPE,
+                stderr=subprocess.DEVNULL,
+                text=True,
+            )
+        restarted = False
+        while swarm.running():
+            time.sleep(0.5)
+            swarm.poll()
+            victim = swarm.slots[-1]
+            progress = [(swarm.status(s) or {}).get("inner_step", 0) for s in swarm.slots]
+            if not restarted and progress[-1] >= steps // 2 and victim.process and victim.process.poll() is None:
+                victim.process.terminate()  # a graceful stop: it checkpoints, then comes back on its data dir
+                victim.process.wait(60)
+                swarm.start(victim)
+                restarted = True
+            if outsider is not None and max(progress) >= steps - inner_steps:
+                _stop_outsider(outsider, run)  # while every node still trains: its probes measure live nodes
+                outsider = None
+        run.seconds = time.monotonic() - started
+    finally:
+        if outsider is not None:
+            _stop_outsider(outsider, run)
+        if donor is not None:
+            donor.close()
+        swarm.stop()
+    for slot in swarm.slots:
+        history = [h for h in (swarm.status(slot) or {}).get("history", []) if h["inner_step"] <= steps]
+        run.outer_steps += len(history)
+        run.blends += sum(1 for h in history if h["partner"])
+        if history:
+            run.final_val_losses.append(history[-1]["val_loss"])
+        run.crashes += slot.crashes
+    victim = swarm.slots[-1]
+    restarted_log = base / f"node{victim.index}.life{victim.lives}.log"
+    run.restart_downloaded = victim.lives > 1 and "joined a run in progress" in restarted_log.read_text()
+    return run
+
+
+def _stop_outsider(outsider: subprocess.Popen[str], run: SwarmRun) -> None:
+    outsider.terminate()  # it stops its attacks and prints what it saw
+    stdout, _ = outsider.communicate(timeout=120)
+    lines = stdout.strip().splitlines()
+    run.outsider = json.loads(lines[-1]) if lines else {}
+
+
+def _wait(predicate: Any, timeout: float) -> bool:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if predicate():
+            return True
+        time.sleep(0.5)
+    return False
+
+
+def run_outsider_bench(*, nodes: int, model: str, steps: int, inner_steps: int, out: Path) -> OutsiderBenchResult:
+    quiet = _run(out / "quiet", "without outsider", nodes, model, steps, inner_steps, attack=False)
+    attacked = _run(out / "attacked", "with outsider", nodes, model, steps, inner_steps, attack=True)
+    return OutsiderBenchResult(quiet, attacked)
