@@ -415,9 +415,9 @@ ATTACKS = ("hog", "silent", "payloads", "idle")  # the fake donor is a FakeDonor
 
 class Outsider:
     """Every attack at once against ``targets`` (read again from ``targets_now`` as the swarm moves), from
-    127.0.0.2 (payloads from 127.0.0.3), until ``stop``. Each target gets its relay, a lock hog, ``silent_streams`` silent streams, idle
-    connections, a forged payload and the ratchet every ``every`` seconds; a probe from 127.0.0.1 asks each
-    target's Info and GetState twice a second to see whether honest callers are still answered."""
+    127.0.0.2 (payloads from 127.0.0.3), until ``stop``. Each target gets a lock hog, ``silent_streams`` silent
+    streams, idle connections, a forged payload and the ratchet every ``every`` seconds; a probe from 127.0.0.1
+    asks each target's Info and GetState twice a second to see whether honest callers are still answered."""
 
     def __init__(
         self,
