@@ -40,7 +40,7 @@ class SwarmRun:
     blends: int = 0
     final_val_losses: list[float] = field(default_factory=list)
     crashes: list[int] = field(default_factory=list)
-    restart_downloaded: bool = False
+    restart: str = "not restarted"  # what the node restarted halfway did: resumed, or downloaded (from whom)
     outsider: dict[str, Any] = field(default_factory=dict)
 
     @property
@@ -55,8 +55,7 @@ class SwarmRun:
         return (
             f"{self.label:>16}: {self.seconds:6.1f} s, {self.blends:4d} blends in {self.outer_steps:4d} outer steps "
             f"({self.blends_per_minute:6.1f}/min, {self.blends / max(1, self.outer_steps):.0%} of steps), final val "
-            f"loss {self.mean_val_loss:.4f}, crashes {len(self.crashes)}, restarted node downloaded a state: "
-            f"{'yes' if self.restart_downloaded else 'no'}"
+            f"loss {self.mean_val_loss:.4f}, crashes {len(self.crashes)}; the node restarted halfway {self.restart}"
         )
 
 
@@ -91,6 +90,7 @@ def _run(base: Path, label: str, nodes: int, model: str, steps: int, inner_steps
     run = SwarmRun(label)
     swarm = LocalSwarm(base, nodes, _node_args(model, steps, inner_steps))
     donor: FakeDonor | None = None
+    fake_donor_id: str | None = None
     outsider: subprocess.Popen[str] | None = None
     started = time.monotonic()
     try:
@@ -101,6 +101,7 @@ def _run(base: Path, label: str, nodes: int, model: str, steps: int, inner_steps
             status = swarm.status(swarm.slots[0]) or {}
             model_cfg = model_config_for(model, vocab_size=256, max_seq_len=64)
             donor = FakeDonor(swarm.maddrs, status["run_fingerprint"], model_cfg)
+            fake_donor_id = donor.identity.peer_id
             outsider = subprocess.Popen(
                 [
                     sys.executable,
@@ -140,8 +141,14 @@ def _run(base: Path, label: str, nodes: int, model: str, steps: int, inner_steps
             run.final_val_losses.append(history[-1]["val_loss"])
         run.crashes += slot.crashes
     victim = swarm.slots[-1]
-    restarted_log = base / f"node{victim.index}.life{victim.lives}.log"
-    run.restart_downloaded = victim.lives > 1 and "joined a run in progress" in restarted_log.read_text()
+    if victim.lives > 1:
+        log = (base / f"node{victim.index}.life{victim.lives}.log").read_text()
+        if "joined a run in progress: state of outer step" in log:
+            source = log.split("joined a run in progress: state of outer step")[1].split()[2]
+            fake = fake_donor_id is not None and fake_donor_id.endswith(source)
+            run.restart = f"downloaded a state from {'THE FAKE DONOR' if fake else 'an honest peer'}"
+        else:
+            run.restart = "resumed its checkpoint"
     return run
 
 

@@ -53,8 +53,8 @@ def add_bench_parsers(commands: Any) -> None:
     )
     outsider.add_argument("--nodes", type=int, default=3, help="honest nodes")
     outsider.add_argument("--model", default="tiny", choices=list(MODEL_SIZES), help="model size the swarm trains")
-    outsider.add_argument("--steps", type=int, default=2000, help="inner steps each node trains (both runs)")
-    outsider.add_argument("--inner-steps", type=int, default=20, help="H: inner steps between outer steps")
+    outsider.add_argument("--steps", type=int, default=3000, help="inner steps each node trains (both runs)")
+    outsider.add_argument("--inner-steps", type=int, default=50, help="H: inner steps between outer steps")
     outsider.add_argument("--out", type=Path, help="keep logs and checkpoints here (default: a temporary folder)")
 
     straggler = benches.add_parser(

@@ -330,7 +330,10 @@ class NodeConfig(_Settings):
         5.0, gt=0, description="Shortest deadline an exchange gets, however fast earlier ones were (s)."
     )
     max_behind: int = Field(
-        5, ge=0, description="A restarted node whose checkpoint is more outer steps behind the swarm downloads state."
+        5,
+        ge=0,
+        description="A restarted node whose checkpoint is more outer steps behind the swarm downloads state (never "
+        "more than max_staleness: a node further behind could pair with nobody).",
     )
     max_state_downloads: int = Field(2, ge=1, description="Joiners served at once; more are told busy.")
     slow_factor: float = Field(

@@ -138,12 +138,16 @@ class CatchUp:
             if not self.cfg.download_state:
                 return
             front = credible_front(await self._donor_candidates())
-            if front is None or front - replica.outer_step <= self.cfg.max_behind:
+            # Further behind than the staleness bound, a node could pair with nobody: it would train alone at the
+            # swarm's pace and never catch up (seen in a 3-node tiny swarm: a restart 4 steps behind, solo to the end).
+            allowed = min(self.cfg.max_behind, self.cfg.max_staleness)
+            if front is None or front - replica.outer_step <= allowed:
                 return
             log.info(
-                "the checkpoint is %d outer steps behind the swarm (more than --max-behind %d): downloading state",
+                "the checkpoint is %d outer steps behind the swarm (more than %d, the lower of --max-behind and "
+                "--max-staleness): downloading state",
                 front - replica.outer_step,
-                self.cfg.max_behind,
+                allowed,
             )
             if not await self.download_state(replica, has_own_state=True):
                 log.warning("no donor served a state better than the checkpoint's: training on from the checkpoint")
