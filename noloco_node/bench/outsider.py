@@ -29,6 +29,7 @@ import os
 import signal
 import socket
 import threading
+import time
 from collections import Counter
 from collections.abc import Callable, Iterator, Sequence
 from concurrent import futures
@@ -519,12 +520,15 @@ class Outsider:
                 self.report.probes[f"{method} {probe(target, transport)}"] += 1
             self._stop.wait(0.5)
 
-    def stop(self) -> OutsiderReport:
+    def stop(self, grace: float = 10.0) -> OutsiderReport:
+        """Stop attacking; calls still in flight get ``grace`` seconds in all (its threads are daemons: one held
+        by a node that no longer answers is left behind), then the report as it stands."""
         self._stop.set()
         for sock in self._sockets:
             sock.close()
+        deadline = time.monotonic() + grace
         for thread in self._threads:
-            thread.join(40)
+            thread.join(max(0.0, deadline - time.monotonic()))
         for relay in self._relays.values():
             relay.close()
         return self.report
