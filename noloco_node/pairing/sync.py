@@ -205,10 +205,13 @@ class SyncPairing(PairingStrategy):
                 log.warning("DHT lookup failed: %s", error)
                 live, candidates = [], []
             within_reach = [p for p in live if abs(p.outer_step - current.outer_step) <= ctx.max_staleness]
-            if not within_reach and time.monotonic() >= alone_until:
+            all_ahead = bool(live) and all(p.outer_step > current.outer_step + ctx.max_staleness for p in live)
+            if not within_reach and (all_ahead or time.monotonic() >= alone_until):
                 # Nobody else in the run within the staleness bound (alone, or every other node far ahead or far
                 # behind): waiting the whole pair_timeout would only idle the trainer. A peer that comes within
-                # reach is found at the next outer step.
+                # reach is found at the next outer step. When everyone is ahead, nobody will come back to this
+                # step: not waiting even the grace lets a node that fell behind catch up (with the grace, a node
+                # 3 steps behind a 3-node tiny swarm stayed behind, alone, to the end of the run).
                 current.stop_waiting()
                 return
             for peer in ctx.caller.order([p for p in candidates if current.may_pair_with(p.peer_id)]):
