@@ -339,7 +339,13 @@ class Node:
         self.shard = await catch_up.choose_shard()
         self.replica = replica = await catch_up.replica(self.shard, self.corpus, self.model_cfg, self.data_parallel)
         # A resumed node is bounded at once by the movements its checkpoint recorded (payload_guard.py).
-        self.security.norm_guard.restore([h["movement"] for h in self.telemetry.history_list(16) if "movement" in h])
+        self.security.norm_guard.restore(
+            [
+                (h["movement"], h["phase_lr"], h["partner_lr"])
+                for h in self.telemetry.history_list(16)
+                if "phase_lr" in h
+            ]
+        )
         outer_step = OuterStep(
             OuterStepDeps(
                 replica=replica,
@@ -360,6 +366,7 @@ class Node:
                 loop=asyncio.get_running_loop(),
                 publish_record=self._publish,
                 norm_guard=self.security.norm_guard,
+                max_staleness=self.cfg.max_staleness,
                 data_parallel=self.data_parallel,
             )
         )

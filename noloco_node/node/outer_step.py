@@ -35,7 +35,7 @@ from noloco_node.security.payload_guard import NormGuard, relative_distance
 from noloco_node.training.checkpoints import CheckpointWriter, OuterStateCopies, replica_state_of
 from noloco_node.training.data_parallel import DataParallel
 from noloco_node.training.loop import InnerLoop, InnerPhase, StepHook
-from noloco_node.training.replica import Batch, Replica
+from noloco_node.training.replica import Batch, Replica, learning_rate
 from noloco_node.wire.frames import build_manifest
 from noloco_node.wire.payload import Payload
 from noloco_node.wire.published import Latest, Published
@@ -70,6 +70,7 @@ class OuterStepDeps:
     loop: asyncio.AbstractEventLoop
     publish_record: Callable[[], Any]  # a coroutine function, run on the event loop
     norm_guard: NormGuard  # bounds partners by this node's own movement, measured here before each pairing
+    max_staleness: int  # how many outer steps a partner may be ahead or behind (for the norm bound's learning rate)
     data_parallel: DataParallel | None = None
 
 
@@ -121,7 +122,8 @@ class OuterStep:
         # This phase's own movement, before pairing: the norm bound a partner is checked against comes from it
         # (payload_guard.py), so the first exchange is already bounded and no payload can widen the bound.
         movement = relative_distance(replica.fast_weights(), replica.phi)
-        deps.norm_guard.observe_own_movement(movement)
+        phase_lr, partner_lr = phase_learning_rates(replica.train_cfg, replica.inner_step, deps.max_staleness)
+        deps.norm_guard.observe_own_movement(movement, phase_lr, partner_lr)
         wait_started = time.monotonic()
         partner = deps.strategy.partner(replica, phase.seconds)
         waited = time.monotonic() - wait_started
@@ -144,7 +146,10 @@ class OuterStep:
             "wait_seconds": waited,
             "blend_seconds": blend_seconds,
             "upkeep_seconds": 0.0,
-            "movement": movement,  # kept in the checkpoint's history: a restarted node's norm bound starts from it
+            # Kept in the checkpoint's history: a restarted node's norm bound starts from them.
+            "movement": movement,
+            "phase_lr": phase_lr,
+            "partner_lr": partner_lr,
             "time": time.time(),
         }
         deps.telemetry.on_outer_step(entry)  # before the state copy: the checkpoint's history includes this step
@@ -176,6 +181,18 @@ class OuterStep:
         )
         deps.strategy.after_blend(new_phi, fast, replica.phi, replica.outer_step + 1)
         replica.apply_outer_step(new_phi, new_delta)
+
+
+def phase_learning_rates(cfg: TrainConfig, inner_step: int, max_staleness: int) -> tuple[float, float]:
+    """The mean learning rate of the phase that ended at ``inner_step``, and the largest one a partner up to
+    ``max_staleness`` outer steps ahead or behind may have trained its phase at."""
+    h = cfg.inner_steps
+    phase = [learning_rate(s, cfg) for s in range(max(0, inner_step - h), max(1, inner_step))]
+    reach = (max_staleness + 1) * h
+    stride = max(1, h // 8)  # the schedule is monotone between warmup's end and the ends of the window
+    samples = [*range(max(0, inner_step - reach), inner_step + reach + 1, stride), cfg.effective_warmup_steps]
+    window = [learning_rate(s, cfg) for s in samples if inner_step - reach <= s <= inner_step + reach]
+    return sum(phase) / len(phase), max(window)
 
 
 def held_phi(snapshot: Latest, count: int) -> tuple[Published | None, list[torch.Tensor]]:

@@ -59,6 +59,10 @@ class OuterStepRecord(BaseModel):
     movement: float | None = Field(
         None, description="This node's own relative movement in the phase, ||theta - phi|| / ||phi||: the norm bound."
     )
+    phase_lr: float | None = Field(None, description="Mean inner learning rate of the phase.")
+    partner_lr: float | None = Field(
+        None, description="Largest learning rate a partner within the staleness bound may have trained at."
+    )
     time: float
 
 

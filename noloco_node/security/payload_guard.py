@@ -10,7 +10,9 @@ a partner's tensors are blended, their distance from this node's own slow weight
 and the payload is refused (INVALID_ARGUMENT, reason ``norm_bound``) when d exceeds the bound.
 
 The bound is ``factor`` times the largest relative movement of this node's *own* recent inner phases,
-``||theta_own - phi_own|| / ||phi_own||`` over the last ``window`` outer steps (fixed instead when configured).
+``||theta_own - phi_own|| / ||phi_own||`` over the last ``window`` outer steps, each scaled by the learning rate
+(movement per unit of learning rate, times the largest learning rate a partner within the staleness bound may
+have trained at: in the warmup a partner two phases ahead moves more); fixed instead when configured.
 Why this node's own movement and not the distances of accepted payloads: a bound learnt from what peers send can
 be walked up by the peers who send it (three payloads just inside a bound of 1.0 once lifted a learnt bound to
 4.75, after which random weights were blended), while no payload moves a node's own phase. It is sound from the
@@ -69,27 +71,36 @@ class NormGuard:
     def __init__(self, *, fixed: float | None = None, factor: float = 3.0, window: int = 8) -> None:
         self.fixed = fixed
         self.factor = factor
-        self._movements: deque[float] = deque(maxlen=window)
+        self._per_lr: deque[float] = deque(maxlen=window)  # movement per unit of learning rate, per phase
+        self._partner_lr = 0.0
         self._lock = threading.Lock()
         self.last_distance: float | None = None
 
-    def observe_own_movement(self, movement: float) -> None:
-        """Trainer thread, at the end of every inner phase and before pairing: ||theta - phi|| / ||phi||."""
-        if math.isfinite(movement):
+    def observe_own_movement(self, movement: float, phase_lr: float, partner_lr: float) -> None:
+        """Trainer thread, at the end of every inner phase and before pairing: ``movement`` = ||theta - phi|| /
+        ||phi|| of the phase just trained at mean learning rate ``phase_lr``; ``partner_lr``: the largest learning
+        rate a partner within the staleness bound may have trained its phase at. Movement scales with the learning
+        rate, so the bound does too: during the warmup a partner two phases ahead moves more than this node did
+        (honest partners were refused at 0.00086 against a bound of 0.00062 before this scaling)."""
+        if math.isfinite(movement) and phase_lr > 0 and math.isfinite(partner_lr):
             with self._lock:
-                self._movements.append(movement)
+                self._per_lr.append(movement / phase_lr)
+                self._partner_lr = partner_lr
 
-    def restore(self, movements: Sequence[float]) -> None:
-        """The movements a checkpoint recorded (oldest first), so that a restarted node is bounded at once."""
-        with self._lock:
-            self._movements.extend(m for m in movements if isinstance(m, (int, float)) and math.isfinite(m))
+    def restore(self, phases: Sequence[tuple[float, float, float]]) -> None:
+        """(movement, phase_lr, partner_lr) of the phases a checkpoint recorded, oldest first, so that a restarted
+        node is bounded at once."""
+        for movement, phase_lr, partner_lr in phases:
+            self.observe_own_movement(movement, phase_lr, partner_lr)
 
     def bound(self) -> float | None:
         """The current bound; None before this node has measured one phase of its own (and none is fixed)."""
         if self.fixed is not None:
             return self.fixed
         with self._lock:
-            return min(CEILING, self.factor * max(self._movements)) if self._movements else None
+            if not self._per_lr:
+                return None
+            return min(CEILING, self.factor * max(self._per_lr) * self._partner_lr)
 
     @property
     def basis(self) -> str:
@@ -97,7 +108,7 @@ class NormGuard:
         if self.fixed is not None:
             return "fixed"
         with self._lock:
-            return "own_movement" if self._movements else "none_yet"
+            return "own_movement" if self._per_lr else "none_yet"
 
     def admit(self, distance: float, peer: str) -> None:
         """Accept the distance, or raise PayloadError naming it and the bound. Nothing is learnt from it."""

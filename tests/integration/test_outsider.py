@@ -100,8 +100,9 @@ def test_the_norm_bound_is_not_ratcheted_from_a_cold_start_nor_after_a_restart(
         return before, codes, _live(status)
 
     def own_bound(status: dict) -> float:
-        movements = [h["movement"] for h in status["history"][-8:]]
-        return min(0.9, 3.0 * max(movements))
+        """3 x the largest movement per unit of learning rate of the last 8 phases, at the partners' largest rate."""
+        last = status["history"][-8:]
+        return min(0.9, 3.0 * max(h["movement"] / h["phase_lr"] for h in last) * last[-1]["partner_lr"])
 
     try:
         before, codes, after = attack()
@@ -148,8 +149,11 @@ def test_a_fake_donor_is_adopted_neither_by_a_joiner_nor_by_a_restarting_member(
             120,
             "the member training again",
         )
-        assert "resumed from" in member.output() and "downloading state" not in member.output()
-        assert back["outer_step"] < 1000  # it went on from its checkpoint
+        output = member.output()
+        assert "resumed from" in output and "999" not in output  # never "999,9xx outer steps behind"
+        if "joined a run in progress" in output:  # a few steps behind the honest peer: its state, measured first
+            assert donor.identity.peer_id[-8:] not in output.split("joined a run in progress")[1].splitlines()[0]
+        assert back["outer_step"] < 1000 and donor.served == 0
         # A fresh joiner with all three in sight downloads from an honest node, never from the fake donor.
         joiner = NodeProcess("joiner", bootstrap, tmp_path, *args, "--shard-index", "2")
         others.append(joiner)

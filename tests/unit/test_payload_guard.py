@@ -10,11 +10,13 @@ import pytest
 import torch
 from pydantic import ValidationError
 
-from noloco_node.config.models import NodeConfig, SecurityConfig, format_validation_error
+from noloco_node.config.models import NodeConfig, SecurityConfig, TrainConfig, format_validation_error
 from noloco_node.config.settings import SettingsError, env_layer
+from noloco_node.node.outer_step import phase_learning_rates
 from noloco_node.pairing.peer_policy import PeerPolicy
 from noloco_node.rpc.transport import GuardedCall, Watchdog
 from noloco_node.security.payload_guard import Complaints, NormGuard, relative_distance
+from noloco_node.training.replica import learning_rate
 from noloco_node.wire.frames import PayloadError
 
 
@@ -34,7 +36,7 @@ def test_the_bound_follows_the_nodes_own_movement_and_no_payload_widens_it() -> 
         guard.admit(0.01, "p")
     assert not_ready.value.reason == "not_ready" and not not_ready.value.blames_sender
     assert guard.bound() is None and guard.basis == "none_yet"
-    guard.observe_own_movement(0.1)
+    guard.observe_own_movement(0.1, phase_lr=1e-3, partner_lr=1e-3)
     assert guard.bound() == pytest.approx(0.3) and guard.basis == "own_movement"
     for _ in range(50):  # the ratchet: payloads just inside the bound, over and over
         guard.admit(0.29, "attacker")
@@ -43,17 +45,31 @@ def test_the_bound_follows_the_nodes_own_movement_and_no_payload_widens_it() -> 
         guard.admit(1.4, "attacker")  # random weights
     assert refused.value.reason == "norm_bound" and "1.4" in refused.value.message and refused.value.blames_sender
     for movement in (0.05, 0.04, 0.03, 0.02):  # the largest of the last `window` phases
-        guard.observe_own_movement(movement)
+        guard.observe_own_movement(movement, phase_lr=1e-3, partner_lr=1e-3)
     assert guard.bound() == pytest.approx(0.15)
     with pytest.raises(PayloadError):
         guard.admit(float("nan"), "p")
     restarted = NormGuard(factor=3.0)
-    restarted.restore([0.05, float("nan"), 0.02])  # from the checkpoint's history: bounded before any phase
+    restarted.restore([(0.05, 1e-3, 1e-3), (float("nan"), 1e-3, 1e-3), (0.02, 1e-3, 1e-3)])  # the checkpoint's
     assert restarted.bound() == pytest.approx(0.15)
     assert NormGuard(fixed=0.05).bound() == 0.05 and NormGuard(fixed=0.05).basis == "fixed"
     early = NormGuard(factor=3.0)
-    early.observe_own_movement(0.46)  # a tiny model's second phase from its random init moves this much
+    early.observe_own_movement(0.46, phase_lr=1e-3, partner_lr=1e-3)  # a tiny model's second phase moves this much
     assert early.bound() == pytest.approx(0.9)  # weights at zero (distance 1.0) are refused all the same
+
+
+def test_in_the_warmup_a_partner_further_along_is_allowed_its_larger_learning_rate() -> None:
+    """Seen in a 3-node swarm with a 10,000-step warmup: a partner one phase ahead was 0.00086 away, this node's own
+    movement allowed 0.00062, and every partner was quarantined. Movement scales with the learning rate."""
+    cfg = TrainConfig(total_steps=100_000, inner_steps=10, lr=3e-3)
+    phase_lr, partner_lr = phase_learning_rates(cfg, inner_step=20, max_staleness=2)
+    assert partner_lr == pytest.approx(learning_rate(50, cfg)) and partner_lr > 2 * phase_lr
+    guard = NormGuard(factor=3.0)
+    guard.observe_own_movement(0.0002, phase_lr, partner_lr)
+    guard.admit(0.00086, "a partner two phases ahead")
+    late_lr, late_partner = phase_learning_rates(cfg, inner_step=90_000, max_staleness=2)
+    assert late_partner == pytest.approx(learning_rate(90_000 - 30, cfg))  # in the decay, one behind moves more
+    assert late_partner >= late_lr
 
 
 def test_complaints_are_logged_once_per_peer_and_reason_per_interval(caplog: pytest.LogCaptureFixture) -> None:
