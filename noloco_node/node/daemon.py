@@ -248,6 +248,7 @@ class Node:
                 ),
             )
             outer_step = await self._prepare_replica()
+            await asyncio.to_thread(self.write_status)  # the resumed state (its history, its norm bound) at once
             components.push_async_callback(self._withdraw)
             await self._publish()
             self.supervisor.spawn("dht-record", self._refresh_record)
@@ -367,6 +368,7 @@ class Node:
                 publish_record=self._publish,
                 norm_guard=self.security.norm_guard,
                 max_staleness=self.cfg.max_staleness,
+                judge=self.peering.served.judge,
                 data_parallel=self.data_parallel,
             )
         )

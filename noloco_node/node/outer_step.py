@@ -71,6 +71,7 @@ class OuterStepDeps:
     publish_record: Callable[[], Any]  # a coroutine function, run on the event loop
     norm_guard: NormGuard  # bounds partners by this node's own movement, measured here before each pairing
     max_staleness: int  # how many outer steps a partner may be ahead or behind (for the norm bound's learning rate)
+    judge: Callable[[Payload], bool]  # the norm bound, for a payload that arrived before this node had one
     data_parallel: DataParallel | None = None
 
 
@@ -126,6 +127,9 @@ class OuterStep:
         deps.norm_guard.observe_own_movement(movement, phase_lr, partner_lr)
         wait_started = time.monotonic()
         partner = deps.strategy.partner(replica, phase.seconds)
+        if partner is not None and partner.unjudged and not deps.judge(partner):
+            partner.release()  # it came before this node had a bound, and fails it now: never blended
+            partner = None
         waited = time.monotonic() - wait_started
         blend_started = time.monotonic()
         self._blend(partner)

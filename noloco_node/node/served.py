@@ -66,7 +66,26 @@ class ServedNode:
         return self.snapshot.hold()
 
     def admit(self, payload: Payload) -> None:
-        """The norm bound (payload_guard.py): the partner's tensors against this node's latest slow weights."""
+        """The norm bound (payload_guard.py): the partner's tensors against this node's latest slow weights. A
+        payload that arrives before this node has a bound (an overlap offer during its first phase) is accepted
+        unjudged, and judged by the trainer before it is blended (:meth:`judge`)."""
+        if self.security.norm_guard.bound() is None:
+            payload.unjudged = True
+            return
+        self._check(payload)
+
+    def judge(self, payload: Payload) -> bool:
+        """Trainer thread: whether an unjudged payload passes the norm bound now; one that fails is held against
+        its sender like any refused payload."""
+        try:
+            self._check(payload)
+        except PayloadError as refused:
+            self.bad_payload(payload.peer_id, refused)
+            return False
+        payload.unjudged = False
+        return True
+
+    def _check(self, payload: Payload) -> None:
         copy, phi = held_phi(self.snapshot, len(self.layout.names))
         if copy is None:
             return  # still starting: nothing to compare with, and nothing will be blended before there is

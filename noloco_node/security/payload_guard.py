@@ -24,8 +24,10 @@ replicas, H = 20 and 50), ``d / max(recent own movement)`` stayed below 1.3, hen
 Whatever the movement, the bound never exceeds ``CEILING`` (0.9): weights as far from this node's as zero is
 (d = 1, and random weights sit at d >= 1) are nobody's honest partner, and early in a run, when a tiny model's
 first phases move it by up to 46% of its norm, 3x the movement alone would admit them.
-Until this node has finished one phase it has no bound, and refuses a payload as *not ready* (ABORTED, never held
-against the peer).
+Until this node has finished one phase it has no bound: a payload that arrives then (an overlap offer in the
+first phase) is kept unjudged and judged by the trainer, with the bound of its first phase, before it is blended
+(node/served.py, node/outer_step.py); ``admit`` itself refuses as *not ready* (ABORTED, never held against the
+peer).
 
 A member that holds the secret can still send a subtly bad model inside the bound; see the README's threat model.
 """

@@ -90,6 +90,9 @@ class Payload:
     ) -> None:
         self.manifest = manifest
         self.tensors = tensors
+        # Set when it arrived before the receiving node could judge its content (no norm bound yet): the trainer
+        # judges it before blending it (node/outer_step.py).
+        self.unjudged = False
         self._buffers = list(buffers)
         self._pool = pool
 

@@ -116,7 +116,7 @@ def test_the_norm_bound_is_not_ratcheted_from_a_cold_start_nor_after_a_restart(
         (node.data_dir / "status.json").unlink()  # the next status read is the restarted process's
         # After a restart the bound comes back from the checkpoint at once: no window of a loose bound.
         node = NodeProcess("target", bootstrap, tmp_path, *args)
-        restarted = _wait_for(lambda: (s := node.status()) and s["address"] and s, 120, "the restarted node")
+        restarted = _wait_for(lambda: (s := node.status()) and s["history"] and s, 120, "the restarted node")
         assert restarted["security"]["norm_bound_basis"] == "own_movement", restarted["security"]
         assert restarted["security"]["norm_bound"] == pytest.approx(own_bound(restarted), rel=1e-6)
         _, codes, after = attack()
