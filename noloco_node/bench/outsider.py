@@ -197,20 +197,32 @@ def payload_frames(
     return list(iter_frames(outgoing.manifest, outgoing.tensors))
 
 
+def call_exchange(
+    channel: grpc.Channel, frames: Sequence[bytes], metadata: Sequence[tuple[str, str]] | None, timeout: float = 20
+) -> tuple[grpc.StatusCode, str]:
+    """One Exchange call that sends exactly these frames with exactly this metadata; its status and details."""
+    call = channel.stream_stream(EXCHANGE_METHOD)(iter(frames), timeout=timeout, metadata=metadata)
+    try:
+        for _ in call:
+            pass
+    except grpc.RpcError as error:
+        return error.code(), error.details() or ""
+    return grpc.StatusCode.OK, ""
+
+
+def exchange_status(
+    address: str, frames: Sequence[bytes], metadata: Sequence[tuple[str, str]] | None, timeout: float = 20
+) -> tuple[grpc.StatusCode, str]:
+    """:func:`call_exchange` on a channel of its own."""
+    with grpc.insecure_channel(address, options=CHANNEL_OPTIONS) as channel:
+        return call_exchange(channel, frames, metadata, timeout)
+
+
 def send_exchange(
     address: str, target: Target, frames: Sequence[bytes], identity: NodeIdentity, *, timeout: float = 30
 ) -> tuple[grpc.StatusCode, str]:
     """One Exchange sending exactly ``frames`` with a valid proof of ``identity`` made for the target."""
-    with grpc.insecure_channel(address, options=CHANNEL_OPTIONS) as channel:
-        call = channel.stream_stream(EXCHANGE_METHOD)(
-            iter(frames), timeout=timeout, metadata=prove(identity, EXCHANGE_METHOD, target.peer_id)
-        )
-        try:
-            for _ in call:
-                pass
-        except grpc.RpcError as error:
-            return error.code(), error.details() or ""
-    return grpc.StatusCode.OK, ""
+    return exchange_status(address, frames, prove(identity, EXCHANGE_METHOD, target.peer_id), timeout)
 
 
 def forged_payload(
@@ -399,16 +411,6 @@ class OutsiderReport:
     silent: Counter[str] = field(default_factory=Counter)
     idle_connections: int = 0
     probes: Counter[str] = field(default_factory=Counter)  # Info / GetState asked of the honest nodes
-
-    def line(self) -> str:
-        def show(counter: Counter[str]) -> str:
-            return ", ".join(f"{k} {v}" for k, v in sorted(counter.items())) or "none"
-
-        return (
-            f"forged: {show(self.forged)}; ratchet: {show(self.ratchet)}; lock hogs: {show(self.hogs)}; silent "
-            f"streams: {show(self.silent)}; idle connections opened: {self.idle_connections}; honest probes: "
-            f"{show(self.probes)}"
-        )
 
 
 ATTACKS = ("hog", "silent", "payloads", "idle")  # the fake donor is a FakeDonor of its own

@@ -1,4 +1,5 @@
-"""What a stranger (or a hostile member) can send to a node: its exact payload layout, and raw signed calls."""
+"""What a stranger (or a hostile member) can send to a node: its exact payload layout, and raw signed calls. The
+raw exchange calls and the stranger's keys are the package's outsider's (noloco_node/bench/outsider.py)."""
 
 from __future__ import annotations
 
@@ -7,16 +8,15 @@ from collections.abc import Sequence
 
 import grpc
 import torch
-from cryptography.hazmat.primitives.asymmetric import rsa
 
+from noloco_node.bench.outsider import call_exchange, exchange_status, fresh_identity
 from noloco_node.config.models import model_config_for
 from noloco_node.model.decoder import LlamaDecoder, named_parameters_ordered
 from noloco_node.rpc import peer_pb2 as pb
 from noloco_node.rpc.client import Outgoing
-from noloco_node.rpc.service import EXCHANGE_METHOD, INFO_METHOD
+from noloco_node.rpc.service import INFO_METHOD
 from noloco_node.rpc.transport import CHANNEL_OPTIONS
 from noloco_node.security.auth import MAC_HEADER, NONCE_HEADER, PEER_HEADER, TIME_HEADER, SwarmSecret, _mac
-from noloco_node.security.identity import NodeIdentity, _wrap
 from noloco_node.wire.frames import build_manifest, iter_frames
 
 
@@ -69,31 +69,18 @@ def now_ms() -> int:
     return int(time.time() * 1000)
 
 
-def fresh_identity() -> NodeIdentity:
-    """A new key pair, as any stranger can make one (1024-bit: quick to generate; servers accept any RSA size)."""
-    return NodeIdentity(_wrap(rsa.generate_private_key(public_exponent=65537, key_size=1024)))
-
-
-def call_exchange(
-    channel: grpc.Channel, frames: Sequence[bytes], metadata: Sequence[tuple[str, str]] | None, timeout: float = 20
-) -> tuple[grpc.StatusCode, str]:
-    """One Exchange call that sends exactly these frames with exactly this metadata; its status and details."""
-    call = channel.stream_stream(EXCHANGE_METHOD)(iter(frames), timeout=timeout, metadata=metadata)
-    try:
-        for _ in call:
-            pass
-    except grpc.RpcError as error:
-        return error.code(), error.details() or ""
-    return grpc.StatusCode.OK, ""
-
-
-def exchange_status(
-    address: str, frames: Sequence[bytes], metadata: Sequence[tuple[str, str]] | None, timeout: float = 20
-) -> tuple[grpc.StatusCode, str]:
-    """:func:`call_exchange` on a channel of its own."""
-    with grpc.insecure_channel(address, options=CHANNEL_OPTIONS) as channel:
-        return call_exchange(channel, frames, metadata, timeout)
-
-
 def frames_of(outgoing: Outgoing) -> list[bytes]:
     return list(iter_frames(outgoing.manifest, outgoing.tensors))
+
+
+__all__ = [
+    "call_exchange",
+    "exchange_status",
+    "frames_of",
+    "fresh_identity",
+    "node_weights",
+    "now_ms",
+    "payload",
+    "raw_info",
+    "signed_metadata",
+]
