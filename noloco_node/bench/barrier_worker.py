@@ -22,6 +22,7 @@ import torch.distributed as dist
 
 from noloco_node.config.models import DataConfig, TrainConfig, model_config_for
 from noloco_node.data.corpus import ReplicaShard, load_corpus
+from noloco_node.model.source import SeededDecoder
 from noloco_node.node.fault_injection import emulated_step_factor
 from noloco_node.training.replica import Replica
 
@@ -51,7 +52,7 @@ def main() -> None:
     corpus = load_corpus(DataConfig())
     model_cfg = model_config_for(args.model, vocab_size=corpus.vocab_size, max_seq_len=train.seq_len)
     shard = ReplicaShard(corpus.train, replica=args.rank, num_replicas=args.world, seq_len=train.seq_len, seed=0)
-    replica = Replica(model_cfg, train, [shard])
+    replica = Replica(SeededDecoder(model_cfg, train.seed, args.model), train, [shard])
     rng = np.random.default_rng(list(hashlib.sha256(f"barrier-{args.rank}".encode()).digest()[:8]))
     dist.barrier()
     started = time.monotonic()

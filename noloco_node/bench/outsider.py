@@ -43,6 +43,7 @@ from cryptography.hazmat.primitives.asymmetric import rsa
 from noloco_node.config.models import ModelConfig, model_config_for
 from noloco_node.discovery.dht import Discovery, PeerRecord
 from noloco_node.model.decoder import LlamaDecoder, named_parameters_ordered
+from noloco_node.model.source import SeededDecoder
 from noloco_node.observability.status_file import read_status_document
 from noloco_node.rpc import peer_pb2 as pb
 from noloco_node.rpc.client import ExchangeError, Outgoing, fetch_info
@@ -160,7 +161,9 @@ def download_phi(
     """The target's slow weights, as GetState hands them to anyone (the distance of a crafted payload from them
     is then exact)."""
     download = StateDownload(
-        snapshot_layout(model_cfg), run_fingerprint=target.run_fingerprint, peer_id=identity.peer_id
+        snapshot_layout(SeededDecoder(model_cfg, seed=0)),
+        run_fingerprint=target.run_fingerprint,
+        peer_id=identity.peer_id,
     )
     tensors, _ = download.fetch(
         target.address, timeout=timeout, transport=Transport(identity=identity), donor_peer_id=target.peer_id
@@ -349,7 +352,7 @@ class FakeDonor:
         self.identity = fresh_identity()
         self.run_fingerprint = run_fingerprint
         counters = {"inner_step": CLAIMED_STEP * 50, "outer_step": CLAIMED_STEP, "adam_step": CLAIMED_STEP * 50}
-        named = [(name, torch.randn(shape) * 0.05) for name, shape in snapshot_layout(model_cfg)]
+        named = [(name, torch.randn(shape) * 0.05) for name, shape in snapshot_layout(SeededDecoder(model_cfg, seed=0))]
         self.manifest = build_manifest(
             named,
             wire_dtype="fp32",

@@ -21,6 +21,7 @@ import torch
 from noloco_node.config.models import TrainConfig, model_config_for
 from noloco_node.data.corpus import ReplicaShard
 from noloco_node.model.decoder import parameter_count
+from noloco_node.model.source import SeededDecoder
 from noloco_node.training.replica import Replica, resolve_device
 
 # Dense bf16 tensor-core peaks (FLOP/s), from the vendors' datasheets (SXM parts where there are two).
@@ -132,7 +133,7 @@ def run_train_bench(
     count = max(1 << 20, (steps + warmup + 2) * batch_size * (seq_len + 1))
     tokens = np.random.default_rng(0).integers(0, 256, size=count, dtype=np.uint16)
     shard = ReplicaShard(tokens, replica=0, num_replicas=1, seq_len=seq_len, seed=0)
-    replica = Replica(model_cfg, train_cfg, [shard], device=torch_device)
+    replica = Replica(SeededDecoder(model_cfg, train_cfg.seed, size), train_cfg, [shard], device=torch_device)
     for _ in range(warmup):
         replica.train_step()
     seconds = []

@@ -155,12 +155,12 @@ def run_export(args: argparse.Namespace, resolve: Any) -> int:
             f"(outer step {weights.provenance['outer_step']}, inner step {weights.provenance['inner_step']})"
         )
         return 0
-    from noloco_node.data.corpus import load_corpus
     from noloco_node.model.consensus import ConsensusError, fetch_consensus
+    from noloco_node.model.source import load_run_corpus
     from noloco_node.node.run_layout import run_identity
 
-    corpus = load_corpus(settings.data)
-    model_cfg, fingerprint = run_identity(settings.node, settings.train, corpus)
+    corpus = load_run_corpus(settings.data, settings.train)
+    source, fingerprint = run_identity(settings.node, settings.train, corpus)
     node_cfg = settings.node
     if args.url:
         from noloco_node.observability.status_client import fetch_status
@@ -173,14 +173,14 @@ def run_export(args: argparse.Namespace, resolve: Any) -> int:
                 "--data/--tokenizer)"
             )
         node_cfg = node_cfg.model_copy(update={"bootstrap": list(node_cfg.bootstrap) or list(status.dht_maddrs)})
-    print(f"run {fingerprint}: model {settings.train.model_size}, {corpus.description}", flush=True)
+    print(f"run {fingerprint}: model {source.name}, {corpus.description}", flush=True)
     try:
         consensus = fetch_consensus(
-            node_cfg, model_cfg, fingerprint, peers=args.peers, wait=args.wait, progress=_flushed_print
+            node_cfg, source, fingerprint, peers=args.peers, wait=args.wait, progress=_flushed_print
         )
     except ConsensusError as error:
         raise SystemExit(f"noloco-node export: {error}") from None
-    weights = ExportedWeights(model_cfg, consensus.names, consensus.tensors, corpus.tokenizer)
+    weights = ExportedWeights(source, consensus.names, consensus.tensors, corpus.tokenizer)
     if args.eval:
         _evaluate_consensus(consensus, weights, corpus, settings.train)
     weights.provenance = {**consensus.provenance(), "run_fingerprint": fingerprint}
@@ -208,7 +208,7 @@ def _evaluate_consensus(consensus: Any, weights: Any, corpus: Any, train_cfg: An
         ).loss
 
     for member, tensors in zip(consensus.members, consensus.member_weights, strict=True):
-        member.val_loss = loss_of(ExportedWeights(weights.model_config, weights.names, tensors, weights.tokenizer))
+        member.val_loss = loss_of(ExportedWeights(weights.source, weights.names, tensors, weights.tokenizer))
     consensus.val_loss = loss_of(weights)
 
 
@@ -225,7 +225,7 @@ def run_eval(args: argparse.Namespace) -> int:
     from noloco_node.model.inference import check_compatible, evaluate
 
     loaded, model, device = _load_model(args)
-    seq_len = args.seq_len or model.config.max_seq_len
+    seq_len = args.seq_len or model.max_seq_len
     data_cfg = DataConfig(source=args.data, text_field=args.text_field, cache_dir=args.cache_dir)
     corpus = load_corpus(data_cfg, tokenizer=loaded.tokenizer)
     check_compatible(model, loaded.tokenizer, corpus, seq_len)

@@ -29,6 +29,9 @@ class ModelConfig(BaseModel):
     hidden_size: int = Field(64, ge=8)
     num_layers: int = Field(2, ge=1)
     num_heads: int = Field(4, ge=1)
+    num_kv_heads: int | None = Field(
+        None, ge=1, description="Key/value heads (grouped-query attention, as in Llama 3); None: num_heads."
+    )
     intermediate_size: int = Field(192, ge=8, description="Width of the SwiGLU feed-forward.")
     max_seq_len: int = Field(128, ge=8, description="Longest sequence the RoPE tables are built for.")
     rope_theta: float = Field(10000.0, gt=0)
@@ -42,11 +45,22 @@ class ModelConfig(BaseModel):
             raise ValueError(f"hidden_size ({self.hidden_size}) must be divisible by num_heads ({self.num_heads})")
         if (self.hidden_size // self.num_heads) % 2:
             raise ValueError("head dimension (hidden_size / num_heads) must be even for rotary embeddings")
+        if self.num_heads % self.kv_heads:
+            raise ValueError(f"num_heads ({self.num_heads}) must be divisible by num_kv_heads ({self.kv_heads})")
         return self
 
     @property
     def head_dim(self) -> int:
         return self.hidden_size // self.num_heads
+
+    @property
+    def kv_heads(self) -> int:
+        return self.num_kv_heads or self.num_heads
+
+    def identity(self) -> dict[str, object]:
+        """The config as a run's identity sees it: unset optional fields left out, so that adding one (as
+        num_kv_heads was) keeps the fingerprint of every run that does not use it."""
+        return self.model_dump(mode="json", exclude_none=True)
 
 
 # Architecture of each named size; the vocabulary and sequence length come from the data and training settings.
@@ -109,6 +123,12 @@ class TrainConfig(_Settings):
     """The inner phase: Adam without weight decay, clipping, warmup + cosine schedule, evaluation."""
 
     model_size: ModelSize = Field("tiny", description="Named model size (`noloco-node sizes` lists them).")
+    init_from: Path | None = Field(
+        None,
+        description="A local Hugging Face model folder (config.json, *.safetensors, tokenizer.json) to start from "
+        "instead of a named size's random weights; read offline. Its tokenizer is the run's unless data.tokenizer "
+        "is given.",
+    )
     seq_len: int = Field(128, ge=8, description="Tokens per training sequence.")
     batch_size: int = Field(8, ge=1, description="Sequences per inner step of one replica.")
     total_steps: int = Field(600, ge=1, description="Inner steps per replica over the whole run.")

@@ -29,10 +29,11 @@ from typing import Any
 import torch
 
 from noloco_node import algorithm
-from noloco_node.config.models import ModelConfig, NodeConfig
+from noloco_node.config.models import NodeConfig
 from noloco_node.discovery.bootstrap import expand_bootstrap
 from noloco_node.discovery.dht import Discovery, PeerRecord
 from noloco_node.errors import NolocoError
+from noloco_node.model.source import ModelSource
 from noloco_node.rpc.client import ExchangeError
 from noloco_node.rpc.state_download import StateDownload
 from noloco_node.security.node_security import NodeSecurity
@@ -114,7 +115,7 @@ def _candidates(discovery: Discovery, peers: int, wait: float) -> list[PeerRecor
 
 def fetch_consensus(
     node_cfg: NodeConfig,
-    model_cfg: ModelConfig,
+    source: ModelSource,
     run_fingerprint: str,
     *,
     peers: int,
@@ -127,7 +128,7 @@ def fetch_consensus(
     bootstrap = expand_bootstrap(node_cfg.bootstrap, wait=node_cfg.bootstrap_wait)
     if not bootstrap:
         raise ConsensusError("give --bootstrap: the DHT address of the run (multiaddrs or http://HOST:PORT/maddrs)")
-    layout = snapshot_layout(model_cfg)
+    layout = snapshot_layout(source)
     names = [name.removeprefix("phi/") for name, _ in layout if name.startswith("phi/")]
     state_bytes = 4 * sum(torch.Size(shape).numel() for _, shape in layout)
     timeout = max(node_cfg.exchange_timeout, state_bytes / node_cfg.min_link_rate + 10.0)

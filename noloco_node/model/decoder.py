@@ -14,8 +14,6 @@ shapes. The vocabulary size is not part of a named size: it comes from the token
 from __future__ import annotations
 
 import contextlib
-import hashlib
-import json
 import math
 from collections.abc import Iterator
 
@@ -56,24 +54,32 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch
 
 
 class Attention(nn.Module):
+    """Causal self-attention; with fewer key/value heads than query heads (grouped-query attention, as in Llama 3),
+    each key/value head serves ``num_heads / num_kv_heads`` query heads."""
+
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
         self.num_heads = cfg.num_heads
+        self.kv_heads = cfg.kv_heads
         self.head_dim = cfg.head_dim
+        kv_width = cfg.kv_heads * cfg.head_dim
         self.q_proj = nn.Linear(cfg.hidden_size, cfg.hidden_size, bias=False)
-        self.k_proj = nn.Linear(cfg.hidden_size, cfg.hidden_size, bias=False)
-        self.v_proj = nn.Linear(cfg.hidden_size, cfg.hidden_size, bias=False)
+        self.k_proj = nn.Linear(cfg.hidden_size, kv_width, bias=False)
+        self.v_proj = nn.Linear(cfg.hidden_size, kv_width, bias=False)
         self.o_proj = nn.Linear(cfg.hidden_size, cfg.hidden_size, bias=False)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         batch, seq, hidden = x.shape
 
-        def heads(t: torch.Tensor) -> torch.Tensor:
-            return t.view(batch, seq, self.num_heads, self.head_dim).transpose(1, 2)
+        def heads(t: torch.Tensor, count: int) -> torch.Tensor:
+            return t.view(batch, seq, count, self.head_dim).transpose(1, 2)
 
-        q = apply_rotary(heads(self.q_proj(x)), cos, sin)
-        k = apply_rotary(heads(self.k_proj(x)), cos, sin)
-        v = heads(self.v_proj(x))
+        q = apply_rotary(heads(self.q_proj(x), self.num_heads), cos, sin)
+        k = apply_rotary(heads(self.k_proj(x), self.kv_heads), cos, sin)
+        v = heads(self.v_proj(x), self.kv_heads)
+        if self.kv_heads != self.num_heads:
+            group = self.num_heads // self.kv_heads
+            k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
         out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
         return self.o_proj(out.transpose(1, 2).reshape(batch, seq, hidden))
 
@@ -102,12 +108,27 @@ class DecoderBlock(nn.Module):
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
-class LlamaDecoder(nn.Module):
+class CausalLM(nn.Module):
+    """What training, evaluation and sampling need of any model a run trains (this decoder, or a ``transformers``
+    model wrapped by model/pretrained.py): token ids (batch, seq) -> next-token logits (batch, seq, vocab), and the
+    two limits of its input."""
+
+    vocab_size: int
+    max_seq_len: int
+
+    def loss(self, tokens: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        """Mean next-token cross-entropy in nats, computed in fp32 whatever the autocast dtype."""
+        return token_loss(self(tokens), targets)
+
+
+class LlamaDecoder(CausalLM):
     """Token ids (batch, seq) -> next-token logits (batch, seq, vocab)."""
 
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
         self.config = cfg
+        self.vocab_size = cfg.vocab_size
+        self.max_seq_len = cfg.max_seq_len
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
         self.layers = nn.ModuleList(DecoderBlock(cfg) for _ in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.norm_eps)
@@ -145,10 +166,6 @@ class LlamaDecoder(nn.Module):
             x = layer(x, cos, sin)
         return self.lm_head(self.norm(x))
 
-    def loss(self, tokens: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-        """Mean next-token cross-entropy in nats, computed in fp32 whatever the autocast dtype."""
-        return token_loss(self(tokens), targets)
-
 
 def token_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
     """Mean next-token cross-entropy in nats of ``logits`` (from the model, or from its DDP wrapper), in fp32."""
@@ -172,20 +189,3 @@ def autocast_context(device: torch.device) -> contextlib.AbstractContextManager[
     if device.type == "cuda":
         return torch.autocast(device_type="cuda", dtype=torch.bfloat16)
     return contextlib.nullcontext()
-
-
-def run_fingerprint(cfg: ModelConfig, *, run_name: str, seed: int, tokenizer: str = "bytes") -> str:
-    """The identity of a run: model config, every parameter's name and shape, the run's name and seed, and the
-    tokenizer (by its fingerprint; the byte-level default adds nothing, so those runs keep their identity).
-
-    Peers pair only within one fingerprint, so two nodes can never blend weights of different shapes, different
-    initialisations or different vocabularies of the same size.
-    """
-    with torch.device("meta"):
-        model = LlamaDecoder(cfg)
-    shapes = [[name, list(p.shape)] for name, p in named_parameters_ordered(model)]
-    identity = {"model": cfg.model_dump(mode="json"), "shapes": shapes, "run": run_name, "seed": seed}
-    if tokenizer != "bytes":
-        identity["tokenizer"] = tokenizer
-    material = json.dumps(identity, sort_keys=True)
-    return hashlib.sha256(material.encode()).hexdigest()[:16]

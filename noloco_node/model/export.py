@@ -1,5 +1,5 @@
-"""A usable model out of a run: ``safetensors`` weights plus configs that this package's ``LlamaDecoder`` and
-``transformers``' ``LlamaForCausalLM`` both load, and the loader that ``eval`` and ``generate`` use.
+"""A usable model out of a run: a Hugging Face folder that ``transformers`` loads (and ``--init-from`` reads back),
+and the loader that ``eval`` and ``generate`` use.
 
 NoLoCo never makes the replicas identical (arXiv 2506.10911: eq. 3-5 pull each *pair* towards its mean; only the
 learning-rate decay shrinks the spread of the whole swarm), so "the trained model" is a choice:
@@ -10,13 +10,15 @@ learning-rate decay shrinks the spread of the whole swarm), so "the trained mode
 
 An exported folder::
 
-    model.safetensors       weights under Hugging Face Llama names (model.layers.0.self_attn.q_proj.weight, ...)
-    config.json             a LlamaConfig (architectures: LlamaForCausalLM); transformers' from_pretrained reads it
-    noloco.json             this package's ModelConfig and where the weights came from (peers, steps, spread)
+    model.safetensors       weights under the source architecture's own names (model.layers.0.self_attn.q_proj.weight)
+    config.json             this project's decoder as a LlamaConfig; a run started with --init-from: the source's own
+    noloco.json             the run's model source and where the weights came from (peers, steps, spread)
     tokenizer.json          when the run used a tokenizers tokenizer, with a tokenizer_config.json for AutoTokenizer
 
-The model maps one to one: RMSNorm, rotate-half RoPE, SwiGLU and (un)tied embeddings are Llama's, so only the
-names gain a ``model.`` prefix (``lm_head.weight`` keeps its name and is left out when tied).
+The decoder maps one to one onto LlamaForCausalLM: RMSNorm, rotate-half RoPE, SwiGLU, grouped-query attention and
+(un)tied embeddings are Llama's, so only the names gain a ``model.`` prefix (``lm_head.weight`` keeps its name and
+is left out when tied). A run started from another architecture writes it back in that architecture's layout
+(model/source.py, ``ModelSource.hf_name`` and ``export_config``).
 """
 
 from __future__ import annotations
@@ -24,7 +26,6 @@ from __future__ import annotations
 import json
 import shutil
 import tempfile
-from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -34,23 +35,15 @@ import torch
 from noloco_node.config.models import ModelConfig
 from noloco_node.data.tokenizer import ByteTokenizer, HFTokenizer, Tokenizer
 from noloco_node.errors import DataError
-from noloco_node.model.decoder import LlamaDecoder, named_parameters_ordered
+from noloco_node.model.decoder import CausalLM, named_parameters_ordered
+from noloco_node.model.source import ModelSource, SeededDecoder, source_from_record
 
-EXPORT_FORMAT = 1
+EXPORT_FORMAT = 2
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
-def hf_name(name: str) -> str:
-    """This package's parameter name -> the one LlamaForCausalLM uses."""
-    return name if name.startswith("lm_head.") else f"model.{name}"
-
-
-def own_name(name: str) -> str:
-    return name.removeprefix("model.")
-
-
 def llama_config(cfg: ModelConfig, tokenizer: Tokenizer, dtype: str = "fp32") -> dict[str, Any]:
-    """The config.json of a LlamaForCausalLM with exactly this model's shape (no grouped-query attention)."""
+    """The config.json of a LlamaForCausalLM with exactly this model's shape."""
     eos = getattr(tokenizer, "eos_id", None)
     return {
         "architectures": ["LlamaForCausalLM"],
@@ -60,7 +53,7 @@ def llama_config(cfg: ModelConfig, tokenizer: Tokenizer, dtype: str = "fp32") ->
         "intermediate_size": cfg.intermediate_size,
         "num_hidden_layers": cfg.num_layers,
         "num_attention_heads": cfg.num_heads,
-        "num_key_value_heads": cfg.num_heads,
+        "num_key_value_heads": cfg.kv_heads,
         "head_dim": cfg.head_dim,
         "hidden_act": "silu",
         "max_position_embeddings": cfg.max_seq_len,
@@ -81,65 +74,21 @@ def llama_config(cfg: ModelConfig, tokenizer: Tokenizer, dtype: str = "fp32") ->
     }
 
 
-def model_config_from_llama(config: dict[str, Any], origin: str) -> ModelConfig:
-    """Read a plain Hugging Face Llama config.json back, refusing what LlamaDecoder cannot represent."""
-    heads = config.get("num_attention_heads")
-    unsupported = []
-    if config.get("num_key_value_heads", heads) != heads:
-        unsupported.append("grouped-query attention (num_key_value_heads != num_attention_heads)")
-    if config.get("attention_bias") or config.get("mlp_bias"):
-        unsupported.append("biases")
-    rope = config.get("rope_parameters") or config.get("rope_scaling") or {}
-    if rope.get("rope_type", rope.get("type", "default")) != "default":
-        unsupported.append(f"rope scaling {rope.get('rope_type', rope.get('type'))!r}")
-    if unsupported:
-        raise DataError(f"{origin}: this Llama uses {', '.join(unsupported)}, which LlamaDecoder does not model")
-    try:
-        return ModelConfig(
-            vocab_size=config["vocab_size"],
-            hidden_size=config["hidden_size"],
-            num_layers=config["num_hidden_layers"],
-            num_heads=heads,
-            intermediate_size=config["intermediate_size"],
-            max_seq_len=config["max_position_embeddings"],
-            rope_theta=rope.get("rope_theta", config.get("rope_theta", 10000.0)),
-            norm_eps=config["rms_norm_eps"],
-            tie_embeddings=config.get("tie_word_embeddings", False),
-            init_std=config.get("initializer_range", 0.02),
-        )
-    except KeyError as error:
-        raise DataError(f"{origin}: no {error.args[0]!r}") from None
-
-
 @dataclass
 class ExportedWeights:
-    """Weights in this package's names and order, with what is needed to use them."""
+    """Weights in the run's parameter names and order, with the model source that gives them meaning."""
 
-    model_config: ModelConfig
+    source: ModelSource
     names: list[str]
     tensors: list[torch.Tensor]
     tokenizer: Tokenizer
     provenance: dict[str, Any] = field(default_factory=dict)
+    built: CausalLM | None = None  # the model these tensors already live in, when they were read as one
 
-    def model(self) -> LlamaDecoder:
-        model = LlamaDecoder(self.model_config)
-        load_weights(model, self.names, self.tensors, origin=self.provenance.get("source", "the weights"))
-        return model
-
-
-@torch.no_grad()
-def load_weights(model: LlamaDecoder, names: Sequence[str], tensors: Sequence[torch.Tensor], *, origin: str) -> None:
-    """Copy named tensors into ``model``; every name and shape is checked before anything is copied."""
-    params = dict(named_parameters_ordered(model))
-    given = dict(zip(names, tensors, strict=True))
-    missing, unexpected = sorted(set(params) - set(given)), sorted(set(given) - set(params))
-    if missing or unexpected:
-        raise DataError(f"{origin}: missing weights {missing[:5]}, unexpected weights {unexpected[:5]}")
-    for name, param in params.items():
-        if tuple(given[name].shape) != tuple(param.shape):
-            raise DataError(f"{origin}: {name} has shape {tuple(given[name].shape)}, the model {tuple(param.shape)}")
-    for name, param in params.items():
-        param.copy_(given[name].to(param.dtype))
+    def model(self) -> CausalLM:
+        if self.built is None:
+            self.built = self.source.with_weights(self.names, self.tensors)
+        return self.built
 
 
 def write_export(out: Path, weights: ExportedWeights, *, dtype: str = "fp32") -> None:
@@ -154,16 +103,17 @@ def write_export(out: Path, weights: ExportedWeights, *, dtype: str = "fp32") ->
     staging.chmod(0o755)  # mkdtemp makes it private; the result is read by other users (nodes, containers)
     try:
         cast = DTYPES[dtype]
+        source = weights.source
         tensors = {
-            hf_name(name): tensor.detach().to("cpu", cast).contiguous()
+            source.hf_name(name): tensor.detach().to("cpu", cast).contiguous()
             for name, tensor in zip(weights.names, weights.tensors, strict=True)
         }
         save_file(tensors, str(staging / "model.safetensors"), metadata={"format": "pt"})
-        config = llama_config(weights.model_config, weights.tokenizer, dtype)
+        config = source.export_config(weights.tokenizer, dtype)
         (staging / "config.json").write_text(json.dumps(config, indent=2))
         noloco = {
             "format": EXPORT_FORMAT,
-            "model_config": weights.model_config.model_dump(mode="json"),
+            "model_source": source.record(),
             "tokenizer": weights.tokenizer.fingerprint,
             "dtype": dtype,
             **weights.provenance,
@@ -171,13 +121,15 @@ def write_export(out: Path, weights: ExportedWeights, *, dtype: str = "fp32") ->
         (staging / "noloco.json").write_text(json.dumps(noloco, indent=2))
         if weights.tokenizer.json_text is not None:
             (staging / "tokenizer.json").write_text(weights.tokenizer.json_text, encoding="utf-8")
-            eos = getattr(weights.tokenizer, "eos_id", None)
-            tokenizer_config: dict[str, Any] = {
-                "tokenizer_class": "PreTrainedTokenizerFast",
-                "model_max_length": config["max_position_embeddings"],
-            }
-            if eos is not None:
-                tokenizer_config["eos_token"] = weights.tokenizer.decode([eos])
+            tokenizer_config: dict[str, Any] | None = getattr(source, "tokenizer_config", None)
+            if tokenizer_config is None:  # the source folder's own, when the run started from one
+                eos = getattr(weights.tokenizer, "eos_id", None)
+                tokenizer_config = {
+                    "tokenizer_class": "PreTrainedTokenizerFast",
+                    "model_max_length": source.max_seq_len,
+                }
+                if eos is not None:
+                    tokenizer_config["eos_token"] = weights.tokenizer.decode([eos])
             (staging / "tokenizer_config.json").write_text(json.dumps(tokenizer_config, indent=2))
         staging.rename(out)
     except BaseException:
@@ -203,8 +155,12 @@ def checkpoint_weights(path: Path, *, weights: str = "slow") -> ExportedWeights:
     replica = payload["replica"]
     tokenizer_json = payload.get("tokenizer_json")
     tokenizer = HFTokenizer(tokenizer_json, origin=f"the tokenizer in {path}") if tokenizer_json else ByteTokenizer()
+    if "model_source" in payload:
+        source = source_from_record(payload["model_source"])
+    else:  # written before runs had model sources: always the seeded decoder
+        source = SeededDecoder(ModelConfig(**payload["model_config"]), seed=0)
     return ExportedWeights(
-        ModelConfig(**payload["model_config"]),
+        source,
         list(replica["param_names"]),
         list(replica["phi" if weights == "slow" else "theta"]),
         tokenizer,
@@ -219,36 +175,21 @@ def checkpoint_weights(path: Path, *, weights: str = "slow") -> ExportedWeights:
 
 
 def exported_weights(folder: Path) -> ExportedWeights:
-    """An exported folder (or any plain Hugging Face Llama folder with model.safetensors and config.json)."""
-    from safetensors import SafetensorError
-    from safetensors.torch import load_file
+    """An exported folder, or any Hugging Face causal LM folder ``--init-from`` reads (model/pretrained.py)."""
+    from noloco_node.model.pretrained import open_pretrained
 
     folder = Path(folder).expanduser()
-    weights_path, config_path = folder / "model.safetensors", folder / "config.json"
-    for needed in (weights_path, config_path):
-        if not needed.is_file():
-            raise DataError(f"{str(folder)!r} is not an exported model: no {needed.name}")
     try:
         noloco = json.loads((folder / "noloco.json").read_text()) if (folder / "noloco.json").is_file() else {}
-        config = json.loads(config_path.read_text())
     except (OSError, json.JSONDecodeError) as error:
-        raise DataError(f"cannot read the configs in {str(folder)!r}: {error}") from None
-    if "model_config" in noloco:
-        model_config = ModelConfig(**noloco["model_config"])
-    else:
-        model_config = model_config_from_llama(config, str(config_path))
-    try:
-        tensors = load_file(str(weights_path))
-    except (SafetensorError, OSError) as error:
-        raise DataError(f"cannot read {str(weights_path)!r}: {error}") from None
-    names = [own_name(n) for n in tensors]
+        raise DataError(f"cannot read {str(folder / 'noloco.json')!r}: {error}") from None
+    source = open_pretrained(folder)
+    model = source.initial_model(torch.device("cpu"))
+    names, tensors = zip(*((name, p.detach()) for name, p in named_parameters_ordered(model)), strict=True)
     tokenizer_path = folder / "tokenizer.json"
     tokenizer: Tokenizer = HFTokenizer.from_file(tokenizer_path) if tokenizer_path.is_file() else ByteTokenizer()
-    values = list(tensors.values())
-    if model_config.tie_embeddings and "lm_head.weight" in names:  # a tied model saved with both copies
-        keep = [i for i, n in enumerate(names) if n != "lm_head.weight"]
-        names, values = [names[i] for i in keep], [values[i] for i in keep]
-    return ExportedWeights(model_config, names, values, tokenizer, {**noloco, "source": str(folder)})
+    provenance = {**noloco, "source": str(folder)}
+    return ExportedWeights(source, list(names), list(tensors), tokenizer, provenance, built=model)
 
 
 def load_any(path: Path, *, weights: str = "slow") -> ExportedWeights:

@@ -21,7 +21,7 @@ import torch
 from noloco_node.data.corpus import Corpus, validation_batches
 from noloco_node.data.tokenizer import Tokenizer
 from noloco_node.errors import DataError
-from noloco_node.model.decoder import LlamaDecoder, autocast_context
+from noloco_node.model.decoder import CausalLM, autocast_context
 
 
 @dataclass
@@ -43,9 +43,9 @@ class EvalResult:
         )
 
 
-def check_compatible(model: LlamaDecoder, model_tokenizer: Tokenizer, corpus: Corpus, seq_len: int) -> None:
+def check_compatible(model: CausalLM, model_tokenizer: Tokenizer, corpus: Corpus, seq_len: int) -> None:
     """Refuse a dataset the model cannot read: other tokenizer, ids outside its vocabulary, windows too long."""
-    cfg = model.config
+    cfg = model
     if corpus.tokenizer.fingerprint != model_tokenizer.fingerprint:
         raise DataError(
             f"the data is tokenized with {corpus.tokenizer.fingerprint}, the model was trained with "
@@ -59,7 +59,7 @@ def check_compatible(model: LlamaDecoder, model_tokenizer: Tokenizer, corpus: Co
 
 @torch.inference_mode()
 def evaluate(
-    model: LlamaDecoder,
+    model: CausalLM,
     corpus: Corpus,
     *,
     seq_len: int,
@@ -84,7 +84,7 @@ def evaluate(
 
 @torch.inference_mode()
 def generate(
-    model: LlamaDecoder,
+    model: CausalLM,
     tokenizer: Tokenizer,
     prompt: str,
     *,
@@ -110,7 +110,7 @@ def generate(
         set(tokenizer.document_separator) if stop_at_end_of_document and getattr(tokenizer, "eos_id", None) else set()
     )
     new: list[int] = []
-    window = model.config.max_seq_len
+    window = model.max_seq_len
     for _ in range(max_new_tokens):
         context = torch.tensor([(ids + new)[-window:]], dtype=torch.long, device=device)
         with autocast_context(device):

@@ -36,10 +36,11 @@ from pathlib import Path
 import numpy as np
 
 from noloco_node.atomic_files import write_atomically
-from noloco_node.config.models import ModelConfig, NodeConfig, TrainConfig
+from noloco_node.config.models import NodeConfig, TrainConfig
 from noloco_node.data.corpus import Corpus, ReplicaShard
 from noloco_node.discovery.dht import Discovery, PeerRecord
 from noloco_node.errors import NolocoError
+from noloco_node.model.source import ModelSource
 from noloco_node.observability.telemetry import Telemetry
 from noloco_node.rpc.client import ExchangeError
 from noloco_node.rpc.metrics import ExchangeMetrics
@@ -111,7 +112,7 @@ class CatchUp:
         return chosen
 
     async def replica(
-        self, shard_index: int, corpus: Corpus, model_cfg: ModelConfig, data_parallel: DataParallel | None
+        self, shard_index: int, corpus: Corpus, source: ModelSource, data_parallel: DataParallel | None
     ) -> Replica:
         """The replica on its shard (of this member's slice of it, on several GPUs), in its initial state; in a
         multi-GPU member every rank then starts from rank 0's state."""
@@ -122,7 +123,7 @@ class CatchUp:
         shard = ReplicaShard(
             corpus.train, replica=index, num_replicas=count, seq_len=self.train_cfg.seq_len, seed=self.train_cfg.seed
         )
-        replica = await asyncio.to_thread(Replica, model_cfg, self.train_cfg, [shard], data_parallel=data_parallel)
+        replica = await asyncio.to_thread(Replica, source, self.train_cfg, [shard], data_parallel=data_parallel)
         self.telemetry.phase = "looking for a checkpoint or a donor's state"
         await self.initial_state(replica)
         if data_parallel is not None:
@@ -178,7 +179,7 @@ class CatchUp:
         """Adopt a fresh donor's snapshot that measures well (see the module docstring). Donors are drawn at
         random near the credible front, so joiners spread out; a busy or failing donor is followed by the next
         one, which continues the download where the last stopped when its snapshot is of the same outer step."""
-        layout = snapshot_layout(replica.model_cfg)
+        layout = snapshot_layout(replica.source)
         own_loss = await asyncio.to_thread(replica.evaluate, self.validation)
         needed = own_loss if has_own_state else own_loss * (1 - STATE_IMPROVEMENT)
         refused: set[str] = set()

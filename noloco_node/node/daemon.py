@@ -27,10 +27,11 @@ import torch
 
 from noloco_node import algorithm
 from noloco_node.config.models import DataConfig, NodeConfig, OuterConfig, TrainConfig
-from noloco_node.data.corpus import load_corpus, validation_batches
+from noloco_node.data.corpus import validation_batches
 from noloco_node.discovery.bootstrap import expand_bootstrap
 from noloco_node.discovery.dht import Discovery, PeerRecord
 from noloco_node.discovery.reachability import announce_host, check_reachable
+from noloco_node.model.source import load_run_corpus
 from noloco_node.node.catch_up import CHECKPOINT_FILE, CatchUp, NodeError
 from noloco_node.node.descriptors import connection_budget, raise_descriptor_limit
 from noloco_node.node.fault_injection import fault_hooks
@@ -69,10 +70,10 @@ class Node:
         self.descriptor_limit = raise_descriptor_limit()  # before anything opens a file or a socket
         self.train_cfg = train_cfg
         self.outer_cfg = outer_cfg
-        self.corpus = load_corpus(data_cfg)
+        self.corpus = load_run_corpus(data_cfg, train_cfg)
         self.layout = RunLayout.of(node_cfg, train_cfg, outer_cfg, self.corpus)
         self.run_fingerprint = self.layout.run_fingerprint
-        self.model_cfg = self.layout.model_cfg
+        self.source = self.layout.source
         try:
             self.security = NodeSecurity(node_cfg.security, node_cfg.data_dir)
         except SecuritySetupError as error:
@@ -219,7 +220,7 @@ class Node:
     def _checkpoint_identity(self) -> dict[str, object]:
         return {
             "run_fingerprint": self.run_fingerprint,
-            "model_config": self.model_cfg.model_dump(mode="json"),
+            "model_source": self.source.record(),
             "tokenizer_json": self.corpus.tokenizer.json_text,  # export, eval and generate need it
         }
 
@@ -338,7 +339,7 @@ class Node:
             validation=validation,
         )
         self.shard = await catch_up.choose_shard()
-        self.replica = replica = await catch_up.replica(self.shard, self.corpus, self.model_cfg, self.data_parallel)
+        self.replica = replica = await catch_up.replica(self.shard, self.corpus, self.source, self.data_parallel)
         # A resumed node is bounded at once by the movements its checkpoint recorded (payload_guard.py).
         self.security.norm_guard.restore(
             [

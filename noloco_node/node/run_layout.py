@@ -10,26 +10,24 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-import torch
-
-from noloco_node.config.models import ModelConfig, NodeConfig, OuterConfig, TrainConfig, model_config_for
+from noloco_node.config.models import NodeConfig, OuterConfig, TrainConfig
 from noloco_node.data.corpus import Corpus
-from noloco_node.model.decoder import LlamaDecoder, named_parameters_ordered, run_fingerprint
+from noloco_node.model.source import ModelSource, model_source, run_fingerprint
 from noloco_node.wire.frames import TensorLayout
 
 
-def run_identity(node_cfg: NodeConfig, train_cfg: TrainConfig, corpus: Corpus) -> tuple[ModelConfig, str]:
+def run_identity(node_cfg: NodeConfig, train_cfg: TrainConfig, corpus: Corpus) -> tuple[ModelSource, str]:
     """The model a node of these settings trains and its run's fingerprint (the DHT namespace and pairing key)."""
-    model_cfg = model_config_for(train_cfg.model_size, vocab_size=corpus.vocab_size, max_seq_len=train_cfg.seq_len)
+    source = model_source(train_cfg, corpus.vocab_size)
     fingerprint = run_fingerprint(
-        model_cfg, run_name=node_cfg.run_name, seed=train_cfg.seed, tokenizer=corpus.tokenizer.fingerprint
+        source, run_name=node_cfg.run_name, seed=train_cfg.seed, tokenizer=corpus.tokenizer.fingerprint
     )
-    return model_cfg, fingerprint
+    return source, fingerprint
 
 
 @dataclass(frozen=True)
 class RunLayout:
-    model_cfg: ModelConfig
+    source: ModelSource
     run_fingerprint: str
     names: tuple[str, ...]
     shapes: tuple[tuple[int, ...], ...]
@@ -40,12 +38,10 @@ class RunLayout:
 
     @classmethod
     def of(cls, node_cfg: NodeConfig, train_cfg: TrainConfig, outer_cfg: OuterConfig, corpus: Corpus) -> RunLayout:
-        model_cfg, fingerprint = run_identity(node_cfg, train_cfg, corpus)
-        with torch.device("meta"):
-            shapes_model = LlamaDecoder(model_cfg)
-        named = [(n, tuple(p.shape)) for n, p in named_parameters_ordered(shapes_model)]
+        source, fingerprint = run_identity(node_cfg, train_cfg, corpus)
+        named = source.layout()
         return cls(
-            model_cfg=model_cfg,
+            source=source,
             run_fingerprint=fingerprint,
             names=tuple(n for n, _ in named),
             shapes=tuple(s for _, s in named),

@@ -36,9 +36,9 @@ import numpy as np
 import torch
 
 from noloco_node import algorithm
-from noloco_node.config.models import ModelConfig, SimulateConfig, model_config_for
-from noloco_node.data.corpus import Corpus, ReplicaShard, load_corpus, validation_batches
-from noloco_node.model.decoder import parameter_count
+from noloco_node.config.models import SimulateConfig
+from noloco_node.data.corpus import Corpus, ReplicaShard, validation_batches
+from noloco_node.model.source import load_run_corpus, model_source
 from noloco_node.training.loop import InnerLoop
 from noloco_node.training.replica import Replica, resolve_device
 
@@ -169,16 +169,16 @@ def run_method(
 ) -> MethodResult:
     """Train ``cfg.replicas`` replicas with one method and record its curves."""
     train = cfg.train
-    model_cfg = simulation_model_config(cfg, corpus)
+    source = model_source(train, corpus.vocab_size)
     device = resolve_device(train.device)
     shards = [
         ReplicaShard(corpus.train, replica=r, num_replicas=cfg.replicas, seq_len=train.seq_len, seed=train.seed)
         for r in range(cfg.replicas)
     ]
     if method == "ddp":
-        replicas = [Replica(model_cfg, train, shards, device=device)]
+        replicas = [Replica(source, train, shards, device=device)]
     else:
-        replicas = [Replica(model_cfg, train, [shard], device=device) for shard in shards]
+        replicas = [Replica(source, train, [shard], device=device) for shard in shards]
     val = validation_batches(
         corpus.validation, seq_len=train.seq_len, batch_size=train.batch_size, num_batches=train.eval_batches
     )
@@ -218,10 +218,6 @@ def run_method(
         record(step, phase_losses)
     result.seconds = time.perf_counter() - started
     return result
-
-
-def simulation_model_config(cfg: SimulateConfig, corpus: Corpus) -> ModelConfig:
-    return model_config_for(cfg.train.model_size, vocab_size=corpus.vocab_size, max_seq_len=cfg.train.seq_len)
 
 
 def relative_metrics(results: Mapping[str, MethodResult]) -> dict[str, float]:
@@ -268,7 +264,7 @@ class Comparison:
 
 def compare(cfg: SimulateConfig, *, progress: ProgressFn = print_progress) -> Comparison:
     """Run every method in ``cfg.methods`` on the same seeds and data; write metrics.json and curves.png."""
-    corpus = load_corpus(cfg.data)
+    corpus = load_run_corpus(cfg.data, cfg.train)
     progress(
         f"corpus: {corpus.description}: {len(corpus.train):,} train / {len(corpus.validation):,} validation "
         f"tokens; {cfg.replicas} replicas, model {cfg.train.model_size}, {cfg.train.total_steps} inner steps, "
@@ -287,7 +283,7 @@ def write_outputs(comparison: Comparison, cfg: SimulateConfig, corpus: Corpus) -
     payload = {
         "config": cfg.model_dump(mode="json"),
         "corpus": corpus.description,
-        "model_parameters": parameter_count(simulation_model_config(cfg, corpus)),
+        "model_parameters": sum(math.prod(shape) for _, shape in model_source(cfg.train, corpus.vocab_size).layout()),
         "results": {
             name: {**asdict(r), "final_val_loss": r.final_val_loss, "final_val_ppl": r.final_val_ppl}
             for name, r in comparison.results.items()

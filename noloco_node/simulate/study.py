@@ -10,7 +10,7 @@ from pathlib import Path
 import numpy as np
 
 from noloco_node.config.models import SimulateConfig
-from noloco_node.data.corpus import load_corpus
+from noloco_node.model.source import load_run_corpus
 from noloco_node.simulate.simulator import (
     Comparison,
     MethodResult,
@@ -68,7 +68,7 @@ def seed_study(
     cfg: SimulateConfig, seeds: list[int], replica_counts: list[int], *, progress: ProgressFn = print_progress
 ) -> SeedStudy:
     """Every method of ``cfg.methods`` for every replica count and seed; writes study.json and study.png."""
-    corpus = load_corpus(cfg.data)
+    corpus = load_run_corpus(cfg.data, cfg.train)
     comparisons: dict[int, list[Comparison]] = {}
     for count in replica_counts:
         for seed in seeds:

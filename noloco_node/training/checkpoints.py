@@ -24,8 +24,7 @@ from typing import Any
 import torch
 
 from noloco_node.atomic_files import write_atomically
-from noloco_node.config.models import ModelConfig
-from noloco_node.model.decoder import LlamaDecoder, named_parameters_ordered
+from noloco_node.model.source import ModelSource
 from noloco_node.training.replica import Replica
 from noloco_node.wire.published import BufferPool, Published
 
@@ -36,11 +35,9 @@ CHECKPOINT_FORMAT = 1
 SNAPSHOT_PREFIXES = ("phi", "delta", "adam.exp_avg", "adam.exp_avg_sq")
 
 
-def snapshot_layout(model_cfg: ModelConfig) -> list[tuple[str, tuple[int, ...]]]:
+def snapshot_layout(source: ModelSource) -> list[tuple[str, tuple[int, ...]]]:
     """Names and shapes of an outer-step snapshot, the order GetState serves them in."""
-    with torch.device("meta"):
-        model = LlamaDecoder(model_cfg)
-    named = [(name, tuple(p.shape)) for name, p in named_parameters_ordered(model)]
+    named = source.layout()
     return [(f"{prefix}/{name}", shape) for prefix in SNAPSHOT_PREFIXES for name, shape in named]
 
 

@@ -14,8 +14,9 @@ import threading
 
 import torch
 
-from noloco_node.config.models import DataConfig, NodeConfig, TrainConfig, model_config_for
-from noloco_node.data.corpus import ReplicaShard, load_corpus
+from noloco_node.config.models import DataConfig, NodeConfig, TrainConfig
+from noloco_node.data.corpus import ReplicaShard
+from noloco_node.model.source import run_model
 from noloco_node.training.data_parallel import DataParallel, weights_digest
 from noloco_node.training.loop import InnerLoop
 from noloco_node.training.replica import Replica
@@ -29,15 +30,14 @@ def run_follower(
     """Train in step with rank 0 (DDP), adopt its weights after each of its outer steps, stop when it stops."""
     if node_cfg.torch_threads:
         torch.set_num_threads(node_cfg.torch_threads)
-    corpus = load_corpus(data_cfg)
-    model_cfg = model_config_for(train_cfg.model_size, vocab_size=corpus.vocab_size, max_seq_len=train_cfg.seq_len)
+    corpus, source = run_model(data_cfg, train_cfg)
     data_parallel.start()
     try:
         index, count = data_parallel.shard(data_parallel.share_shard_index(-1), node_cfg.num_shards)
         shard = ReplicaShard(
             corpus.train, replica=index, num_replicas=count, seq_len=train_cfg.seq_len, seed=train_cfg.seed
         )
-        replica = Replica(model_cfg, train_cfg, [shard], data_parallel=data_parallel)
+        replica = Replica(source, train_cfg, [shard], data_parallel=data_parallel)
         data_parallel.broadcast_state(replica)
         # SIGTERM (torchrun forwards it to every rank) is turned into a stop agreed at the next step boundary, so
         # that rank 0 still finishes the step, checkpoints and leaves the DHT instead of hanging in a collective.

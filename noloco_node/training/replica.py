@@ -19,9 +19,10 @@ from typing import Any, Protocol
 
 import torch
 
-from noloco_node.config.models import ModelConfig, TrainConfig
+from noloco_node.config.models import TrainConfig
 from noloco_node.data.corpus import ReplicaShard
-from noloco_node.model.decoder import LlamaDecoder, autocast_context, named_parameters_ordered, token_loss
+from noloco_node.model.decoder import autocast_context, named_parameters_ordered, token_loss
+from noloco_node.model.source import ModelSource
 
 log = logging.getLogger(__name__)
 
@@ -56,14 +57,6 @@ def resolve_device(name: str) -> torch.device:
     return device
 
 
-def build_model(model_cfg: ModelConfig, *, seed: int, device: torch.device) -> LlamaDecoder:
-    """The run's initial weights: a function of the seed only, so every replica of a run starts identical."""
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(seed)
-        model = LlamaDecoder(model_cfg)
-    return model.to(device)
-
-
 class Replica:
     """One model replica: fast weights, inner Adam, outer state (phi, delta) and its data shard(s).
 
@@ -74,7 +67,7 @@ class Replica:
 
     def __init__(
         self,
-        model_cfg: ModelConfig,
+        source: ModelSource,
         train_cfg: TrainConfig,
         shards: Sequence[ReplicaShard],
         *,
@@ -83,11 +76,12 @@ class Replica:
     ) -> None:
         if not shards:
             raise ValueError("a replica needs at least one data shard")
-        self.model_cfg = model_cfg
+        self.source = source
         self.train_cfg = train_cfg
         self.shards = list(shards)
         self.device = device or resolve_device(train_cfg.device)
-        self.model = build_model(model_cfg, seed=train_cfg.seed, device=self.device)
+        # The run's first weights, the same on every replica: drawn from the seed, or read from --init-from's folder.
+        self.model = source.initial_model(self.device)
         self.names, self.params = zip(*named_parameters_ordered(self.model), strict=True)
         # Several processes of one member (data_parallel.py): the forward goes through DDP, which averages every
         # inner step's gradients across them. A collective: every rank builds its replica at the same point.

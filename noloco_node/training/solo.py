@@ -14,8 +14,9 @@ import time
 from pathlib import Path
 
 from noloco_node import algorithm
-from noloco_node.config.models import DataConfig, OuterConfig, TrainConfig, model_config_for
-from noloco_node.data.corpus import ReplicaShard, load_corpus, validation_batches
+from noloco_node.config.models import DataConfig, OuterConfig, TrainConfig
+from noloco_node.data.corpus import ReplicaShard, validation_batches
+from noloco_node.model.source import run_model
 from noloco_node.training.checkpoints import load_checkpoint, save_checkpoint
 from noloco_node.training.loop import InnerLoop
 from noloco_node.training.replica import Replica
@@ -54,12 +55,11 @@ def run_training(
     ``checkpoint_every`` inner steps and at the end. Started again on ``checkpoint_dir`` it resumes."""
     if checkpoint_every < 1:
         raise ValueError(f"checkpoint_every must be >= 1, got {checkpoint_every}")
-    corpus = load_corpus(data_cfg)
-    model_cfg = model_config_for(train_cfg.model_size, vocab_size=corpus.vocab_size, max_seq_len=train_cfg.seq_len)
+    corpus, source = run_model(data_cfg, train_cfg)
     shard = ReplicaShard(
         corpus.train, replica=replica_index, num_replicas=num_replicas, seq_len=train_cfg.seq_len, seed=train_cfg.seed
     )
-    replica = Replica(model_cfg, train_cfg, [shard])
+    replica = Replica(source, train_cfg, [shard])
     val = validation_batches(
         corpus.validation,
         seq_len=train_cfg.seq_len,
@@ -69,20 +69,20 @@ def run_training(
     algorithm.warn_on_unstable_hyperparameters(outer_cfg.alpha, outer_cfg.beta, outer_cfg.effective_gamma)
     checkpoint_path = checkpoint_dir / "checkpoint.pt"
     identity = {
-        "model_config": model_cfg.model_dump(mode="json"),
+        "model_source": source.record(),
         "train_config": train_cfg.model_dump(mode="json"),
         "tokenizer_json": corpus.tokenizer.json_text,  # so that export, eval and generate decode what it learnt
     }
     if checkpoint_path.exists() and not fresh:
         payload = load_checkpoint(checkpoint_path)
-        if payload["model_config"] != identity["model_config"]:
-            raise ValueError(f"{checkpoint_path} was written for another model: {payload['model_config']}")
+        if payload.get("model_source") != identity["model_source"]:
+            raise ValueError(f"{checkpoint_path} was written for another model: {payload.get('model_source')}")
         replica.load_state_dict(payload["replica"])
         log.info(
             "resumed from %s at inner step %d (outer step %d)", checkpoint_path, replica.inner_step, replica.outer_step
         )
     else:
-        log.info("starting a fresh run: %s, %s", corpus.description, model_cfg)
+        log.info("starting a fresh run: %s, model %s", corpus.description, source.name)
     eval_every = eval_every or train_cfg.inner_steps
     recent: list[float] = []
     started = time.perf_counter()

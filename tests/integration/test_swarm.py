@@ -11,6 +11,7 @@ import torch
 from noloco_node.algorithm import noloco_outer_step
 from noloco_node.config.models import DataConfig, TrainConfig, model_config_for
 from noloco_node.data.corpus import ReplicaShard, load_corpus
+from noloco_node.model.source import SeededDecoder
 
 from .swarm_harness import Bootstrap, NodeProcess
 from .throttling_proxy import ThrottlingProxy, free_port
@@ -103,7 +104,7 @@ def test_two_nodes_blend_exactly_as_the_algorithm_says(bootstrap: Bootstrap, tmp
         eval_batches=4,
         device="cpu",
     )
-    model_cfg = model_config_for("tiny", vocab_size=256, max_seq_len=64)
+    model_cfg = SeededDecoder(model_config_for("tiny", vocab_size=256, max_seq_len=64), seed=5)
     from noloco_node.training.loop import InnerLoop
     from noloco_node.training.replica import Replica
 

@@ -14,6 +14,7 @@ import torch
 from noloco_node import algorithm
 from noloco_node.config.models import TrainConfig, model_config_for
 from noloco_node.data.corpus import ReplicaShard
+from noloco_node.model.source import SeededDecoder
 from noloco_node.pairing.strategy import OfferPublisher
 from noloco_node.pairing.sync import PairingRound
 from noloco_node.rpc import peer_pb2 as pb
@@ -60,7 +61,7 @@ class _RoundNode(AdmitsEverything):
 
 def test_an_exchange_streaming_through_the_outer_step_delivers_the_pre_step_tensors() -> None:
     torch.manual_seed(0)
-    model_cfg = model_config_for("small", vocab_size=256, max_seq_len=32)
+    model_cfg = SeededDecoder(model_config_for("small", vocab_size=256, max_seq_len=32), seed=0)
     replica = Replica(
         model_cfg,
         TrainConfig(seq_len=32, batch_size=2, total_steps=100, device="cpu"),

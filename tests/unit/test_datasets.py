@@ -19,6 +19,7 @@ from noloco_node.data.documents import dataset_files, iter_documents
 from noloco_node.data.token_store import TokenShards, load_prepared, prepare_corpus
 from noloco_node.data.tokenizer import ByteTokenizer, HFTokenizer, load_tokenizer, train_bpe_tokenizer
 from noloco_node.errors import DataError
+from noloco_node.model.source import SeededDecoder
 from noloco_node.training.replica import Replica
 
 
@@ -123,7 +124,7 @@ def test_a_tokenizer_trained_in_the_test_trains_the_tiny_model(tmp_path: Path, t
     corpus = load_corpus(DataConfig(source="stdlib", tokenizer=tokenizer_path, max_bytes=2 * 2**20))
     assert corpus.vocab_size == 400
     train = TrainConfig(model_size="tiny", seq_len=64, batch_size=8, total_steps=150, inner_steps=50, lr=3e-3)
-    model_cfg = model_config_for("tiny", vocab_size=corpus.vocab_size, max_seq_len=64)
+    model_cfg = SeededDecoder(model_config_for("tiny", vocab_size=corpus.vocab_size, max_seq_len=64), seed=0)
     shard = ReplicaShard(corpus.train, replica=0, num_replicas=1, seq_len=64, seed=0)
     replica = Replica(model_cfg, train, [shard])
     val = validation_batches(corpus.validation, seq_len=64, batch_size=8, num_batches=4)

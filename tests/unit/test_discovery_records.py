@@ -6,7 +6,7 @@ import pytest
 
 from noloco_node.config.models import model_config_for
 from noloco_node.discovery.dht import PeerRecord
-from noloco_node.model.decoder import run_fingerprint
+from noloco_node.model.source import SeededDecoder, run_fingerprint
 
 
 def test_record_round_trip() -> None:
@@ -32,10 +32,14 @@ def test_malformed_records_are_dropped(value: object) -> None:
 
 
 def test_fingerprint_separates_runs_and_is_stable() -> None:
-    tiny = model_config_for("tiny", vocab_size=256, max_seq_len=128)
+    tiny = SeededDecoder(model_config_for("tiny", vocab_size=256, max_seq_len=128), seed=0)
     base = run_fingerprint(tiny, run_name="r", seed=0)
     assert base == run_fingerprint(tiny, run_name="r", seed=0)
     assert base != run_fingerprint(tiny, run_name="r2", seed=0)
     assert base != run_fingerprint(tiny, run_name="r", seed=1)
-    assert base != run_fingerprint(model_config_for("tiny", vocab_size=256, max_seq_len=256), run_name="r", seed=0)
-    assert base != run_fingerprint(model_config_for("small", vocab_size=256, max_seq_len=128), run_name="r", seed=0)
+    assert base != run_fingerprint(
+        SeededDecoder(model_config_for("tiny", vocab_size=256, max_seq_len=256), 0), run_name="r", seed=0
+    )
+    assert base != run_fingerprint(
+        SeededDecoder(model_config_for("small", vocab_size=256, max_seq_len=128), 0), run_name="r", seed=0
+    )

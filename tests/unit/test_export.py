@@ -17,6 +17,7 @@ from noloco_node.errors import DataError
 from noloco_node.model.decoder import LlamaDecoder, named_parameters_ordered
 from noloco_node.model.export import ExportedWeights, checkpoint_weights, load_any, write_export
 from noloco_node.model.inference import generate
+from noloco_node.model.source import SeededDecoder
 from noloco_node.training.checkpoints import load_checkpoint, save_checkpoint
 from noloco_node.training.solo import run_training
 
@@ -37,7 +38,10 @@ def _perturbed_model(size: str, vocab: int) -> LlamaDecoder:
 def _export(model: LlamaDecoder, out: Path, tokenizer: object = None, dtype: str = "fp32") -> None:
     named = list(named_parameters_ordered(model))
     weights = ExportedWeights(
-        model.config, [n for n, _ in named], [p.detach() for _, p in named], tokenizer or ByteTokenizer()
+        SeededDecoder(model.config, seed=0),
+        [n for n, _ in named],
+        [p.detach() for _, p in named],
+        tokenizer or ByteTokenizer(),
     )
     write_export(out, weights, dtype=dtype)
 

@@ -7,7 +7,7 @@ import torch
 
 from noloco_node.config.models import MODEL_SIZES, ModelConfig, model_config_for
 from noloco_node.model.decoder import LlamaDecoder, apply_rotary, autocast_context, parameter_count, rotary_tables
-from noloco_node.training.replica import build_model
+from noloco_node.model.source import SeededDecoder
 
 
 def tiny(**overrides: object) -> ModelConfig:
@@ -83,10 +83,10 @@ def test_bad_shapes_are_refused_naming_the_field() -> None:
 
 def test_initial_weights_are_a_function_of_the_seed_only() -> None:
     torch.manual_seed(123)  # the global RNG must not matter
-    a = build_model(tiny(), seed=7, device=torch.device("cpu"))
+    a = SeededDecoder(tiny(), seed=7).initial_model(torch.device("cpu"))
     torch.manual_seed(456)
-    b = build_model(tiny(), seed=7, device=torch.device("cpu"))
-    c = build_model(tiny(), seed=8, device=torch.device("cpu"))
+    b = SeededDecoder(tiny(), seed=7).initial_model(torch.device("cpu"))
+    c = SeededDecoder(tiny(), seed=8).initial_model(torch.device("cpu"))
     for (name, pa), (_, pb), (_, pc) in zip(
         a.named_parameters(), b.named_parameters(), c.named_parameters(), strict=True
     ):

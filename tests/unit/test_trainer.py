@@ -14,6 +14,7 @@ import torch
 from noloco_node import algorithm
 from noloco_node.config.models import TrainConfig, model_config_for
 from noloco_node.data.corpus import ReplicaShard
+from noloco_node.model.source import SeededDecoder
 from noloco_node.training.checkpoints import (
     CheckpointWriter,
     OuterStateCopies,
@@ -28,7 +29,7 @@ TOKENS = (np.arange(200_000) * 7919 % 251).astype(np.uint8)  # deterministic, le
 
 def make_replica(seed: int = 0, shards: int = 1, **train: object) -> Replica:
     cfg = TrainConfig(seq_len=32, batch_size=4, total_steps=100, warmup_steps=10, seed=seed, device="cpu", **train)
-    model_cfg = model_config_for("tiny", vocab_size=256, max_seq_len=32)
+    model_cfg = SeededDecoder(model_config_for("tiny", vocab_size=256, max_seq_len=32), seed=seed)
     return Replica(
         model_cfg,
         cfg,
@@ -107,7 +108,7 @@ def test_a_checkpoint_from_the_outer_state_copy_resumes_bit_exactly(tmp_path: Pa
 
 
 def test_ddp_replica_averages_the_gradients_of_every_shard() -> None:
-    model_cfg = model_config_for("tiny", vocab_size=256, max_seq_len=32)
+    model_cfg = SeededDecoder(model_config_for("tiny", vocab_size=256, max_seq_len=32), seed=0)
     cfg = TrainConfig(seq_len=32, batch_size=4, total_steps=100, grad_clip=1e9, device="cpu")  # no clipping
     shard = lambda r: ReplicaShard(TOKENS, replica=r, num_replicas=3, seq_len=32, seed=0)  # noqa: E731
     ddp = Replica(model_cfg, cfg, [shard(0), shard(1), shard(2)])
