@@ -20,6 +20,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import ctypes
+import hashlib
 import logging
 import os
 import re
@@ -122,6 +123,35 @@ def peers_key(run_fingerprint: str) -> str:
     return f"noloco/{run_fingerprint}/peers"
 
 
+def starts_key(run_name: str) -> str:
+    """Where the nodes of one run *name* say what they started from, whatever their fingerprint: a node started
+    from another model (or revision, tokenizer, seed) lives under another peers key and would otherwise never hear
+    why nobody pairs with it."""
+    return f"noloco/run/{hashlib.sha256(run_name.encode()).hexdigest()[:16]}/starts"
+
+
+@dataclass(frozen=True)
+class RunStart:
+    """Another node of the same run name whose fingerprint differs, and what it says it started from."""
+
+    peer_id: str
+    run_fingerprint: str
+    start: dict[str, str]
+
+    def refusal(self, run_name: str, own: dict[str, str]) -> str:
+        """Why this node and that peer never pair, in the words of what differs between their starts."""
+        differences = [
+            f"{key} {self.start.get(key, '?')} (this node: {own.get(key, '?')})"
+            for key in sorted(set(own) | set(self.start))
+            if self.start.get(key) != own.get(key)
+        ]
+        what = "; ".join(differences) or f"run fingerprint {self.run_fingerprint}"
+        return (
+            f"peer {self.peer_id} of run {run_name!r} started from a different model, so it and this node refuse to "
+            f"pair: {what}"
+        )
+
+
 _OWNER_SUBKEY = re.compile(r"^\[owner:(ssh-rsa [A-Za-z0-9+/=]+)\]$")
 
 
@@ -164,8 +194,12 @@ class Discovery:
         client_mode: bool = False,
         identity: NodeIdentity | None = None,
         secret: SwarmSecret | None = None,
+        run_name: str | None = None,
+        start: dict[str, str] | None = None,
     ) -> None:
         self.identity = identity or NodeIdentity.ephemeral()
+        self.starts_key = starts_key(run_name) if run_name is not None else None
+        self.run_start = dict(start or {})
         self.secret = secret
         self.subkey = owner_subkey(self.identity)
         self._owners = _OwnerIds()
@@ -226,7 +260,35 @@ class Discovery:
         stored = bool(await self._await(future, "store"))
         if stored:
             self._last_expiration = expiration
+        if self.starts_key is not None and not record.leaving:
+            start = {"run_fingerprint": self.run_fingerprint, **self.run_start}
+            if self.secret is not None:
+                start["mac"] = record_mac(self.secret, self.starts_key, self.subkey, start)
+            future = self._require().store(self.starts_key, start, expiration, subkey=self.subkey, return_future=True)
+            await self._await(future, "store")
         return stored
+
+    async def other_starts(self) -> list[RunStart]:
+        """Nodes of this run name with another fingerprint, and what each started from (at most MAX_LIVE_PEERS)."""
+        if self.starts_key is None:
+            return []
+        found = await self._await(self._require().get(self.starts_key, latest=True, return_future=True), "get")
+        if found is None or not isinstance(found.value, dict):
+            return []
+        others = []
+        for subkey, entry in list(found.value.items())[:MAX_LIVE_PEERS]:
+            value = getattr(entry, "value", None)
+            peer_id = self._owners.peer_id(subkey) if isinstance(subkey, str) else None
+            if peer_id is None or peer_id == self.peer_id or not isinstance(value, dict):
+                continue
+            if self.secret is not None and not record_mac_ok(self.secret, self.starts_key, subkey, value):
+                continue
+            fingerprint = value.get("run_fingerprint")
+            if not isinstance(fingerprint, str) or fingerprint == self.run_fingerprint:
+                continue
+            start = {str(k): str(v)[:128] for k, v in value.items() if k not in ("run_fingerprint", "mac")}
+            others.append(RunStart(peer_id, fingerprint, dict(list(start.items())[:16])))
+        return others
 
     async def withdraw(self, record: PeerRecord) -> bool:
         """Replace this node's record with a tombstone, so that peers stop choosing it at once."""

@@ -87,6 +87,8 @@ class Node:
             client_mode=node_cfg.dht_client_mode,
             identity=self.security.identity,
             secret=self.security.secret,
+            run_name=node_cfg.run_name,
+            start=self.layout.start,
         )
         self.peer_id = self.security.peer_id
         self.address = ""
@@ -245,7 +247,11 @@ class Node:
             self.supervisor.spawn(
                 "watch-peers",
                 lambda: report.watch_peers(
-                    self.discovery, self.telemetry, self.run_fingerprint, transport=self.security.transport
+                    self.discovery,
+                    self.telemetry,
+                    self.run_fingerprint,
+                    self.cfg.run_name,
+                    transport=self.security.transport,
                 ),
             )
             outer_step = await self._prepare_replica()

@@ -29,6 +29,7 @@ def run_identity(node_cfg: NodeConfig, train_cfg: TrainConfig, corpus: Corpus) -
 class RunLayout:
     source: ModelSource
     run_fingerprint: str
+    start: dict[str, str]  # what the run started from, said to nodes of the same run name (discovery/dht.py)
     names: tuple[str, ...]
     shapes: tuple[tuple[int, ...], ...]
     send_phi: bool  # gamma != beta: a partner needs our slow weights too (docs/architecture.md, the fast path)
@@ -43,6 +44,7 @@ class RunLayout:
         return cls(
             source=source,
             run_fingerprint=fingerprint,
+            start={**source.start_summary(), "tokenizer": corpus.tokenizer.fingerprint, "seed": str(train_cfg.seed)},
             names=tuple(n for n, _ in named),
             shapes=tuple(s for _, s in named),
             send_phi=outer_cfg.effective_gamma != outer_cfg.beta,

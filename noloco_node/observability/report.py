@@ -18,6 +18,7 @@ from typing import Any, Protocol
 from noloco_node import __version__
 from noloco_node.config.models import NodeConfig, TrainConfig
 from noloco_node.discovery.dht import Discovery
+from noloco_node.model.source import ModelSource
 from noloco_node.observability.status import (
     ExchangeRecord,
     Health,
@@ -68,6 +69,7 @@ class ReportedNode(Protocol):
     dht_maddrs: list[str]
     cfg: NodeConfig
     train_cfg: TrainConfig
+    source: ModelSource
     telemetry: Telemetry
     metrics: ExchangeMetrics
     security: NodeSecurity
@@ -120,7 +122,7 @@ def node_status(node: ReportedNode) -> NodeStatus:
         run_fingerprint=node.run_fingerprint,
         version=__version__,
         mode=node.cfg.mode,
-        model_size=node.train_cfg.model_size,
+        model_size=node.source.name,
         address=node.address,
         reachable=node.reachable,
         status_url=node.status_url,
@@ -143,6 +145,7 @@ def node_status(node: ReportedNode) -> NodeStatus:
         rejected_payloads=counters["rejected"],
         exchanges=[ExchangeRecord(**entry) for entry in counters["recent"][-20:]],
         peers=node.telemetry.known_peers(),
+        refused_peers=list(node.telemetry.refused_starts.values()),
         history=[OuterStepRecord(**entry) for entry in node.telemetry.history_list(200)],
         security=security_status(node),
         tasks=[
@@ -205,6 +208,7 @@ async def watch_peers(
     discovery: Discovery,
     telemetry: Telemetry,
     run_fingerprint: str,
+    run_name: str,
     every: float = 3.0,
     max_info_calls: int = 16,
     transport: Transport = PLAIN,
@@ -213,6 +217,7 @@ async def watch_peers(
     while True:
         try:
             telemetry.on_peers(await discovery.live_peers())
+            telemetry.on_other_starts(await discovery.other_starts(), run_name, discovery.run_start)
         except (TimeoutError, OSError) as error:
             log.debug("DHT lookup for the status page failed: %s", error)
         peers = telemetry.peer_addresses()

@@ -139,6 +139,11 @@ class NodeStatus(BaseModel):
     rejected_payloads: dict[str, int] = Field(description="Refused payloads by reason since start.")
     exchanges: list[ExchangeRecord] = Field(description="The last exchanges, oldest first (up to 20).")
     peers: list[KnownPeer] = Field(description="Live peers of the run in the DHT, as this node last saw them.")
+    refused_peers: list[str] = Field(
+        default_factory=list,
+        description="Nodes of the same run name that started from a different model, tokenizer or seed, and what "
+        "differs (they and this node never pair).",
+    )
     history: list[OuterStepRecord] = Field(description="The last outer steps, oldest first (up to 200).")
     security: SecurityStatus
     tasks: list[TaskStatus] = Field(default_factory=list, description="The node's supervised background tasks.")

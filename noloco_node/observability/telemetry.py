@@ -7,6 +7,7 @@ the trainer nothing. The health verdict (a node must say why it is unwell) is co
 
 from __future__ import annotations
 
+import logging
 import math
 import threading
 import time
@@ -14,9 +15,11 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Any
 
-from noloco_node.discovery.dht import PeerRecord
+from noloco_node.discovery.dht import PeerRecord, RunStart
 from noloco_node.observability.status import Health, KnownPeer, LossPoint
 from noloco_node.rpc import peer_pb2 as pb
+
+log = logging.getLogger(__name__)
 
 RECENT_STEPS = 50  # inner steps behind "train loss (recent mean)" and tokens/s
 KEEP_OUTER_STEPS = 1000
@@ -62,6 +65,7 @@ class Telemetry:
         self.last_peer_seen = time.monotonic()
         self.learning_rate: float | None = None
         self._peers: dict[str, PeerView] = {}
+        self.refused_starts: dict[str, str] = {}  # peer id -> why it and this node never pair
 
     # ---------------------------------------------------------------------------------- trainer thread
 
@@ -110,6 +114,15 @@ class Telemetry:
                     view.record, view.seen = record, now
             if records:
                 self.last_peer_seen = time.monotonic()
+
+    def on_other_starts(self, others: list[RunStart], run_name: str, own: dict[str, str]) -> None:
+        """Nodes of this run's name that started elsewhere: each said once in the log, all shown in /status."""
+        for other in others:
+            message = other.refusal(run_name, own)
+            if self.refused_starts.get(other.peer_id) != message:
+                log.warning("%s", message)
+            if other.peer_id in self.refused_starts or len(self.refused_starts) < 64:
+                self.refused_starts[other.peer_id] = message
 
     def on_info(self, peer_id: str, reply: pb.InfoReply) -> None:
         with self._lock:
