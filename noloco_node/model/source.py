@@ -212,6 +212,8 @@ def load_run_corpus(data_cfg: DataConfig, train_cfg: TrainConfig) -> Corpus:
 
     if train_cfg.init_from is not None and data_cfg.tokenizer is None:
         folder = train_cfg.init_from.expanduser()
+        if not folder.is_dir():
+            raise DataError(f"--init-from {str(folder)!r}: no such folder")
         if not (folder / "tokenizer.json").is_file():
             raise DataError(
                 f"{str(folder)!r} has no tokenizer.json: give the model's tokenizer with data.tokenizer (--tokenizer)"
