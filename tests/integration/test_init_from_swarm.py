@@ -1,0 +1,74 @@
+"""A swarm started from a saved Hugging Face model: real node processes, the real DHT and gRPC, a Qwen2 trained
+through transformers. The two nodes started from it blend and learn; a third node of the same run name started
+from another revision of the model is refused by both, before any exchange, with a message that says why."""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from noloco_node.config.models import DataConfig, TrainConfig
+from noloco_node.model.source import load_run_corpus
+
+from ..hf_models import TEXT, save_model
+from .swarm_harness import Bootstrap, NodeProcess
+
+transformers = pytest.importorskip("transformers")  # a dev dependency: CI installs it, so this runs there
+
+
+def test_two_nodes_continue_a_saved_qwen2_and_refuse_a_node_started_from_another_revision(
+    bootstrap: Bootstrap, tmp_path: Path
+) -> None:
+    model = save_model("qwen2", tmp_path / "qwen2")
+    revised = tmp_path / "qwen2-revised"
+    changed = transformers.AutoModelForCausalLM.from_pretrained(model)
+    with torch.no_grad():
+        changed.model.norm.weight.mul_(1.01)
+    changed.save_pretrained(revised)
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        (revised / name).write_bytes((model / name).read_bytes())
+    text = tmp_path / "text.txt"
+    text.write_text(TEXT * 3)
+    cache = tmp_path / "cache"
+    # tokenized once here, so that the nodes share the cached corpus instead of racing to write it
+    load_run_corpus(DataConfig(source=str(text), cache_dir=cache), TrainConfig(init_from=model))
+    common = ["--data", str(text), "--cache-dir", str(cache), "--seq-len", "64", "--batch-size", "8",
+              "--eval-batches", "4", "--inner-steps", "10", "--pair-timeout", "5", "--run-name", "continued"]  # fmt: skip
+    nodes = [
+        NodeProcess(f"node{i}", bootstrap, tmp_path, *common, "--init-from", str(model), "--steps", "80",
+                    "--shard-index", str(i))  # fmt: skip
+        for i in range(2)
+    ]
+    other = NodeProcess("other", bootstrap, tmp_path, *common, "--init-from", str(revised), "--steps", "1000")
+    try:
+        codes = [node.wait(timeout=300) for node in nodes]
+        assert codes == [0, 0], "\n".join(node.output()[-3000:] for node in nodes)
+        statuses = [node.status() for node in nodes]
+        deadline = time.monotonic() + 30
+        while not (other.status() or {}).get("refused_peers") and time.monotonic() < deadline:
+            time.sleep(0.5)
+        other_status = other.status()
+        assert other_status is not None, other.output()[-3000:]
+        ids = {s["peer_id"] for s in statuses}
+        for status in statuses:
+            assert status is not None and status["model_size"] == "Qwen2ForCausalLM"
+            history = status["history"]
+            partners = [h["partner"] for h in history if h["partner"]]
+            assert len(partners) >= 4, f"{status['peer_id']} blended {len(partners)} times"
+            assert set(partners) <= ids - {status["peer_id"]}  # never the node of the other revision
+            first, last = history[0]["val_loss"], history[-1]["val_loss"]
+            assert last < first - 0.1, (first, last)
+            refusals = status["refused_peers"]
+            assert len(refusals) == 1 and other_status["peer_id"] in refusals[0] and "weights" in refusals[0]
+        assert other_status["run_fingerprint"] != statuses[0]["run_fingerprint"]
+        assert not [h for h in other_status["history"] if h["partner"]]
+        message = " ".join(other_status["refused_peers"])
+        assert "started from a different model" in message and "weights" in message
+        assert "started from a different model" in other.output()  # said in its log too
+    finally:
+        other.stop()
+        for node in nodes:
+            node.stop()
