@@ -20,6 +20,7 @@ import hashlib
 import json
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -214,12 +215,20 @@ def load_run_corpus(data_cfg: DataConfig, train_cfg: TrainConfig) -> Corpus:
         folder = train_cfg.init_from.expanduser()
         if not folder.is_dir():
             raise DataError(f"--init-from {str(folder)!r}: no such folder")
-        if not (folder / "tokenizer.json").is_file():
+        if (folder / "tokenizer.json").is_file():
+            return load_corpus(data_cfg, tokenizer=load_tokenizer(folder / "tokenizer.json"))
+        if not _exported_with_bytes(folder):  # a byte-level run's export has no tokenizer file: bytes need none
             raise DataError(
                 f"{str(folder)!r} has no tokenizer.json: give the model's tokenizer with data.tokenizer (--tokenizer)"
             )
-        return load_corpus(data_cfg, tokenizer=load_tokenizer(folder / "tokenizer.json"))
     return load_corpus(data_cfg)
+
+
+def _exported_with_bytes(folder: Path) -> bool:
+    try:
+        return json.loads((folder / "noloco.json").read_text()).get("tokenizer") == "bytes"
+    except (OSError, ValueError, AttributeError):
+        return False
 
 
 def run_model(data_cfg: DataConfig, train_cfg: TrainConfig) -> tuple[Corpus, ModelSource]:

@@ -175,7 +175,9 @@ class CatchUp:
             log.warning("DHT lookup for donors failed: %s", error)
             return []
 
-    async def download_state(self, replica: Replica, *, has_own_state: bool, rounds: int = 3) -> bool:
+    async def download_state(
+        self, replica: Replica, *, has_own_state: bool, rounds: int = 3, purpose: str = "joined a run in progress"
+    ) -> bool:
         """Adopt a fresh donor's snapshot that measures well (see the module docstring). Donors are drawn at
         random near the credible front, so joiners spread out; a busy or failing donor is followed by the next
         one, which continues the download where the last stopped when its snapshot is of the same outer step."""
@@ -234,7 +236,8 @@ class CatchUp:
                 await asyncio.to_thread(replica.load_outer_snapshot, tensors, got)
                 self.metrics.outcome("state_downloaded")
                 log.info(
-                    "joined a run in progress: state of outer step %d from %s (validation loss %.4f, against %.4f)%s",
+                    "%s: state of outer step %d from %s (validation loss %.4f, against %.4f)%s",
+                    purpose,
                     replica.outer_step,
                     donor.peer_id[-8:],
                     loss,

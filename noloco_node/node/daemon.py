@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import logging
 import signal
 import threading
@@ -323,6 +324,20 @@ class Node:
         log.info("status endpoint: %s/ (JSON at /status, Prometheus at /metrics, /healthz)", self.status_url)
         await asyncio.to_thread(self.write_status)  # launchers find the status URL in status.json from the start
 
+    def _catch_up(self, catch_up: CatchUp, replica: Replica) -> bool:
+        """Trainer thread, left behind: download and adopt a donor's state on the event loop. The trainer waits for
+        it, so the replica still has one writer at a time; every call in it has a deadline."""
+        assert self.peering.context.loop is not None
+        download = catch_up.download_state(replica, has_own_state=True, rounds=1, purpose="caught up with the swarm")
+        adopted = asyncio.run_coroutine_threadsafe(download, self.peering.context.loop).result()
+        if adopted:
+            # Their payloads were refused as too far from weights this node no longer has.
+            lifted = self.policy.lift_quarantines("norm_bound")
+            if lifted:
+                log.info("lifted the norm-bound quarantine of %d peer(s) after catching up", len(lifted))
+        self.telemetry.phase = "training"
+        return adopted
+
     async def _prepare_replica(self) -> OuterStep:
         """The replica on its shard, resumed or downloaded, and its first published state."""
         self.checkpoints.start()
@@ -376,6 +391,8 @@ class Node:
                 norm_guard=self.security.norm_guard,
                 max_staleness=self.cfg.max_staleness,
                 judge=self.peering.served.judge,
+                # A multi-GPU member's ranks would all have to adopt the state in one collective: not done there.
+                catch_up=None if self.data_parallel else functools.partial(self._catch_up, catch_up, replica),
                 data_parallel=self.data_parallel,
             )
         )

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -39,6 +40,8 @@ from noloco_node.training.replica import Batch, Replica, learning_rate
 from noloco_node.wire.frames import build_manifest
 from noloco_node.wire.payload import Payload
 from noloco_node.wire.published import Latest, Published
+
+log = logging.getLogger(__name__)
 
 
 def partner_tensors(payload: Payload, names: Sequence[str], send_phi: bool) -> tuple[list[torch.Tensor], list]:
@@ -72,12 +75,23 @@ class OuterStepDeps:
     norm_guard: NormGuard  # bounds partners by this node's own movement, measured here before each pairing
     max_staleness: int  # how many outer steps a partner may be ahead or behind (for the norm bound's learning rate)
     judge: Callable[[Payload], bool]  # the norm bound, for a payload that arrived before this node had one
+    # Adopt a live peer's state when this node fell out of every peer's reach (True: adopted); None: never.
+    catch_up: Callable[[], bool] | None = None
     data_parallel: DataParallel | None = None
+
+
+# Solo steps in a row with every live peer ahead beyond --max-staleness before the node downloads a peer's state:
+# it trains as fast as they do, so it would stay out of their reach (and drift beyond the norm bound) for good.
+BEHIND_STEPS = 2
+MAX_CATCH_UP_BACKOFF = 64  # outer steps between attempts, at most, after refused or failed downloads
 
 
 class OuterStep:
     def __init__(self, deps: OuterStepDeps) -> None:
         self.deps = deps
+        self._behind = 0  # solo steps in a row with every live peer out of reach ahead
+        self._catch_up_backoff = 1
+        self._next_catch_up = 0  # the outer step from which a catch-up may be tried again
 
     def train(self, train_cfg: TrainConfig, *, stop_requested: Callable[[], bool], hooks: Sequence[StepHook]) -> None:
         """The trainer thread's whole life: the one inner loop with this outer step between its phases."""
@@ -136,6 +150,8 @@ class OuterStep:
         blend_seconds = time.monotonic() - blend_started
         if partner is not None:
             partner.release()  # blended: its buffers can take the next outer step's payload
+        else:
+            self._catch_up_if_left_behind()
         if deps.data_parallel is not None:
             deps.data_parallel.broadcast_params(replica.params)  # the other ranks adopt theta = phi
         val_loss = replica.evaluate(deps.validation)
@@ -163,6 +179,25 @@ class OuterStep:
         deps.write_status()
         entry["upkeep_seconds"] = time.monotonic() - upkeep_started  # the same dict the history holds
         asyncio.run_coroutine_threadsafe(deps.publish_record(), deps.loop)
+
+    def _catch_up_if_left_behind(self) -> None:
+        """After a solo step: when every live peer has been ahead beyond --max-staleness for BEHIND_STEPS outer
+        steps, adopt a donor's state (node/catch_up.py: only one that measures no worse than this node's own).
+        A node that came up late, or whose joiner download was refused, otherwise trains alone for good: as fast
+        as the others, it never gets back within reach, and drifts beyond their norm bound."""
+        deps, replica = self.deps, self.deps.replica
+        ahead = deps.telemetry.peer_outer_steps()
+        out_of_reach = bool(ahead) and min(ahead) > replica.outer_step + deps.max_staleness
+        self._behind = self._behind + 1 if out_of_reach else 0
+        if deps.catch_up is None or self._behind < BEHIND_STEPS or replica.outer_step < self._next_catch_up:
+            return
+        behind_by = min(ahead) - replica.outer_step
+        log.warning("every live peer is %d+ outer steps ahead, beyond reach: downloading a peer's state", behind_by)
+        if deps.catch_up():  # the trainer waits: the download adopts the state while nothing else writes it
+            self._behind, self._catch_up_backoff = 0, 1
+        else:
+            self._catch_up_backoff = min(MAX_CATCH_UP_BACKOFF, self._catch_up_backoff * 2)
+            self._next_catch_up = replica.outer_step + self._catch_up_backoff
 
     def _blend(self, partner: Payload | None) -> None:
         """The outer step over the group that answered: this node plus the partner, or this node alone."""

@@ -115,6 +115,11 @@ class Telemetry:
             if records:
                 self.last_peer_seen = time.monotonic()
 
+    def peer_outer_steps(self) -> list[int]:
+        """The outer steps of the live peers, as the last DHT lookup saw them."""
+        with self._lock:
+            return [view.record.outer_step for view in self._peers.values()]
+
     def on_other_starts(self, others: list[RunStart], run_name: str, own: dict[str, str]) -> None:
         """Nodes of this run's name that started elsewhere: each said once in the log, all shown in /status."""
         for other in others:

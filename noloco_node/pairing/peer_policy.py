@@ -27,6 +27,7 @@ class _PeerRecord:
     failures: int = 0
     avoid_until: float = 0.0
     quarantined_until: float = 0.0
+    quarantine_reason: str = ""
 
 
 class PeerPolicy:
@@ -63,11 +64,23 @@ class PeerPolicy:
             record.avoid_until = time.monotonic() + avoid
             return avoid
 
-    def quarantine(self, peer_id: str, seconds: float) -> None:
+    def quarantine(self, peer_id: str, seconds: float, reason: str = "") -> None:
         """A peer that sent a bad payload: not called, and its calls refused, for ``seconds``."""
         with self._lock:
             record = self._peers.setdefault(peer_id, _PeerRecord())
             record.quarantined_until = max(record.quarantined_until, time.monotonic() + seconds)
+            record.quarantine_reason = reason
+
+    def lift_quarantines(self, reason: str) -> list[str]:
+        """End every quarantine given for ``reason``; returns the peers it lifted. A node that adopted a donor's
+        state lifts those for ``norm_bound``: they measured a distance from weights it no longer has."""
+        lifted = []
+        with self._lock:
+            for peer_id, record in self._peers.items():
+                if record.quarantine_reason == reason and record.quarantined_until > time.monotonic():
+                    record.quarantined_until, record.quarantine_reason = 0.0, ""
+                    lifted.append(peer_id)
+        return lifted
 
     def quarantined(self, peer_id: str) -> bool:
         with self._lock:

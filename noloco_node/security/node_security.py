@@ -71,7 +71,7 @@ class NodeSecurity:
     def bad_payload(self, peer_id: str, error: PayloadError, policy: PeerPolicy) -> None:
         """A payload refused (malformed or out of bounds): log it, rate limited, and quarantine the peer. The
         caller counts it in the metrics."""
-        policy.quarantine(peer_id, self.cfg.quarantine_seconds)
+        policy.quarantine(peer_id, self.cfg.quarantine_seconds, error.reason)
         self.complaints.complain(
             peer_id, error.reason, f"{error.message}; quarantined for {self.cfg.quarantine_seconds:.0f}s"
         )

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -425,3 +426,43 @@ def test_a_data_dir_of_another_run_is_refused_by_name(tmp_path: Path) -> None:
     )
     assert done.returncode == 2, done.stderr[-2000:]
     assert "checkpoint.pt belongs to run" in done.stderr and "use another --data-dir" in done.stderr
+
+
+def test_a_node_left_out_of_reach_catches_up_and_blends_again(bootstrap: Bootstrap, tmp_path: Path) -> None:
+    """A node that starts from the seed while the others are beyond --max-staleness ahead (here: told not to
+    download at start) trains as fast as they do, so it would stay out of their reach for good. After two solo
+    steps it downloads a peer's state, then pairs with them."""
+    args = [*TRAIN, "--inner-steps", "10", "--num-shards", "3", "--pair-timeout", "3", "--steps", "100000"]
+    early = [NodeProcess(f"early{i}", bootstrap, tmp_path, *args, "--shard-index", str(i)) for i in range(2)]
+    behind = None
+    try:
+        _wait_until(lambda: min(_outer_step(node) for node in early) >= 8, 120, "the early nodes' 8th outer step")
+        behind = NodeProcess("behind", bootstrap, tmp_path, *args, "--shard-index", "2", "--no-download-state")
+        _wait_until(lambda: _blends(behind) >= 3, 120, "three blends of the node that was behind")
+        output = behind.output()
+        assert "every live peer is" in output and "caught up with the swarm: state of outer step" in output
+        history = behind.status()["history"]
+        caught_up = int(output.split("caught up with the swarm: state of outer step")[1].split()[0])
+        assert history[0]["outer_step"] == 1 and caught_up >= 8  # it started from the seed, and jumped ahead
+        early_ids = {node.status()["peer_id"] for node in early}
+        assert {h["partner"] for h in history if h["partner"]} <= early_ids
+    finally:
+        for node in [*early, *([behind] if behind else [])]:
+            node.stop()
+
+
+def _outer_step(node: NodeProcess) -> int:
+    status = node.status()
+    return status["outer_step"] if status else 0
+
+
+def _blends(node: NodeProcess) -> int:
+    status = node.status()
+    return sum(1 for h in status["history"] if h["partner"]) if status else 0
+
+
+def _wait_until(condition: Callable[[], bool], seconds: float, what: str) -> None:
+    deadline = time.monotonic() + seconds
+    while not condition():
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.3)

@@ -132,3 +132,19 @@ def test_export_writes_the_trained_weights_back_in_the_sources_own_layout(kind: 
     assert hf_tokenizer("def f(x):")["input_ids"] == [int(i) for i in weights.tokenizer.encode("def f(x):")]
     # the export is itself a folder a new run can start from
     assert open_pretrained(tmp_path / "out").name == original.__class__.__name__
+
+
+def test_a_byte_level_runs_export_continues_with_init_from(tmp_path: Path) -> None:
+    """The round trip a user makes: train, export, start a new run from the export (bytes need no tokenizer file)."""
+    train = TrainConfig(model_size="tiny", seq_len=64, batch_size=4, total_steps=20, inner_steps=10, eval_batches=2)
+    data = _text_data(tmp_path)
+    run_training(train, OuterConfig(), data, checkpoint_dir=tmp_path / "ck", checkpoint_every=20)
+    assert main(["export", "--from", "self", "--checkpoint", str(tmp_path / "ck"), "--out", str(tmp_path / "m")]) == 0
+    assert not (tmp_path / "m" / "tokenizer.json").exists()
+    corpus, source = run_model(data, TrainConfig(init_from=tmp_path / "m", seq_len=64))
+    assert corpus.tokenizer.fingerprint == "bytes" and isinstance(source, PretrainedDecoder)
+    exported = checkpoint_weights(tmp_path / "ck").model().eval()
+    continued = source.initial_model(torch.device("cpu")).eval()
+    tokens = torch.randint(0, 256, (2, 64), generator=torch.Generator().manual_seed(2))
+    with torch.no_grad():
+        assert torch.equal(continued(tokens), exported(tokens))
