@@ -21,6 +21,7 @@ import asyncio
 import contextlib
 import functools
 import logging
+import math
 import signal
 import threading
 
@@ -36,6 +37,7 @@ from noloco_node.model.source import load_run_corpus
 from noloco_node.node.catch_up import CHECKPOINT_FILE, CatchUp, NodeError
 from noloco_node.node.descriptors import connection_budget, raise_descriptor_limit
 from noloco_node.node.fault_injection import fault_hooks
+from noloco_node.node.memory import warn_if_memory_short
 from noloco_node.node.outer_step import OuterStep, OuterStepDeps
 from noloco_node.node.peering import Peering
 from noloco_node.node.run_layout import RunLayout
@@ -54,7 +56,7 @@ from noloco_node.security.node_security import NodeSecurity, SecuritySetupError
 from noloco_node.training.checkpoints import CheckpointWriter, OuterStateCopies
 from noloco_node.training.data_parallel import DataParallel, weights_digest
 from noloco_node.training.follower import run_follower
-from noloco_node.training.replica import Replica
+from noloco_node.training.replica import Replica, resolve_device
 from noloco_node.wire.published import Latest
 
 log = logging.getLogger(__name__)
@@ -75,6 +77,10 @@ class Node:
         self.layout = RunLayout.of(node_cfg, train_cfg, outer_cfg, self.corpus)
         self.run_fingerprint = self.layout.run_fingerprint
         self.source = self.layout.source
+        warn_if_memory_short(
+            sum(math.prod(shape) for shape in self.layout.shapes),
+            on_gpu=resolve_device(train_cfg.device).type == "cuda",
+        )
         try:
             self.security = NodeSecurity(node_cfg.security, node_cfg.data_dir)
         except SecuritySetupError as error:

@@ -1,0 +1,61 @@
+"""The host memory a node needs for its model, and the warning at start when this machine has less.
+
+A node holds, per parameter (fp32 unless said): the fast weights theta, their gradients and Adam's two moments
+(16 bytes; on a GPU these live in GPU memory), the slow weights phi and outer momentum delta (8 bytes, always on the
+host; arXiv 2506.10911 eq. 3-5 need both), up to two copies of the outer state (phi, delta, moments: 2 x 16
+bytes) that serve GetState and the checkpoint writer while the trainer goes on (training/checkpoints.py), and the
+exchange's offer and receive buffers in the wire dtype (about 4 bytes). docs/data-and-models.md has the measured
+figures and what sizes fit where.
+
+Nothing is refused on this estimate (swap, or memory freed by other processes, may make it fit); a node that will
+not fit says so at start, with the numbers, instead of being killed at its first step.
+"""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+log = logging.getLogger(__name__)
+
+GIB = 2**30
+DEVICE_BYTES = 16  # theta, gradients, Adam's two moments
+OUTER_BYTES = 8  # phi, delta
+STATE_COPY_BYTES = 2 * 16  # two outer-state copies in flight at most
+EXCHANGE_BYTES = 4  # offer and receive buffers (bf16 each way)
+
+
+def host_bytes_per_parameter(on_gpu: bool) -> int:
+    """Host bytes per parameter of a node whose model trains on the CPU, or on a GPU (theta gathered on the host)."""
+    trained_here = 4 if on_gpu else DEVICE_BYTES  # on a GPU only a host copy of theta for the exchange
+    return trained_here + OUTER_BYTES + STATE_COPY_BYTES + EXCHANGE_BYTES
+
+
+def available_memory() -> int | None:
+    """MemAvailable from /proc/meminfo (Linux), in bytes; None where it cannot be read."""
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        return None
+    return None
+
+
+def warn_if_memory_short(parameters: int, on_gpu: bool) -> bool:
+    """Log a warning when this node's model will not fit the memory available; True when it was short."""
+    needed = parameters * host_bytes_per_parameter(on_gpu)
+    available = available_memory()
+    if available is None or needed <= available:
+        return False
+    log.warning(
+        "a node of this model (%.2fB parameters) needs about %.1f GiB of host memory (%d bytes per parameter%s); "
+        "this machine has %.1f GiB available: expect it to run out of memory (docs/data-and-models.md says what "
+        "fits where)",
+        parameters / 1e9,
+        needed / GIB,
+        host_bytes_per_parameter(on_gpu),
+        ", the model trained on the GPU" if on_gpu else ", the model trained on the CPU",
+        available / GIB,
+    )
+    return True
