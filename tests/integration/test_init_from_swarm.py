@@ -35,12 +35,11 @@ def test_two_nodes_continue_a_saved_qwen2_and_refuse_a_node_started_from_another
     cache = tmp_path / "cache"
     # tokenized once here, so that the nodes share the cached corpus instead of racing to write it
     load_run_corpus(DataConfig(source=str(text), cache_dir=cache), TrainConfig(init_from=model))
-    common = ["--data", str(text), "--cache-dir", str(cache), "--seq-len", "64", "--batch-size", "8",
-              "--eval-batches", "4", "--inner-steps", "10", "--pair-timeout", "5", "--run-name", "continued"]  # fmt: skip
+    common = ["--data", str(text), "--cache-dir", str(cache), "--seq-len", "64", "--batch-size", "8"]
+    common += ["--eval-batches", "4", "--inner-steps", "10", "--pair-timeout", "5", "--run-name", "continued"]
+    first_model = ["--init-from", str(model), "--steps", "80"]
     nodes = [
-        NodeProcess(f"node{i}", bootstrap, tmp_path, *common, "--init-from", str(model), "--steps", "80",
-                    "--shard-index", str(i))  # fmt: skip
-        for i in range(2)
+        NodeProcess(f"node{i}", bootstrap, tmp_path, *common, *first_model, "--shard-index", str(i)) for i in range(2)
     ]
     other = NodeProcess("other", bootstrap, tmp_path, *common, "--init-from", str(revised), "--steps", "1000")
     try:
