@@ -217,7 +217,9 @@ class PretrainedSource(ModelSource):
     def start_summary(self) -> dict[str, str]:
         return {
             "model": self.name,
-            "config": hashlib.sha256(json.dumps(self.identity(), sort_keys=True).encode()).hexdigest()[:16],
+            "config": hashlib.sha256(json.dumps(identity_config(self.config), sort_keys=True).encode()).hexdigest()[
+                :16
+            ],
             "weights": self.digest[:16],
         }
 

@@ -220,6 +220,11 @@ def run_method(
     return result
 
 
+def model_label(cfg: SimulateConfig) -> str:
+    """The model's name in tables and plots: the named size, or the --init-from folder's name."""
+    return cfg.train.model_size if cfg.train.init_from is None else cfg.train.init_from.name
+
+
 def relative_metrics(results: Mapping[str, MethodResult]) -> dict[str, float]:
     """The paper's metric ``(ppl_diloco - ppl_noloco) / ppl_ddp`` (positive: NoLoCo better) for each DiLoCo
     variant, keyed by the variant for ``noloco`` and by ``"<diloco variant> vs <noloco variant>"`` for the others."""
@@ -267,7 +272,7 @@ def compare(cfg: SimulateConfig, *, progress: ProgressFn = print_progress) -> Co
     corpus = load_run_corpus(cfg.data, cfg.train)
     progress(
         f"corpus: {corpus.description}: {len(corpus.train):,} train / {len(corpus.validation):,} validation "
-        f"tokens; {cfg.replicas} replicas, model {cfg.train.model_size}, {cfg.train.total_steps} inner steps, "
+        f"tokens; {cfg.replicas} replicas, model {model_label(cfg)}, {cfg.train.total_steps} inner steps, "
         f"H = {cfg.train.inner_steps}"
     )
     results: dict[str, MethodResult] = {
@@ -292,7 +297,7 @@ def write_outputs(comparison: Comparison, cfg: SimulateConfig, corpus: Corpus) -
         "table": comparison.table(),
     }
     (cfg.out_dir / "metrics.json").write_text(json.dumps(payload, indent=2))
-    plot_curves(comparison, cfg.out_dir / "curves.png", title=f"{cfg.replicas} replicas, {cfg.train.model_size} model")
+    plot_curves(comparison, cfg.out_dir / "curves.png", title=f"{cfg.replicas} replicas, {model_label(cfg)} model")
 
 
 def plot_curves(comparison: Comparison, path: Path, *, title: str) -> None:

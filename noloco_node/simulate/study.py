@@ -15,6 +15,7 @@ from noloco_node.simulate.simulator import (
     Comparison,
     MethodResult,
     ProgressFn,
+    model_label,
     print_progress,
     relative_metrics,
     run_method,
@@ -97,7 +98,7 @@ def seed_study(
         "table": study.table(),
     }
     (cfg.out_dir / "study.json").write_text(json.dumps(payload, indent=2))
-    plot_study(study, cfg.out_dir / "study.png", model=cfg.train.model_size)
+    plot_study(study, cfg.out_dir / "study.png", model=model_label(cfg))
     return study
 
 
