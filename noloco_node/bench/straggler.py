@@ -25,6 +25,7 @@ class StragglerResult:
     alone: list[float] = field(default_factory=list)  # normal nodes' inner steps per second
     with_straggler: list[float] = field(default_factory=list)
     straggler_steps_per_second: float = 0.0
+    straggler_catch_ups: int = 0  # states it downloaded after falling out of reach (docs/churn.md)
     blends_with_straggler: int = 0
     normal_blends: int = 0
     normal_outer_steps: int = 0
@@ -41,7 +42,8 @@ class StragglerResult:
                 + " inner steps/s",
                 f"the same with a {self.slow_factor:g}x straggler: "
                 + ", ".join(f"{v:.1f}" for v in self.with_straggler)
-                + f" inner steps/s (the straggler: {self.straggler_steps_per_second:.1f})",
+                + f" inner steps/s (the straggler: {self.straggler_steps_per_second:.1f}, and "
+                f"{self.straggler_catch_ups} catch-up downloads)",
                 f"blends of the normal nodes: {self.normal_blends} in {self.normal_outer_steps} outer steps, of which "
                 f"with the straggler: {self.blends_with_straggler}",
                 f"normal nodes' throughput with / without the straggler: {self.ratio:.3f}",
@@ -76,6 +78,7 @@ def run_straggler_bench(nodes: int, slow_factor: float, steps: int, model: str) 
     if slow:
         result.straggler_steps_per_second = steps_per_second(slow.get("history", []))
         slow_id = slow.get("peer_id")
+        result.straggler_catch_ups = int(slow.get("exchange_outcomes", {}).get("state_downloaded", 0))
         result.normal_outer_steps = sum(len(s.get("history", [])) for s in joined)
         partners = [h["partner"] for s in joined for h in s.get("history", []) if h["partner"]]
         result.normal_blends = len(partners)

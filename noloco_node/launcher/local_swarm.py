@@ -9,10 +9,12 @@ harness all start nodes through :func:`launch_node` and :class:`LocalSwarm`, and
 
 from __future__ import annotations
 
+import itertools
 import os
 import resource
 import shutil
 import signal
+import statistics
 import subprocess
 import sys
 from collections import Counter
@@ -201,7 +203,9 @@ class LocalSwarm:
 
 
 def steps_per_second(history: list[dict[str, Any]]) -> float:
-    """A node's inner steps per second between its first and last outer step (start-up excluded)."""
+    """A node's inner steps trained per second between its first and last outer step (start-up excluded). A
+    catch-up download moves a node's step counter without training, so phases are counted, at their usual length."""
     if len(history) < 2:
         return 0.0
-    return (history[-1]["inner_step"] - history[0]["inner_step"]) / (history[-1]["time"] - history[0]["time"])
+    gaps = [later["inner_step"] - earlier["inner_step"] for earlier, later in itertools.pairwise(history)]
+    return statistics.mode(gaps) * len(gaps) / (history[-1]["time"] - history[0]["time"])

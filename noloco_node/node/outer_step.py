@@ -83,7 +83,10 @@ class OuterStepDeps:
 # Solo steps in a row with every live peer ahead beyond --max-staleness before the node downloads a peer's state:
 # it trains as fast as they do, so it would stay out of their reach (and drift beyond the norm bound) for good.
 BEHIND_STEPS = 2
-MAX_CATCH_UP_BACKOFF = 64  # outer steps between attempts, at most, after refused or failed downloads
+# Outer steps between catch-ups: 2 after the first, doubling up to this until the node blends again. A node that
+# started late catches up once and pairs; a straggler (slower than the swarm) would otherwise fall behind and
+# download again every few of its phases, costing its donors a state upload each time.
+MAX_CATCH_UP_BACKOFF = 64
 
 
 class OuterStep:
@@ -150,6 +153,7 @@ class OuterStep:
         blend_seconds = time.monotonic() - blend_started
         if partner is not None:
             partner.release()  # blended: its buffers can take the next outer step's payload
+            self._catch_up_backoff = 1
         else:
             self._catch_up_if_left_behind()
         if deps.data_parallel is not None:
@@ -194,10 +198,9 @@ class OuterStep:
         behind_by = min(ahead) - replica.outer_step
         log.warning("every live peer is %d+ outer steps ahead, beyond reach: downloading a peer's state", behind_by)
         if deps.catch_up():  # the trainer waits: the download adopts the state while nothing else writes it
-            self._behind, self._catch_up_backoff = 0, 1
-        else:
-            self._catch_up_backoff = min(MAX_CATCH_UP_BACKOFF, self._catch_up_backoff * 2)
-            self._next_catch_up = replica.outer_step + self._catch_up_backoff
+            self._behind = 0
+        self._catch_up_backoff = min(MAX_CATCH_UP_BACKOFF, self._catch_up_backoff * 2)
+        self._next_catch_up = replica.outer_step + self._catch_up_backoff
 
     def _blend(self, partner: Payload | None) -> None:
         """The outer step over the group that answered: this node plus the partner, or this node alone."""
