@@ -123,11 +123,11 @@ class Telemetry:
     def on_other_starts(self, others: list[RunStart], run_name: str, own: dict[str, str]) -> None:
         """Nodes of this run's name that started elsewhere: each said once in the log, all shown in /status."""
         for other in others:
+            if other.peer_id in self.refused_starts or len(self.refused_starts) >= 64:
+                continue  # said once per peer, and at most 64 of them: a stranger minting keys cannot flood the log
             message = other.refusal(run_name, own)
-            if self.refused_starts.get(other.peer_id) != message:
-                log.warning("%s", message)
-            if other.peer_id in self.refused_starts or len(self.refused_starts) < 64:
-                self.refused_starts[other.peer_id] = message
+            log.warning("%s", message)
+            self.refused_starts[other.peer_id] = message
 
     def on_info(self, peer_id: str, reply: pb.InfoReply) -> None:
         with self._lock:
