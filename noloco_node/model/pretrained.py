@@ -364,6 +364,7 @@ def _transformers() -> Any:
     except ImportError:
         raise DataError("this model needs the transformers package: pip install 'transformers>=4.56'") from None
     transformers.logging.set_verbosity_error()  # its warnings about unused generation settings are noise here
+    transformers.logging.disable_progress_bar()  # a node's log is line-oriented
     return transformers
 
 
