@@ -190,9 +190,10 @@ class OuterStep:
         A node that came up late, or whose joiner download was refused, otherwise trains alone for good: as fast
         as the others, it never gets back within reach, and drifts beyond their norm bound."""
         deps, replica = self.deps, self.deps.replica
-        ahead = deps.telemetry.peer_outer_steps()
-        out_of_reach = bool(ahead) and min(ahead) > replica.outer_step + deps.max_staleness
-        self._behind = self._behind + 1 if out_of_reach else 0
+        steps = deps.telemetry.peer_outer_steps()
+        within = [s for s in steps if abs(s - replica.outer_step) <= deps.max_staleness]
+        ahead = [s for s in steps if s > replica.outer_step + deps.max_staleness]
+        self._behind = self._behind + 1 if ahead and not within else 0
         if deps.catch_up is None or self._behind < BEHIND_STEPS or replica.outer_step < self._next_catch_up:
             return
         behind_by = min(ahead) - replica.outer_step
