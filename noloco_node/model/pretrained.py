@@ -11,8 +11,9 @@ so that every node of a run chooses the same:
   ``AutoModelForCausalLM`` builds from its config (Qwen2, Mistral, GPT-2, a Llama with rope scaling...), wrapped so
   that it maps token ids to logits like the decoder; its named parameters are the exchange layout.
 
-Either way the weights are read tensor by tensor from memory-mapped safetensors into an fp32 model that was never
-randomly initialised, so loading costs the model's fp32 size and one tensor more.
+The decoder reads the weights tensor by tensor from memory-mapped safetensors into an fp32 model that was never
+randomly initialised, so loading costs the model's fp32 size and one tensor more; ``transformers`` models load
+through its own ``from_pretrained`` (local files only).
 
 The run's identity (source.py's ``run_fingerprint``) covers the architecture config (without fields that only
 record how the file was written) and a digest of the weights themselves, independent of how they are sharded:
@@ -42,8 +43,8 @@ log = logging.getLogger(__name__)
 
 # config.json fields that say how a file was written, not what the model is: left out of the run's identity.
 _NOT_IDENTITY = ("transformers_version", "torch_dtype", "dtype", "_name_or_path", "use_cache")
-# Tensors some checkpoints carry that are derived from the config, not weights.
-_DERIVED_SUFFIXES = ("rotary_emb.inv_freq", ".attn.bias", ".attn.masked_bias")
+# Tensors older Llama checkpoints carry that are derived from the config, not weights.
+_DERIVED_SUFFIXES = ("rotary_emb.inv_freq",)
 
 
 # ------------------------------------------------------------------------------------------------ the folder
@@ -235,7 +236,8 @@ class PretrainedSource(ModelSource):
     def export_config(self, tokenizer: Tokenizer, dtype: str) -> dict[str, Any]:
         """The source's own config.json, with the dtype the weights are written in."""
         written = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}[dtype]
-        return {**self.config, "torch_dtype": written}
+        # transformers 4.x reads torch_dtype, 5.x writes dtype: both say what the file holds
+        return {**self.config, "torch_dtype": written, **({"dtype": written} if "dtype" in self.config else {})}
 
     def _files(self) -> list[Path]:
         if self.folder is None or not self.folder.is_dir():
