@@ -14,7 +14,6 @@ import os
 import resource
 import shutil
 import signal
-import statistics
 import subprocess
 import sys
 from collections import Counter
@@ -203,9 +202,12 @@ class LocalSwarm:
 
 
 def steps_per_second(history: list[dict[str, Any]]) -> float:
-    """A node's inner steps trained per second between its first and last outer step (start-up excluded). A
-    catch-up download moves a node's step counter without training, so phases are counted, at their usual length."""
+    """A node's inner steps trained per second between its first and last outer step (start-up excluded): the
+    phases' own step counts, since a catch-up moves the step counter without training."""
     if len(history) < 2:
         return 0.0
-    gaps = [later["inner_step"] - earlier["inner_step"] for earlier, later in itertools.pairwise(history)]
-    return statistics.mode(gaps) * len(gaps) / (history[-1]["time"] - history[0]["time"])
+    trained = sum(
+        later.get("phase_steps") or later["inner_step"] - earlier["inner_step"]
+        for earlier, later in itertools.pairwise(history)
+    )
+    return trained / (history[-1]["time"] - history[0]["time"])

@@ -154,8 +154,7 @@ class OuterStep:
         if partner is not None:
             partner.release()  # blended: its buffers can take the next outer step's payload
             self._catch_up_backoff = 1
-        else:
-            self._catch_up_if_left_behind()
+        caught_up = partner is None and self._catch_up_if_left_behind()
         if deps.data_parallel is not None:
             deps.data_parallel.broadcast_params(replica.params)  # the other ranks adopt theta = phi
         val_loss = replica.evaluate(deps.validation)
@@ -167,6 +166,8 @@ class OuterStep:
             "partner": partner.peer_id if partner else None,
             "partner_step": partner.outer_step if partner else None,
             "train_seconds": phase.seconds,
+            "phase_steps": len(phase.losses),
+            "caught_up": caught_up,
             "wait_seconds": waited,
             "blend_seconds": blend_seconds,
             "upkeep_seconds": 0.0,
@@ -184,7 +185,7 @@ class OuterStep:
         entry["upkeep_seconds"] = time.monotonic() - upkeep_started  # the same dict the history holds
         asyncio.run_coroutine_threadsafe(deps.publish_record(), deps.loop)
 
-    def _catch_up_if_left_behind(self) -> None:
+    def _catch_up_if_left_behind(self) -> bool:
         """After a solo step: when every live peer has been ahead beyond --max-staleness for BEHIND_STEPS outer
         steps, adopt a donor's state (node/catch_up.py: only one that measures no worse than this node's own).
         A node that came up late, or whose joiner download was refused, otherwise trains alone for good: as fast
@@ -195,13 +196,15 @@ class OuterStep:
         ahead = [s for s in steps if s > replica.outer_step + deps.max_staleness]
         self._behind = self._behind + 1 if ahead and not within else 0
         if deps.catch_up is None or self._behind < BEHIND_STEPS or replica.outer_step < self._next_catch_up:
-            return
+            return False
         behind_by = min(ahead) - replica.outer_step
         log.warning("every live peer is %d+ outer steps ahead, beyond reach: downloading a peer's state", behind_by)
-        if deps.catch_up():  # the trainer waits: the download adopts the state while nothing else writes it
+        adopted = deps.catch_up()  # the trainer waits: the download adopts the state while nothing else writes it
+        if adopted:
             self._behind = 0
         self._catch_up_backoff = min(MAX_CATCH_UP_BACKOFF, self._catch_up_backoff * 2)
         self._next_catch_up = replica.outer_step + self._catch_up_backoff
+        return adopted
 
     def _blend(self, partner: Payload | None) -> None:
         """The outer step over the group that answered: this node plus the partner, or this node alone."""

@@ -51,6 +51,11 @@ class OuterStepRecord(BaseModel):
     partner: str | None = Field(description="Peer id blended with, or null for a solo step.")
     partner_step: int | None = None
     train_seconds: float = Field(description="Wall time of the inner phase.")
+    phase_steps: int | None = Field(
+        None,
+        description="Inner steps the phase trained (inner_step can also jump: a catch-up adopts a peer's counters).",
+    )
+    caught_up: bool = Field(False, description="This outer step ended by adopting a peer's state (a catch-up).")
     wait_seconds: float = Field(description="Time the trainer waited for communication at this outer step.")
     blend_seconds: float = Field(0.0, description="Time the trainer spent computing the outer step (the blend).")
     upkeep_seconds: float = Field(
