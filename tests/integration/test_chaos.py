@@ -27,7 +27,7 @@ def test_chaos_six_nodes_killed_and_restarted_at_random(tmp_path) -> None:
 def test_a_five_times_slower_node_does_not_slow_the_others() -> None:
     result = run_straggler_bench(nodes=3, slow_factor=5.0, steps=400, model="tiny")
     print(result.report())
-    assert result.straggler_steps_per_second < min(result.with_straggler) / 2  # it really was slow
+    assert result.straggler_steps_per_second < min(result.with_straggler) / 2, result.report()  # it was slow
     # The behaviour, not a speed: the normal nodes do not wait for the straggler; they keep blending with each other
     # at nearly every outer step. (The throughput ratio depends on how 2 shared cores are split; it is what
     # `noloco-node bench straggler` prints, and the README quotes. A bound on it here failed at 0.756 once.)
