@@ -81,8 +81,9 @@ class OuterStepDeps:
 
 
 # Solo steps in a row with every live peer ahead beyond --max-staleness before the node downloads a peer's state:
-# it trains as fast as they do, so it would stay out of their reach (and drift beyond the norm bound) for good.
-BEHIND_STEPS = 2
+# a node as fast as they are would stay out of their reach (and drift beyond the norm bound) for good. Over these
+# steps it also measures its pace against the front's, to tell a node that started late from a straggler.
+BEHIND_STEPS = 3
 # Outer steps between catch-ups: 2 after the first, doubling up to this until the node blends again. A node that
 # started late catches up once and pairs; a straggler (slower than the swarm) would otherwise fall behind and
 # download again every few of its phases, costing its donors a state upload each time.
@@ -95,6 +96,7 @@ class OuterStep:
         self._behind = 0  # solo steps in a row with every live peer out of reach ahead
         self._catch_up_backoff = 1
         self._next_catch_up = 0  # the outer step from which a catch-up may be tried again
+        self._behind_since: tuple[int, int] = (0, 0)  # (own outer step, the front) when the node fell out of reach
 
     def train(self, train_cfg: TrainConfig, *, stop_requested: Callable[[], bool], hooks: Sequence[StepHook]) -> None:
         """The trainer thread's whole life: the one inner loop with this outer step between its phases."""
@@ -194,8 +196,20 @@ class OuterStep:
         steps = deps.telemetry.peer_outer_steps()
         within = [s for s in steps if abs(s - replica.outer_step) <= deps.max_staleness]
         ahead = [s for s in steps if s > replica.outer_step + deps.max_staleness]
-        self._behind = self._behind + 1 if ahead and not within else 0
+        if not ahead or within:
+            self._behind = 0
+            return False
+        if self._behind == 0:
+            self._behind_since = (replica.outer_step, max(ahead))
+        self._behind += 1
         if deps.catch_up is None or self._behind < BEHIND_STEPS or replica.outer_step < self._next_catch_up:
+            return False
+        if self._slower_than_the_swarm(max(ahead)):
+            # A straggler: a state from the front would put it back within reach only until its next phase ends,
+            # and in the meantime a peer at that step may wait for it. Tried again only after the longest backoff.
+            self._catch_up_backoff = MAX_CATCH_UP_BACKOFF
+            self._next_catch_up = replica.outer_step + MAX_CATCH_UP_BACKOFF
+            log.warning("slower than half the swarm's pace: no catch-up for %d outer steps", MAX_CATCH_UP_BACKOFF)
             return False
         behind_by = min(ahead) - replica.outer_step
         log.warning("every live peer is %d+ outer steps ahead, beyond reach: downloading a peer's state", behind_by)
@@ -205,6 +219,12 @@ class OuterStep:
         self._catch_up_backoff = min(MAX_CATCH_UP_BACKOFF, self._catch_up_backoff * 2)
         self._next_catch_up = replica.outer_step + self._catch_up_backoff
         return adopted
+
+    def _slower_than_the_swarm(self, front: int) -> bool:
+        """While out of reach (solo steps, no waiting), did this node advance less than half as many outer steps as
+        the swarm's front? A node that started late keeps pace with the front; a straggler does not."""
+        own_since, front_since = self._behind_since
+        return (self.deps.replica.outer_step - own_since) * 2 < front - front_since
 
     def _blend(self, partner: Payload | None) -> None:
         """The outer step over the group that answered: this node plus the partner, or this node alone."""

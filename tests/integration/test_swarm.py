@@ -430,7 +430,7 @@ def test_a_data_dir_of_another_run_is_refused_by_name(tmp_path: Path) -> None:
 
 def test_a_node_left_out_of_reach_catches_up_and_blends_again(bootstrap: Bootstrap, tmp_path: Path) -> None:
     """A node that starts from the seed while the others are beyond --max-staleness ahead (here: told not to
-    download at start) trains as fast as they do, so it would stay out of their reach for good. After two solo
+    download at start) trains as fast as they do, so it would stay out of their reach for good. After three solo
     steps it downloads a peer's state, then pairs with them."""
     args = [*TRAIN, "--inner-steps", "10", "--num-shards", "3", "--pair-timeout", "3", "--steps", "100000"]
     early = [NodeProcess(f"early{i}", bootstrap, tmp_path, *args, "--shard-index", str(i)) for i in range(2)]
