@@ -200,6 +200,7 @@ class Discovery:
         self.identity = identity or NodeIdentity.ephemeral()
         self.starts_key = starts_key(run_name) if run_name is not None else None
         self.run_start = dict(start or {})
+        self._start_stored_at = -float("inf")  # DHT time the start record was last stored
         self.secret = secret
         self.subkey = owner_subkey(self.identity)
         self._owners = _OwnerIds()
@@ -260,7 +261,9 @@ class Discovery:
         stored = bool(await self._await(future, "store"))
         if stored:
             self._last_expiration = expiration
-        if self.starts_key is not None and not record.leaving:
+        # The start record never changes: refreshed at a third of its lifetime, not at every outer step's publish.
+        if self.starts_key is not None and not record.leaving and now >= self._start_stored_at + self.record_ttl / 3:
+            self._start_stored_at = now
             start = {"run_fingerprint": self.run_fingerprint, **self.run_start}
             if self.secret is not None:
                 start["mac"] = record_mac(self.secret, self.starts_key, self.subkey, start)
