@@ -206,6 +206,11 @@ class PretrainedSource(ModelSource):
         self.digest = digest
         self.folder = folder
         self.tokenizer_config = tokenizer_config
+        self._read_shape()
+
+    def _read_shape(self) -> None:
+        """Set vocab_size and max_seq_len (and what the backend needs) from the config; DataError if it cannot."""
+        raise NotImplementedError
 
     @property
     def name(self) -> str:
@@ -250,15 +255,8 @@ class PretrainedDecoder(PretrainedSource, DecoderSource):
 
     backend = "pretrained-decoder"
 
-    def __init__(
-        self,
-        config: dict[str, Any],
-        digest: str,
-        folder: Path | None,
-        tokenizer_config: dict[str, Any] | None = None,
-    ) -> None:
-        PretrainedSource.__init__(self, config, digest, folder, tokenizer_config)
-        DecoderSource.__init__(self, decoder_config(config, str(folder or "the model")))
+    def _read_shape(self) -> None:
+        DecoderSource.__init__(self, decoder_config(self.config, str(self.folder or "the model")))
 
     def own_name(self, hf_name: str) -> str:
         return hf_name.removeprefix("model.")
@@ -312,17 +310,11 @@ class TransformersModel(PretrainedSource):
 
     backend = "transformers"
 
-    def __init__(
-        self,
-        config: dict[str, Any],
-        digest: str,
-        folder: Path | None,
-        tokenizer_config: dict[str, Any] | None = None,
-    ) -> None:
-        super().__init__(config, digest, folder, tokenizer_config)
+    def _read_shape(self) -> None:
+        config = self.config
         positions = next((config[f] for f in _POSITION_FIELDS if isinstance(config.get(f), int)), None)
         if positions is None or not isinstance(config.get("vocab_size"), int):
-            raise DataError(f"{str(folder)!r}: config.json gives no vocab_size or no maximum sequence length")
+            raise DataError(f"{str(self.folder)!r}: config.json gives no vocab_size or no maximum sequence length")
         self.vocab_size = int(config["vocab_size"])
         self.max_seq_len = int(positions)
 
