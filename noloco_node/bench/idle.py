@@ -103,7 +103,13 @@ def _bare_rss_mb(model: str, seq_len: int, batch_size: int) -> float:
 
 def _run_mode(mode: str, nodes: int, steps: int, train_args: list[str], base: Path) -> ModeResult:
     result = ModeResult(mode)
-    swarm = LocalSwarm(base / mode, nodes, ["--mode", mode, "--steps", str(steps), "--log-every", "60", *train_args])
+    # The nodes start training together: one that came up late would join the others' run in progress, and an
+    # early one might train alone, so the idle it measures would not be a swarm's.
+    swarm = LocalSwarm(
+        base / mode,
+        nodes,
+        ["--mode", mode, "--steps", str(steps), "--log-every", "60", "--wait-for-peers", str(nodes - 1), *train_args],
+    )
     started = time.monotonic()
     peaks: dict[int, float] = {}
     try:

@@ -333,6 +333,16 @@ class NodeConfig(_Settings):
     )
     announce_port: int | None = Field(None, gt=0, lt=65536, description="Port peers should dial (default: bound).")
     data_dir: Path = Field(Path("noloco-data"), description="Checkpoints and the node's status file.")
+    wait_for_peers: int = Field(
+        0,
+        ge=0,
+        le=1024,
+        description="Before the first inner step, wait until this many other nodes of the run are live, so that a "
+        "swarm launched together starts training together (0: start at once).",
+    )
+    wait_for_peers_timeout: float = Field(
+        300.0, gt=0, description="Longest wait for --wait-for-peers; past it the node trains with whoever is there (s)."
+    )
     pair_timeout: float = Field(10.0, gt=0, description="sync: longest wait for a partner before a solo step (s).")
     alone_grace: float = Field(
         1.0, ge=0, description="sync: with no live peer within max_staleness, wait this long before a solo step (s)."

@@ -198,6 +198,37 @@ class Node:
         except Exception as error:  # the DHT failing must not end the refresh loop; the next attempt may work
             log.warning("could not publish the DHT record: %r", error)
 
+    async def _wait_for_peers(self, stop_requested: asyncio.Event) -> None:
+        """Hold the first inner step until --wait-for-peers other nodes are live (or the timeout passes, or a stop
+        is asked). Each node publishes its record only after deciding whether to download a donor's state, so
+        nodes launched together all start from step 0: none finds another already ahead."""
+        wanted = self.cfg.wait_for_peers
+        if wanted == 0:
+            return
+        self.telemetry.phase = f"waiting for {wanted} peer(s) to start"
+        loop = asyncio.get_running_loop()
+        started = loop.time()
+        seen = 0
+        while not stop_requested.is_set():
+            try:
+                seen = len(await self.discovery.live_peers())
+            except Exception as error:  # a DHT lookup that fails is retried until the deadline
+                log.debug("looking for peers to start with: %r", error)
+            if seen >= wanted:
+                log.info("%d peer(s) live after %.1f s: starting", seen, loop.time() - started)
+                break
+            if loop.time() - started > self.cfg.wait_for_peers_timeout:
+                log.warning(
+                    "only %d of %d peer(s) live after %.0f s (--wait-for-peers-timeout): starting anyway",
+                    seen,
+                    wanted,
+                    self.cfg.wait_for_peers_timeout,
+                )
+                break
+            with contextlib.suppress(asyncio.TimeoutError):
+                await asyncio.wait_for(stop_requested.wait(), timeout=0.25)
+        self.telemetry.phase = "training"
+
     async def _refresh_record(self) -> None:
         while True:
             await asyncio.sleep(self.cfg.record_ttl / 3)
@@ -266,6 +297,7 @@ class Node:
             components.push_async_callback(self._withdraw)
             await self._publish()
             self.supervisor.spawn("dht-record", self._refresh_record)
+            await self._wait_for_peers(stop_requested)
             self.supervisor.spawn(f"{self.strategy.mode}-pairing", self.strategy.run)
             finished: asyncio.Future[None] = loop.create_future()
             self.trainer = threading.Thread(
@@ -450,13 +482,34 @@ class Node:
 
 
 def run_node(node_cfg: NodeConfig, train_cfg: TrainConfig, outer_cfg: OuterConfig, data_cfg: DataConfig) -> int:
-    """Build the node and run it on uvloop (plain asyncio where uvloop is unavailable)."""
+    """Build the node and run it on uvloop (plain asyncio where uvloop is unavailable); a rank of a multi-process
+    member (torchrun) runs its part and leaves the process itself (DataParallel.exit_process says why)."""
     algorithm.warn_on_unstable_hyperparameters(outer_cfg.alpha, outer_cfg.beta, outer_cfg.effective_gamma)
     data_parallel = DataParallel.from_environment()
-    if data_parallel is not None:
-        train_cfg = train_cfg.model_copy(update={"device": data_parallel.device(train_cfg.device)})
-        if not data_parallel.leader:  # another GPU of this member: no DHT, no gRPC, it follows rank 0
-            return run_follower(node_cfg, train_cfg, data_cfg, data_parallel)
+    if data_parallel is None:
+        return _run_node(node_cfg, train_cfg, outer_cfg, data_cfg, None)
+    train_cfg = train_cfg.model_copy(update={"device": data_parallel.device(train_cfg.device)})
+    try:
+        if data_parallel.leader:
+            code = _run_node(node_cfg, train_cfg, outer_cfg, data_cfg, data_parallel)
+        else:  # another GPU of this member: no DHT, no gRPC, it follows rank 0
+            code = run_follower(node_cfg, train_cfg, data_cfg, data_parallel)
+    except NodeError as error:
+        log.error("rank %d of the member: %s", data_parallel.rank, error)
+        code = 2
+    except BaseException:
+        log.exception("rank %d of the member failed", data_parallel.rank)
+        code = 1
+    data_parallel.exit_process(code)
+
+
+def _run_node(
+    node_cfg: NodeConfig,
+    train_cfg: TrainConfig,
+    outer_cfg: OuterConfig,
+    data_cfg: DataConfig,
+    data_parallel: DataParallel | None,
+) -> int:
     if any(entry.startswith(("http://", "https://")) for entry in node_cfg.bootstrap):
         try:
             maddrs = expand_bootstrap(node_cfg.bootstrap, wait=node_cfg.bootstrap_wait)
