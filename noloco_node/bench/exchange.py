@@ -29,7 +29,8 @@ from noloco_node.rpc.metrics import ExchangeMetrics
 from noloco_node.rpc.service import start_server
 from noloco_node.rpc.state_download import download_state
 from noloco_node.security.payload_guard import relative_distance
-from noloco_node.wire.frames import TensorLayout, build_manifest, layout_of
+from noloco_node.wire import quantize
+from noloco_node.wire.frames import WIRE_DTYPES, TensorLayout, build_manifest, layout_of, wire_num_bytes
 from noloco_node.wire.payload import Payload, ReceiveBuffers
 
 RUN = "bench-exchange"
@@ -53,8 +54,9 @@ class _BenchPeer(AdmitsEverything):
         self.run_fingerprint = RUN
         self.peer_id = "bench-server"
         self.layout = layout_of(named)
+        self.wire_dtype = wire_dtype  # its own and the callers': one run
         manifest = build_manifest(named, wire_dtype=wire_dtype, run_fingerprint=RUN, peer_id=self.peer_id, outer_step=1)
-        self._outgoing = Outgoing(manifest, [t for _, t in named])
+        self._outgoing = Outgoing(manifest, _published(named, wire_dtype))
         self.received = 0
         self.receive_buffers = ReceiveBuffers(max_idle_bytes=self.max_payload_bytes())
 
@@ -92,6 +94,13 @@ class _BenchPeer(AdmitsEverything):
         self._state = Outgoing(manifest, [t for _, t in named])
 
 
+def _published(named: list[tuple[str, torch.Tensor]], wire_dtype: str) -> list[torch.Tensor]:
+    """The weights as a node publishes them for its exchanges: converted (or quantized) once, streamed as they are."""
+    if quantize.is_quantized(wire_dtype):
+        return [quantize.quantize(t, wire_dtype) for _, t in named]
+    return [t.to(WIRE_DTYPES[wire_dtype][1]) for _, t in named]
+
+
 def _server_process(
     size: str, vocab: int, wire_dtype: str, chunk_bytes: int, conn: Any, namespace: str | None, host: str
 ) -> None:
@@ -122,8 +131,10 @@ def _client_process(
     torch.set_num_threads(1)
     named = _weights(size, vocab, seed=2)
     manifest = build_manifest(named, wire_dtype=wire_dtype, run_fingerprint=RUN, peer_id="bench-client", outer_step=1)
-    outgoing = Outgoing(manifest, [t for _, t in named])
-    buffers = ReceiveBuffers(max_idle_bytes=sum(t.numel() for _, t in named) * 4)
+    started = time.perf_counter()
+    outgoing = Outgoing(manifest, _published(named, wire_dtype))
+    publish_seconds = time.perf_counter() - started
+    buffers = ReceiveBuffers(max_idle_bytes=sum(t.numel() for _, t in named) * 6)
     baseline = _rss_mb()
     seconds, norm_seconds = [], []
     for _ in range(repeats):
@@ -134,6 +145,7 @@ def _client_process(
             layout_of(named),
             run_fingerprint=RUN,
             max_payload_bytes=sum(t.numel() for _, t in named) * 4 + 1024,
+            wire_dtype=wire_dtype,
             timeout=600,
             chunk_bytes=chunk_bytes,
             buffers=buffers,
@@ -156,6 +168,7 @@ def _client_process(
     conn.send(
         {
             "seconds": seconds,
+            "publish_seconds": publish_seconds,
             "norm_seconds": norm_seconds,
             "download_seconds": download_seconds,
             "baseline_rss_mb": baseline,
@@ -175,6 +188,7 @@ class ExchangeBenchResult:
     download_seconds: float
     tcp_download_seconds: float
     norm_check_seconds: float
+    publish_seconds: float  # the weights into their wire dtype, once per outer step (a node's published copy)
     client_extra_rss_mb: float
     server_extra_rss_mb: float
     link_rate: str | None = None
@@ -201,6 +215,7 @@ class ExchangeBenchResult:
             f"{2 * self.tcp_one_way_seconds / self.exchange_seconds:.0%}",
             f"  ratio to bare gRPC both ways (gRPC's own ceiling here):  "
             f"{self.bare_grpc_seconds / self.exchange_seconds:.0%}",
+            f"  before it, the copy into the wire dtype (once per outer step): {self.publish_seconds:.3f} s",
             f"  then the norm-bound check of the received payload (1 thread): {self.norm_check_seconds:.3f} s, "
             f"{self.norm_check_seconds / self.exchange_seconds:.0%} of the exchange",
             "state download: one way, fp32 weights, as a joiner fetches a donor's snapshot (GetState)",
@@ -274,9 +289,9 @@ def _run(size: str, vocab: int, wire_dtype: str, chunk_bytes: int, repeats: int,
     server_report = server_rx.recv()
     server.join()
 
-    itemsize = 2 if wire_dtype == "bf16" else 4
-    numel = sum(t.numel() for _, t in _weights_meta(size, vocab))
-    payload = numel * itemsize
+    meta = _weights_meta(size, vocab)
+    numel = sum(t.numel() for _, t in meta)
+    payload = sum(wire_num_bytes(t.numel(), wire_dtype) for _, t in meta)
     return ExchangeBenchResult(
         payload_bytes=payload,
         model_fp32_bytes=numel * 4,
@@ -286,6 +301,7 @@ def _run(size: str, vocab: int, wire_dtype: str, chunk_bytes: int, repeats: int,
         bare_grpc_seconds=bare_grpc_seconds(payload, chunk_bytes, repeats, where),
         download_seconds=min(client_report["download_seconds"]),
         norm_check_seconds=min(client_report["norm_seconds"]),
+        publish_seconds=client_report["publish_seconds"],
         tcp_download_seconds=min(raw_tcp_seconds(numel * 4, both_ways=False, where=where) for _ in range(repeats)),
         client_extra_rss_mb=client_report["peak_rss_mb"] - client_report["baseline_rss_mb"],
         server_extra_rss_mb=server_report["peak_rss_mb"] - server_report["baseline_rss_mb"],

@@ -73,6 +73,8 @@ class _SyncPeer(AdmitsEverything):
     def expected_layout(self) -> list[TensorLayout]:
         return self.layout
 
+    wire_dtype = "fp32"  # what this double and its callers send
+
     def max_payload_bytes(self) -> int:
         return sum(item.numel for item in self.layout) * 4 + 1024
 

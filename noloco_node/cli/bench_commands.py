@@ -20,7 +20,7 @@ def add_bench_parsers(commands: Any) -> None:
     )
     exchange.add_argument("--model", default="125m", choices=list(MODEL_SIZES), help="model size whose weights move")
     exchange.add_argument("--vocab-size", type=int, default=256, help="vocabulary of that model")
-    exchange.add_argument("--wire-dtype", default="bf16", choices=["bf16", "fp32"])
+    exchange.add_argument("--wire-dtype", default="bf16", choices=["bf16", "fp32", "int8", "int4"])
     exchange.add_argument("--chunk-bytes", type=int, default=2**20, help="bytes per chunk message")
     exchange.add_argument("--repeats", type=int, default=5, help="runs of each measurement (the best is kept)")
     exchange.add_argument(

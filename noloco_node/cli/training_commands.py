@@ -12,6 +12,7 @@ from noloco_node.config.flags import TRAIN_FLAGS, add_flags, given_settings
 from noloco_node.config.models import (
     ALL_METHODS,
     MODEL_SIZES,
+    WIRE_METHODS,
     DataConfig,
     OuterConfig,
     SimulateConfig,
@@ -36,8 +37,14 @@ def add_training_parsers(commands: Any) -> None:
         "the same seeds, data and compute budget and prints a table.",
     )
     simulate.add_argument("--compare", action="store_true", help="run every method and print the comparison")
-    simulate.add_argument("--method", choices=ALL_METHODS, help="run one method (default with no --compare: noloco)")
-    simulate.add_argument("--methods", help=f"comma-separated subset for --compare (default: {','.join(ALL_METHODS)})")
+    simulate.add_argument(
+        "--method", choices=ALL_METHODS + WIRE_METHODS, help="run one method (default with no --compare: noloco)"
+    )
+    simulate.add_argument(
+        "--methods",
+        help=f"comma-separated methods for --compare (default: {','.join(ALL_METHODS)}; also "
+        f"{','.join(WIRE_METHODS)}: what each wire dtype and the stream mode cost)",
+    )
     simulate.add_argument("--replicas", type=int, default=argparse.SUPPRESS, help="number of replicas")
     simulate.add_argument(
         "--seeds", type=int, help="--compare: repeat over this many seeds (from --seed) and report mean +- std"

@@ -185,7 +185,21 @@ class OuterConfig(_Settings):
         return self
 
 
-Method = Literal["noloco", "noloco-stale", "noloco-momentum", "diloco", "diloco-nesterov", "ddp", "solo"]
+Method = Literal[
+    "noloco",
+    "noloco-bf16",
+    "noloco-int8",
+    "noloco-int4",
+    "noloco-stream",
+    "noloco-stream-int8",
+    "noloco-stream-int4",
+    "noloco-stale",
+    "noloco-momentum",
+    "diloco",
+    "diloco-nesterov",
+    "ddp",
+    "solo",
+]
 ALL_METHODS: tuple[Method, ...] = (
     "noloco",
     "noloco-stale",
@@ -194,6 +208,15 @@ ALL_METHODS: tuple[Method, ...] = (
     "diloco-nesterov",
     "ddp",
     "solo",
+)
+# What each wire dtype costs in convergence, on the same seeds: `simulate --compare --methods` with these.
+WIRE_METHODS: tuple[Method, ...] = (
+    "noloco-bf16",
+    "noloco-int8",
+    "noloco-int4",
+    "noloco-stream",
+    "noloco-stream-int8",
+    "noloco-stream-int4",
 )
 
 
@@ -377,7 +400,11 @@ class NodeConfig(_Settings):
     )
     step_time_sigma: float = Field(0.0, ge=0.0, le=3.0, description="Sigma of the log-normal step-time factor.")
     max_staleness: int = Field(2, ge=0, description="Largest outer-step difference with a partner.")
-    wire_dtype: Literal["bf16", "fp32"] = Field("bf16", description="Dtype of the weights on the wire.")
+    wire_dtype: Literal["bf16", "fp32", "int8", "int4"] = Field(
+        "bf16",
+        description="Dtype of the exchanged weights on the wire: bf16, fp32, or int8/int4 (blockwise absmax, 256 "
+        "values per fp32 scale). Every node of a run must use the same; a payload in another is refused.",
+    )
     record_ttl: float = Field(20.0, gt=1.0, description="DHT record lifetime (s); refreshed at a third of it.")
     avoid_seconds: float = Field(30.0, ge=0, description="How long a peer that failed is not chosen.")
     checkpoint_every: int = Field(1, ge=1, description="Outer steps between checkpoints.")

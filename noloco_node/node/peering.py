@@ -65,13 +65,14 @@ class Peering:
         info: Callable[[], pb.InfoReply],
     ) -> Peering:
         exchanges = ThreadPoolExecutor(EXCHANGE_THREADS, thread_name_prefix="exchange")  # threads start on use
-        receive_buffers = ReceiveBuffers(max_idle_bytes=layout.max_payload_bytes())
+        receive_buffers = ReceiveBuffers(max_idle_bytes=layout.receive_pool_bytes())
         served: list[ServedNode] = []  # the caller admits payloads through the served node, built below
         caller = PeerCaller(
             CallSettings(
                 run_fingerprint=layout.run_fingerprint,
                 expected_layout=layout.expected_layout(),
                 max_payload_bytes=layout.max_payload_bytes(),
+                wire_dtype=layout.wire_dtype,
                 max_staleness=cfg.max_staleness,
                 transport=security.transport,
                 metrics=metrics,

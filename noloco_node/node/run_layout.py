@@ -13,7 +13,8 @@ from dataclasses import dataclass
 from noloco_node.config.models import NodeConfig, OuterConfig, TrainConfig
 from noloco_node.data.corpus import Corpus
 from noloco_node.model.source import ModelSource, model_source, run_fingerprint
-from noloco_node.wire.frames import TensorLayout
+from noloco_node.wire import quantize
+from noloco_node.wire.frames import TensorLayout, wire_num_bytes
 
 
 def run_identity(node_cfg: NodeConfig, train_cfg: TrainConfig, corpus: Corpus) -> tuple[ModelSource, str]:
@@ -65,13 +66,21 @@ class RunLayout:
     def exchange_ceiling(self) -> float:
         """The longest an exchange may take: --exchange-timeout, or longer when the payload needs it at
         --min-link-rate (both directions share nothing on a full-duplex link, so one payload's time)."""
-        payload = sum(item.numel for item in self.expected_layout()) * (2 if self.wire_dtype == "bf16" else 4)
+        payload = sum(wire_num_bytes(item.numel, self.wire_dtype) for item in self.expected_layout())
         return max(self.exchange_timeout, payload / self.min_link_rate + 10.0)
 
     def download_timeout(self) -> float:
         """The deadline of one state download: the fp32 state (4 model-sized tensors) at --min-link-rate."""
         state = 4 * 4 * sum(math.prod(shape) for shape in self.shapes)
         return max(self.exchange_timeout, state / self.min_link_rate + 10.0)
+
+    def receive_pool_bytes(self) -> int:
+        """What one received payload occupies, kept for the next: its wire bytes, and for a quantized wire dtype
+        also its values decoded to fp32."""
+        layout = self.expected_layout()
+        wire = sum(wire_num_bytes(item.numel, self.wire_dtype) for item in layout)
+        decoded = sum(4 * item.numel for item in layout) if quantize.is_quantized(self.wire_dtype) else 0
+        return wire + decoded
 
     def max_payload_bytes(self) -> int:
         return sum(item.numel for item in self.expected_layout()) * 4 + 1024

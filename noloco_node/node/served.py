@@ -56,6 +56,10 @@ class ServedNode:
     def max_payload_bytes(self) -> int:
         return self.layout.max_payload_bytes()
 
+    @property
+    def wire_dtype(self) -> str:
+        return self.layout.wire_dtype
+
     def open_session(self, partner_id: str, partner_outer_step: int) -> ExchangeSession | None:
         return self.strategy.open_session(partner_id, partner_outer_step)
 

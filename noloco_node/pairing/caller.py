@@ -43,6 +43,7 @@ class CallSettings:
     run_fingerprint: str
     expected_layout: Sequence[TensorLayout]
     max_payload_bytes: int
+    wire_dtype: str  # the run's: a partner's payload in another is refused
     max_staleness: int
     transport: Transport
     metrics: ExchangeMetrics
@@ -146,6 +147,7 @@ class PeerCaller:
             settings.expected_layout,
             run_fingerprint=settings.run_fingerprint,
             max_payload_bytes=settings.max_payload_bytes,
+            wire_dtype=settings.wire_dtype,
             timeout=deadline,
             metrics=settings.metrics,
             buffers=settings.receive_buffers,

@@ -19,6 +19,7 @@ and is registered in node/peering.py's ``STRATEGIES``.
 from __future__ import annotations
 
 import asyncio
+import math
 import threading
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Coroutine, Sequence
@@ -32,7 +33,8 @@ from noloco_node.observability.telemetry import Telemetry
 from noloco_node.pairing.caller import PeerCaller
 from noloco_node.rpc.contracts import ExchangeSession
 from noloco_node.training.replica import Replica
-from noloco_node.wire.frames import build_manifest
+from noloco_node.wire import quantize
+from noloco_node.wire.frames import WIRE_DTYPES, build_manifest
 from noloco_node.wire.payload import Payload
 from noloco_node.wire.published import BufferPool, Published
 
@@ -58,8 +60,15 @@ class OfferPublisher:
         self.wire_dtype = wire_dtype
         self.run_fingerprint = run_fingerprint
         self.peer_id = peer_id
-        dtype = torch.bfloat16 if wire_dtype == "bf16" else torch.float32
-        self.pool = BufferPool(list(shapes) * (2 if send_phi else 1), dtype, pinned=pinned)
+        shapes = list(shapes) * (2 if send_phi else 1)
+        if quantize.is_quantized(wire_dtype):  # published as encoded bytes, once, whoever streams them
+            self.pool = BufferPool(
+                [(quantize.encoded_bytes(math.prod(shape), wire_dtype),) for shape in shapes],
+                torch.uint8,
+                encode=lambda buffer, source: quantize.quantize_into(source, wire_dtype, buffer),
+            )
+        else:
+            self.pool = BufferPool(shapes, WIRE_DTYPES[wire_dtype][1], pinned=pinned)
 
     def publish(self, theta: Sequence[torch.Tensor], phi: Sequence[torch.Tensor], outer_step: int) -> Published:
         """A held copy of (theta[, phi]) as of ``outer_step``; release it when it is superseded."""

@@ -88,6 +88,7 @@ def exchange_with(
     run_fingerprint: str,
     max_payload_bytes: int,
     timeout: float,
+    wire_dtype: str | None = None,
     metrics: ExchangeMetrics | None = None,
     chunk_bytes: int = DEFAULT_CHUNK_BYTES,
     buffers: ReceiveBuffers | None = None,
@@ -101,7 +102,11 @@ def exchange_with(
     run not one frame is sent before the server has proved membership.
     """
     receiver = PayloadReceiver(
-        expected, run_fingerprint=run_fingerprint, max_total_bytes=max_payload_bytes, buffers=buffers
+        expected,
+        run_fingerprint=run_fingerprint,
+        max_total_bytes=max_payload_bytes,
+        allowed_dtypes=(wire_dtype,) if wire_dtype else ("bf16", "fp32"),
+        buffers=buffers,
     )
     started = time.monotonic()
     sent = 0

@@ -58,6 +58,10 @@ class PeerNode(Protocol):
 
     def max_payload_bytes(self) -> int: ...
 
+    @property
+    def wire_dtype(self) -> str:
+        """The run's wire dtype: a payload in another is refused (FAILED_PRECONDITION, ``wire_dtype``)."""
+
     def open_session(self, partner_id: str, partner_outer_step: int) -> ExchangeSession | None:
         """A session if this node can exchange with that partner now; None means busy (ABORTED)."""
 

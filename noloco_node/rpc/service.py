@@ -94,6 +94,7 @@ class PeerService:
             self.node.expected_layout(),
             run_fingerprint=self.node.run_fingerprint,
             max_total_bytes=self.node.max_payload_bytes(),
+            allowed_dtypes=(self.node.wire_dtype,),
             buffers=self.node.receive_buffers,
         )
 

@@ -11,6 +11,11 @@ Methods (outer updates from algorithm.py, inner loop from trainer.py):
   one phase ahead, ``algorithm.projected_fast_weights``); the first outer step has no snapshots and is solo.
 - ``noloco-momentum``: ``noloco``, then the pair also averages its new outer momenta (Delta): "blend weights and
   momenta", asked for by users; measured here before it becomes a node option.
+- ``noloco-bf16``, ``noloco-int8``, ``noloco-int4``: ``noloco`` with the partner's weights as the node's ``sync``
+  mode sends them in that wire dtype (``noloco`` itself blends exact fp32 weights).
+- ``noloco-stream``, ``noloco-stream-int8``, ``noloco-stream-int4``: the maths of the ``stream`` mode: the partner's
+  phi arrives in bf16 during the phase and its Delta = theta - phi at the outer step (bf16, int8 or int4); the
+  blend is NoLoCo's, up to that rounding.
 - ``diloco``: DiLoCo with the heavy-ball outer optimizer on the mean over all replicas (an all-reduce).
 - ``diloco-nesterov``: DiLoCo with torch's Nesterov SGD outer optimizer (the original DiLoCo setting).
 - ``ddp``: one set of weights, gradients averaged over one batch of every replica's shard each step.
@@ -36,11 +41,12 @@ import numpy as np
 import torch
 
 from noloco_node import algorithm
-from noloco_node.config.models import SimulateConfig
+from noloco_node.config.models import WIRE_METHODS, SimulateConfig
 from noloco_node.data.corpus import Corpus, ReplicaShard, validation_batches
 from noloco_node.model.source import load_run_corpus, model_source
 from noloco_node.training.loop import InnerLoop
 from noloco_node.training.replica import Replica, resolve_device
+from noloco_node.wire import quantize
 
 ProgressFn = Callable[[str], None]
 
@@ -85,22 +91,67 @@ def random_groups(num_replicas: int, rng: np.random.Generator) -> list[list[int]
     return groups
 
 
+def _through_wire(tensors: list[torch.Tensor], wire_dtype: str) -> list[torch.Tensor]:
+    """What a receiver reads of ``tensors`` sent in ``wire_dtype``: exact in fp32, rounded in bf16, blockwise
+    quantized and decoded in int8/int4 (wire/quantize.py, the node's own codec)."""
+    if wire_dtype == "fp32":
+        return tensors
+    if wire_dtype == "bf16":
+        return [t.to(torch.bfloat16).to(torch.float32) for t in tensors]
+    return [quantize.dequantize(quantize.quantize(t, wire_dtype), t.numel(), wire_dtype).view_as(t) for t in tensors]
+
+
+def partner_view(
+    method: str, theta: list[torch.Tensor], phi: list[torch.Tensor]
+) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    """The (fast, slow) weights a partner blends with, as the method's wire delivers them.
+
+    - ``noloco``: exact (the maths alone); ``noloco-bf16/int8/int4``: the sync mode, theta (and phi) sent whole
+      in that wire dtype.
+    - ``noloco-stream[-int8|-int4]``: the stream mode: phi, fixed during the phase, streamed in bf16 while the
+      replicas train, and at the outer step only Delta = theta - phi (bf16 or the quantized dtype); the receiver
+      rebuilds theta as phi + Delta.
+    """
+    if method == "noloco-stream" or method.startswith("noloco-stream-"):
+        wire = method.removeprefix("noloco-stream").removeprefix("-") or "bf16"
+        seen_phi = _through_wire(list(phi), "bf16")
+        pseudo_gradient = [t.to(torch.float32) - p for t, p in zip(theta, phi, strict=True)]
+        seen_delta = _through_wire(pseudo_gradient, wire)
+        return [p + d for p, d in zip(seen_phi, seen_delta, strict=True)], seen_phi
+    wire = method.removeprefix("noloco").removeprefix("-") or "fp32"
+    if wire == "momentum":
+        wire = "fp32"
+    return _through_wire(list(theta), wire), _through_wire(list(phi), wire)
+
+
 def _noloco_round(
-    replicas: list[Replica], rng: np.random.Generator, cfg: SimulateConfig, *, blend_momenta: bool = False
+    replicas: list[Replica],
+    rng: np.random.Generator,
+    cfg: SimulateConfig,
+    *,
+    method: str = "noloco",
+    blend_momenta: bool = False,
 ) -> None:
-    """One NoLoCo outer step of every replica, each blending with its partner's pre-step state."""
+    """One NoLoCo outer step of every replica, each blending with its partner's pre-step state as the method's
+    wire delivers it (its own state exact)."""
     outer = cfg.outer
     results = {}
     groups = random_groups(len(replicas), rng)
+    seen = {
+        i: partner_view(method, list(replicas[i].fast_weights()), list(replicas[i].phi))
+        for group in groups
+        if len(group) > 1
+        for i in group
+    }
     for group in groups:
         for i in group:
-            partners = [replicas[j] for j in group if j != i]
+            partners = [seen[j] for j in group if j != i]
             results[i] = algorithm.noloco_outer_step(
                 replicas[i].fast_weights(),
                 replicas[i].phi,
                 replicas[i].delta,
-                [p.fast_weights() for p in partners],
-                [p.phi for p in partners],
+                [theta for theta, _ in partners],
+                [phi for _, phi in partners],
                 alpha=outer.alpha,
                 beta=outer.beta,
                 gamma=outer.effective_gamma,
@@ -209,8 +260,8 @@ def run_method(
     for phases in zip(*loops, strict=True):
         phase_losses = [loss for phase in phases for loss in phase.losses]
         step = phases[0].end_step
-        if method in ("noloco", "noloco-momentum"):
-            _noloco_round(replicas, pair_rng, cfg, blend_momenta=method == "noloco-momentum")
+        if method == "noloco" or method in WIRE_METHODS or method == "noloco-momentum":
+            _noloco_round(replicas, pair_rng, cfg, method=method, blend_momenta=method == "noloco-momentum")
         elif method == "noloco-stale":
             _stale_noloco_round(replicas, pair_rng, cfg, offers)
         elif method in ("diloco", "diloco-nesterov"):

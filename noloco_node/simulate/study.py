@@ -35,9 +35,10 @@ class SeedStudy:
             methods = list(runs[0].results)
             rows = [
                 f"{count} replicas, {len(runs)} seeds ({', '.join(map(str, self.seeds))}): mean +- std over seeds",
-                "| method | final val loss | val ppl | ppl vs DDP | weight spread |",
-                "|---|---:|---:|---:|---:|",
+                f"| method | final val loss | val ppl | ppl vs DDP | loss vs {methods[0]} (paired) | weight spread |",
+                "|---|---:|---:|---:|---:|---:|",
             ]
+            reference = np.array([run.results[methods[0]].final_val_loss for run in runs])
             for method in methods:
                 losses = np.array([run.results[method].final_val_loss for run in runs])
                 ppls = np.array([run.results[method].final_val_ppl for run in runs])
@@ -48,9 +49,17 @@ class SeedStudy:
                         [run.results[method].final_val_ppl / run.results["ddp"].final_val_ppl for run in runs]
                     )
                     versus = f"{(ratios.mean() - 1) * 100:+.2f}% +- {ratios.std() * 100:.2f}"
+                # Per seed against the first method (same seed, data and pairings), then mean +- std: the paired
+                # difference is what a wire dtype or a mode costs, free of the seed-to-seed spread.
+                paired = (losses / reference - 1) * 100
+                against = (
+                    "reference"
+                    if method == methods[0]
+                    else f"{paired.mean():+.2f}% +- {paired.std():.2f} (lower in {int((paired < 0).sum())}/{len(runs)})"
+                )
                 rows.append(
                     f"| {method} | {losses.mean():.4f} +- {losses.std():.4f} | {ppls.mean():.3f} | {versus} | "
-                    f"{spread:.2e} |"
+                    f"{against} | {spread:.2e} |"
                 )
             for key in runs[0].relative_metric:
                 values = np.array([run.relative_metric[key] for run in runs]) * 100

@@ -4,6 +4,8 @@ A payload is a Manifest (run fingerprint, sender, outer step, and for each tenso
 byte size), then Chunks of at most ``chunk_bytes`` of one tensor each with an XXH3-64 checksum of their bytes, then
 an End. The sender converts one chunk at a time to the wire dtype (bf16 by default, fp32 selectable) unless the
 tensors already are in it (a node's published copies are), so it never builds a second copy of the whole model.
+The quantized wire dtypes (int8, int4: blockwise absmax, wire/quantize.py) travel as their encoded bytes, scales
+first; a tensor given as values is encoded whole, one tensor at a time.
 
 Frames travel as bytes, not as protobuf objects: chunk frames are written and read by hand in protobuf's own wire
 format (so the .proto stays the contract, and any protobuf client interoperates), because the objects' copies of
@@ -23,16 +25,29 @@ import xxhash
 
 from noloco_node.errors import NolocoError
 from noloco_node.rpc import peer_pb2 as pb
+from noloco_node.wire import quantize
 
 MAX_MESSAGE_BYTES = 4 * 2**20  # gRPC message limit on both ends: a chunk plus framing, never a whole model
 DEFAULT_CHUNK_BYTES = 2**20
 MAX_CHUNK_BYTES = MAX_MESSAGE_BYTES - 64 * 1024
 
+# Each wire dtype: its code in the manifest and the dtype of its bytes in a buffer (quantized tensors travel as
+# their encoded bytes: wire/quantize.py).
 WIRE_DTYPES: dict[str, tuple[int, torch.dtype]] = {
     "bf16": (pb.WIRE_DTYPE_BFLOAT16, torch.bfloat16),
     "fp32": (pb.WIRE_DTYPE_FLOAT32, torch.float32),
+    "int8": (pb.WIRE_DTYPE_INT8_BLOCK256, torch.uint8),
+    "int4": (pb.WIRE_DTYPE_INT4_BLOCK256, torch.uint8),
 }
 _TORCH_DTYPE_OF_WIRE = {code: dtype for code, dtype in WIRE_DTYPES.values()}
+WIRE_NAME_OF_CODE = {code: name for name, (code, _) in WIRE_DTYPES.items()}
+
+
+def wire_num_bytes(numel: int, wire_dtype: str) -> int:
+    """Bytes of a tensor of ``numel`` values on the wire."""
+    if quantize.is_quantized(wire_dtype):
+        return quantize.encoded_bytes(numel, wire_dtype)
+    return numel * torch.empty((), dtype=WIRE_DTYPES[wire_dtype][1]).element_size()
 
 
 class PayloadError(NolocoError):
@@ -84,15 +99,15 @@ def build_manifest(
     outer_step: int,
     metadata_json: str = "",
 ) -> pb.Manifest:
-    code, dtype = WIRE_DTYPES[wire_dtype]
-    itemsize = torch.empty((), dtype=dtype).element_size()
+    """The manifest of ``named_tensors`` (their values: the shapes are what the receiver checks) in ``wire_dtype``."""
+    code = WIRE_DTYPES[wire_dtype][0]
     return pb.Manifest(
         run_fingerprint=run_fingerprint,
         peer_id=peer_id,
         outer_step=outer_step,
         metadata_json=metadata_json,
         tensors=[
-            pb.TensorSpec(name=name, shape=list(t.shape), dtype=code, num_bytes=t.numel() * itemsize)  # type: ignore[arg-type]
+            pb.TensorSpec(name=name, shape=list(t.shape), dtype=code, num_bytes=wire_num_bytes(t.numel(), wire_dtype))  # type: ignore[arg-type]
             for name, t in named_tensors
         ],
     )
@@ -174,9 +189,12 @@ def iter_frames(
         skip = from_offset if index == from_tensor else 0
         if skip % itemsize or (skip and skip >= spec.num_bytes):
             raise ValueError(f"cannot resume tensor {spec.name} at byte {skip}")
-        if (size := tensor.numel() * itemsize) != spec.num_bytes:
-            raise ValueError(f"tensor {spec.name} has {size} bytes, manifest says {spec.num_bytes}")
         flat = tensor.detach()
+        wire_name = WIRE_NAME_OF_CODE[spec.dtype]
+        if quantize.is_quantized(wire_name) and flat.dtype != torch.uint8:
+            flat = quantize.quantize(flat, wire_name)  # values given: encoded here, one tensor at a time
+        if (size := flat.numel() * itemsize) != spec.num_bytes:
+            raise ValueError(f"tensor {spec.name} has {size} bytes, manifest says {spec.num_bytes}")
         if flat.device.type != "cpu":
             flat = flat.to(dtype=dtype).cpu()
         flat = flat.contiguous().view(-1)

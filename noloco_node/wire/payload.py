@@ -13,7 +13,9 @@ every chunk's data cost more CPU than the transfer itself. Manifest and end fram
 
 Nothing received is trusted: the fingerprint must be the run's; names, shapes, dtypes and sizes must match the
 expected manifest exactly; chunks must arrive in order, inside their tensor, with a matching checksum; the payload must
-be complete; values must be finite. Any failure raises :class:`PayloadError` carrying the gRPC status to answer
+be complete; values must be finite; a quantized tensor's scales must be finite and not negative and its codes
+within the encoder's range (checked chunk by chunk as they arrive; the tensor is decoded to fp32 as soon as it is
+complete). Any failure raises :class:`PayloadError` carrying the gRPC status to answer
 with and a short reason label for the rejection metric, and nothing is handed to the caller.
 """
 
@@ -27,15 +29,18 @@ import numpy as np
 import torch
 
 from noloco_node.rpc import peer_pb2 as pb
+from noloco_node.wire import quantize
 from noloco_node.wire.frames import (
     _TORCH_DTYPE_OF_WIRE,
     WIRE_DTYPES,
+    WIRE_NAME_OF_CODE,
     ChunkView,
     PayloadError,
     TensorLayout,
     _invalid,
     chunk_checksum,
     decode_frame,
+    wire_num_bytes,
 )
 
 # ---------------------------------------------------------------------------------------------------- receiving
@@ -78,7 +83,8 @@ class ReceiveBuffers:
 
 
 class Payload:
-    """A complete, verified payload: the sender's manifest and its tensors in wire dtype, in manifest order."""
+    """A complete, verified payload: the sender's manifest and its tensors in manifest order, in the wire dtype
+    (bf16, fp32) or, for a quantized wire dtype, decoded to fp32."""
 
     def __init__(
         self,
@@ -144,6 +150,8 @@ class PayloadReceiver:
         self._byte_views: list[np.ndarray] = []
         self._itemsizes: list[int] = []
         self._filled: list[int] = []
+        self._quantized: list[str | None] = []  # per tensor: its quantized wire dtype, None for bf16/fp32
+        self._decoded: dict[int, torch.Tensor] = {}  # quantized tensors, decoded to fp32 once complete
         self._ended = False
         self.bytes_received = 0
 
@@ -182,16 +190,20 @@ class PayloadReceiver:
                 raise _invalid(
                     "tensor_shape", f"tensor {spec.name!r} has shape {list(spec.shape)}, expected {list(want.shape)}"
                 )
+            if spec.dtype not in WIRE_NAME_OF_CODE:
+                raise _invalid("tensor_dtype", f"tensor {spec.name!r} has an unknown wire dtype {spec.dtype}")
             if spec.dtype not in self.allowed_codes:
-                raise _invalid(
-                    "tensor_dtype", f"tensor {spec.name!r} has wire dtype {spec.dtype}, not one of the accepted dtypes"
+                raise PayloadError(
+                    grpc.StatusCode.FAILED_PRECONDITION,
+                    "wire_dtype",
+                    f"tensor {spec.name!r} is sent in {WIRE_NAME_OF_CODE[spec.dtype]}; this node's run exchanges "
+                    f"{' or '.join(WIRE_NAME_OF_CODE[code] for code in sorted(self.allowed_codes))} (--wire-dtype)",
                 )
-            itemsize = torch.empty((), dtype=_TORCH_DTYPE_OF_WIRE[spec.dtype]).element_size()
-            if spec.num_bytes != want.numel * itemsize:
+            size = wire_num_bytes(want.numel, WIRE_NAME_OF_CODE[spec.dtype])
+            if spec.num_bytes != size:
                 raise _invalid(
                     "tensor_size",
-                    f"tensor {spec.name!r} declares {spec.num_bytes} bytes, its shape and "
-                    f"dtype make {want.numel * itemsize}",
+                    f"tensor {spec.name!r} declares {spec.num_bytes} bytes, its shape and dtype make {size}",
                 )
             total += spec.num_bytes
         if total > self.max_total_bytes:
@@ -200,18 +212,21 @@ class PayloadReceiver:
                 "too_large",
                 f"payload declares {total} bytes, the limit is {self.max_total_bytes}",
             )
-        # Only now, with every size checked, is memory committed: one buffer per tensor, in wire dtype.
+        # Only now, with every size checked, is memory committed: one buffer per tensor, of its wire bytes.
         for index, given in enumerate(self.prefilled):
             if given.dtype != _TORCH_DTYPE_OF_WIRE[manifest.tensors[index].dtype]:
                 raise _invalid("tensor_dtype", f"tensor {manifest.tensors[index].name!r} changed dtype on resume")
         self._buffers = [
             self.prefilled[index].view(-1)
             if index < len(self.prefilled)
-            else self._allocate(_TORCH_DTYPE_OF_WIRE[spec.dtype], want.numel)
-            for index, (spec, want) in enumerate(zip(manifest.tensors, self.expected, strict=True))
+            else self._allocate(dtype := _TORCH_DTYPE_OF_WIRE[spec.dtype], spec.num_bytes // dtype.itemsize)
+            for index, spec in enumerate(manifest.tensors)
         ]
         self._byte_views = [buffer.view(torch.uint8).numpy() for buffer in self._buffers]
         self._itemsizes = [buffer.element_size() for buffer in self._buffers]
+        self._quantized = [
+            name if quantize.is_quantized(name := WIRE_NAME_OF_CODE[spec.dtype]) else None for spec in manifest.tensors
+        ]
         self._filled = [
             spec.num_bytes if index < len(self.prefilled) else 0 for index, spec in enumerate(manifest.tensors)
         ]
@@ -240,7 +255,8 @@ class PayloadReceiver:
 
     def discard(self) -> None:
         """The payload will not be finished (refused, cut): its buffers go back to the pool. Idempotent."""
-        buffers, self._buffers, self._byte_views = self._buffers, [], []
+        buffers = self._buffers + list(self._decoded.values())
+        self._buffers, self._byte_views, self._decoded = [], [], {}
         if self.pool is not None and buffers:
             self.pool.give_back(buffers)
 
@@ -262,7 +278,10 @@ class PayloadReceiver:
                 f"chunk of {size} bytes at offset {chunk.offset} does not fit tensor "
                 f"{spec.name!r} of {spec.num_bytes} bytes",
             )
-        if size % self._itemsizes[index]:
+        quantized = self._quantized[index]
+        if size % self._itemsizes[index] or (
+            quantized is not None and (chunk.offset % 4 or (size % 4 and chunk.offset + size != spec.num_bytes))
+        ):  # a quantized tensor's chunks may not split one of its fp32 scales
             raise _invalid("chunk_alignment", f"chunk of {size} bytes splits a value of tensor {spec.name!r}")
         if chunk_checksum(chunk.data) != chunk.checksum:
             raise _invalid("checksum", f"checksum mismatch in tensor {spec.name!r} at offset {chunk.offset}")
@@ -270,10 +289,32 @@ class PayloadReceiver:
         # while they are still in cache, and refuses a bad payload before the rest of it has to arrive.
         target = self._byte_views[index][chunk.offset : chunk.offset + size]
         target[:] = np.frombuffer(chunk.data, dtype=np.uint8)
-        if _has_non_finite(target, self._buffers[index].dtype):
+        if quantized is not None:
+            self._check_quantized_chunk(index, quantized, chunk.offset, size)
+        elif _has_non_finite(target, self._buffers[index].dtype):
             raise _invalid("not_finite", f"tensor {spec.name!r} holds NaN or infinite values")
         self._filled[index] += size
         self.bytes_received += size
+        if quantized is not None and self._filled[index] == spec.num_bytes:
+            # Decoded as soon as its last byte is in, while the next tensor's bytes are on their way.
+            numel = self.expected[index].numel
+            decoded = self._allocate(torch.float32, numel)
+            quantize.dequantize(self._buffers[index], numel, quantized, out=decoded)
+            self._decoded[index] = decoded
+
+    def _check_quantized_chunk(self, index: int, wire_dtype: str, offset: int, size: int) -> None:
+        """Scales finite and not negative, codes within the encoder's range: a chunk that is not this format is
+        refused on arrival (its values, read as written, would fall outside what its scales allow)."""
+        name = self.manifest.tensors[index].name if self.manifest is not None else "?"
+        buffer = self._buffers[index]
+        scale_bytes = 4 * quantize.num_blocks(self.expected[index].numel)
+        end = offset + size
+        if offset < scale_bytes:
+            scales = buffer[offset : min(end, scale_bytes)].view(torch.float32)
+            if quantize.bad_scales(scales):
+                raise _invalid("bad_scales", f"tensor {name!r} has a NaN, infinite or negative block scale")
+        if end > scale_bytes and quantize.bad_codes(buffer[max(offset, scale_bytes) : end], wire_dtype):
+            raise _invalid("bad_codes", f"tensor {name!r} has codes outside the {wire_dtype} range")
 
     def _on_end(self, end: pb.End) -> None:
         if self.manifest is None:
@@ -290,11 +331,13 @@ class PayloadReceiver:
         if self.manifest is None or not self._ended:
             raise _invalid("incomplete", "the payload stopped before its end")
         tensors = {
-            spec.name: buffer.view(want.shape)
-            for spec, want, buffer in zip(self.manifest.tensors, self.expected, self._buffers, strict=True)
+            spec.name: self._decoded.get(index, buffer).view(want.shape)
+            for index, (spec, want, buffer) in enumerate(
+                zip(self.manifest.tensors, self.expected, self._buffers, strict=True)
+            )
         }
-        payload = Payload(self.manifest, tensors, buffers=self._buffers, pool=self.pool)
-        self._buffers, self._byte_views = [], []  # the payload owns them now
+        payload = Payload(self.manifest, tensors, buffers=self._buffers + list(self._decoded.values()), pool=self.pool)
+        self._buffers, self._byte_views, self._decoded = [], [], {}  # the payload owns them now
         return payload
 
 

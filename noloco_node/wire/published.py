@@ -16,7 +16,7 @@ at most ``keep`` idle sets and allocates a new one only while every set it has i
 from __future__ import annotations
 
 import threading
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -70,10 +70,19 @@ class BufferPool:
     """Reused sets of buffers of fixed shapes for :class:`Published` copies (thread-safe)."""
 
     def __init__(
-        self, shapes: Sequence[tuple[int, ...]], dtype: torch.dtype, *, pinned: bool = False, keep: int = 2
+        self,
+        shapes: Sequence[tuple[int, ...]],
+        dtype: torch.dtype,
+        *,
+        pinned: bool = False,
+        keep: int = 2,
+        encode: Callable[[torch.Tensor, torch.Tensor], None] | None = None,
     ) -> None:
         self.shapes = [tuple(shape) for shape in shapes]
         self.dtype = dtype
+        # encode(buffer, source) writes a source into a buffer of another shape (a quantized wire dtype's bytes);
+        # without it a source is copied into a buffer of its own shape, converted to the pool's dtype.
+        self.encode = encode
         self.pinned = pinned
         self.keep = keep
         self._lock = threading.Lock()
@@ -92,6 +101,9 @@ class BufferPool:
             raise ValueError(f"{len(sources)} tensors for a pool of {len(self.shapes)}")
         buffers = self._take()
         for buffer, source in zip(buffers, sources, strict=True):
+            if self.encode is not None:
+                self.encode(buffer, source)
+                continue
             if tuple(source.shape) != buffer.shape:
                 self.recycle(buffers)
                 raise ValueError(f"a tensor of shape {tuple(source.shape)} for a buffer of shape {tuple(buffer.shape)}")

@@ -54,6 +54,8 @@ class Holder(AdmitsEverything):
     def expected_layout(self):
         return layout_of(self.named)
 
+    wire_dtype = "fp32"  # what this double and its callers send
+
     def max_payload_bytes(self) -> int:
         return 10**9
 

@@ -66,6 +66,8 @@ class _Stranger(AdmitsEverything):
     def expected_layout(self):
         return []
 
+    wire_dtype = "fp32"  # what this double and its callers send
+
     def max_payload_bytes(self) -> int:
         return 10**9
 

@@ -56,6 +56,8 @@ class Donor(AdmitsEverything):
     def expected_layout(self) -> list:
         return []
 
+    wire_dtype = "fp32"  # exchanges are not served here
+
     def max_payload_bytes(self) -> int:
         return 0
 

@@ -1,0 +1,49 @@
+"""The simulator's wire variants (simulate/simulator.py ``partner_view``): what a partner blends with when the
+weights cross the wire in bf16, int8 or int4, whole (sync) or as phi in bf16 plus Delta (stream)."""
+
+from __future__ import annotations
+
+import torch
+
+from noloco_node.simulate.simulator import partner_view
+
+
+def _state(seed: int = 0) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    """Slow weights of a trained-looking layer and fast weights one inner phase away (Delta ~ 1% of phi)."""
+    g = torch.Generator().manual_seed(seed)
+    phi = [torch.randn(512, 64, generator=g) * 0.05, torch.randn(1000, generator=g) * 0.05]
+    theta = [p + torch.randn(p.shape, generator=g) * 5e-4 for p in phi]
+    return theta, phi
+
+
+def _error(seen: list[torch.Tensor], exact: list[torch.Tensor], reference: list[torch.Tensor]) -> float:
+    """Error of what the partner saw, relative to the size of the pseudo-gradient it is meant to carry."""
+    num = sum(float((s - e).norm() ** 2) for s, e in zip(seen, exact, strict=True)) ** 0.5
+    den = sum(float((e - r).norm() ** 2) for e, r in zip(exact, reference, strict=True)) ** 0.5
+    return num / den
+
+
+def test_noloco_is_exact_and_each_wire_costs_what_its_precision_says() -> None:
+    theta, phi = _state()
+    seen_theta, _ = partner_view("noloco", theta, phi)
+    assert all(torch.equal(a, b) for a, b in zip(seen_theta, theta, strict=True))
+    errors = {method: _error(partner_view(method, theta, phi)[0], theta, phi) for method in (
+        "noloco-bf16", "noloco-int8", "noloco-int4", "noloco-stream", "noloco-stream-int8", "noloco-stream-int4"
+    )}  # fmt: skip
+    # Quantizing the whole weights buries the phase's progress in noise; quantizing Delta does not: this is why
+    # the stream mode sends phi (in the background) and Delta (on the critical path).
+    assert errors["noloco-int4"] > 1.0 and errors["noloco-int8"] > 0.2, errors
+    assert errors["noloco-stream-int4"] < 0.25 * errors["noloco-int4"], errors
+    assert errors["noloco-stream-int8"] < 0.25 * errors["noloco-int8"], errors
+    # The stream mode's floor is phi in bf16, the same rounding the sync mode's bf16 theta has.
+    assert errors["noloco-stream"] <= errors["noloco-bf16"] * 1.1, errors
+    assert errors["noloco-stream-int8"] < errors["noloco-stream"] * 1.5, errors
+
+
+def test_the_stream_view_rebuilds_theta_from_its_own_phi() -> None:
+    theta, phi = _state(1)
+    seen_theta, seen_phi = partner_view("noloco-stream-int4", theta, phi)
+    assert all(torch.equal(p, q.to(torch.bfloat16).float()) for p, q in zip(seen_phi, phi, strict=True))
+    # The partner's blend uses (theta - phi) as sent: exactly the decoded Delta added to the phi it holds.
+    delta = [t - p for t, p in zip(seen_theta, seen_phi, strict=True)]
+    assert all(float(d.abs().max()) < 5e-3 for d in delta)
