@@ -67,6 +67,10 @@ class MethodResult:
     val_loss_max: list[float] = field(default_factory=list)
     train_loss: list[float] = field(default_factory=list)  # mean over replicas and the phase's steps
     spread: list[float] = field(default_factory=list)  # RMS std of the weights across replicas
+    # noloco-stale: per outer step, how far the offers' projected fast weights are from the fast weights they
+    # stand for, relative to the phase's own progress: ||theta_projected - theta|| / ||theta - phi||, mean over
+    # replicas (0: a perfect projection; 1: as wrong as the progress is large)
+    projection_error: list[float] = field(default_factory=list)
     seconds: float = 0.0
 
     @property
@@ -171,9 +175,17 @@ Offer = tuple[list[torch.Tensor], list[torch.Tensor]]  # (projected fast weights
 
 def _stale_noloco_round(
     replicas: list[Replica], rng: np.random.Generator, cfg: SimulateConfig, offers: list[Offer | None]
-) -> None:
-    """The overlap mode: blend with the partner's snapshot of one phase ago, then publish a new one."""
+) -> float | None:
+    """The overlap mode: blend with the partner's snapshot of one phase ago, then publish a new one. Returns the
+    offers' mean projection error (MethodResult.projection_error), None when there were none yet."""
     outer = cfg.outer
+    errors = []
+    for replica, offer in zip(replicas, offers, strict=True):
+        if offer is not None:
+            theta, phi = replica.fast_weights(), replica.phi
+            miss = sum(float((o - t.float()).norm() ** 2) for o, t in zip(offer[0], theta, strict=True))
+            progress = sum(float((t.float() - p).norm() ** 2) for t, p in zip(theta, phi, strict=True))
+            errors.append(math.sqrt(miss / max(progress, 1e-30)))
     results = {}
     for group in random_groups(len(replicas), rng):
         for i in group:
@@ -192,6 +204,7 @@ def _stale_noloco_round(
         theta, old_phi = replicas[i].fast_weights(), replicas[i].phi
         offers[i] = (algorithm.projected_fast_weights(new_phi, theta, old_phi), [p.clone() for p in new_phi])
         replicas[i].apply_outer_step(new_phi, new_delta)
+    return float(np.mean(errors)) if errors else None
 
 
 def _diloco_round(replicas: list[Replica], cfg: SimulateConfig, *, nesterov: bool) -> None:
@@ -263,7 +276,10 @@ def run_method(
         if method == "noloco" or method in WIRE_METHODS or method == "noloco-momentum":
             _noloco_round(replicas, pair_rng, cfg, method=method, blend_momenta=method == "noloco-momentum")
         elif method == "noloco-stale":
-            _stale_noloco_round(replicas, pair_rng, cfg, offers)
+            error = _stale_noloco_round(replicas, pair_rng, cfg, offers)
+            if error is not None:
+                result.projection_error.append(error)
+                progress(f"[{method:>15}] projection error of the offers at step {step}: {error:.3f}")
         elif method in ("diloco", "diloco-nesterov"):
             _diloco_round(replicas, cfg, nesterov=method == "diloco-nesterov")
         record(step, phase_losses)

@@ -61,6 +61,14 @@ class SeedStudy:
                     f"| {method} | {losses.mean():.4f} +- {losses.std():.4f} | {ppls.mean():.3f} | {versus} | "
                     f"{against} | {spread:.2e} |"
                 )
+            for method in methods:
+                errors = [e for run in runs for e in run.results[method].projection_error]
+                if errors:
+                    rows.append(
+                        f"{method}: the offers' projected fast weights missed the fast weights they stand for by "
+                        f"{np.mean(errors):.2f} x the phase's progress ||theta - phi|| (mean over outer steps and "
+                        f"seeds; min {np.min(errors):.2f}, max {np.max(errors):.2f})"
+                    )
             for key in runs[0].relative_metric:
                 values = np.array([run.relative_metric[key] for run in runs]) * 100
                 diloco, _, noloco = key.partition(" vs ")
