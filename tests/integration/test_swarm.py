@@ -7,12 +7,14 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
+import pytest
 import torch
 
 from noloco_node.algorithm import noloco_outer_step
 from noloco_node.config.models import DataConfig, TrainConfig, model_config_for
 from noloco_node.data.corpus import ReplicaShard, load_corpus
 from noloco_node.model.source import SeededDecoder
+from noloco_node.wire import quantize
 
 from .swarm_harness import Bootstrap, NodeProcess
 from .throttling_proxy import ThrottlingProxy, free_port
@@ -63,8 +65,10 @@ def test_three_nodes_discover_each_other_exchange_and_learn(bootstrap: Bootstrap
             node.stop()
 
 
-def test_two_nodes_blend_exactly_as_the_algorithm_says(bootstrap: Bootstrap, tmp_path: Path) -> None:
-    """After one exchange each node's phi/delta equal noloco_outer_step on the tensors the two nodes held."""
+@pytest.mark.parametrize("wire_dtype", ["fp32", "int8"])
+def test_two_nodes_blend_exactly_as_the_algorithm_says(bootstrap: Bootstrap, tmp_path: Path, wire_dtype: str) -> None:
+    """After one exchange each node's phi/delta equal noloco_outer_step on the tensors the two nodes held, as the
+    wire delivers them: exact in fp32, through the int8 codec (wire/quantize.py) in int8."""
     threads = torch.get_num_threads()
     args = [
         *TRAIN,
@@ -73,7 +77,7 @@ def test_two_nodes_blend_exactly_as_the_algorithm_says(bootstrap: Bootstrap, tmp
         "--inner-steps",
         "10",
         "--wire-dtype",
-        "fp32",
+        wire_dtype,
         "--pair-timeout",
         "30",
         "--torch-threads",
@@ -118,11 +122,16 @@ def test_two_nodes_blend_exactly_as_the_algorithm_says(bootstrap: Bootstrap, tmp
         replicas.append(replica)
     for i, replica in enumerate(replicas):
         partner = replicas[1 - i]
+        partner_theta = list(partner.fast_weights())
+        if wire_dtype == "int8":
+            partner_theta = [
+                quantize.dequantize(quantize.quantize(t, "int8"), t.numel(), "int8").view_as(t) for t in partner_theta
+            ]
         want_phi, want_delta = noloco_outer_step(
             replica.fast_weights(),
             replica.phi,
             replica.delta,
-            [partner.fast_weights()],
+            [partner_theta],
             [],
             alpha=0.5,
             beta=0.7,
