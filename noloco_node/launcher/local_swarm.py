@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import itertools
 import os
-import resource
 import shutil
 import signal
 import subprocess
@@ -48,6 +47,16 @@ def join_command(maddrs: Sequence[str], data_dir: Path, *args: str, log_format: 
     ]
 
 
+# Sets the open-file limit, then becomes the node. Not ``preexec_fn``: Python code between fork and exec in a
+# process with gRPC threads (a test runner, a benchmark) runs gRPC's fork handlers, which restart a poller in the
+# child that close_fds then breaks ("Epoll1Poller ... epoll_wait error: Bad file descriptor", 13 of 200 forks here)
+# and which once left a node hung before exec. Without it, subprocess forks with vfork and runs nothing.
+_LIMIT_THEN_EXEC = (
+    "import os, resource, sys; n = int(sys.argv[1]); resource.setrlimit(resource.RLIMIT_NOFILE, (n, n)); "
+    "os.execv(sys.argv[2], sys.argv[2:])"
+)
+
+
 def launch_node(
     maddrs: Sequence[str],
     data_dir: Path,
@@ -60,20 +69,12 @@ def launch_node(
 ) -> subprocess.Popen[bytes]:
     """Start one node process, its output in ``log_path``; ``open_files`` sets its open-file limit (soft and hard),
     for drills of a node on a host with a low one."""
-
-    def limit_open_files() -> None:
-        if open_files is not None:
-            resource.setrlimit(resource.RLIMIT_NOFILE, (open_files, open_files))
-
+    command = join_command(maddrs, data_dir, *args, log_format=log_format)
+    if open_files is not None:
+        command = [sys.executable, "-c", _LIMIT_THEN_EXEC, str(open_files), *command]
     data_dir.mkdir(parents=True, exist_ok=True)
     with log_path.open("w") as log:  # the child holds its own descriptor
-        return subprocess.Popen(
-            join_command(maddrs, data_dir, *args, log_format=log_format),
-            stdout=log,
-            stderr=subprocess.STDOUT,
-            env={**os.environ, **(env or {})},
-            preexec_fn=limit_open_files if open_files is not None else None,
-        )
+        return subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env={**os.environ, **(env or {})})
 
 
 Process = subprocess.Popen[bytes] | subprocess.Popen[str]

@@ -195,7 +195,10 @@ def test_a_lock_hog_and_slot_exhaustion_leave_honest_nodes_blending_and_answerin
             _wait_for(lambda n=n: (s := n.status()) and s["address"] and s["outer_step"] >= 2 and s, 120, n.name)
             for n in nodes
         ]
-        window = 20.0
+        # A hog that got in holds a node's round for the stall limit (2 s), and its address is then barred for 30 s:
+        # one hold per node per window. At 30 s that is about 8% of the window; at 20 s it was 7-19% in 5 runs here
+        # (plus the CPU of its retries), too near the bound below to measure anything but noise.
+        window = 30.0
 
         def blends(start: float, end: float) -> int:
             """Blends of both nodes in the window (the status keeps each node's last 200 outer steps: enough)."""
@@ -218,15 +221,15 @@ def test_a_lock_hog_and_slot_exhaustion_leave_honest_nodes_blending_and_answerin
             assert outsider.returncode == 0, outsider.stderr[-3000:]
             return blends(started, started + window), json.loads(outsider.stdout.strip().splitlines()[-1])
 
-        quiet_start = time.time()
-        time.sleep(window)
-        quiet = blends(quiet_start, time.time())
+        # The reference window has the outsider's process and its honest probes (Info and GetState twice a second
+        # per node) but no attack, so the comparison measures the attacks alone, not the probes' load on 2 cores.
+        quiet, _ = attack("", "127.0.0.2")
         # The lock hog alone (from an address of its own): a valid manifest, then silence, again and again.
         hogged, hog_seen = attack("hog", "127.0.0.3")
         # Then the hog and ten silent streams per node, from another address.
         flooded, seen = attack("hog,silent", "127.0.0.2")
         print(
-            f"blends in {window:.0f} s: without the outsider {quiet}, under the lock hog {hogged}, under the hog and "
+            f"blends in {window:.0f} s: under the probes alone {quiet}, under the lock hog {hogged}, under the hog and "
             f"the silent streams {flooded}; the outsider saw {hog_seen} and {seen}"
         )
         assert hogged >= 0.8 * quiet and flooded >= 0.8 * quiet, (quiet, hogged, flooded)
