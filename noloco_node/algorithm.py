@@ -116,6 +116,44 @@ def noloco_outer_step(
 
 
 @torch.no_grad()
+def noloco_pair_step(
+    theta: TensorList,
+    phi: TensorList,
+    delta: TensorList,
+    partner: tuple[TensorList, TensorList, TensorList] | None,
+    *,
+    alpha: float,
+    beta: float,
+    gamma: float,
+    blend_momenta: bool = False,
+) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    """One replica's outer step with at most one partner, as a node takes it; returns ``(new_phi, new_delta)``.
+
+    ``partner``: its (theta, phi, delta) as received; phi may be empty on the fast path (gamma == beta) and delta
+    is read only with ``blend_momenta``. None: a solo step.
+
+    With ``blend_momenta`` ("blend weights and momenta") the pair also averages its new outer momenta: this
+    replica's phi moves by its own new delta (eq. 4-5 as above), and the delta it keeps is the mean of its own and
+    the partner's new one, which it computes as the partner does, from the same two states (eq. 4 from the
+    partner's side). Both sides of a pair then hold the same momentum, up to the wire's rounding.
+    """
+    if partner is None:
+        return noloco_outer_step(theta, phi, delta, [], [], alpha=alpha, beta=beta, gamma=gamma)
+    partner_theta, partner_phi, partner_delta = partner
+    if blend_momenta and not (partner_phi and partner_delta):
+        raise ValueError("blending momenta needs the partner's phi and delta")
+    new_phi, new_delta = noloco_outer_step(
+        theta, phi, delta, [partner_theta], [partner_phi] if partner_phi else [], alpha=alpha, beta=beta, gamma=gamma
+    )
+    if not blend_momenta:
+        return new_phi, new_delta
+    _, theirs = noloco_outer_step(
+        partner_theta, partner_phi, partner_delta, [theta], [phi], alpha=alpha, beta=beta, gamma=gamma
+    )
+    return new_phi, mean_weights([new_delta, theirs])
+
+
+@torch.no_grad()
 def diloco_heavy_ball_step(
     phi: TensorList,
     delta: TensorList,
@@ -214,8 +252,8 @@ def warn_on_unstable_hyperparameters(alpha: float, beta: float, gamma: float, *,
 def mean_weights(replica_weights: Sequence[TensorList]) -> list[torch.Tensor]:
     """The equal-weight fp32 mean of several replicas' tensors, parameter by parameter (fresh tensors).
 
-    Used for a consensus model of live peers (consensus.py) and for the pair's mean outer momentum of the
-    simulator's ``noloco-momentum`` variant.
+    Used for a consensus model of live peers (consensus.py) and for a pair's mean outer momentum
+    (:func:`noloco_pair_step` with ``blend_momenta``).
     """
     first = replica_weights[0]
     for p, replica in enumerate(replica_weights[1:], start=1):

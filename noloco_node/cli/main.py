@@ -43,7 +43,15 @@ _TRAIN_FLAGS = TRAIN_FLAGS
 _NODE_FLAGS = NODE_FLAGS
 _SWARM_NODE_FLAGS = subset(
     NODE_FLAGS,
-    ("--run-name", "--mode", "--pair-timeout", "--exchange-timeout", "--max-staleness", "--wire-dtype"),
+    (
+        "--run-name",
+        "--mode",
+        "--pair-timeout",
+        "--exchange-timeout",
+        "--max-staleness",
+        "--wire-dtype",
+        "--blend-momenta",
+    ),
 ) | subset(NODE_FLAGS, ("--secret-file",))
 
 

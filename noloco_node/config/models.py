@@ -405,6 +405,12 @@ class NodeConfig(_Settings):
         description="Dtype of the exchanged weights on the wire: bf16, fp32, or int8/int4 (blockwise absmax, 256 "
         "values per fp32 scale). Every node of a run must use the same; a payload in another is refused.",
     )
+    blend_momenta: bool = Field(
+        False,
+        description="Exchange the outer momenta too, and keep the pair's mean of its new ones (\"blend weights and "
+        'momenta"). The payload then carries theta, phi and the momentum: 3x the bytes of theta alone, for -0.12% '
+        "val loss on the tiny model (docs/algorithm-study.md). Every node of a run must use the same.",
+    )
     record_ttl: float = Field(20.0, gt=1.0, description="DHT record lifetime (s); refreshed at a third of it.")
     avoid_seconds: float = Field(30.0, ge=0, description="How long a peer that failed is not chosen.")
     checkpoint_every: int = Field(1, ge=1, description="Outer steps between checkpoints.")

@@ -413,6 +413,7 @@ class Node:
                 strategy=self.strategy,
                 outer_cfg=self.outer_cfg,
                 send_phi=self.layout.send_phi,
+                send_delta=self.layout.send_delta,
                 run_fingerprint=self.run_fingerprint,
                 peer_id=lambda: self.peer_id,
                 telemetry=self.telemetry,

@@ -44,11 +44,16 @@ from noloco_node.wire.published import Latest, Published
 log = logging.getLogger(__name__)
 
 
-def partner_tensors(payload: Payload, names: Sequence[str], send_phi: bool) -> tuple[list[torch.Tensor], list]:
-    """The partner's theta (and phi, when the run sends it) in parameter order."""
+PartnerTensors = tuple[list[torch.Tensor], list[torch.Tensor], list[torch.Tensor]]
+
+
+def partner_tensors(payload: Payload, names: Sequence[str], *, send_phi: bool, send_delta: bool) -> PartnerTensors:
+    """The partner's theta, phi and outer momentum delta in parameter order (phi and delta empty when the run does
+    not send them)."""
     theta = [payload.tensors[f"theta/{n}"] for n in names]
     phi = [payload.tensors[f"phi/{n}"] for n in names] if send_phi else []
-    return theta, phi
+    delta = [payload.tensors[f"delta/{n}"] for n in names] if send_delta else []
+    return theta, phi, delta
 
 
 @dataclass
@@ -59,6 +64,7 @@ class OuterStepDeps:
     strategy: PairingStrategy
     outer_cfg: OuterConfig
     send_phi: bool
+    send_delta: bool  # --blend-momenta
     run_fingerprint: str
     peer_id: Callable[[], str]
     telemetry: Telemetry
@@ -229,23 +235,21 @@ class OuterStep:
     def _blend(self, partner: Payload | None) -> None:
         """The outer step over the group that answered: this node plus the partner, or this node alone."""
         deps, replica = self.deps, self.deps.replica
-        peer_thetas: list[list[torch.Tensor]] = []
-        peer_phis: list[list[torch.Tensor]] = []
+        received = None
         if partner is not None:
-            theta, phi = partner_tensors(partner, replica.names, deps.send_phi)
-            peer_thetas, peer_phis = [theta], ([phi] if phi else [])
+            received = partner_tensors(partner, replica.names, send_phi=deps.send_phi, send_delta=deps.send_delta)
         fast = replica.fast_weights()
-        new_phi, new_delta = algorithm.noloco_outer_step(
+        new_phi, new_delta = algorithm.noloco_pair_step(
             fast,
             replica.phi,
             replica.delta,
-            peer_thetas,
-            peer_phis,
+            received,
             alpha=deps.outer_cfg.alpha,
             beta=deps.outer_cfg.beta,
             gamma=deps.outer_cfg.effective_gamma,
+            blend_momenta=deps.send_delta,
         )
-        deps.strategy.after_blend(new_phi, fast, replica.phi, replica.outer_step + 1)
+        deps.strategy.after_blend(new_phi, new_delta, fast, replica.phi, replica.outer_step + 1)
         replica.apply_outer_step(new_phi, new_delta)
 
 
@@ -261,7 +265,7 @@ def phase_learning_rates(cfg: TrainConfig, inner_step: int, max_staleness: int) 
     return sum(phase) / len(phase), max(window)
 
 
-def held_phi(snapshot: Latest, count: int) -> tuple[Published | None, list[torch.Tensor]]:
-    """The slow weights of the latest published state (held: release it), for checks made off the trainer."""
-    copy = snapshot.hold()
-    return copy, ([] if copy is None else list(copy.tensors[:count]))
+def held_outer_state(copy: Published, count: int) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    """The slow weights and outer momentum of a published state copy (training/checkpoints.py's order), for checks
+    made off the trainer while the copy is held."""
+    return list(copy.tensors[:count]), list(copy.tensors[count : 2 * count])

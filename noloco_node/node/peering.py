@@ -92,6 +92,7 @@ class Peering:
                 layout.names,
                 layout.shapes,
                 send_phi=layout.send_phi,
+                send_delta=layout.send_delta,
                 wire_dtype=cfg.wire_dtype,
                 run_fingerprint=layout.run_fingerprint,
                 peer_id=peer_id,

@@ -33,7 +33,8 @@ class RunLayout:
     start: dict[str, str]  # what the run started from, said to nodes of the same run name (discovery/dht.py)
     names: tuple[str, ...]
     shapes: tuple[tuple[int, ...], ...]
-    send_phi: bool  # gamma != beta: a partner needs our slow weights too (docs/architecture.md, the fast path)
+    send_phi: bool  # gamma != beta, or momenta blended: a partner needs our slow weights too (the fast path)
+    send_delta: bool  # --blend-momenta: the outer momentum travels too
     wire_dtype: str
     exchange_timeout: float
     min_link_rate: float
@@ -48,7 +49,8 @@ class RunLayout:
             start={**source.start_summary(), "tokenizer": corpus.tokenizer.fingerprint, "seed": str(train_cfg.seed)},
             names=tuple(n for n, _ in named),
             shapes=tuple(s for _, s in named),
-            send_phi=outer_cfg.effective_gamma != outer_cfg.beta,
+            send_phi=outer_cfg.effective_gamma != outer_cfg.beta or node_cfg.blend_momenta,
+            send_delta=node_cfg.blend_momenta,
             wire_dtype=node_cfg.wire_dtype,
             exchange_timeout=node_cfg.exchange_timeout,
             min_link_rate=node_cfg.min_link_rate,
@@ -56,7 +58,7 @@ class RunLayout:
 
     def expected_layout(self) -> list[TensorLayout]:
         """The tensors of a partner's exchange payload, in order."""
-        prefixes = ("theta", "phi") if self.send_phi else ("theta",)
+        prefixes = ("theta", *(("phi",) if self.send_phi else ()), *(("delta",) if self.send_delta else ()))
         return [
             TensorLayout(f"{prefix}/{name}", shape)
             for prefix in prefixes

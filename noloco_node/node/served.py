@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from noloco_node.node.outer_step import held_phi, partner_tensors
+from noloco_node.node.outer_step import held_outer_state, partner_tensors
 from noloco_node.node.run_layout import RunLayout
 from noloco_node.pairing.peer_policy import PeerPolicy
 from noloco_node.pairing.strategy import PairingStrategy
@@ -90,12 +90,22 @@ class ServedNode:
         return True
 
     def _check(self, payload: Payload) -> None:
-        copy, phi = held_phi(self.snapshot, len(self.layout.names))
+        count = len(self.layout.names)
+        copy = self.snapshot.hold()
         if copy is None:
             return  # still starting: nothing to compare with, and nothing will be blended before there is
         try:
-            theta, partner_phi = partner_tensors(payload, self.layout.names, self.layout.send_phi)
-            self.security.admit(payload, [(theta, phi)] + ([(partner_phi, phi)] if partner_phi else []))
+            phi, delta = held_outer_state(copy, count)
+            layout = self.layout
+            theta, partner_phi, partner_delta = partner_tensors(
+                payload, layout.names, send_phi=layout.send_phi, send_delta=layout.send_delta
+            )
+            comparisons = [(theta, phi, phi)]
+            if partner_phi:
+                comparisons.append((partner_phi, phi, phi))
+            if partner_delta:
+                comparisons.append((partner_delta, delta, phi))
+            self.security.admit(payload, comparisons)
         finally:
             copy.release()
 

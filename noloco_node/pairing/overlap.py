@@ -143,7 +143,9 @@ class OverlapPairing(PairingStrategy):
 
     def start(self, replica: Replica) -> None:
         self._outer_step = replica.outer_step
-        self.book.set_offer(self.ctx.offers.publish(replica.fast_weights(), replica.phi, replica.outer_step))
+        self.book.set_offer(
+            self.ctx.offers.publish(replica.fast_weights(), replica.phi, replica.delta, replica.outer_step)
+        )
 
     def partner(self, replica: Replica, phase_seconds: float) -> Payload | None:
         partner = self.book.take_freshest(replica.outer_step, self.ctx.max_staleness)
@@ -154,6 +156,7 @@ class OverlapPairing(PairingStrategy):
     def after_blend(
         self,
         new_phi: Sequence[torch.Tensor],
+        new_delta: Sequence[torch.Tensor],
         theta: Sequence[torch.Tensor],
         old_phi: Sequence[torch.Tensor],
         next_outer_step: int,
@@ -161,7 +164,7 @@ class OverlapPairing(PairingStrategy):
         # The offer for the next phase: projected fast weights phi_new + (theta - phi_old). The copy is made here,
         # before the replica overwrites theta and phi in place.
         projected = algorithm.projected_fast_weights(new_phi, theta, old_phi)
-        self.book.set_offer(self.ctx.offers.publish(projected, new_phi, next_outer_step))
+        self.book.set_offer(self.ctx.offers.publish(projected, new_phi, new_delta, next_outer_step))
         self._outer_step = next_outer_step
 
     def close(self) -> None:

@@ -40,7 +40,8 @@ from noloco_node.wire.published import BufferPool, Published
 
 
 class OfferPublisher:
-    """Copies of this node's fast (and, when the run needs them, slow) weights in the wire dtype, published for
+    """Copies of this node's fast weights (and, when the run needs them, its slow weights and outer momentum) in the
+    wire dtype, published for
     exchanges (copy-on-publish: wire/published.py). The conversion to the wire dtype happens once here, not once
     per exchange, and the streams send straight from these buffers."""
 
@@ -50,6 +51,7 @@ class OfferPublisher:
         shapes: Sequence[tuple[int, ...]],
         *,
         send_phi: bool,
+        send_delta: bool = False,
         wire_dtype: str,
         run_fingerprint: str,
         peer_id: Callable[[], str],
@@ -57,10 +59,11 @@ class OfferPublisher:
     ) -> None:
         self.names = list(names)
         self.send_phi = send_phi
+        self.send_delta = send_delta
         self.wire_dtype = wire_dtype
         self.run_fingerprint = run_fingerprint
         self.peer_id = peer_id
-        shapes = list(shapes) * (2 if send_phi else 1)
+        shapes = list(shapes) * (1 + send_phi + send_delta)
         if quantize.is_quantized(wire_dtype):  # published as encoded bytes, once, whoever streams them
             self.pool = BufferPool(
                 [(quantize.encoded_bytes(math.prod(shape), wire_dtype),) for shape in shapes],
@@ -70,11 +73,19 @@ class OfferPublisher:
         else:
             self.pool = BufferPool(shapes, WIRE_DTYPES[wire_dtype][1], pinned=pinned)
 
-    def publish(self, theta: Sequence[torch.Tensor], phi: Sequence[torch.Tensor], outer_step: int) -> Published:
-        """A held copy of (theta[, phi]) as of ``outer_step``; release it when it is superseded."""
+    def publish(
+        self,
+        theta: Sequence[torch.Tensor],
+        phi: Sequence[torch.Tensor],
+        delta: Sequence[torch.Tensor],
+        outer_step: int,
+    ) -> Published:
+        """A held copy of (theta[, phi][, delta]) as of ``outer_step``; release it when it is superseded."""
         named = [(f"theta/{n}", t) for n, t in zip(self.names, theta, strict=True)]
         if self.send_phi:
             named += [(f"phi/{n}", t) for n, t in zip(self.names, phi, strict=True)]
+        if self.send_delta:
+            named += [(f"delta/{n}", t) for n, t in zip(self.names, delta, strict=True)]
         manifest = build_manifest(
             named,
             wire_dtype=self.wire_dtype,
@@ -136,6 +147,7 @@ class PairingStrategy(ABC):
     def after_blend(  # noqa: B027
         self,
         new_phi: Sequence[torch.Tensor],
+        new_delta: Sequence[torch.Tensor],
         theta: Sequence[torch.Tensor],
         old_phi: Sequence[torch.Tensor],
         next_outer_step: int,

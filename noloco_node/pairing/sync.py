@@ -160,7 +160,7 @@ class SyncPairing(PairingStrategy):
     def partner(self, replica: Replica, phase_seconds: float) -> Payload | None:
         ctx = self.ctx
         assert ctx.loop is not None
-        offer = ctx.offers.publish(replica.fast_weights(), replica.phi, replica.outer_step)
+        offer = ctx.offers.publish(replica.fast_weights(), replica.phi, replica.delta, replica.outer_step)
         current = PairingRound(replica.outer_step, offer)
         if self._known_peers - {self._last_partner, None}:
             # Others exist: give them a moment to become ready before blending with the last partner again.

@@ -25,6 +25,8 @@ from noloco_node.security.tls import TlsError, TlsFiles
 from noloco_node.wire.frames import PayloadError
 from noloco_node.wire.payload import Payload
 
+Comparison = tuple[Sequence[torch.Tensor], Sequence[torch.Tensor], Sequence[torch.Tensor]]
+
 log = logging.getLogger(__name__)
 
 
@@ -60,13 +62,14 @@ class NodeSecurity:
     def peer_id(self) -> str:
         return self.identity.peer_id
 
-    def admit(self, payload: Payload, pairs: Sequence[tuple[Sequence[torch.Tensor], Sequence[torch.Tensor]]]) -> None:
+    def admit(self, payload: Payload, comparisons: Sequence[Comparison]) -> None:
         """Raise PayloadError when the partner's tensors are too far from this node's.
 
-        ``pairs``: (partner tensors, own tensors) to compare, e.g. (their theta, my phi) and (their phi, my phi).
+        ``comparisons``: (partner tensors, own tensors, the tensors whose norm scales the gap), e.g. (their theta,
+        my phi, my phi), (their phi, my phi, my phi) and (their momentum, my momentum, my phi).
         """
-        for theirs, mine in pairs:
-            self.norm_guard.admit(relative_distance(theirs, mine), payload.peer_id)
+        for theirs, mine, scale in comparisons:
+            self.norm_guard.admit(relative_distance(theirs, mine, scale), payload.peer_id)
 
     def bad_payload(self, peer_id: str, error: PayloadError, policy: PeerPolicy) -> None:
         """A payload refused (malformed or out of bounds): log it, rate limited, and quarantine the peer. The

@@ -6,6 +6,7 @@ would wreck the blend (NoLoCo's outer step moves phi towards the partner's theta
 a partner's tensors are blended, their distance from this node's own slow weights is measured,
 
     d = ||theta_partner - phi_own||_2 / ||phi_own||_2        (over all tensors at once; also for phi if sent)
+    d = ||delta_partner - delta_own||_2 / ||phi_own||_2      (the outer momentum, with --blend-momenta)
 
 and the payload is refused (INVALID_ARGUMENT, reason ``norm_bound``) when d exceeds the bound.
 
@@ -53,17 +54,23 @@ NOT_READY = "not_ready"  # a refusal that says nothing about the peer
 DISTANCE_SLICE = 1 << 20  # elements per slice: the distance never allocates a model-sized temporary
 
 
-def relative_distance(partner: Sequence[torch.Tensor], own: Sequence[torch.Tensor]) -> float:
-    """||partner - own|| / ||own|| over every tensor, in fp32, slice by slice."""
+def relative_distance(
+    partner: Sequence[torch.Tensor], own: Sequence[torch.Tensor], scale: Sequence[torch.Tensor] | None = None
+) -> float:
+    """||partner - own|| / ||scale|| over every tensor (``scale`` defaults to ``own``), in fp32, slice by slice.
+
+    A partner's outer momentum is compared with this node's own, relative to the size of its weights: momenta
+    are movements, and ||own momentum|| alone would make any two honest ones look far apart."""
+    scale = own if scale is None else scale
     gap, norm = 0.0, 0.0
     with torch.no_grad():
-        for theirs, mine in zip(partner, own, strict=True):
-            a, b = theirs.reshape(-1), mine.reshape(-1)
+        for theirs, mine, size in zip(partner, own, scale, strict=True):
+            a, b, c = theirs.reshape(-1), mine.reshape(-1), size.reshape(-1)
             for start in range(0, a.numel(), DISTANCE_SLICE):
-                mine_slice = b[start : start + DISTANCE_SLICE].float()
-                diff = a[start : start + DISTANCE_SLICE].float() - mine_slice
+                diff = a[start : start + DISTANCE_SLICE].float() - b[start : start + DISTANCE_SLICE].float()
+                size_slice = c[start : start + DISTANCE_SLICE].float()
                 gap += float(torch.dot(diff, diff))
-                norm += float(torch.dot(mine_slice, mine_slice))
+                norm += float(torch.dot(size_slice, size_slice))
     return math.sqrt(gap) / max(math.sqrt(norm), 1e-12)
 
 

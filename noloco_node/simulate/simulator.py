@@ -116,16 +116,26 @@ def partner_view(
       replicas train, and at the outer step only Delta = theta - phi (bf16 or the quantized dtype); the receiver
       rebuilds theta as phi + Delta.
     """
-    if method == "noloco-stream" or method.startswith("noloco-stream-"):
-        wire = method.removeprefix("noloco-stream").removeprefix("-") or "bf16"
-        seen_phi = _through_wire(list(phi), "bf16")
-        pseudo_gradient = [t.to(torch.float32) - p for t, p in zip(theta, phi, strict=True)]
-        seen_delta = _through_wire(pseudo_gradient, wire)
-        return [p + d for p, d in zip(seen_phi, seen_delta, strict=True)], seen_phi
-    wire = method.removeprefix("noloco").removeprefix("-") or "fp32"
-    if wire == "momentum":
-        wire = "fp32"
-    return _through_wire(list(theta), wire), _through_wire(list(phi), wire)
+    sync_wire, stream_wire = WIRE_OF_METHOD[method]
+    if stream_wire is None:
+        return _through_wire(list(theta), sync_wire), _through_wire(list(phi), sync_wire)
+    seen_phi = _through_wire(list(phi), "bf16")
+    pseudo_gradient = [t.to(torch.float32) - p for t, p in zip(theta, phi, strict=True)]
+    seen_delta = _through_wire(pseudo_gradient, stream_wire)
+    return [p + d for p, d in zip(seen_phi, seen_delta, strict=True)], seen_phi
+
+
+# Per NoLoCo method: the wire dtype of theta and phi sent whole (sync), or of Delta when phi is streamed (stream).
+WIRE_OF_METHOD: dict[str, tuple[str, str | None]] = {
+    "noloco": ("fp32", None),
+    "noloco-momentum": ("fp32", None),
+    "noloco-bf16": ("bf16", None),
+    "noloco-int8": ("int8", None),
+    "noloco-int4": ("int4", None),
+    "noloco-stream": ("bf16", "bf16"),
+    "noloco-stream-int8": ("bf16", "int8"),
+    "noloco-stream-int4": ("bf16", "int4"),
+}
 
 
 def _noloco_round(
@@ -149,22 +159,17 @@ def _noloco_round(
     }
     for group in groups:
         for i in group:
-            partners = [seen[j] for j in group if j != i]
-            results[i] = algorithm.noloco_outer_step(
+            partner = next(((*seen[j], replicas[j].delta) for j in group if j != i), None)
+            results[i] = algorithm.noloco_pair_step(
                 replicas[i].fast_weights(),
                 replicas[i].phi,
                 replicas[i].delta,
-                [theta for theta, _ in partners],
-                [phi for _, phi in partners],
+                partner,
                 alpha=outer.alpha,
                 beta=outer.beta,
                 gamma=outer.effective_gamma,
+                blend_momenta=blend_momenta,
             )
-    if blend_momenta:
-        for group in groups:
-            mean_delta = algorithm.mean_weights([results[i][1] for i in group])
-            for i in group:
-                results[i] = (results[i][0], [d.clone() for d in mean_delta])
     # Apply only once every replica's update is computed from the state before the round.
     for i, (new_phi, new_delta) in results.items():
         replicas[i].apply_outer_step(new_phi, new_delta)

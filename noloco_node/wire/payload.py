@@ -22,7 +22,7 @@ with and a short reason label for the rejection metric, and nothing is handed to
 from __future__ import annotations
 
 import threading
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 
 import grpc
 import numpy as np
@@ -177,6 +177,15 @@ class PayloadReceiver:
                 grpc.StatusCode.FAILED_PRECONDITION,
                 "wrong_run",
                 f"payload is for run {manifest.run_fingerprint!r}, this node trains run {self.run_fingerprint!r}",
+            )
+        sent, wanted = _parts(spec.name for spec in manifest.tensors), _parts(want.name for want in self.expected)
+        if sent != wanted and set(sent) <= EXCHANGED_PARTS:
+            # A well-formed payload of another configuration (--blend-momenta, --gamma): say which, not "malformed".
+            raise PayloadError(
+                grpc.StatusCode.FAILED_PRECONDITION,
+                "payload_layout",
+                f"the payload carries {'+'.join(sent)} per parameter; this node's run exchanges {'+'.join(wanted)} "
+                "(--blend-momenta and --gamma must be the same on every node of a run)",
             )
         if len(manifest.tensors) != len(self.expected):
             raise _invalid(
@@ -339,6 +348,14 @@ class PayloadReceiver:
         payload = Payload(self.manifest, tensors, buffers=self._buffers + list(self._decoded.values()), pool=self.pool)
         self._buffers, self._byte_views, self._decoded = [], [], {}  # the payload owns them now
         return payload
+
+
+EXCHANGED_PARTS = {"theta", "phi", "delta"}  # what an exchange payload may carry per parameter (node/run_layout.py)
+
+
+def _parts(names: Iterable[str]) -> list[str]:
+    """The parts of a payload in order of first appearance: ``theta/w``, ``phi/w`` -> [theta, phi]."""
+    return list(dict.fromkeys(name.split("/", 1)[0] for name in names))
 
 
 # IEEE exponent bits: a value is NaN or infinite exactly when all of them are set.

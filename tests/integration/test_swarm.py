@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from noloco_node.algorithm import noloco_outer_step
+from noloco_node.algorithm import noloco_pair_step
 from noloco_node.config.models import DataConfig, TrainConfig, model_config_for
 from noloco_node.data.corpus import ReplicaShard, load_corpus
 from noloco_node.model.source import SeededDecoder
@@ -65,10 +65,15 @@ def test_three_nodes_discover_each_other_exchange_and_learn(bootstrap: Bootstrap
             node.stop()
 
 
-@pytest.mark.parametrize("wire_dtype", ["fp32", "int8"])
-def test_two_nodes_blend_exactly_as_the_algorithm_says(bootstrap: Bootstrap, tmp_path: Path, wire_dtype: str) -> None:
-    """After one exchange each node's phi/delta equal noloco_outer_step on the tensors the two nodes held, as the
-    wire delivers them: exact in fp32, through the int8 codec (wire/quantize.py) in int8."""
+@pytest.mark.parametrize(("wire_dtype", "blend_momenta"), [("fp32", True), ("int8", False)])
+def test_two_nodes_blend_exactly_as_the_algorithm_says(
+    bootstrap: Bootstrap, tmp_path: Path, wire_dtype: str, blend_momenta: bool
+) -> None:
+    """After one exchange each node's phi/delta equal noloco_pair_step on the tensors the two nodes held, as the
+    wire delivers them: exact in fp32, through the int8 codec (wire/quantize.py) in int8. With --blend-momenta the
+    payload carries theta, phi and delta, and each must pass the norm bound; at a pair's first outer step both
+    momenta are zero and both phi equal, so the mean momentum is each node's own (tests/unit/test_algorithm.py
+    checks the blend of different momenta)."""
     threads = torch.get_num_threads()
     args = [
         *TRAIN,
@@ -78,6 +83,7 @@ def test_two_nodes_blend_exactly_as_the_algorithm_says(bootstrap: Bootstrap, tmp
         "10",
         "--wire-dtype",
         wire_dtype,
+        *(["--blend-momenta"] if blend_momenta else []),
         "--pair-timeout",
         "30",
         "--torch-threads",
@@ -127,15 +133,16 @@ def test_two_nodes_blend_exactly_as_the_algorithm_says(bootstrap: Bootstrap, tmp
             partner_theta = [
                 quantize.dequantize(quantize.quantize(t, "int8"), t.numel(), "int8").view_as(t) for t in partner_theta
             ]
-        want_phi, want_delta = noloco_outer_step(
+        sent = (partner_theta, list(partner.phi), list(partner.delta)) if blend_momenta else (partner_theta, [], [])
+        want_phi, want_delta = noloco_pair_step(
             replica.fast_weights(),
             replica.phi,
             replica.delta,
-            [partner_theta],
-            [],
+            sent,
             alpha=0.5,
             beta=0.7,
             gamma=0.7,
+            blend_momenta=blend_momenta,
         )
         saved = torch.load(nodes[i].data_dir / "checkpoint.pt", weights_only=True)["replica"]
         assert saved["outer_step"] == 1

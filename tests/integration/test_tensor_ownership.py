@@ -82,7 +82,9 @@ def test_an_exchange_streaming_through_the_outer_step_delivers_the_pre_step_tens
     names = replica.names
     before = {f"theta/{n}": p.detach().to(torch.bfloat16).clone() for n, p in zip(names, replica.params, strict=True)}
     before |= {f"phi/{n}": t.to(torch.bfloat16).clone() for n, t in zip(names, replica.phi, strict=True)}
-    pairing_round = PairingRound(replica.outer_step, offers.publish(replica.fast_weights(), replica.phi, 0))
+    pairing_round = PairingRound(
+        replica.outer_step, offers.publish(replica.fast_weights(), replica.phi, replica.delta, 0)
+    )
     layout = [TensorLayout(name, tuple(t.shape)) for name, t in before.items()]
     node = _RoundNode(pairing_round, layout)
     server, port = start_server(node, ExchangeMetrics(), bind="127.0.0.1:0", chunk_bytes=16384)

@@ -53,6 +53,34 @@ def test_pair_general_form_matches_hand_worked_value() -> None:
     assert new_phi[0].item() == pytest.approx(2.25)
 
 
+@pytest.mark.parametrize("gamma", [0.7, 0.3])
+def test_blended_momenta_hand_worked_value(gamma: float) -> None:
+    # Mine: theta 2, phi 1, delta 0.5. Partner: theta 4, phi 3, delta -1. Mean theta 3, mean phi 2.
+    # My new delta (as without momenta): 0.25 + 0.7*(3 - 2) - gamma*(1 - 2) = 0.95 + gamma; phi = 1.95 + gamma.
+    # The partner's, as it computes it: -0.5 + 0.7*1 - gamma*(3 - 2) = 0.2 - gamma. Kept: the mean, 0.575.
+    new_phi, new_delta = algorithm.noloco_pair_step(
+        t(2.0), t(1.0), t(0.5), (t(4.0), t(3.0), t(-1.0)), alpha=0.5, beta=0.7, gamma=gamma, blend_momenta=True
+    )
+    assert new_phi[0].item() == pytest.approx(1.95 + gamma)
+    assert new_delta[0].item() == pytest.approx(0.575)
+
+
+def test_both_sides_of_a_pair_keep_the_same_momentum_and_their_own_phi() -> None:
+    mine = (random_params(1), random_params(2), random_params(3))
+    theirs = (random_params(4), random_params(5), random_params(6))
+    cfg = {"alpha": 0.5, "beta": 0.7, "gamma": 0.4, "blend_momenta": True}
+    phi_a, delta_a = algorithm.noloco_pair_step(*mine, theirs, **cfg)
+    phi_b, delta_b = algorithm.noloco_pair_step(*theirs, mine, **cfg)
+    for a, b in zip(delta_a, delta_b, strict=True):
+        assert torch.equal(a, b)  # the same two states, the same sum in either order
+    plain_phi, plain_delta = algorithm.noloco_pair_step(*mine, theirs, **{**cfg, "blend_momenta": False})
+    for blended, plain in zip(phi_a, plain_phi, strict=True):
+        assert torch.equal(blended, plain)  # phi moves by the replica's own new delta, as in plain NoLoCo
+    assert any(not torch.equal(a, p) for a, p in zip(delta_a, plain_delta, strict=True))
+    with pytest.raises(ValueError, match="partner's phi and delta"):
+        algorithm.noloco_pair_step(*mine, (theirs[0], [], []), **cfg)
+
+
 def test_group_of_three_matches_hand_worked_value() -> None:
     # Deltas 1, 1, 4 -> mean 2; phis 1, 3, 2 -> mean 2. delta = 0.25 + 0.7*2 - 0.3*(1 - 2) = 1.95.
     new_phi, new_delta = noloco_outer_step(

@@ -225,3 +225,17 @@ def test_a_refused_payload_gives_its_buffers_back_and_the_pool_is_bounded() -> N
             rx.feed(frame.SerializeToString())
     rx.discard()
     assert receive(encoded(named()), receiver(buffers=pool)) is not None and pool.reused == 1
+
+
+def test_a_payload_of_another_configuration_is_refused_as_such_before_any_buffer() -> None:
+    """A peer with --blend-momenta (theta, phi, delta) and one without (theta): a precondition, named, not
+    "malformed"; tensors merely missing or extra within the run's own parts stay INVALID_ARGUMENT."""
+    theta = named()
+    with_momenta = theta + [(f"{part}/{n.split('/')[1]}", t) for part in ("phi", "delta") for n, t in theta]
+    error = refused(encoded(with_momenta))
+    assert (error.code, error.reason) == (grpc.StatusCode.FAILED_PRECONDITION, "payload_layout")
+    assert "theta+phi+delta" in error.message and "exchanges theta " in error.message
+    error = refused(encoded(theta), receiver(with_momenta))
+    assert (error.code, error.reason) == (grpc.StatusCode.FAILED_PRECONDITION, "payload_layout")
+    error = refused(encoded(theta[:2]))
+    assert (error.code, error.reason) == (grpc.StatusCode.INVALID_ARGUMENT, "tensor_count")
