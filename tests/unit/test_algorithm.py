@@ -70,7 +70,7 @@ def test_both_sides_of_a_pair_keep_the_same_momentum_and_their_own_phi() -> None
     theirs = (random_params(4), random_params(5), random_params(6))
     cfg = {"alpha": 0.5, "beta": 0.7, "gamma": 0.4, "blend_momenta": True}
     phi_a, delta_a = algorithm.noloco_pair_step(*mine, theirs, **cfg)
-    phi_b, delta_b = algorithm.noloco_pair_step(*theirs, mine, **cfg)
+    _, delta_b = algorithm.noloco_pair_step(*theirs, mine, **cfg)
     for a, b in zip(delta_a, delta_b, strict=True):
         assert torch.equal(a, b)  # the same two states, the same sum in either order
     plain_phi, plain_delta = algorithm.noloco_pair_step(*mine, theirs, **{**cfg, "blend_momenta": False})
