@@ -1,6 +1,7 @@
 """Fuzzing a running node's Exchange, GetState and Info with hypothesis: malformed, truncated, oversized,
 wrong-shape, wrong-dtype, NaN/Inf and huge-norm payloads, malformed quantized chunks (NaN, infinite or negative
-scales, codes outside the range, a wrong block count), a payload in another wire dtype, and garbage requests.
+scales, codes outside the range, a wrong block count), a payload in another wire dtype or of another configuration
+(theta+phi, theta+phi+delta), and garbage requests.
 
 Two twin nodes train alone (each on its own DHT) with the same seed, shard and settings; one of them is attacked
 while it trains, in overlap mode so that every call reaches payload validation (a sync node refuses calls outside
@@ -83,6 +84,7 @@ MUTATIONS = [
     "bad_code",
     "wrong_block_count",
     "other_wire_dtype",
+    "other_parts",
 ]
 
 
@@ -140,6 +142,11 @@ class Attack:
             scale = draw(st.floats(0.5, 2.0))  # varied payloads: hypothesis stops early on a three-value choice
             wire_dtype = draw(st.sampled_from(["bf16", "fp32", "int4"]))
             return self.frames([(n, t * scale) for n, t in base], peer, wire_dtype=wire_dtype)
+        if mutation == "other_parts":  # well-formed, as a node with --gamma != beta or --blend-momenta sends it
+            parts = draw(st.sampled_from([("phi",), ("phi", "delta")]))
+            scale = draw(st.floats(0.5, 2.0))
+            extra = [(f"{part}/{n.split('/', 1)[1]}", t * scale) for part in parts for n, t in base]
+            return self.frames([(n, t * scale) for n, t in base] + extra, peer)
         if mutation in ("bad_scale", "bad_code"):
             return self._bad_quantized_chunk(mutation, base, data, peer)
         if mutation == "wrong_run":
@@ -334,6 +341,7 @@ def test_fuzzed_payloads_are_refused_precisely_and_change_nothing(twins: list[No
     # NaN and infinite values quantize to NaN or infinite scales: with bad_scale, at least 32 such refusals.
     assert rejected.get("bad_scales", 0) >= 32 and rejected.get("bad_codes", 0) >= 16, sorted(rejected.items())
     assert rejected.get("wire_dtype", 0) >= 16 and rejected.get("checksum", 0) >= 1, rejected
+    assert rejected.get("payload_layout", 0) >= 16, rejected
     assert not any(h["partner"] for h in final["history"])  # nothing was ever blended
     mine = torch.load(attacked.data_dir / "checkpoint.pt", weights_only=True)["replica"]
     theirs = torch.load(twin.data_dir / "checkpoint.pt", weights_only=True)["replica"]
