@@ -14,6 +14,8 @@ import json
 import multiprocessing as mp
 import resource
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
@@ -126,6 +128,7 @@ def _client_process(
     repeats: int,
     conn: Any,
     namespace: str | None,
+    downloads: bool = True,
 ) -> None:
     enter(namespace)
     torch.set_num_threads(1)
@@ -158,7 +161,7 @@ def _client_process(
         payload.release()
     exchange_peak = _rss_mb()
     download_seconds = []
-    for _ in range(repeats):
+    for _ in range(repeats if downloads else 0):
         started = time.perf_counter()
         tensors, _ = download_state(
             address, [(n, tuple(t.shape)) for n, t in named], run_fingerprint=RUN, peer_id="bench-client", timeout=600
@@ -268,7 +271,10 @@ def _bits_per_second(rate: str) -> float:
     raise ValueError(f"unknown rate {rate!r}: use e.g. 1gbit, 100mbit")
 
 
-def _run(size: str, vocab: int, wire_dtype: str, chunk_bytes: int, repeats: int, where: Where) -> ExchangeBenchResult:
+def _exchange_processes(
+    size: str, vocab: int, wire_dtype: str, chunk_bytes: int, repeats: int, where: Where, *, downloads: bool = True
+) -> tuple[dict[str, Any], dict[str, Any]]:
+    """A served node process and a calling one on the two ends of ``where``; their reports (client, server)."""
     (server_ns, server_host), (client_ns, _) = where
     ctx = mp.get_context("spawn")
     server_rx, server_tx = ctx.Pipe()
@@ -280,7 +286,7 @@ def _run(size: str, vocab: int, wire_dtype: str, chunk_bytes: int, repeats: int,
     client_rx, client_tx = ctx.Pipe(duplex=False)
     client = ctx.Process(
         target=_client_process,
-        args=(size, vocab, wire_dtype, chunk_bytes, f"{server_host}:{port}", repeats, client_tx, client_ns),
+        args=(size, vocab, wire_dtype, chunk_bytes, f"{server_host}:{port}", repeats, client_tx, client_ns, downloads),
     )
     client.start()
     client_report = client_rx.recv()
@@ -288,10 +294,17 @@ def _run(size: str, vocab: int, wire_dtype: str, chunk_bytes: int, repeats: int,
     server_rx.send("stop")
     server_report = server_rx.recv()
     server.join()
+    return client_report, server_report
 
-    meta = _weights_meta(size, vocab)
-    numel = sum(t.numel() for _, t in meta)
-    payload = sum(wire_num_bytes(t.numel(), wire_dtype) for _, t in meta)
+
+def _payload_bytes(size: str, vocab: int, wire_dtype: str) -> int:
+    return sum(wire_num_bytes(t.numel(), wire_dtype) for _, t in _weights_meta(size, vocab))
+
+
+def _run(size: str, vocab: int, wire_dtype: str, chunk_bytes: int, repeats: int, where: Where) -> ExchangeBenchResult:
+    client_report, server_report = _exchange_processes(size, vocab, wire_dtype, chunk_bytes, repeats, where)
+    numel = sum(t.numel() for _, t in _weights_meta(size, vocab))
+    payload = _payload_bytes(size, vocab, wire_dtype)
     return ExchangeBenchResult(
         payload_bytes=payload,
         model_fp32_bytes=numel * 4,
@@ -306,6 +319,100 @@ def _run(size: str, vocab: int, wire_dtype: str, chunk_bytes: int, repeats: int,
         client_extra_rss_mb=client_report["peak_rss_mb"] - client_report["baseline_rss_mb"],
         server_extra_rss_mb=server_report["peak_rss_mb"] - server_report["baseline_rss_mb"],
     )
+
+
+# ---------------------------------------------------------------------------------------------- wire dtypes
+
+
+@dataclass
+class WireDtypeRow:
+    wire_dtype: str
+    payload_bytes: int  # per direction; in sync mode all of it is on the critical path
+    exchange_seconds: float  # best of the repeats, both directions at once
+    publish_seconds: float  # into the wire dtype, once per outer step (before the exchange)
+
+
+@dataclass
+class WireDtypeComparison:
+    size: str
+    link: str
+    rows: list[WireDtypeRow]
+    tcp_both_ways_seconds: float  # raw TCP moving the first dtype's bytes both ways, same path, same run
+    repeats: int
+
+    def report(self) -> str:
+        first = self.rows[0]
+        lines = [
+            f"model {self.size} over {self.link}: one exchange (both directions at once, as a pairing does) in each "
+            f"wire dtype, best of {self.repeats}, in this one run",
+            "| wire dtype | bytes per direction (all on the critical path) | exchange | with the encode | "
+            f"{first.wire_dtype}'s time / this |",
+            "|---|---:|---:|---:|---:|",
+        ]
+        for row in self.rows:
+            total = row.exchange_seconds + row.publish_seconds
+            lines.append(
+                f"| {row.wire_dtype} | {row.payload_bytes / 1e6:.3f} MB | {row.exchange_seconds:.3f} s | "
+                f"{total:.3f} s | {(first.exchange_seconds + first.publish_seconds) / total:.2f}x |"
+            )
+        lines.append(
+            f"reference: raw TCP moving {first.wire_dtype}'s {first.payload_bytes / 1e6:.3f} MB both ways at once on "
+            f"the same path: {self.tcp_both_ways_seconds:.3f} s; the {first.wire_dtype} exchange runs at "
+            f"{self.tcp_both_ways_seconds / first.exchange_seconds:.0%} of it"
+        )
+        return "\n".join(lines)
+
+
+def run_wire_dtype_comparison(
+    size: str,
+    wire_dtypes: list[str],
+    *,
+    vocab: int = 256,
+    chunk_bytes: int = 2**20,
+    repeats: int = 2,
+    link_rate: str | None = None,
+    rtt_ms: float | None = None,
+) -> WireDtypeComparison:
+    """Each wire dtype's exchange on the same path in one run: loopback; a veth pair shaped to ``link_rate``; or,
+    with ``rtt_ms``, two hosts of the shaped network of ``bench sync`` (``link_rate`` up and down each, the round
+    trip added by its delay router)."""
+    with _path(link_rate, rtt_ms) as (where, link):
+        rows = []
+        for wire_dtype in wire_dtypes:
+            client, _ = _exchange_processes(size, vocab, wire_dtype, chunk_bytes, repeats, where, downloads=False)
+            rows.append(
+                WireDtypeRow(
+                    wire_dtype,
+                    _payload_bytes(size, vocab, wire_dtype),
+                    min(client["seconds"]),
+                    client["publish_seconds"],
+                )
+            )
+        tcp = min(raw_tcp_seconds(rows[0].payload_bytes, both_ways=True, where=where) for _ in range(repeats))
+    return WireDtypeComparison(size, link, rows, tcp, repeats)
+
+
+@contextmanager
+def _path(link_rate: str | None, rtt_ms: float | None) -> Iterator[tuple[Where, str]]:
+    if rtt_ms is not None:
+        if link_rate is None:
+            raise ValueError("--rtt-ms needs --link-rate (the bandwidth of each host's link)")
+        from noloco_node.bench.shaped_network import shaped_network
+
+        rate_mbit = _bits_per_second(link_rate) / 1e6
+        with shaped_network(2, rate_mbit=rate_mbit, rtt_ms=rtt_ms, prefix="nlx") as net:
+            where = ((net.namespace(0), net.address(0)), (net.namespace(1), net.address(1)))
+            yield where, f"two hosts on {link_rate} links (up and down) with a {rtt_ms:g} ms round trip"
+    elif link_rate is not None:
+        from noloco_node.bench.netns import shaped_link
+
+        with shaped_link(link_rate) as link:
+            yield (
+                ((link.namespaces[0], link.addresses[0]), (link.namespaces[1], link.addresses[1])),
+                (f"a veth pair shaped to {link_rate}"),
+            )
+    else:
+        yield ((None, "127.0.0.1"), (None, "127.0.0.1")), "loopback"
 
 
 def _weights_meta(size: str, vocab: int) -> list[tuple[str, torch.Tensor]]:

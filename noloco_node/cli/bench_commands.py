@@ -20,11 +20,21 @@ def add_bench_parsers(commands: Any) -> None:
     )
     exchange.add_argument("--model", default="125m", choices=list(MODEL_SIZES), help="model size whose weights move")
     exchange.add_argument("--vocab-size", type=int, default=256, help="vocabulary of that model")
-    exchange.add_argument("--wire-dtype", default="bf16", choices=["bf16", "fp32", "int8", "int4"])
+    exchange.add_argument(
+        "--wire-dtype",
+        default="bf16",
+        type=_wire_dtypes,
+        help="bf16, fp32, int8 or int4; several, comma-separated (e.g. bf16,int8,int4), compares them in one run",
+    )
     exchange.add_argument("--chunk-bytes", type=int, default=2**20, help="bytes per chunk message")
     exchange.add_argument("--repeats", type=int, default=5, help="runs of each measurement (the best is kept)")
     exchange.add_argument(
         "--link-rate", help="run over a veth pair shaped with tc tbf to this rate, e.g. 1gbit (needs root)"
+    )
+    exchange.add_argument(
+        "--rtt-ms",
+        type=float,
+        help="with --link-rate: two hosts of bench sync's shaped network, this round trip added by its delay router",
     )
     status_bench = benches.add_parser(
         "status",
@@ -212,17 +222,43 @@ def run_bench(args: argparse.Namespace) -> int:
         status_result = run_status_bench(args.model, window=args.window, rounds=args.rounds, poll_hz=args.poll_hz)
         print(status_result.report())
         return 0
+    if len(args.wire_dtype) > 1 or args.rtt_ms is not None:
+        from noloco_node.bench.exchange import run_wire_dtype_comparison
+
+        print(f"noloco-node bench exchange, {os.cpu_count()} CPUs")
+        comparison = run_wire_dtype_comparison(
+            args.model,
+            args.wire_dtype,
+            vocab=args.vocab_size,
+            chunk_bytes=args.chunk_bytes,
+            repeats=args.repeats,
+            link_rate=args.link_rate,
+            rtt_ms=args.rtt_ms,
+        )
+        print(comparison.report())
+        return 0
     from noloco_node.bench.exchange import run_exchange_bench
 
     result = run_exchange_bench(
         args.model,
         vocab=args.vocab_size,
-        wire_dtype=args.wire_dtype,
+        wire_dtype=args.wire_dtype[0],
         chunk_bytes=args.chunk_bytes,
         repeats=args.repeats,
         link_rate=args.link_rate,
     )
     where = f"a veth pair shaped to {args.link_rate}" if args.link_rate else "loopback"
     print(f"noloco-node bench exchange over {where}, {os.cpu_count()} CPUs")
-    print(result.report(args.model, args.wire_dtype))
+    print(result.report(args.model, args.wire_dtype[0]))
     return 0
+
+
+def _wire_dtypes(text: str) -> list[str]:
+    """``--wire-dtype``: one wire dtype, or several to compare."""
+    chosen = [part.strip() for part in text.split(",") if part.strip()]
+    unknown = [part for part in chosen if part not in ("bf16", "fp32", "int8", "int4")]
+    if not chosen or unknown:
+        raise argparse.ArgumentTypeError(
+            f"unknown wire dtype {', '.join(unknown) or text!r}: use bf16, fp32, int8, int4"
+        )
+    return chosen

@@ -64,3 +64,32 @@ def test_bench_exchange_prints_the_ratio_to_raw_tcp() -> None:
     for printed, numerator, denominator, rounding in checks:
         assert _close(printed, numerator, denominator, rounding), (printed, numerator, denominator, out)
     assert re.search(r"peak RSS added by exchanging: caller \d+ MB, served side \d+ MB", out)
+
+
+def test_bench_exchange_compares_wire_dtypes_in_one_run() -> None:
+    """Several wire dtypes, each exchanged by real processes on the same path in one run: the bytes are the codec's
+    (wire/quantize.py), the times measured, and the last column the quotient of the printed times."""
+    command = ["bench", "exchange", "--model", "tiny", "--repeats", "1", "--wire-dtype", "bf16,int8"]
+    done = subprocess.run(
+        [sys.executable, "-m", "noloco_node", *command],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=False,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    out = done.stdout
+    rows = {
+        m.group(1): (float(m.group(2)), float(m.group(3)), float(m.group(4)), float(m.group(5)))
+        for m in re.finditer(r"\| (\w+) \| ([\d.]+) MB \| ([\d.]+) s \| ([\d.]+) s \| ([\d.]+)x \|", out)
+    }
+    assert set(rows) == {"bf16", "int8"}, out
+    from noloco_node.bench.exchange import _payload_bytes
+
+    for dtype, (megabytes, exchange, total, ratio) in rows.items():
+        assert megabytes == round(_payload_bytes("tiny", 256, dtype) / 1e6, 3), out
+        assert 0 < exchange <= total, out
+        assert abs(ratio - rows["bf16"][2] / total) <= 0.01 + 0.001 / total, (dtype, out)
+    # One byte and a 256th of a 4-byte scale per value, against two bytes.
+    assert _payload_bytes("tiny", 256, "int8") < 0.6 * _payload_bytes("tiny", 256, "bf16")
+    assert re.search(r"raw TCP moving bf16's [\d.]+ MB both ways at once on the same path: [\d.]+ s", out), out
