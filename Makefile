@@ -33,7 +33,7 @@ demo: $(STAMP)
 # The algorithm study: 8 in-process replicas, NoLoCo against DiLoCo (heavy-ball and Nesterov), DDP and solo.
 # About 6 minutes on 2 CPU cores.
 compare: $(STAMP)
-	$(BIN)/noloco-node simulate --compare --replicas 8 --model tiny --out runs/compare
+	$(BIN)/noloco-node simulate --compare --replicas 8 --model tiny --diloco-inner-steps 50 --out runs/compare
 
 lint: $(STAMP)
 	$(BIN)/ruff check noloco_node tests

@@ -36,6 +36,7 @@ import time
 from collections.abc import Callable, Mapping
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import torch
@@ -71,6 +72,8 @@ class MethodResult:
     # stand for, relative to the phase's own progress: ||theta_projected - theta|| / ||theta - phi||, mean over
     # replicas (0: a perfect projection; 1: as wrong as the progress is large)
     projection_error: list[float] = field(default_factory=list)
+    lr: list[float] = field(default_factory=list)  # the inner learning rate at each evaluation
+    inner_steps: int = 0  # H: this method's inner steps between outer steps
     seconds: float = 0.0
 
     @property
@@ -84,6 +87,9 @@ class MethodResult:
     @property
     def final_spread(self) -> float:
         return self.spread[-1]
+
+
+DILOCO_METHODS = ("diloco", "diloco-nesterov")  # their H is OuterConfig.diloco_h: twice NoLoCo's by default
 
 
 def random_groups(num_replicas: int, rng: np.random.Generator) -> list[list[int]]:
@@ -255,7 +261,8 @@ def run_method(
         algorithm.warn_on_unstable_hyperparameters(cfg.outer.alpha, cfg.outer.beta, cfg.outer.effective_gamma)
     offers: list[Offer | None] = [None] * len(replicas)
     pair_rng = np.random.default_rng([train.seed, 0x9A1])
-    result = MethodResult(method=method, replicas=cfg.replicas)
+    h = cfg.outer.diloco_h(train.inner_steps) if method in DILOCO_METHODS else train.inner_steps
+    result = MethodResult(method=method, replicas=cfg.replicas, inner_steps=h)
     started = time.perf_counter()
 
     def record(step: int, train_losses: list[float]) -> None:
@@ -266,6 +273,7 @@ def run_method(
         result.val_loss_max.append(max(losses))
         result.train_loss.append(float(np.mean(train_losses)) if train_losses else float("nan"))
         result.spread.append(algorithm.replica_spread([r.fast_weights() for r in replicas]))
+        result.lr.append(replicas[0].current_lr)
         progress(
             f"[{method:>15}] step {step:5d}/{train.total_steps}  val {result.val_loss[-1]:.4f} "
             f"(ppl {math.exp(result.val_loss[-1]):7.3f})  train {result.train_loss[-1]:.4f}  "
@@ -274,7 +282,7 @@ def run_method(
 
     record(0, [])
     # The one inner loop per replica (training/loop.py), advanced in lockstep: the outer step runs across them.
-    loops = [InnerLoop(r, total_steps=train.total_steps, inner_steps=train.inner_steps).phases() for r in replicas]
+    loops = [InnerLoop(r, total_steps=train.total_steps, inner_steps=h).phases() for r in replicas]
     for phases in zip(*loops, strict=True):
         phase_losses = [loss for phase in phases for loss in phase.losses]
         step = phases[0].end_step
@@ -285,7 +293,7 @@ def run_method(
             if error is not None:
                 result.projection_error.append(error)
                 progress(f"[{method:>15}] projection error of the offers at step {step}: {error:.3f}")
-        elif method in ("diloco", "diloco-nesterov"):
+        elif method in DILOCO_METHODS:
             _diloco_round(replicas, cfg, nesterov=method == "diloco-nesterov")
         record(step, phase_losses)
     result.seconds = time.perf_counter() - started
@@ -312,6 +320,32 @@ def relative_metrics(results: Mapping[str, MethodResult]) -> dict[str, float]:
     return relative
 
 
+def relative_metric_curves(results: Mapping[str, MethodResult]) -> dict[str, list[tuple[int, float]]]:
+    """The paper's metric over training (its Fig. 3A): ``(ppl_diloco - ppl_noloco) / ppl_ddp`` at every step where
+    all three were evaluated (the multiples of DiLoCo's H), keyed as :func:`relative_metrics` keys its finals."""
+    curves: dict[str, list[tuple[int, float]]] = {}
+    if "ddp" not in results:
+        return curves
+    ppl = {name: dict(zip(r.steps, map(math.exp, r.val_loss), strict=True)) for name, r in results.items()}
+    for noloco in ("noloco", "noloco-stale", "noloco-momentum"):
+        for diloco in DILOCO_METHODS:
+            if noloco in results and diloco in results:
+                key = diloco if noloco == "noloco" else f"{diloco} vs {noloco}"
+                common = sorted(set(ppl[noloco]) & set(ppl[diloco]) & set(ppl["ddp"]) - {0})
+                curves[key] = [(s, (ppl[diloco][s] - ppl[noloco][s]) / ppl["ddp"][s]) for s in common]
+    return curves
+
+
+def spread_lr_correlation(result: MethodResult) -> float | None:
+    """Pearson correlation of the weight spread across replicas with the inner learning rate over training (the
+    paper's Fig. 3B reports 0.91-0.97 for NoLoCo), from the first outer step on; None for fewer than 3 points or
+    a constant series (one replica, a method whose replicas never differ)."""
+    spread, lr = np.array(result.spread[1:]), np.array(result.lr[1:])
+    if len(spread) < 3 or spread.std() == 0 or lr.std() == 0:
+        return None
+    return float(np.corrcoef(spread, lr)[0, 1])
+
+
 @dataclass
 class Comparison:
     results: Mapping[str, MethodResult]
@@ -321,22 +355,39 @@ class Comparison:
         """A Markdown table: the form the README quotes."""
         ddp = self.results.get("ddp")
         rows = [
-            "| method | val loss | val ppl | ppl vs DDP | weight spread | wall s |",
-            "|---|---:|---:|---:|---:|---:|",
+            "| method | H | val loss | val ppl | ppl vs DDP | weight spread | spread-lr Pearson r | wall s |",
+            "|---|---:|---:|---:|---:|---:|---:|---:|",
         ]
         for name, r in self.results.items():
             versus = f"{(r.final_val_ppl / ddp.final_val_ppl - 1) * 100:+.2f}%" if ddp else "n/a"
+            pearson = spread_lr_correlation(r)
             rows.append(
-                f"| {name} | {r.final_val_loss:.4f} | {r.final_val_ppl:.3f} | {versus} | "
-                f"{r.final_spread:.2e} | {r.seconds:.0f} |"
+                f"| {name} | {r.inner_steps} | {r.final_val_loss:.4f} | {r.final_val_ppl:.3f} | {versus} | "
+                f"{r.final_spread:.2e} | {'n/a' if pearson is None else f'{pearson:.2f}'} | {r.seconds:.0f} |"
             )
         lines = ["\n".join(rows)]
+        curves = relative_metric_curves(self.results)
         for key, value in self.relative_metric.items():
             diloco, _, noloco = key.partition(" vs ")
             noloco = noloco or "noloco"
             verdict = f"{noloco} better" if value > 0 else f"{noloco} worse" if value < 0 else "tie"
-            lines.append(f"(ppl_{diloco} - ppl_{noloco}) / ppl_ddp = {value * 100:+.2f}%  ({verdict})")
+            over = curve_summary(curves.get(key, []))
+            lines.append(
+                f"(ppl_{diloco} - ppl_{noloco}) / ppl_ddp = {value * 100:+.2f}%  ({verdict})"
+                + (f"; over training: {over}" if over else "")
+            )
         return "\n".join(lines)
+
+
+def curve_summary(curve: list[tuple[int, float]]) -> str:
+    """A relative-metric curve at about a quarter, half, three quarters and the end of training."""
+    if not curve:
+        return ""
+    last = curve[-1][0]
+    picked: dict[tuple[int, float], None] = {}
+    for fraction in (0.25, 0.5, 0.75, 1.0):
+        picked[min(curve, key=lambda point: abs(point[0] - fraction * last))] = None
+    return ", ".join(f"step {step} {value * 100:+.2f}%" for step, value in picked)
 
 
 def compare(cfg: SimulateConfig, *, progress: ProgressFn = print_progress) -> Comparison:
@@ -366,6 +417,7 @@ def write_outputs(comparison: Comparison, cfg: SimulateConfig, corpus: Corpus) -
             for name, r in comparison.results.items()
         },
         "relative_metric": comparison.relative_metric,
+        "relative_metric_curves": relative_metric_curves(comparison.results),
         "table": comparison.table(),
     }
     (cfg.out_dir / "metrics.json").write_text(json.dumps(payload, indent=2))
@@ -379,7 +431,11 @@ def plot_curves(comparison: Comparison, path: Path, *, title: str) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, (loss_ax, spread_ax) = plt.subplots(1, 2, figsize=(12, 4.5))
+    curves = relative_metric_curves(comparison.results)
+    fig, axes = plt.subplots(1, 3 if curves else 2, figsize=(18 if curves else 12, 4.5))
+    loss_ax, spread_ax = axes[0], axes[1]
+    if curves:
+        plot_relative_metric(axes[2], curves)
     for name, r in comparison.results.items():
         loss_ax.plot(r.steps, r.val_loss, label=name, marker=".")
         if any(s > 0 for s in r.spread):
@@ -401,6 +457,17 @@ def plot_curves(comparison: Comparison, path: Path, *, title: str) -> None:
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
+
+
+def plot_relative_metric(ax: Any, curves: Mapping[str, list[tuple[int, float]]]) -> None:
+    """The paper's Fig. 3A: (ppl_diloco - ppl_noloco) / ppl_ddp against inner steps (above 0: NoLoCo ahead)."""
+    for key, curve in curves.items():
+        if curve:
+            ax.plot([s for s, _ in curve], [100 * v for _, v in curve], label=key, marker=".")
+    ax.axhline(0.0, color="grey", linewidth=0.8)
+    ax.set(xlabel="inner steps per replica", ylabel="(ppl_diloco - ppl_noloco) / ppl_ddp (%)", title="relative metric")
+    ax.legend(fontsize=8)
+    ax.grid(alpha=0.3)
 
 
 # ---------------------------------------------------------------------------------------------------- seed study

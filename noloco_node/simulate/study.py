@@ -15,10 +15,14 @@ from noloco_node.simulate.simulator import (
     Comparison,
     MethodResult,
     ProgressFn,
+    curve_summary,
     model_label,
+    plot_relative_metric,
     print_progress,
+    relative_metric_curves,
     relative_metrics,
     run_method,
+    spread_lr_correlation,
 )
 
 
@@ -35,8 +39,9 @@ class SeedStudy:
             methods = list(runs[0].results)
             rows = [
                 f"{count} replicas, {len(runs)} seeds ({', '.join(map(str, self.seeds))}): mean +- std over seeds",
-                f"| method | final val loss | val ppl | ppl vs DDP | loss vs {methods[0]} (paired) | weight spread |",
-                "|---|---:|---:|---:|---:|---:|",
+                f"| method | H | final val loss | val ppl | ppl vs DDP | loss vs {methods[0]} (paired) | weight spread "
+                "| spread-lr Pearson r |",
+                "|---|---:|---:|---:|---:|---:|---:|---:|",
             ]
             reference = np.array([run.results[methods[0]].final_val_loss for run in runs])
             for method in methods:
@@ -57,9 +62,11 @@ class SeedStudy:
                     if method == methods[0]
                     else f"{paired.mean():+.2f}% +- {paired.std():.2f} (lower in {int((paired < 0).sum())}/{len(runs)})"
                 )
+                pearsons = [r for run in runs if (r := spread_lr_correlation(run.results[method])) is not None]
+                pearson = f"{np.mean(pearsons):.2f} ({min(pearsons):.2f}-{max(pearsons):.2f})" if pearsons else "n/a"
                 rows.append(
-                    f"| {method} | {losses.mean():.4f} +- {losses.std():.4f} | {ppls.mean():.3f} | {versus} | "
-                    f"{against} | {spread:.2e} |"
+                    f"| {method} | {runs[0].results[method].inner_steps} | {losses.mean():.4f} +- {losses.std():.4f} "
+                    f"| {ppls.mean():.3f} | {versus} | {against} | {spread:.2e} | {pearson} |"
                 )
             for method in methods:
                 errors = [e for run in runs for e in run.results[method].projection_error]
@@ -73,10 +80,16 @@ class SeedStudy:
                 values = np.array([run.relative_metric[key] for run in runs]) * 100
                 diloco, _, noloco = key.partition(" vs ")
                 wins = int((values > 0).sum())
+                # The seed mean of the metric over training (Fig. 3A): every seed evaluates at the same steps.
+                curves = [relative_metric_curves(run.results).get(key, []) for run in runs]
+                mean_curve = [
+                    (step, float(np.mean([c[i][1] for c in curves]))) for i, (step, _) in enumerate(curves[0])
+                ]
+                over = curve_summary(mean_curve)
                 rows.append(
                     f"(ppl_{diloco} - ppl_{noloco or 'noloco'}) / ppl_ddp = {values.mean():+.2f}% "
                     f"+- {values.std():.2f} (min {values.min():+.2f}, max {values.max():+.2f}; NoLoCo better in "
-                    f"{wins}/{len(values)} seeds)"
+                    f"{wins}/{len(values)} seeds)" + (f"; seed mean over training: {over}" if over else "")
                 )
             blocks.append("\n".join(rows))
         return "\n\n".join(blocks)
@@ -107,6 +120,7 @@ def seed_study(
                 {
                     "results": {name: asdict(r) for name, r in run.results.items()},
                     "relative_metric": run.relative_metric,
+                    "relative_metric_curves": relative_metric_curves(run.results),
                 }
                 for run in runs
             ]
@@ -127,10 +141,21 @@ def plot_study(study: SeedStudy, path: Path, *, model: str) -> None:
     import matplotlib.pyplot as plt
 
     counts = list(study.comparisons)
-    fig, axes = plt.subplots(len(counts), 2, figsize=(12, 4.2 * len(counts)), squeeze=False)
+    with_metric = bool(study.comparisons[counts[0]][0].relative_metric)
+    columns = 3 if with_metric else 2
+    fig, axes = plt.subplots(len(counts), columns, figsize=(6 * columns, 4.2 * len(counts)), squeeze=False)
     for row, count in enumerate(counts):
         runs = study.comparisons[count]
-        loss_ax, spread_ax = axes[row]
+        loss_ax, spread_ax = axes[row][0], axes[row][1]
+        if with_metric:
+            per_seed = [relative_metric_curves(run.results) for run in runs]
+            plot_relative_metric(
+                axes[row][2],
+                {
+                    key: [(s, float(np.mean([c[key][i][1] for c in per_seed]))) for i, (s, _) in enumerate(curve)]
+                    for key, curve in per_seed[0].items()
+                },
+            )
         finals = []
         for method in runs[0].results:
             steps = runs[0].results[method].steps

@@ -8,6 +8,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 METHODS = ["noloco", "noloco-stale", "noloco-momentum", "diloco", "diloco-nesterov", "ddp", "solo"]
@@ -47,10 +48,29 @@ def test_compare_with_an_odd_number_of_replicas(tmp_path: Path) -> None:
         tmp_path, "--replicas", "3", "--steps", "60", "--inner-steps", "15", "--seq-len", "64", "--eval-batches", "2"
     )
     assert done.returncode == 0, done.stderr[-3000:]
-    check_outputs(tmp_path, replicas=3, steps=60)
+    metrics = check_outputs(tmp_path, replicas=3, steps=60)
+    results = metrics["results"]
+    # The paper's terms: DiLoCo at twice NoLoCo's H unless told otherwise, and the table says so.
     for method in METHODS:
-        assert f"| {method} |" in done.stdout
-    assert "(ppl_diloco - ppl_noloco) / ppl_ddp" in done.stdout
+        h = 30 if method.startswith("diloco") else 15
+        assert results[method]["inner_steps"] == h and results[method]["steps"] == list(range(0, 61, h))
+        assert f"| {method} | {h} |" in done.stdout
+    # The metric over training (Fig. 3A) at the steps all three evaluated; its last point is the final metric.
+    curve = metrics["relative_metric_curves"]["diloco"]
+    assert [step for step, _ in curve] == [30, 60]
+    assert curve[-1][1] == pytest.approx(metrics["relative_metric"]["diloco"])
+    at_30 = {name: math.exp(results[name]["val_loss"][results[name]["steps"].index(30)]) for name in METHODS}
+    assert curve[0][1] == pytest.approx((at_30["diloco"] - at_30["noloco"]) / at_30["ddp"])
+    assert "(ppl_diloco - ppl_noloco) / ppl_ddp" in done.stdout and "over training: step 30 " in done.stdout
+    # Fig. 3B: the weight spread's Pearson correlation with the inner learning rate, from the recorded curves.
+    spread, lr = results["noloco"]["spread"][1:], results["noloco"]["lr"][1:]
+    assert len(lr) == 4 and lr[0] != lr[-1]
+    want = float(np.corrcoef(spread, lr)[0, 1])
+    row = next(line for line in done.stdout.splitlines() if line.startswith("| noloco |"))
+    assert row.split("|")[7].strip() == f"{want:.2f}", row
+    assert (
+        next(line for line in done.stdout.splitlines() if line.startswith("| diloco |")).split("|")[7].strip() == "n/a"
+    )
     assert "[         noloco] step    15/60" in done.stderr  # progress while it runs
 
 
