@@ -102,8 +102,9 @@ def test_seed_study_reports_mean_and_spread_over_seeds_per_replica_count(tmp_pat
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(1800)  # the suite's 600 s is for the fast tier; this one took 6.5 min once, over 10 now
 def test_default_compare_of_eight_replicas_on_the_tiny_model(tmp_path: Path) -> None:
-    """The README's command with its defaults; about 6 minutes on 2 cores."""
+    """The README's command with its defaults; 6.5 to 11 minutes on 2 cores."""
     done = run_compare(tmp_path, "--replicas", "8", "--model", "tiny", timeout=1800)
     assert done.returncode == 0, done.stderr[-3000:]
     metrics = check_outputs(tmp_path, replicas=8, steps=600)
