@@ -41,9 +41,8 @@ from noloco_node.wire.published import BufferPool, Published
 
 class OfferPublisher:
     """Copies of this node's fast weights (and, when the run needs them, its slow weights and outer momentum) in the
-    wire dtype, published for
-    exchanges (copy-on-publish: wire/published.py). The conversion to the wire dtype happens once here, not once
-    per exchange, and the streams send straight from these buffers."""
+    wire dtype, published for exchanges (copy-on-publish: wire/published.py). The conversion to the wire dtype
+    happens once here, not once per exchange, and the streams send straight from these buffers."""
 
     def __init__(
         self,
