@@ -9,22 +9,24 @@ Methods (outer updates from algorithm.py, inner loop from trainer.py):
 - ``noloco-stale``: the maths of the ``overlap`` mode: at its outer step a replica blends its fresh state with the
   snapshot its partner published one outer phase earlier (the partner's phi then, and its fast weights projected
   one phase ahead, ``algorithm.projected_fast_weights``); the first outer step has no snapshots and is solo.
-- ``noloco-momentum``: ``noloco``, then the pair also averages its new outer momenta (Delta): "blend weights and
-  momenta", asked for by users; measured here before it becomes a node option.
+- ``noloco-momentum``: ``noloco``, then the pair also averages its new outer momenta (delta): "blend weights and
+  momenta", the node's ``--blend-momenta`` (both through ``algorithm.noloco_pair_step``).
 - ``noloco-bf16``, ``noloco-int8``, ``noloco-int4``: ``noloco`` with the partner's weights as the node's ``sync``
   mode sends them in that wire dtype (``noloco`` itself blends exact fp32 weights).
 - ``noloco-stream``, ``noloco-stream-int8``, ``noloco-stream-int4``: the maths of the ``stream`` mode: the partner's
   phi arrives in bf16 during the phase and its Delta = theta - phi at the outer step (bf16, int8 or int4); the
   blend is NoLoCo's, up to that rounding.
-- ``diloco``: DiLoCo with the heavy-ball outer optimizer on the mean over all replicas (an all-reduce).
+- ``diloco``: DiLoCo with the heavy-ball outer optimizer on the mean over all replicas (an all-reduce), at its
+  own H (``--diloco-inner-steps``; twice NoLoCo's by default, the paper's terms).
 - ``diloco-nesterov``: DiLoCo with torch's Nesterov SGD outer optimizer (the original DiLoCo setting).
 - ``ddp``: one set of weights, gradients averaged over one batch of every replica's shard each step.
 - ``solo``: each replica trains on its own shard with no communication at all (the floor to beat).
 
 Each replica sees only its own shard, every method runs the same number of inner steps on the same batches, and
 every method starts from the same initial weights. ``compare`` prints a table of final validation loss and
-perplexity, the paper's relative metric ``(ppl_diloco - ppl_noloco) / ppl_ddp`` and the weight spread across
-replicas, and writes the metrics as JSON and the curves as a PNG.
+perplexity, the paper's relative metric ``(ppl_diloco - ppl_noloco) / ppl_ddp`` at the end and over training
+(its Fig. 3A), the weight spread across replicas and its Pearson correlation with the inner learning rate (its
+Fig. 3B), and writes the metrics as JSON and the curves as a PNG.
 """
 
 from __future__ import annotations
