@@ -11,6 +11,7 @@ import asyncio
 import logging
 import math
 import random
+import resource
 import time
 from collections.abc import Mapping
 from typing import Any, Protocol
@@ -138,6 +139,7 @@ def node_status(node: ReportedNode) -> NodeStatus:
         val_perplexity=math.exp(min(val_loss, 50.0)) if val_loss is not None else None,
         tokens_per_second=node.telemetry.tokens_per_second(),
         comm_wait_fraction=node.telemetry.comm_wait_fraction(),
+        peak_rss_mb=resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,  # Linux reports KiB
         checkpoint_age_seconds=time.time() - last_checkpoint if last_checkpoint else None,
         bytes_sent=counters["bytes_sent"],
         bytes_received=counters["bytes_received"],

@@ -137,6 +137,7 @@ class NodeStatus(BaseModel):
     val_perplexity: float | None
     tokens_per_second: float | None = Field(description="Training throughput over the last inner steps.")
     comm_wait_fraction: float = Field(description="Share of the trainer's wall time spent waiting on communication.")
+    peak_rss_mb: float | None = Field(None, description="The node process's peak resident memory so far, in MB.")
     checkpoint_age_seconds: float | None = Field(description="Since the last checkpoint was written; null: none.")
     bytes_sent: int
     bytes_received: int

@@ -12,6 +12,7 @@ def test_bench_idle_measures_each_mode_and_a_bare_reference() -> None:
         assert len(mode.idle) == 2 and all(0.0 <= idle < 1.0 for idle in mode.idle)
         # Both nodes train all 60 steps from step 0 (--wait-for-peers): outer steps at 50 and at the end, each.
         assert mode.outer_steps == 2 * 2 and 0 <= mode.blends <= mode.outer_steps and mode.seconds > 0
-        assert all(peak > result.bare_rss_mb > 50 for peak in mode.peak_rss_mb)  # a node holds more than a bare model
+        # A node holds more than a bare model.
+        assert all(peak > result.bare_rss_mb > 50 for peak in mode.peak_rss_mb), (mode, result.bare_rss_mb)
     report = result.report()
     assert "sync     trainer idle" in report and "overlap  trainer idle" in report and "MB more" in report
