@@ -24,7 +24,7 @@ from noloco_node.launcher.local_swarm import LocalSwarm
 from noloco_node.observability.status_file import read_status_document
 
 _BARE = """
-import resource, sys, torch
+import sys, torch
 from noloco_node.config.models import TrainConfig, model_config_for
 from noloco_node.model.decoder import LlamaDecoder
 torch.set_num_threads(1)
@@ -34,7 +34,8 @@ optimizer = torch.optim.Adam(model.parameters())
 tokens = torch.randint(0, 256, (int(sys.argv[3]), int(sys.argv[2])))
 model.loss(tokens, tokens).backward()
 optimizer.step()
-print(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024)
+from noloco_node.observability.report import peak_rss_mb
+print(peak_rss_mb())
 """
 
 
@@ -121,8 +122,8 @@ def _run_mode(mode: str, nodes: int, steps: int, train_args: list[str], base: Pa
         result.outer_steps += len(status["history"])
         result.blend_seconds += [h.get("blend_seconds", 0.0) for h in status["history"]]
         result.upkeep_seconds += [h.get("upkeep_seconds", 0.0) for h in status["history"]]
-        # The node's own figure in its last status (getrusage): sampling /proc from here missed a node's peak once
-        # (a node of a busy CI machine read below a bare model), and a process's peak is gone once it has exited.
+        # The node's own VmHWM in its last status: sampling /proc from here missed a node's peak once (a node of a
+        # busy machine read below a bare model), and a process's peak is gone once it has exited.
         result.peak_rss_mb.append(status["peak_rss_mb"])
     return result
 

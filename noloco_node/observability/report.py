@@ -11,9 +11,9 @@ import asyncio
 import logging
 import math
 import random
-import resource
 import time
 from collections.abc import Mapping
+from pathlib import Path
 from typing import Any, Protocol
 
 from noloco_node import __version__
@@ -139,7 +139,7 @@ def node_status(node: ReportedNode) -> NodeStatus:
         val_perplexity=math.exp(min(val_loss, 50.0)) if val_loss is not None else None,
         tokens_per_second=node.telemetry.tokens_per_second(),
         comm_wait_fraction=node.telemetry.comm_wait_fraction(),
-        peak_rss_mb=resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,  # Linux reports KiB
+        peak_rss_mb=peak_rss_mb(),
         checkpoint_age_seconds=time.time() - last_checkpoint if last_checkpoint else None,
         bytes_sent=counters["bytes_sent"],
         bytes_received=counters["bytes_received"],
@@ -156,6 +156,18 @@ def node_status(node: ReportedNode) -> NodeStatus:
         ],
         health=node.health(),
     )
+
+
+def peak_rss_mb() -> float | None:
+    """This process's peak resident memory (VmHWM), in MB; None where /proc is missing. Not getrusage's ru_maxrss:
+    Linux carries that across exec, so a node started by a 550 MB test runner reported the runner's 550 MB."""
+    try:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) / 1024
+    except OSError:
+        return None
+    return None
 
 
 def security_status(node: ReportedNode) -> SecurityStatus:
