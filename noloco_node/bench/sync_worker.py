@@ -78,7 +78,7 @@ class _SyncPeer(AdmitsEverything):
     def max_payload_bytes(self) -> int:
         return sum(item.numel for item in self.layout) * 4 + 1024
 
-    def open_session(self, partner_id: str, partner_outer_step: int) -> Any:
+    def open_session(self, partner_id: str, partner_outer_step: int, kind: str = "weights") -> Any:
         return self
 
     def outgoing(self) -> Outgoing:

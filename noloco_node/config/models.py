@@ -272,7 +272,7 @@ KNOWN_ENVIRONMENT = {
 }
 
 
-PairingMode = Literal["sync", "overlap"]
+PairingMode = Literal["sync", "overlap", "stream"]
 
 
 class SecurityConfig(_Settings):
@@ -336,7 +336,12 @@ class NodeConfig(_Settings):
     """A swarm member: how it finds peers, pairs, exchanges and keeps its state."""
 
     run_name: str = Field("default", min_length=1, max_length=128, description="Part of the run fingerprint.")
-    mode: PairingMode = Field("sync", description="sync: pair at the outer step; overlap: exchange in background.")
+    mode: PairingMode = Field(
+        "sync",
+        description="sync: pair at the outer step and exchange the weights then; stream: choose the partner and "
+        "stream the slow weights during the inner phase, and exchange only the phase's progress (theta - phi) at the "
+        "outer step; overlap: swap projected weights in the background and never wait (costs convergence).",
+    )
     bootstrap: list[str] = Field(
         default_factory=list,
         description="Multiaddrs of DHT peers to join through, or http://HOST:PORT/maddrs of a bootstrap peer's "

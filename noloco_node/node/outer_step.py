@@ -47,10 +47,12 @@ log = logging.getLogger(__name__)
 PartnerTensors = tuple[list[torch.Tensor], list[torch.Tensor], list[torch.Tensor]]
 
 
-def partner_tensors(payload: Payload, names: Sequence[str], *, send_phi: bool, send_delta: bool) -> PartnerTensors:
-    """The partner's theta, phi and outer momentum delta in parameter order (phi and delta empty when the run does
-    not send them)."""
-    theta = [payload.tensors[f"theta/{n}"] for n in names]
+def partner_tensors(
+    payload: Payload, names: Sequence[str], *, send_phi: bool, send_delta: bool, send_theta: bool = True
+) -> PartnerTensors:
+    """The partner's theta, phi and outer momentum delta in parameter order (each empty when the payload does not
+    carry it: phi and delta when the run does not send them, theta in a stream run's phase payload)."""
+    theta = [payload.tensors[f"theta/{n}"] for n in names] if send_theta else []
     phi = [payload.tensors[f"phi/{n}"] for n in names] if send_phi else []
     delta = [payload.tensors[f"delta/{n}"] for n in names] if send_delta else []
     return theta, phi, delta
@@ -163,6 +165,8 @@ class OuterStep:
             partner.release()  # blended: its buffers can take the next outer step's payload
             self._catch_up_backoff = 1
         caught_up = partner is None and self._catch_up_if_left_behind()
+        if caught_up:
+            deps.strategy.start(replica)  # what it offers peers now comes from the adopted state
         if deps.data_parallel is not None:
             deps.data_parallel.broadcast_params(replica.params)  # the other ranks adopt theta = phi
         val_loss = replica.evaluate(deps.validation)

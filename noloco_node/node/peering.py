@@ -1,7 +1,7 @@
 """A node's peering side, assembled: how it calls peers, when it pairs, and what its gRPC service sees.
 
 - :class:`~noloco_node.pairing.caller.PeerCaller` makes this node's exchange calls, on its own bounded executor;
-- the pairing strategy (sync or overlap, :data:`STRATEGIES`) decides when, and offers published copies of the
+- the pairing strategy (sync, overlap or stream, :data:`STRATEGIES`) decides when, and offers published copies of the
   weights (:class:`~noloco_node.pairing.strategy.OfferPublisher`);
 - :class:`~noloco_node.node.served.ServedNode` answers the peers' calls from the strategy and the latest
   published state.
@@ -27,6 +27,7 @@ from noloco_node.pairing.caller import CallSettings, PeerCaller
 from noloco_node.pairing.overlap import OverlapPairing
 from noloco_node.pairing.peer_policy import PeerPolicy
 from noloco_node.pairing.strategy import OfferPublisher, PairingContext, PairingStrategy
+from noloco_node.pairing.stream import StreamPairing
 from noloco_node.pairing.sync import SyncPairing
 from noloco_node.rpc import peer_pb2 as pb
 from noloco_node.rpc.metrics import ExchangeMetrics
@@ -34,7 +35,7 @@ from noloco_node.security.node_security import NodeSecurity
 from noloco_node.wire.payload import ReceiveBuffers
 from noloco_node.wire.published import Latest
 
-STRATEGIES: dict[str, type[PairingStrategy]] = {"sync": SyncPairing, "overlap": OverlapPairing}
+STRATEGIES: dict[str, type[PairingStrategy]] = {"sync": SyncPairing, "overlap": OverlapPairing, "stream": StreamPairing}
 EXCHANGE_THREADS = 4  # exchanges a node can have in flight at once (one per strategy today, and room)
 
 
@@ -70,9 +71,8 @@ class Peering:
         caller = PeerCaller(
             CallSettings(
                 run_fingerprint=layout.run_fingerprint,
-                expected_layout=layout.expected_layout(),
+                kinds={kind.name: kind for kind in layout.payload_kinds()},
                 max_payload_bytes=layout.max_payload_bytes(),
-                wire_dtype=layout.wire_dtype,
                 max_staleness=cfg.max_staleness,
                 transport=security.transport,
                 metrics=metrics,
@@ -88,15 +88,10 @@ class Peering:
             caller=caller,
             discovery=discovery,
             telemetry=telemetry,
-            offers=OfferPublisher(
-                layout.names,
-                layout.shapes,
-                send_phi=layout.send_phi,
-                send_delta=layout.send_delta,
-                wire_dtype=cfg.wire_dtype,
-                run_fingerprint=layout.run_fingerprint,
-                peer_id=peer_id,
-            ),
+            offers={
+                kind.name: OfferPublisher(kind, run_fingerprint=layout.run_fingerprint, peer_id=peer_id)
+                for kind in layout.payload_kinds()
+            },
             publish_record=publish_record,
             stopping=stopping,
             pair_timeout=cfg.pair_timeout,

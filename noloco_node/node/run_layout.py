@@ -14,7 +14,7 @@ from noloco_node.config.models import NodeConfig, OuterConfig, TrainConfig
 from noloco_node.data.corpus import Corpus
 from noloco_node.model.source import ModelSource, model_source, run_fingerprint
 from noloco_node.wire import quantize
-from noloco_node.wire.frames import TensorLayout, wire_num_bytes
+from noloco_node.wire.frames import PayloadKind, TensorLayout
 
 
 def run_identity(node_cfg: NodeConfig, train_cfg: TrainConfig, corpus: Corpus) -> tuple[ModelSource, str]:
@@ -33,9 +33,10 @@ class RunLayout:
     start: dict[str, str]  # what the run started from, said to nodes of the same run name (discovery/dht.py)
     names: tuple[str, ...]
     shapes: tuple[tuple[int, ...], ...]
-    send_phi: bool  # gamma != beta, or momenta blended: a partner needs our slow weights too (the fast path)
+    send_phi: bool  # gamma != beta, momenta blended, or stream mode: a partner has our slow weights too
     send_delta: bool  # --blend-momenta: the outer momentum travels too
     wire_dtype: str
+    mode: str  # the pairing mode: stream exchanges other payloads than sync and overlap
     exchange_timeout: float
     min_link_rate: float
 
@@ -49,26 +50,42 @@ class RunLayout:
             start={**source.start_summary(), "tokenizer": corpus.tokenizer.fingerprint, "seed": str(train_cfg.seed)},
             names=tuple(n for n, _ in named),
             shapes=tuple(s for _, s in named),
-            send_phi=outer_cfg.effective_gamma != outer_cfg.beta or node_cfg.blend_momenta,
+            send_phi=outer_cfg.effective_gamma != outer_cfg.beta or node_cfg.blend_momenta or node_cfg.mode == "stream",
             send_delta=node_cfg.blend_momenta,
             wire_dtype=node_cfg.wire_dtype,
+            mode=node_cfg.mode,
             exchange_timeout=node_cfg.exchange_timeout,
             min_link_rate=node_cfg.min_link_rate,
         )
 
-    def expected_layout(self) -> list[TensorLayout]:
-        """The tensors of a partner's exchange payload, in order."""
-        prefixes = ("theta", *(("phi",) if self.send_phi else ()), *(("delta",) if self.send_delta else ()))
-        return [
-            TensorLayout(f"{prefix}/{name}", shape)
-            for prefix in prefixes
+    def _parts(self, *parts: str) -> tuple[TensorLayout, ...]:
+        return tuple(
+            TensorLayout(f"{part}/{name}", shape)
+            for part in parts
             for name, shape in zip(self.names, self.shapes, strict=True)
-        ]
+        )
+
+    def payload_kinds(self) -> list[PayloadKind]:
+        """What a partner sends in an exchange. ``sync`` and ``overlap``: one payload, ``weights`` (theta, with phi
+        and delta when the run needs them), in the wire dtype. ``stream``: ``phase`` (phi and, with
+        --blend-momenta, delta: fixed during the inner phase, streamed while both train, in bf16) and ``progress``
+        (Delta = theta - phi at the outer step, in the wire dtype: the only bytes on the critical path)."""
+        momenta = ("delta",) if self.send_delta else ()
+        if self.mode == "stream":
+            return [
+                PayloadKind("phase", self._parts("phi", *momenta), "bf16"),
+                PayloadKind("progress", self._parts("progress"), self.wire_dtype),
+            ]
+        phi = ("phi",) if self.send_phi else ()
+        return [PayloadKind("weights", self._parts("theta", *phi, *momenta), self.wire_dtype)]
+
+    def payload_kind(self, name: str) -> PayloadKind:
+        return next(kind for kind in self.payload_kinds() if kind.name == name)
 
     def exchange_ceiling(self) -> float:
-        """The longest an exchange may take: --exchange-timeout, or longer when the payload needs it at
+        """The longest an exchange may take: --exchange-timeout, or longer when the largest payload needs it at
         --min-link-rate (both directions share nothing on a full-duplex link, so one payload's time)."""
-        payload = sum(wire_num_bytes(item.numel, self.wire_dtype) for item in self.expected_layout())
+        payload = max(kind.wire_bytes() for kind in self.payload_kinds())
         return max(self.exchange_timeout, payload / self.min_link_rate + 10.0)
 
     def download_timeout(self) -> float:
@@ -77,12 +94,14 @@ class RunLayout:
         return max(self.exchange_timeout, state / self.min_link_rate + 10.0)
 
     def receive_pool_bytes(self) -> int:
-        """What one received payload occupies, kept for the next: its wire bytes, and for a quantized wire dtype
-        also its values decoded to fp32."""
-        layout = self.expected_layout()
-        wire = sum(wire_num_bytes(item.numel, self.wire_dtype) for item in layout)
-        decoded = sum(4 * item.numel for item in layout) if quantize.is_quantized(self.wire_dtype) else 0
-        return wire + decoded
+        """What the received payloads of one outer step occupy, kept for the next: their wire bytes, for a quantized
+        wire dtype also their values decoded to fp32, and in stream mode the partner's theta rebuilt in fp32."""
+        total = 0
+        for kind in self.payload_kinds():
+            decoded = 4 * sum(item.numel for item in kind.layout) if quantize.is_quantized(kind.wire_dtype) else 0
+            total += kind.wire_bytes() + decoded
+        rebuilt = 4 * sum(math.prod(shape) for shape in self.shapes) if self.mode == "stream" else 0
+        return total + rebuilt
 
     def max_payload_bytes(self) -> int:
-        return sum(item.numel for item in self.expected_layout()) * 4 + 1024
+        return max(sum(item.numel for item in kind.layout) for kind in self.payload_kinds()) * 4 + 1024

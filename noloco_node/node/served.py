@@ -17,7 +17,7 @@ from noloco_node.pairing.strategy import PairingStrategy
 from noloco_node.rpc import peer_pb2 as pb
 from noloco_node.rpc.contracts import ExchangeSession
 from noloco_node.security.node_security import NodeSecurity
-from noloco_node.wire.frames import PayloadError, TensorLayout
+from noloco_node.wire.frames import PayloadError, PayloadKind
 from noloco_node.wire.payload import Payload, ReceiveBuffers
 from noloco_node.wire.published import Latest, Published
 
@@ -44,24 +44,20 @@ class ServedNode:
         self.policy = policy
         self.receive_buffers = receive_buffers
         self._info = info
-        self._expected = layout.expected_layout()
+        self._kinds = layout.payload_kinds()
 
     @property
     def peer_id(self) -> str:
         return self._peer_id()
 
-    def expected_layout(self) -> list[TensorLayout]:
-        return self._expected
+    def payload_kinds(self) -> list[PayloadKind]:
+        return self._kinds
 
     def max_payload_bytes(self) -> int:
         return self.layout.max_payload_bytes()
 
-    @property
-    def wire_dtype(self) -> str:
-        return self.layout.wire_dtype
-
-    def open_session(self, partner_id: str, partner_outer_step: int) -> ExchangeSession | None:
-        return self.strategy.open_session(partner_id, partner_outer_step)
+    def open_session(self, partner_id: str, partner_outer_step: int, kind: str) -> ExchangeSession | None:
+        return self.strategy.open_session(partner_id, partner_outer_step, kind)
 
     def info(self) -> pb.InfoReply:
         return self._info()
@@ -69,14 +65,21 @@ class ServedNode:
     def state_snapshot(self) -> Published | None:
         return self.snapshot.hold()
 
-    def admit(self, payload: Payload) -> None:
-        """The norm bound (payload_guard.py): the partner's tensors against this node's latest slow weights. A
-        payload that arrives before this node has a bound (an overlap offer during its first phase) is accepted
-        unjudged, and judged by the trainer before it is blended (:meth:`judge`)."""
+    def admit(self, payload: Payload) -> Payload:
+        """The payload to blend: completed by the strategy (a stream run's progress rebuilt into the partner's
+        theta), then under the norm bound (payload_guard.py): the partner's tensors against this node's latest
+        slow weights. A payload that arrives before this node has a bound (an overlap offer during its first phase)
+        is accepted unjudged, and judged by the trainer before it is blended (:meth:`judge`)."""
+        payload = self.strategy.complete_payload(payload)
         if self.security.norm_guard.bound() is None:
             payload.unjudged = True
-            return
-        self._check(payload)
+            return payload
+        try:
+            self._check(payload)
+        except PayloadError:
+            payload.release()
+            raise
+        return payload
 
     def judge(self, payload: Payload) -> bool:
         """Trainer thread: whether an unjudged payload passes the norm bound now; one that fails is held against
@@ -96,13 +99,15 @@ class ServedNode:
             return  # still starting: nothing to compare with, and nothing will be blended before there is
         try:
             phi, delta = held_outer_state(copy, count)
-            layout = self.layout
+            parts = payload.parts
             theta, partner_phi, partner_delta = partner_tensors(
-                payload, layout.names, send_phi=layout.send_phi, send_delta=layout.send_delta
+                payload,
+                self.layout.names,
+                send_theta="theta" in parts,
+                send_phi="phi" in parts,
+                send_delta="delta" in parts,
             )
-            comparisons = [(theta, phi, phi)]
-            if partner_phi:
-                comparisons.append((partner_phi, phi, phi))
+            comparisons = [(theirs, phi, phi) for theirs in (theta, partner_phi) if theirs]
             if partner_delta:
                 comparisons.append((partner_delta, delta, phi))
             self.security.admit(payload, comparisons)

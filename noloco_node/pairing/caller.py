@@ -29,7 +29,7 @@ from noloco_node.rpc.client import ExchangeError, exchange_with
 from noloco_node.rpc.contracts import OutgoingPayload
 from noloco_node.rpc.metrics import ExchangeMetrics
 from noloco_node.rpc.transport import Transport
-from noloco_node.wire.frames import PayloadError, TensorLayout
+from noloco_node.wire.frames import PayloadError, PayloadKind
 from noloco_node.wire.payload import Payload, ReceiveBuffers
 from noloco_node.wire.published import Published
 
@@ -41,9 +41,8 @@ class CallSettings:
     """What every exchange call of a node shares."""
 
     run_fingerprint: str
-    expected_layout: Sequence[TensorLayout]
+    kinds: dict[str, PayloadKind]  # the run's payloads by kind (node/run_layout.py); an answer is of the same kind
     max_payload_bytes: int
-    wire_dtype: str  # the run's: a partner's payload in another is refused
     max_staleness: int
     transport: Transport
     metrics: ExchangeMetrics
@@ -56,7 +55,7 @@ class PeerCaller:
         settings: CallSettings,
         policy: PeerPolicy,
         *,
-        admit: Callable[[Payload], None],
+        admit: Callable[[Payload], Payload],
         bad_payload: Callable[[str, PayloadError], None],
         executor: ThreadPoolExecutor,
     ) -> None:
@@ -102,8 +101,9 @@ class PeerCaller:
     def paired(self, peer_id: str, outer_step: int) -> None:
         self.last_paired[peer_id] = outer_step
 
-    async def call(self, peer: PeerRecord, outgoing: OutgoingPayload) -> Payload | None:
-        """One exchange with ``peer``; its admitted payload, or None (busy, failed, refused: recorded)."""
+    async def call(self, peer: PeerRecord, outgoing: OutgoingPayload, kind: str = "weights") -> Payload | None:
+        """One exchange of payloads of ``kind`` with ``peer``; its admitted payload, or None (busy, failed, refused:
+        recorded)."""
         deadline = self.policy.deadline(peer.peer_id)
         started = time.monotonic()
         loop = asyncio.get_running_loop()
@@ -111,7 +111,8 @@ class PeerCaller:
             # The call is bounded by its own gRPC deadline; the outer bound only covers the hand-off to a thread,
             # which is immediate: the executor has a thread for every exchange a node can have in flight.
             payload = await asyncio.wait_for(
-                loop.run_in_executor(self.executor, self._exchange, peer, outgoing, deadline), timeout=deadline + 5
+                loop.run_in_executor(self.executor, self._exchange, peer, outgoing, kind, deadline),
+                timeout=deadline + 5,
             )
         except (ExchangeError, asyncio.TimeoutError) as error:
             self._failed(peer, deadline, error)
@@ -119,35 +120,35 @@ class PeerCaller:
         self.policy.succeeded(peer.peer_id, time.monotonic() - started)
         return payload
 
-    def _exchange(self, peer: PeerRecord, outgoing: OutgoingPayload, deadline: float) -> Payload:
+    def _exchange(self, peer: PeerRecord, outgoing: OutgoingPayload, kind: str, deadline: float) -> Payload:
         """Exchange thread: the call (holding the published copy it streams), then the admission check."""
         settings = self.settings
         if isinstance(outgoing, Published):
             if not outgoing.hold():
                 raise ExchangeError(grpc.StatusCode.ABORTED, "busy", "the offer was withdrawn before the call")
             try:
-                payload = self._stream(peer, outgoing, deadline)
+                payload = self._stream(peer, outgoing, settings.kinds[kind], deadline)
             finally:
                 outgoing.release()
         else:
-            payload = self._stream(peer, outgoing, deadline)
+            payload = self._stream(peer, outgoing, settings.kinds[kind], deadline)
         try:
-            self.admit(payload)
+            payload = self.admit(payload)
         except PayloadError as error:
             payload.release()
             settings.metrics.rejection(error.reason)
             raise ExchangeError(error.code, error.reason, error.message, bad_payload=error) from None
         return payload
 
-    def _stream(self, peer: PeerRecord, outgoing: OutgoingPayload, deadline: float) -> Payload:
+    def _stream(self, peer: PeerRecord, outgoing: OutgoingPayload, kind: PayloadKind, deadline: float) -> Payload:
         settings = self.settings
         return exchange_with(
             peer.address,
             outgoing,
-            settings.expected_layout,
+            kind.layout,
             run_fingerprint=settings.run_fingerprint,
             max_payload_bytes=settings.max_payload_bytes,
-            wire_dtype=settings.wire_dtype,
+            wire_dtype=kind.wire_dtype,
             timeout=deadline,
             metrics=settings.metrics,
             buffers=settings.receive_buffers,

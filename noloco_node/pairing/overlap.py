@@ -136,16 +136,14 @@ class OverlapPairing(PairingStrategy):
     def ready(self) -> bool:
         return self.book.offer is not None
 
-    def open_session(self, partner_id: str, partner_outer_step: int) -> OfferSession | None:
-        if partner_id == self.ctx.peer_id():
+    def open_session(self, partner_id: str, partner_outer_step: int, kind: str) -> OfferSession | None:
+        if kind != "weights" or partner_id == self.ctx.peer_id():
             return None
         return self.book.try_session(partner_id)
 
     def start(self, replica: Replica) -> None:
         self._outer_step = replica.outer_step
-        self.book.set_offer(
-            self.ctx.offers.publish(replica.fast_weights(), replica.phi, replica.delta, replica.outer_step)
-        )
+        self.book.set_offer(self.ctx.offers["weights"].publish(replica.weights(), replica.outer_step))
 
     def partner(self, replica: Replica, phase_seconds: float) -> Payload | None:
         partner = self.book.take_freshest(replica.outer_step, self.ctx.max_staleness)
@@ -164,7 +162,11 @@ class OverlapPairing(PairingStrategy):
         # The offer for the next phase: projected fast weights phi_new + (theta - phi_old). The copy is made here,
         # before the replica overwrites theta and phi in place.
         projected = algorithm.projected_fast_weights(new_phi, theta, old_phi)
-        self.book.set_offer(self.ctx.offers.publish(projected, new_phi, new_delta, next_outer_step))
+        self.book.set_offer(
+            self.ctx.offers["weights"].publish(
+                {"theta": projected, "phi": new_phi, "delta": new_delta}, next_outer_step
+            )
+        )
         self._outer_step = next_outer_step
 
     def close(self) -> None:

@@ -7,13 +7,14 @@ each with its own methods:
 - the trainer thread, at every outer step: :meth:`PairingStrategy.partner` returns the partner's payload to blend
   with (or None: a solo step), and :meth:`PairingStrategy.after_blend` sees the blend's result before it is
   applied (overlap mode publishes its next offer from it);
-- the gRPC server's threads: :meth:`PairingStrategy.open_session` for a peer's incoming exchange call, and
+- the gRPC server's threads: :meth:`PairingStrategy.open_session` for a peer's incoming exchange call,
+  :meth:`PairingStrategy.complete_payload` for a partner's payload before its check, and
   :meth:`PairingStrategy.ready` for the DHT record;
 - the event loop: :meth:`PairingStrategy.run`, a background task (supervised by the node) for strategies that
   exchange between outer steps.
 
-Strategies: ``sync`` (pairing/sync.py) and ``overlap`` (pairing/overlap.py); a third one implements this class
-and is registered in node/peering.py's ``STRATEGIES``.
+Strategies: ``sync`` (pairing/sync.py), ``overlap`` (pairing/overlap.py) and ``stream`` (pairing/stream.py);
+another one implements this class and is registered in node/peering.py's ``STRATEGIES``.
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ import asyncio
 import math
 import threading
 from abc import ABC, abstractmethod
-from collections.abc import Callable, Coroutine, Sequence
+from collections.abc import Callable, Coroutine, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -34,65 +35,53 @@ from noloco_node.pairing.caller import PeerCaller
 from noloco_node.rpc.contracts import ExchangeSession
 from noloco_node.training.replica import Replica
 from noloco_node.wire import quantize
-from noloco_node.wire.frames import WIRE_DTYPES, build_manifest
+from noloco_node.wire.frames import WIRE_DTYPES, PayloadKind, build_manifest
 from noloco_node.wire.payload import Payload
 from noloco_node.wire.published import BufferPool, Published
 
 
 class OfferPublisher:
-    """Copies of this node's fast weights (and, when the run needs them, its slow weights and outer momentum) in the
-    wire dtype, published for exchanges (copy-on-publish: wire/published.py). The conversion to the wire dtype
-    happens once here, not once per exchange, and the streams send straight from these buffers."""
+    """Copies of one kind of this node's payloads (wire/frames.py ``PayloadKind``: the weights of sync and overlap
+    mode, a stream run's phase or progress payload) in the kind's wire dtype, published for exchanges
+    (copy-on-publish: wire/published.py). The conversion to the wire dtype happens once here, not once per
+    exchange, and the streams send straight from these buffers."""
 
     def __init__(
         self,
-        names: Sequence[str],
-        shapes: Sequence[tuple[int, ...]],
+        kind: PayloadKind,
         *,
-        send_phi: bool,
-        send_delta: bool = False,
-        wire_dtype: str,
         run_fingerprint: str,
         peer_id: Callable[[], str],
         pinned: bool = False,
     ) -> None:
-        self.names = list(names)
-        self.send_phi = send_phi
-        self.send_delta = send_delta
-        self.wire_dtype = wire_dtype
+        self.kind = kind
         self.run_fingerprint = run_fingerprint
         self.peer_id = peer_id
-        shapes = list(shapes) * (1 + send_phi + send_delta)
-        if quantize.is_quantized(wire_dtype):  # published as encoded bytes, once, whoever streams them
+        shapes = [item.shape for item in kind.layout]
+        if quantize.is_quantized(kind.wire_dtype):  # published as encoded bytes, once, whoever streams them
             self.pool = BufferPool(
-                [(quantize.encoded_bytes(math.prod(shape), wire_dtype),) for shape in shapes],
+                [(quantize.encoded_bytes(math.prod(shape), kind.wire_dtype),) for shape in shapes],
                 torch.uint8,
-                encode=lambda buffer, source: quantize.quantize_into(source, wire_dtype, buffer),
+                encode=lambda buffer, source: quantize.quantize_into(source, kind.wire_dtype, buffer),
             )
         else:
-            self.pool = BufferPool(shapes, WIRE_DTYPES[wire_dtype][1], pinned=pinned)
+            self.pool = BufferPool(shapes, WIRE_DTYPES[kind.wire_dtype][1], pinned=pinned)
 
-    def publish(
-        self,
-        theta: Sequence[torch.Tensor],
-        phi: Sequence[torch.Tensor],
-        delta: Sequence[torch.Tensor],
-        outer_step: int,
-    ) -> Published:
-        """A held copy of (theta[, phi][, delta]) as of ``outer_step``; release it when it is superseded."""
-        named = [(f"theta/{n}", t) for n, t in zip(self.names, theta, strict=True)]
-        if self.send_phi:
-            named += [(f"phi/{n}", t) for n, t in zip(self.names, phi, strict=True)]
-        if self.send_delta:
-            named += [(f"delta/{n}", t) for n, t in zip(self.names, delta, strict=True)]
+    def publish(self, parts: Mapping[str, Sequence[torch.Tensor]], outer_step: int) -> Published:
+        """A held copy of the kind's parts (``{"theta": ..., "phi": ..., "delta": ...}``; parts the kind does not
+        carry are ignored) as of ``outer_step``; release it when it is superseded."""
+        sources = [tensor for part in self.kind.parts for tensor in parts[part]]
+        if len(sources) != len(self.kind.layout):
+            raise ValueError(f"{len(sources)} tensors for a {self.kind.name} payload of {len(self.kind.layout)}")
+        named = [(item.name, tensor) for item, tensor in zip(self.kind.layout, sources, strict=True)]
         manifest = build_manifest(
             named,
-            wire_dtype=self.wire_dtype,
+            wire_dtype=self.kind.wire_dtype,
             run_fingerprint=self.run_fingerprint,
             peer_id=self.peer_id(),
             outer_step=outer_step,
         )
-        return self.pool.publish([t for _, t in named], manifest=manifest)
+        return self.pool.publish(sources, manifest=manifest)
 
 
 @dataclass
@@ -103,7 +92,7 @@ class PairingContext:
     caller: PeerCaller
     discovery: Discovery
     telemetry: Telemetry
-    offers: OfferPublisher
+    offers: dict[str, OfferPublisher]  # by payload kind (node/run_layout.py ``payload_kinds``)
     publish_record: Callable[[], Coroutine[Any, Any, None]]  # refresh this node's DHT record (its readiness)
     stopping: threading.Event
     pair_timeout: float
@@ -126,8 +115,15 @@ class PairingStrategy(ABC):
         """Whether peers may call now (published in the DHT record)."""
 
     @abstractmethod
-    def open_session(self, partner_id: str, partner_outer_step: int) -> ExchangeSession | None:
-        """A session for an incoming exchange from ``partner_id`` (a proven id), or None: busy (ABORTED)."""
+    def open_session(self, partner_id: str, partner_outer_step: int, kind: str) -> ExchangeSession | None:
+        """A session for an incoming exchange of payloads of ``kind`` from ``partner_id`` (a proven id), or None:
+        busy (ABORTED)."""
+
+    def complete_payload(self, payload: Payload) -> Payload:
+        """gRPC or exchange thread, before the norm check: the payload to blend, made whole from what this strategy
+        received earlier (a stream run's progress with the partner's phase payload). Raises PayloadError when it
+        cannot be; the payload's buffers are then released. By default the payload is whole."""
+        return payload
 
     # ---------------------------------------------------------------------------------- event loop
 

@@ -45,10 +45,18 @@ class PairingRound:
     """One outer step's chance to pair: at most one exchange at a time, the first complete one wins."""
 
     def __init__(
-        self, outer_step: int, offer: Published, *, last_partner: str | None = None, repeat_after: float = 0.0
+        self,
+        outer_step: int,
+        offer: Published,
+        *,
+        last_partner: str | None = None,
+        repeat_after: float = 0.0,
+        only_partner: str | None = None,
     ) -> None:
         self.outer_step = outer_step
         self.offer = offer  # held by the round until it closes
+        # Stream mode: the partner chosen during the phase is the only one this round exchanges with.
+        self.only_partner = only_partner
         # The last partner is not taken again before this (monotonic) time when others may become ready: nodes
         # that blend together restart together and would otherwise stay phase-locked in the same pairs forever.
         self.last_partner = last_partner
@@ -64,6 +72,8 @@ class PairingRound:
         return self.stage is Stage.OPEN
 
     def may_pair_with(self, peer_id: str) -> bool:
+        if self.only_partner is not None:
+            return peer_id == self.only_partner
         return peer_id != self.last_partner or time.monotonic() >= self.repeat_after
 
     def try_session(self, partner_id: str, partner_outer_step: int, max_staleness: int) -> RoundSession | None:
@@ -151,16 +161,16 @@ class SyncPairing(PairingStrategy):
         current = self._round
         return current is not None and current.open
 
-    def open_session(self, partner_id: str, partner_outer_step: int) -> RoundSession | None:
+    def open_session(self, partner_id: str, partner_outer_step: int, kind: str) -> RoundSession | None:
         current = self._round
-        if current is None or partner_id == self.ctx.peer_id():
+        if current is None or kind != "weights" or partner_id == self.ctx.peer_id():
             return None
         return current.try_session(partner_id, partner_outer_step, self.ctx.max_staleness)
 
     def partner(self, replica: Replica, phase_seconds: float) -> Payload | None:
         ctx = self.ctx
         assert ctx.loop is not None
-        offer = ctx.offers.publish(replica.fast_weights(), replica.phi, replica.delta, replica.outer_step)
+        offer = ctx.offers["weights"].publish(replica.weights(), replica.outer_step)
         current = PairingRound(replica.outer_step, offer)
         if self._known_peers - {self._last_partner, None}:
             # Others exist: give them a moment to become ready before blending with the last partner again.

@@ -8,7 +8,7 @@ from collections.abc import Sequence
 from typing import Any, Protocol
 
 from noloco_node.rpc import peer_pb2 as pb
-from noloco_node.wire.frames import PayloadError, TensorLayout
+from noloco_node.wire.frames import PayloadError, PayloadKind, TensorLayout
 from noloco_node.wire.payload import Payload, ReceiveBuffers
 
 
@@ -54,16 +54,15 @@ class PeerNode(Protocol):
     def receive_buffers(self) -> ReceiveBuffers:
         """Reused from one exchange to the next."""
 
-    def expected_layout(self) -> Sequence[TensorLayout]: ...
+    def payload_kinds(self) -> Sequence[PayloadKind]:
+        """The payloads a peer may send in an exchange (their tensors and wire dtype); anything else is refused
+        (FAILED_PRECONDITION ``payload_layout`` or ``wire_dtype`` for another configuration's)."""
 
     def max_payload_bytes(self) -> int: ...
 
-    @property
-    def wire_dtype(self) -> str:
-        """The run's wire dtype: a payload in another is refused (FAILED_PRECONDITION, ``wire_dtype``)."""
-
-    def open_session(self, partner_id: str, partner_outer_step: int) -> ExchangeSession | None:
-        """A session if this node can exchange with that partner now; None means busy (ABORTED)."""
+    def open_session(self, partner_id: str, partner_outer_step: int, kind: str) -> ExchangeSession | None:
+        """A session for an exchange of payloads of ``kind`` if this node can exchange with that partner now; None
+        means busy (ABORTED)."""
 
     def info(self) -> pb.InfoReply: ...
 
@@ -71,8 +70,9 @@ class PeerNode(Protocol):
         """The full replica state at the last outer step, held for one joiner's download (the service releases
         it); None when there is none yet."""
 
-    def admit(self, payload: Payload) -> None:
-        """Raise PayloadError if this verified payload must still not be blended (the norm bound)."""
+    def admit(self, payload: Payload) -> Payload:
+        """The payload to hand to the session (for a stream run's progress, assembled with the partner's phase
+        payload), or PayloadError if it must still not be blended (the norm bound); on an error nothing is kept."""
 
     def refused_peer(self, partner_id: str) -> bool:
         """True for a peer this node no longer exchanges with (it sent a bad payload recently)."""
@@ -82,11 +82,19 @@ class PeerNode(Protocol):
 
 
 class AdmitsEverything:
-    """PeerNode defaults for nodes without an admission policy (benchmarks, test doubles): every verified payload
-    is admitted and no peer is refused."""
+    """PeerNode defaults for nodes without an admission policy (benchmarks, test doubles): one kind of payload,
+    ``expected_layout()`` in ``wire_dtype``; every verified payload is admitted and no peer is refused."""
 
-    def admit(self, payload: Payload) -> None:
-        return None
+    wire_dtype: str
+
+    def expected_layout(self) -> Sequence[TensorLayout]:
+        raise NotImplementedError
+
+    def payload_kinds(self) -> list[PayloadKind]:
+        return [PayloadKind("weights", tuple(self.expected_layout()), self.wire_dtype)]
+
+    def admit(self, payload: Payload) -> Payload:
+        return payload
 
     def refused_peer(self, partner_id: str) -> bool:
         return False

@@ -91,10 +91,10 @@ class PeerService:
 
     def _receiver(self) -> PayloadReceiver:
         return PayloadReceiver(
-            self.node.expected_layout(),
+            (),
+            kinds=self.node.payload_kinds(),
             run_fingerprint=self.node.run_fingerprint,
             max_total_bytes=self.node.max_payload_bytes(),
-            allowed_dtypes=(self.node.wire_dtype,),
             buffers=self.node.receive_buffers,
         )
 
@@ -212,7 +212,8 @@ class PeerService:
             )
 
         guard.progress = lambda: sent + receiver.bytes_received
-        session = self.node.open_session(partner, receiver.manifest.outer_step)
+        assert receiver.kind is not None
+        session = self.node.open_session(partner, receiver.manifest.outer_step, receiver.kind.name)
         if session is None:
             receiver.discard()
             finish("busy")
@@ -262,7 +263,7 @@ class PeerService:
             received = outcome.get("payload")
             if isinstance(received, Payload):
                 try:
-                    self.node.admit(received)
+                    received = self.node.admit(received)
                 except PayloadError as refused:
                     outcome["error"] = refused
                     received.release()

@@ -137,6 +137,10 @@ class Replica:
 
     # ------------------------------------------------------------------------------------------ outer state
 
+    def weights(self) -> dict[str, list[torch.Tensor]]:
+        """theta (fast_weights), phi and delta by part name, as an offer publishes them (pairing/strategy.py)."""
+        return {"theta": self.fast_weights(), "phi": list(self.phi), "delta": list(self.delta)}
+
     def fast_weights(self) -> list[torch.Tensor]:
         """theta on the host, one tensor per parameter. On a CPU: views of the live weights (copy before training
         on). On a GPU: the weights copied into pinned host buffers (reused from one outer step to the next)."""

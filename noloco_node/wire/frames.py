@@ -83,6 +83,27 @@ class TensorLayout:
         return math.prod(self.shape)
 
 
+@dataclass(frozen=True)
+class PayloadKind:
+    """One kind of exchange payload a run accepts: its tensors in order and the wire dtype they travel in.
+
+    A run in ``sync`` or ``overlap`` mode exchanges one kind, ``weights`` (theta, with phi and delta when the run
+    needs them); a ``stream`` run two: ``phase`` (phi, fixed during the inner phase, in bf16) and ``progress``
+    (Delta = theta - phi at the outer step, in the run's wire dtype). The receiver tells them apart by their parts
+    (the prefix of every tensor name)."""
+
+    name: str
+    layout: tuple[TensorLayout, ...]
+    wire_dtype: str
+
+    @property
+    def parts(self) -> list[str]:
+        return list(dict.fromkeys(item.name.split("/", 1)[0] for item in self.layout))
+
+    def wire_bytes(self) -> int:
+        return sum(wire_num_bytes(item.numel, self.wire_dtype) for item in self.layout)
+
+
 def layout_of(named_tensors: Sequence[tuple[str, torch.Tensor]]) -> list[TensorLayout]:
     return [TensorLayout(name, tuple(tensor.shape)) for name, tensor in named_tensors]
 

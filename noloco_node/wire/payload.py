@@ -36,6 +36,7 @@ from noloco_node.wire.frames import (
     WIRE_NAME_OF_CODE,
     ChunkView,
     PayloadError,
+    PayloadKind,
     TensorLayout,
     _invalid,
     chunk_checksum,
@@ -110,6 +111,18 @@ class Payload:
     def outer_step(self) -> int:
         return self.manifest.outer_step
 
+    @property
+    def parts(self) -> list[str]:
+        """What it carries per parameter (``theta``, ``phi``, ``delta``, ``progress``), in manifest order."""
+        return _parts(self.tensors)
+
+    def hand_over(self) -> tuple[dict[str, torch.Tensor], list[torch.Tensor]]:
+        """Its tensors and the buffers behind them, for a payload assembled from this one (a stream run's phase and
+        progress payloads); this payload is empty afterwards and its release does nothing."""
+        tensors, buffers = self.tensors, self._buffers
+        self.tensors, self._buffers = {}, []
+        return tensors, buffers
+
     def release(self) -> None:
         """The tensors will not be read again: their buffers may receive the next payload. Idempotent."""
         buffers, self._buffers, self.tensors = self._buffers, [], {}
@@ -120,8 +133,9 @@ class Payload:
 class PayloadReceiver:
     """Assembles one peer's payload from frames, checking each one; :meth:`finish` returns it only if all is well.
 
-    ``expected`` is the exact list of tensors this receiver accepts, in order; ``max_total_bytes`` caps the whole
-    payload before anything is allocated.
+    ``expected`` is the exact list of tensors this receiver accepts, in order, in one of ``allowed_dtypes``; or,
+    with ``kinds``, the payload's parts choose one of those kinds (a stream run's phase or progress payload), which
+    then sets both. ``max_total_bytes`` caps the whole payload before anything is allocated.
     """
 
     def __init__(
@@ -134,8 +148,11 @@ class PayloadReceiver:
         buffers: ReceiveBuffers | None = None,
         prefilled: Sequence[torch.Tensor] = (),
         prefilled_partial_bytes: int = 0,
+        kinds: Sequence[PayloadKind] = (),
     ) -> None:
         self.expected = list(expected)
+        self.kinds = list(kinds)
+        self.kind: PayloadKind | None = None  # the kind the manifest turned out to be, with ``kinds``
         self.pool = buffers
         # Leading tensors already received from another sender (a resumed state download), the last one only up
         # to ``prefilled_partial_bytes`` when that is not 0: the manifest must still match all of them, but what
@@ -178,14 +195,21 @@ class PayloadReceiver:
                 "wrong_run",
                 f"payload is for run {manifest.run_fingerprint!r}, this node trains run {self.run_fingerprint!r}",
             )
-        sent, wanted = _parts(spec.name for spec in manifest.tensors), _parts(want.name for want in self.expected)
-        if sent != wanted and set(sent) <= EXCHANGED_PARTS:
-            # A well-formed payload of another configuration (--blend-momenta, --gamma): say which, not "malformed".
+        sent = _parts(spec.name for spec in manifest.tensors)
+        if self.kinds:
+            self.kind = next((kind for kind in self.kinds if kind.parts == sent), self.kinds[0])
+            self.expected = list(self.kind.layout)
+            self.allowed_codes = {WIRE_DTYPES[self.kind.wire_dtype][0]}
+        accepted = [kind.parts for kind in self.kinds] or [_parts(want.name for want in self.expected)]
+        if sent not in accepted and set(sent) <= EXCHANGED_PARTS:
+            # A well-formed payload of another configuration (--mode, --blend-momenta, --gamma): say which, not
+            # "malformed".
             raise PayloadError(
                 grpc.StatusCode.FAILED_PRECONDITION,
                 "payload_layout",
-                f"the payload carries {'+'.join(sent)} per parameter; this node's run exchanges {'+'.join(wanted)} "
-                "(--blend-momenta and --gamma must be the same on every node of a run)",
+                f"the payload carries {'+'.join(sent)} per parameter; this node's run exchanges "
+                f"{' or '.join('+'.join(parts) for parts in accepted)} (--mode, --blend-momenta and --gamma must be "
+                "the same on every node of a run)",
             )
         if len(manifest.tensors) != len(self.expected):
             raise _invalid(
@@ -350,7 +374,9 @@ class PayloadReceiver:
         return payload
 
 
-EXCHANGED_PARTS = {"theta", "phi", "delta"}  # what an exchange payload may carry per parameter (node/run_layout.py)
+# What an exchange payload may carry per parameter (node/run_layout.py): fast weights, slow weights, outer
+# momentum, and a stream run's progress Delta = theta - phi.
+EXCHANGED_PARTS = {"theta", "phi", "delta", "progress"}
 
 
 def _parts(names: Iterable[str]) -> list[str]:

@@ -59,7 +59,7 @@ class Holder(AdmitsEverything):
     def max_payload_bytes(self) -> int:
         return 10**9
 
-    def open_session(self, partner_id: str, partner_outer_step: int):
+    def open_session(self, partner_id: str, partner_outer_step: int, kind: str = "weights"):
         return None if self.busy else self
 
     def outgoing(self) -> Outgoing:

@@ -71,7 +71,7 @@ class _Stranger(AdmitsEverything):
     def max_payload_bytes(self) -> int:
         return 10**9
 
-    def open_session(self, partner_id: str, partner_outer_step: int):
+    def open_session(self, partner_id: str, partner_outer_step: int, kind: str = "weights"):
         self.sessions += 1
         return None
 

@@ -61,7 +61,7 @@ class Donor(AdmitsEverything):
     def max_payload_bytes(self) -> int:
         return 0
 
-    def open_session(self, partner_id: str, partner_outer_step: int) -> None:
+    def open_session(self, partner_id: str, partner_outer_step: int, kind: str = "weights") -> None:
         return None
 
 

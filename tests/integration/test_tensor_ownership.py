@@ -24,7 +24,7 @@ from noloco_node.rpc.metrics import ExchangeMetrics
 from noloco_node.rpc.service import EXCHANGE_METHOD, start_server
 from noloco_node.rpc.transport import CHANNEL_OPTIONS
 from noloco_node.training.replica import Replica
-from noloco_node.wire.frames import TensorLayout, build_manifest, iter_frames
+from noloco_node.wire.frames import PayloadKind, TensorLayout, build_manifest, iter_frames
 from noloco_node.wire.payload import PayloadReceiver, ReceiveBuffers
 
 RUN = "ownership-test"
@@ -50,7 +50,7 @@ class _RoundNode(AdmitsEverything):
     def max_payload_bytes(self) -> int:
         return sum(item.numel for item in self.layout) * 4 + 1024
 
-    def open_session(self, partner_id: str, partner_outer_step: int):
+    def open_session(self, partner_id: str, partner_outer_step: int, kind: str = "weights"):
         self.sessions += 1
         return self.round.try_session(partner_id, partner_outer_step, max_staleness=2)
 
@@ -71,20 +71,17 @@ def test_an_exchange_streaming_through_the_outer_step_delivers_the_pre_step_tens
     )
     for _ in range(3):
         replica.train_step()
-    offers = OfferPublisher(
-        replica.names,
-        [tuple(p.shape) for p in replica.params],
-        send_phi=True,
-        wire_dtype="bf16",
-        run_fingerprint=RUN,
-        peer_id=lambda: "served",
-    )
     names = replica.names
+    shapes = [tuple(p.shape) for p in replica.params]
+    weights = PayloadKind(
+        "weights",
+        tuple(TensorLayout(f"{part}/{n}", s) for part in ("theta", "phi") for n, s in zip(names, shapes, strict=True)),
+        "bf16",
+    )
+    offers = OfferPublisher(weights, run_fingerprint=RUN, peer_id=lambda: "served")
     before = {f"theta/{n}": p.detach().to(torch.bfloat16).clone() for n, p in zip(names, replica.params, strict=True)}
     before |= {f"phi/{n}": t.to(torch.bfloat16).clone() for n, t in zip(names, replica.phi, strict=True)}
-    pairing_round = PairingRound(
-        replica.outer_step, offers.publish(replica.fast_weights(), replica.phi, replica.delta, 0)
-    )
+    pairing_round = PairingRound(replica.outer_step, offers.publish(replica.weights(), 0))
     layout = [TensorLayout(name, tuple(t.shape)) for name, t in before.items()]
     node = _RoundNode(pairing_round, layout)
     server, port = start_server(node, ExchangeMetrics(), bind="127.0.0.1:0", chunk_bytes=16384)

@@ -1,0 +1,309 @@
+"""``stream`` pairing: the partner is chosen during the inner phase, its slow weights stream while both train, and
+only the phase's progress is exchanged at the outer step.
+
+The NoLoCo blend of node i with partner j (arXiv 2506.10911, eq. 3-5) needs j's fast weights theta_j, and its slow
+weights phi_j when gamma != beta or momenta are blended. phi_j is fixed for the whole inner phase, and
+theta_j = phi_j + Delta_j, where only Delta_j, the phase's progress, waits for the phase's end. So:
+
+1. at the start of a phase a node publishes its *phase payload* (phi, and delta with --blend-momenta, in bf16), and
+   a background task swaps phase payloads with one ready peer (peers calling in do the same). The first complete
+   swap *reserves* the pair for this phase on both sides; a node swaps with one peer at a time (its swap lock is
+   only ever tried, so two nodes calling each other get a quick refusal and retry).
+2. At the outer step the node publishes its *progress* Delta = theta - phi in the run's wire dtype and exchanges it
+   with the reserved partner alone, in a pairing round like sync's (either side may call; the first complete
+   exchange settles both). The partner's theta is rebuilt as phi_j + Delta_j (:meth:`StreamPairing.
+   complete_payload`) and checked under the norm bound like any partner's weights.
+3. No reservation by the outer step, the partner gone or already past this step, or no progress within
+   --pair-timeout: a solo step.
+
+The blend is exact NoLoCo up to the rounding of phi (bf16) and Delta (the wire dtype): the simulator's
+``noloco-stream`` methods measure that cost (docs/algorithm-study.md). On the critical path there is only Delta,
+which quantizes well (its blocks scale to the progress, not to the weights): int8 is a quarter of the fp32 weights.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import random
+import threading
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import grpc
+import torch
+
+from noloco_node.pairing.strategy import PairingContext, PairingStrategy
+from noloco_node.pairing.sync import PairingRound, RoundSession
+from noloco_node.training.replica import Replica
+from noloco_node.wire.frames import PayloadError
+from noloco_node.wire.payload import Payload
+from noloco_node.wire.published import Published
+
+log = logging.getLogger(__name__)
+
+MISSING_LOOKUPS = 3  # DHT lookups in a row without the partner's record before the node stops waiting for it
+
+
+@dataclass
+class Phase:
+    """One inner phase of this node, from its phase payload's point of view."""
+
+    outer_step: int  # the outer step that ends this phase
+    offer: Published  # this node's phase payload, held until the next phase's replaces it
+    partner: Payload | None = None  # the reserved partner's phase payload, until its progress arrives
+    open: bool = True  # False from this node's outer step on: no new reservation
+
+
+class StreamPairing(PairingStrategy):
+    mode = "stream"
+
+    def __init__(self, ctx: PairingContext) -> None:
+        super().__init__(ctx)
+        self._guard = threading.Lock()  # the phase and its reservation
+        self._swap_lock = threading.Lock()  # the one phase swap in flight
+        self._phase: Phase | None = None
+        self._round: PairingRound | None = None
+
+    # ---------------------------------------------------------------------------------- gRPC threads
+
+    def ready(self) -> bool:
+        """Peers may start a phase swap: the phase is open and nobody is reserved yet."""
+        phase = self._phase
+        return phase is not None and phase.open and phase.partner is None
+
+    def open_session(self, partner_id: str, partner_outer_step: int, kind: str) -> PhaseSession | RoundSession | None:
+        if partner_id == self.ctx.peer_id():
+            return None
+        if kind == "progress":
+            current = self._round
+            return (
+                None if current is None else current.try_session(partner_id, partner_outer_step, self.ctx.max_staleness)
+            )
+        if kind != "phase":
+            return None
+        with self._guard:
+            phase = self._phase
+            if phase is None or not phase.open or phase.partner is not None:
+                return None
+            if abs(partner_outer_step - phase.outer_step) > self.ctx.max_staleness:
+                return None
+            if not self._swap_lock.acquire(blocking=False):
+                return None
+            if not phase.offer.hold():
+                self._swap_lock.release()
+                return None
+        return PhaseSession(self, phase, partner_id)
+
+    def complete_payload(self, payload: Payload) -> Payload:
+        """A progress payload becomes the partner's whole payload: theta = phi + Delta (fp32), with the phi (and
+        delta) of its phase payload. Anything else is whole already."""
+        if payload.parts != ["progress"]:
+            return payload
+        with self._guard:
+            phase = self._phase
+            partner = phase.partner if phase is not None else None
+            if partner is None or partner.peer_id != payload.peer_id:
+                partner = None
+            else:
+                phase.partner = None  # consumed: one progress per reservation
+        if partner is None:
+            payload.release()
+            raise PayloadError(
+                grpc.StatusCode.FAILED_PRECONDITION,
+                "no_phase_payload",
+                "a progress payload from a peer this node has not swapped phase payloads with in this phase",
+            )
+        if partner.outer_step != payload.outer_step:
+            payload.release()
+            partner.release()
+            raise PayloadError(
+                grpc.StatusCode.FAILED_PRECONDITION,
+                "progress_step",
+                f"progress of outer step {payload.outer_step} for a phase payload of outer step {partner.outer_step}",
+            )
+        return self._rebuild(partner, payload)
+
+    def _rebuild(self, phase_payload: Payload, progress: Payload) -> Payload:
+        pool = self.ctx.caller.settings.receive_buffers
+        manifest = progress.manifest
+        phase_tensors, phase_buffers = phase_payload.hand_over()
+        progress_tensors, progress_buffers = progress.hand_over()
+        tensors: dict[str, torch.Tensor] = {}
+        rebuilt: list[torch.Tensor] = []
+        for name, delta in progress_tensors.items():
+            parameter = name.split("/", 1)[1]
+            theta = pool.take(torch.float32, delta.numel()).view(delta.shape)
+            theta.copy_(phase_tensors[f"phi/{parameter}"]).add_(delta)  # in fp32, whatever the wire dtypes
+            tensors[f"theta/{parameter}"] = theta
+            rebuilt.append(theta.view(-1))
+        tensors.update(phase_tensors)
+        return Payload(manifest, tensors, buffers=[*phase_buffers, *progress_buffers, *rebuilt], pool=pool)
+
+    def _reserve(self, phase: Phase, payload: Payload) -> bool:
+        """The first complete phase swap of this phase reserves its partner; any other is let go."""
+        with self._guard:
+            reserved = self._phase is phase and phase.open and phase.partner is None
+            if reserved:
+                phase.partner = payload
+        if not reserved:
+            payload.release()
+            return False
+        loop = self.ctx.loop
+        if loop is not None:  # no longer ready for other peers' swaps: say so
+            asyncio.run_coroutine_threadsafe(self.ctx.publish_record(), loop)
+        return True
+
+    # ---------------------------------------------------------------------------------- trainer thread
+
+    def start(self, replica: Replica) -> None:
+        self._begin_phase(replica.phi, replica.delta, replica.outer_step)
+
+    def _begin_phase(self, phi: Sequence[torch.Tensor], delta: Sequence[torch.Tensor], outer_step: int) -> None:
+        offer = self.ctx.offers["phase"].publish({"phi": phi, "delta": delta}, outer_step)
+        with self._guard:
+            previous, self._phase = self._phase, Phase(outer_step, offer)
+        if previous is not None:
+            self._end_phase(previous)
+
+    def _end_phase(self, phase: Phase) -> None:
+        with self._guard:
+            phase.open = False
+            leftover, phase.partner = phase.partner, None
+        phase.offer.release()
+        if leftover is not None:
+            leftover.release()
+
+    def partner(self, replica: Replica, phase_seconds: float) -> Payload | None:
+        ctx = self.ctx
+        assert ctx.loop is not None
+        with self._guard:
+            phase = self._phase
+            if phase is None:
+                return None
+            phase.open = False  # no reservation from here on
+            reserved = phase.partner
+        if reserved is None:
+            return None  # nobody swapped phase payloads with this node: a solo step, no waiting
+        progress = [t.to(torch.float32) - p for t, p in zip(replica.fast_weights(), replica.phi, strict=True)]
+        offer = ctx.offers["progress"].publish({"progress": progress}, replica.outer_step)
+        del progress
+        current = PairingRound(replica.outer_step, offer, only_partner=reserved.peer_id)
+        self._round = current
+        if ctx.stopping.is_set():
+            current.stop_waiting()
+        seeker = asyncio.run_coroutine_threadsafe(
+            self._exchange_progress(current, reserved.peer_id, reserved.outer_step), ctx.loop
+        )
+        ctx.telemetry.beat()
+        current.wait(ctx.pair_timeout)
+        ctx.telemetry.beat()
+        partner = current.close(wait_for_exchange=ctx.exchange_ceiling + 5)
+        self._round = None
+        seeker.cancel()
+        with self._guard:
+            leftover, phase.partner = phase.partner, None  # not consumed: the progress never came
+        if leftover is not None:
+            leftover.release()
+        if partner is not None:
+            ctx.caller.paired(partner.peer_id, replica.outer_step)
+        return partner
+
+    def after_blend(
+        self,
+        new_phi: Sequence[torch.Tensor],
+        new_delta: Sequence[torch.Tensor],
+        theta: Sequence[torch.Tensor],
+        old_phi: Sequence[torch.Tensor],
+        next_outer_step: int,
+    ) -> None:
+        self._begin_phase(new_phi, new_delta, next_outer_step)
+
+    def interrupt(self) -> None:
+        current = self._round
+        if current is not None:
+            current.stop_waiting()
+
+    def close(self) -> None:
+        with self._guard:
+            phase, self._phase = self._phase, None
+        if phase is not None:
+            self._end_phase(phase)
+
+    # ---------------------------------------------------------------------------------- event loop
+
+    async def run(self) -> None:
+        """During each phase, until the phase is reserved: swap phase payloads with a ready peer."""
+        ctx = self.ctx
+        while True:
+            await asyncio.sleep(random.uniform(0.1, 0.3))
+            phase = self._phase
+            if phase is None or not phase.open or phase.partner is not None:
+                continue
+            try:
+                live = await ctx.discovery.live_peers()
+            except (TimeoutError, OSError) as error:
+                log.warning("DHT lookup failed: %s", error)
+                continue
+            ctx.telemetry.on_peers(live)
+            for peer in ctx.caller.order(ctx.caller.choosable(live, phase.outer_step)):
+                if not (phase.open and phase.partner is None) or not self._swap_lock.acquire(blocking=False):
+                    break  # reserved meanwhile (a peer called in), or a peer is swapping with us right now
+                try:
+                    payload = await ctx.caller.call(peer, phase.offer, kind="phase")
+                finally:
+                    self._swap_lock.release()
+                if payload is not None and self._reserve(phase, payload):
+                    break
+
+    async def _exchange_progress(self, current: PairingRound, partner_id: str, partner_step: int) -> None:
+        """Call the reserved partner with this node's progress until the round is settled; stop early when the
+        partner is gone or already past this phase (it went on alone: nobody will answer)."""
+        ctx = self.ctx
+        missing = 0
+        while current.open:
+            try:
+                live = await ctx.discovery.live_peers()
+            except (TimeoutError, OSError):
+                live = None
+            record = None if live is None else next((p for p in live if p.peer_id == partner_id), None)
+            if live is not None and record is None:
+                missing += 1
+                if missing >= MISSING_LOOKUPS:
+                    current.stop_waiting()
+                    return
+            elif record is not None:
+                missing = 0
+                if record.outer_step > partner_step:
+                    current.stop_waiting()
+                    return
+                if record.address and current.lock.acquire(blocking=False):
+                    try:
+                        if not current.open:
+                            return
+                        payload = await ctx.caller.call(record, current.offer, kind="progress")
+                    finally:
+                        current.lock.release()
+                    if payload is not None:
+                        current.settle(payload)
+                        return
+            await asyncio.sleep(random.uniform(0.05, 0.2))
+
+
+class PhaseSession:
+    """The ExchangeSession of a phase swap: holds the swap lock and this phase's payload until released."""
+
+    def __init__(self, strategy: StreamPairing, phase: Phase, partner_id: str) -> None:
+        self.strategy = strategy
+        self.phase = phase
+        self.partner_id = partner_id
+
+    def outgoing(self) -> Published:
+        return self.phase.offer
+
+    def complete(self, payload: Payload) -> None:
+        self.strategy._reserve(self.phase, payload)
+
+    def release(self) -> None:
+        self.phase.offer.release()
+        self.strategy._swap_lock.release()
