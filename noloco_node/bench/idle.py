@@ -135,7 +135,7 @@ def run_idle_bench(
     *,
     seq_len: int = 128,
     batch_size: int = 8,
-    modes: tuple[str, ...] = ("sync", "overlap"),
+    modes: tuple[str, ...] = ("sync", "stream", "overlap"),
     out: Path | None = None,
 ) -> IdleBenchResult:
     train_args = ["--model", model, "--seq-len", str(seq_len), "--batch-size", str(batch_size)]

@@ -6,9 +6,9 @@ from __future__ import annotations
 import argparse
 import os
 from pathlib import Path
-from typing import Any
+from typing import Any, get_args
 
-from noloco_node.config.models import MODEL_SIZES
+from noloco_node.config.models import MODEL_SIZES, PairingMode
 
 
 def add_bench_parsers(commands: Any) -> None:
@@ -94,7 +94,7 @@ def add_bench_parsers(commands: Any) -> None:
     idle.add_argument("--nodes", type=int, default=4, help="nodes in the local swarm")
     idle.add_argument("--steps", type=int, default=600, help="inner steps each node trains")
     idle.add_argument("--model", default="tiny", choices=list(MODEL_SIZES), help="model size")
-    idle.add_argument("--modes", default="sync,overlap", help="pairing modes to measure, comma-separated")
+    idle.add_argument("--modes", default="sync,stream,overlap", help="pairing modes to measure, comma-separated")
 
     sync_bench = benches.add_parser(
         "sync",
@@ -183,9 +183,12 @@ def run_bench(args: argparse.Namespace) -> int:
 
         print(f"noloco-node bench idle: {os.cpu_count()} CPUs", flush=True)
         modes = tuple(m for m in args.modes.split(",") if m)
-        unknown = [m for m in modes if m not in ("sync", "overlap")]
+        unknown = [m for m in modes if m not in get_args(PairingMode)]
         if unknown or not modes:
-            raise SystemExit(f"noloco-node bench idle: --modes takes sync and/or overlap, not {args.modes!r}")
+            raise SystemExit(
+                f"noloco-node bench idle: --modes takes {', '.join(get_args(PairingMode))} (comma-separated), "
+                f"not {args.modes!r}"
+            )
         print(run_idle_bench(args.nodes, args.steps, args.model, modes=modes).report())
         return 0
     if args.bench == "sync":

@@ -28,11 +28,12 @@ import logging
 import random
 import threading
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import grpc
 import torch
 
+from noloco_node.discovery.dht import PeerRecord
 from noloco_node.pairing.strategy import PairingContext, PairingStrategy
 from noloco_node.pairing.sync import PairingRound, RoundSession
 from noloco_node.training.replica import Replica
@@ -52,7 +53,8 @@ class Phase:
     outer_step: int  # the outer step that ends this phase
     offer: Published  # this node's phase payload, held until the next phase's replaces it
     partner: Payload | None = None  # the reserved partner's phase payload, until its progress arrives
-    open: bool = True  # False from this node's outer step on: no new reservation
+    open: bool = True  # False once this node has stopped waiting for a reservation: no new one
+    reserved: threading.Event = field(default_factory=threading.Event)
 
 
 class StreamPairing(PairingStrategy):
@@ -64,6 +66,8 @@ class StreamPairing(PairingStrategy):
         self._swap_lock = threading.Lock()  # the one phase swap in flight
         self._phase: Phase | None = None
         self._round: PairingRound | None = None
+        # The run's live peers as last looked up, so that the progress exchange starts without a DHT lookup.
+        self._records: dict[str, PeerRecord] = {}
 
     # ---------------------------------------------------------------------------------- gRPC threads
 
@@ -146,6 +150,7 @@ class StreamPairing(PairingStrategy):
             reserved = self._phase is phase and phase.open and phase.partner is None
             if reserved:
                 phase.partner = payload
+                phase.reserved.set()
         if not reserved:
             payload.release()
             return False
@@ -158,6 +163,8 @@ class StreamPairing(PairingStrategy):
 
     def start(self, replica: Replica) -> None:
         self._begin_phase(replica.phi, replica.delta, replica.outer_step)
+        if self.ctx.loop is not None:  # ready for phase swaps from now on: say so before the first phase ends
+            asyncio.run_coroutine_threadsafe(self.ctx.publish_record(), self.ctx.loop)
 
     def _begin_phase(self, phi: Sequence[torch.Tensor], delta: Sequence[torch.Tensor], outer_step: int) -> None:
         offer = self.ctx.offers["phase"].publish({"phi": phi, "delta": delta}, outer_step)
@@ -177,14 +184,18 @@ class StreamPairing(PairingStrategy):
     def partner(self, replica: Replica, phase_seconds: float) -> Payload | None:
         ctx = self.ctx
         assert ctx.loop is not None
+        phase = self._phase
+        if phase is None:
+            return None
+        if not ctx.stopping.is_set():
+            # Not reserved yet (the first phase, an odd swarm, every peer taken): a peer in the same position may
+            # still swap now, at the price of phi on the critical path; --alone-grace at most.
+            phase.reserved.wait(ctx.alone_grace)
         with self._guard:
-            phase = self._phase
-            if phase is None:
-                return None
             phase.open = False  # no reservation from here on
             reserved = phase.partner
         if reserved is None:
-            return None  # nobody swapped phase payloads with this node: a solo step, no waiting
+            return None  # nobody swapped phase payloads with this node: a solo step
         progress = [t.to(torch.float32) - p for t, p in zip(replica.fast_weights(), replica.phi, strict=True)]
         offer = ctx.offers["progress"].publish({"progress": progress}, replica.outer_step)
         del progress
@@ -220,7 +231,9 @@ class StreamPairing(PairingStrategy):
         self._begin_phase(new_phi, new_delta, next_outer_step)
 
     def interrupt(self) -> None:
-        current = self._round
+        phase, current = self._phase, self._round
+        if phase is not None:
+            phase.reserved.set()  # a trainer waiting for a reservation goes on (it finds none, or uses it)
         if current is not None:
             current.stop_waiting()
 
@@ -246,6 +259,7 @@ class StreamPairing(PairingStrategy):
                 log.warning("DHT lookup failed: %s", error)
                 continue
             ctx.telemetry.on_peers(live)
+            self._records = {p.peer_id: p for p in live}
             for peer in ctx.caller.order(ctx.caller.choosable(live, phase.outer_step)):
                 if not (phase.open and phase.partner is None) or not self._swap_lock.acquire(blocking=False):
                     break  # reserved meanwhile (a peer called in), or a peer is swapping with us right now
@@ -258,36 +272,31 @@ class StreamPairing(PairingStrategy):
 
     async def _exchange_progress(self, current: PairingRound, partner_id: str, partner_step: int) -> None:
         """Call the reserved partner with this node's progress until the round is settled; stop early when the
-        partner is gone or already past this phase (it went on alone: nobody will answer)."""
+        partner is gone or already past this phase (it went on alone: nobody will answer). The first call goes to
+        the address known from the phase swap, without waiting for a DHT lookup."""
         ctx = self.ctx
-        missing = 0
+        record, missing = self._records.get(partner_id), 0
         while current.open:
+            if record is not None and record.address and current.lock.acquire(blocking=False):
+                try:
+                    if not current.open:
+                        return
+                    payload = await ctx.caller.call(record, current.offer, kind="progress")
+                finally:
+                    current.lock.release()
+                if payload is not None:
+                    current.settle(payload)
+                    return
+            await asyncio.sleep(random.uniform(0.05, 0.2))  # the partner's round is not open yet, or it calls us
             try:
                 live = await ctx.discovery.live_peers()
             except (TimeoutError, OSError):
-                live = None
-            record = None if live is None else next((p for p in live if p.peer_id == partner_id), None)
-            if live is not None and record is None:
-                missing += 1
-                if missing >= MISSING_LOOKUPS:
-                    current.stop_waiting()
-                    return
-            elif record is not None:
-                missing = 0
-                if record.outer_step > partner_step:
-                    current.stop_waiting()
-                    return
-                if record.address and current.lock.acquire(blocking=False):
-                    try:
-                        if not current.open:
-                            return
-                        payload = await ctx.caller.call(record, current.offer, kind="progress")
-                    finally:
-                        current.lock.release()
-                    if payload is not None:
-                        current.settle(payload)
-                        return
-            await asyncio.sleep(random.uniform(0.05, 0.2))
+                continue
+            record = next((p for p in live if p.peer_id == partner_id), None)
+            missing = 0 if record is not None else missing + 1
+            if missing >= MISSING_LOOKUPS or (record is not None and record.outer_step > partner_step):
+                current.stop_waiting()
+                return
 
 
 class PhaseSession:

@@ -65,15 +65,18 @@ def test_three_nodes_discover_each_other_exchange_and_learn(bootstrap: Bootstrap
             node.stop()
 
 
-@pytest.mark.parametrize(("wire_dtype", "blend_momenta"), [("fp32", True), ("int8", False)])
+@pytest.mark.parametrize(
+    ("mode", "wire_dtype", "blend_momenta"), [("sync", "fp32", True), ("stream", "int8", False)], ids=str
+)
 def test_two_nodes_blend_exactly_as_the_algorithm_says(
-    bootstrap: Bootstrap, tmp_path: Path, wire_dtype: str, blend_momenta: bool
+    bootstrap: Bootstrap, tmp_path: Path, mode: str, wire_dtype: str, blend_momenta: bool
 ) -> None:
     """After one exchange each node's phi/delta equal noloco_pair_step on the tensors the two nodes held, as the
-    wire delivers them: exact in fp32, through the int8 codec (wire/quantize.py) in int8. With --blend-momenta the
-    payload carries theta, phi and delta, and each must pass the norm bound; at a pair's first outer step both
-    momenta are zero and both phi equal, so the mean momentum is each node's own (tests/unit/test_algorithm.py
-    checks the blend of different momenta)."""
+    wire delivers them. sync in fp32 with --blend-momenta: exact theta, phi and delta, each under the norm bound;
+    at a pair's first outer step both momenta are zero and both phi equal, so the mean momentum is each node's own
+    (tests/unit/test_algorithm.py checks the blend of different momenta). stream in int8: phi swapped in bf16
+    during the phase, the progress theta - phi through the int8 codec (wire/quantize.py) at the outer step, and
+    the partner's theta rebuilt from both in fp32."""
     threads = torch.get_num_threads()
     args = [
         *TRAIN,
@@ -83,9 +86,13 @@ def test_two_nodes_blend_exactly_as_the_algorithm_says(
         "10",
         "--wire-dtype",
         wire_dtype,
+        "--mode",
+        mode,
         *(["--blend-momenta"] if blend_momenta else []),
         "--pair-timeout",
         "30",
+        "--wait-for-peers",
+        "1",
         "--torch-threads",
         str(threads),
         "--num-shards",
@@ -129,10 +136,14 @@ def test_two_nodes_blend_exactly_as_the_algorithm_says(
     for i, replica in enumerate(replicas):
         partner = replicas[1 - i]
         partner_theta = list(partner.fast_weights())
-        if wire_dtype == "int8":
-            partner_theta = [
-                quantize.dequantize(quantize.quantize(t, "int8"), t.numel(), "int8").view_as(t) for t in partner_theta
+        if mode == "stream":
+            phi_seen = [p.to(torch.bfloat16).to(torch.float32) for p in partner.phi]
+            progress = [t - p for t, p in zip(partner_theta, partner.phi, strict=True)]
+            progress_seen = [
+                quantize.dequantize(quantize.quantize(d, wire_dtype), d.numel(), wire_dtype).view_as(d)
+                for d in progress
             ]
+            partner_theta = [p + d for p, d in zip(phi_seen, progress_seen, strict=True)]
         sent = (partner_theta, list(partner.phi), list(partner.delta)) if blend_momenta else (partner_theta, [], [])
         want_phi, want_delta = noloco_pair_step(
             replica.fast_weights(),

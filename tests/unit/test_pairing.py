@@ -5,12 +5,18 @@ from __future__ import annotations
 
 import threading
 import time
+from types import SimpleNamespace
 
+import grpc
+import pytest
 import torch
 
 from noloco_node.pairing.overlap import OfferBook
+from noloco_node.pairing.strategy import OfferPublisher
+from noloco_node.pairing.stream import StreamPairing
 from noloco_node.pairing.sync import PairingRound, Stage
 from noloco_node.rpc import peer_pb2 as pb
+from noloco_node.wire.frames import PayloadError, PayloadKind, TensorLayout
 from noloco_node.wire.payload import Payload, ReceiveBuffers
 from noloco_node.wire.published import BufferPool, Latest, Published
 
@@ -211,3 +217,57 @@ def test_peers_that_answered_come_before_all_but_one_stranger() -> None:
         order = [p.peer_id for p in caller.order([*fakes, *honest])]
         assert order[0].startswith("fake") and order[1:4] == ["honest0", "honest1", "honest2"]  # least recent first
         assert len(order) == 103
+
+
+def stream_pairing() -> StreamPairing:
+    """A stream strategy with the parts of a node its phase bookkeeping uses (no loop, no network)."""
+    kind = PayloadKind("phase", (TensorLayout("phi/w", (3, 2)),), "bf16")
+    ctx = SimpleNamespace(
+        peer_id=lambda: "self",
+        offers={"phase": OfferPublisher(kind, run_fingerprint="run", peer_id=lambda: "self")},
+        caller=SimpleNamespace(settings=SimpleNamespace(receive_buffers=ReceiveBuffers(max_idle_bytes=0))),
+        loop=None,
+        max_staleness=1,
+    )
+    return StreamPairing(ctx)  # type: ignore[arg-type]
+
+
+def test_stream_reserves_the_first_phase_swap_and_rebuilds_its_partners_theta_from_phi_and_progress() -> None:
+    strategy = stream_pairing()
+    phi = torch.linspace(-1, 1, 6).view(3, 2)
+    strategy._begin_phase([phi], [torch.zeros(3, 2)], 3)
+    assert strategy.ready()
+    assert strategy.open_session("b", 5, "phase") is None  # beyond --max-staleness
+    session = strategy.open_session("b", 3, "phase")
+    assert session is not None and strategy.open_session("c", 3, "phase") is None  # one swap at a time
+    partner_phi = (phi + 0.001).to(torch.bfloat16)
+    session.complete(Payload(pb.Manifest(peer_id="b", outer_step=3), {"phi/w": partner_phi}))
+    session.release()
+    assert not strategy.ready() and strategy.open_session("c", 3, "phase") is None  # reserved
+
+    progress = torch.full((3, 2), 1e-4)
+    with pytest.raises(PayloadError) as stranger:  # progress from a peer it did not swap with
+        strategy.complete_payload(Payload(pb.Manifest(peer_id="c", outer_step=3), {"progress/w": progress}))
+    assert (stranger.value.code, stranger.value.reason) == (grpc.StatusCode.FAILED_PRECONDITION, "no_phase_payload")
+    whole = strategy.complete_payload(Payload(pb.Manifest(peer_id="b", outer_step=3), {"progress/w": progress}))
+    assert whole.parts == ["theta", "phi"] and whole.peer_id == "b"
+    want = partner_phi.to(torch.float32) + progress  # in fp32: phi's bf16 rounding kept, the progress's digits too
+    assert whole.tensors["theta/w"].dtype == torch.float32 and torch.equal(whole.tensors["theta/w"], want)
+    with pytest.raises(PayloadError) as again:  # one progress per reservation
+        strategy.complete_payload(Payload(pb.Manifest(peer_id="b", outer_step=3), {"progress/w": progress}))
+    assert again.value.reason == "no_phase_payload"
+
+
+def test_stream_refuses_progress_of_another_phase_than_the_swapped_one() -> None:
+    strategy = stream_pairing()
+    strategy._begin_phase([torch.zeros(3, 2)], [torch.zeros(3, 2)], 3)
+    session = strategy.open_session("b", 3, "phase")
+    assert session is not None
+    session.complete(Payload(pb.Manifest(peer_id="b", outer_step=3), {"phi/w": torch.zeros(3, 2)}))
+    session.release()
+    with pytest.raises(PayloadError) as error:
+        strategy.complete_payload(Payload(pb.Manifest(peer_id="b", outer_step=4), {"progress/w": torch.zeros(3, 2)}))
+    assert (error.value.code, error.value.reason) == (grpc.StatusCode.FAILED_PRECONDITION, "progress_step")
+    # A new phase drops the old reservation: nobody is reserved, swaps are open again.
+    strategy._begin_phase([torch.zeros(3, 2)], [torch.zeros(3, 2)], 4)
+    assert strategy.ready() and strategy.open_session("b", 4, "phase") is not None

@@ -10,6 +10,7 @@ from noloco_node.rpc import peer_pb2 as pb
 from noloco_node.wire.frames import (
     MAX_CHUNK_BYTES,
     PayloadError,
+    PayloadKind,
     build_manifest,
     chunk_checksum,
     encode_chunk_frame,
@@ -239,3 +240,33 @@ def test_a_payload_of_another_configuration_is_refused_as_such_before_any_buffer
     assert (error.code, error.reason) == (grpc.StatusCode.FAILED_PRECONDITION, "payload_layout")
     error = refused(encoded(theta[:2]))
     assert (error.code, error.reason) == (grpc.StatusCode.INVALID_ARGUMENT, "tensor_count")
+
+
+def test_a_stream_receiver_picks_the_kind_by_the_payloads_parts_and_each_kind_keeps_its_wire_dtype() -> None:
+    """A stream run accepts two kinds: phase (phi, bf16) and progress (Delta, the wire dtype). Each is received as
+    what it is; a phase payload in int8, or a sync node's theta payload, is refused as another configuration's."""
+    theta = named()
+    phi = [(f"phi/{n.split('/')[1]}", t) for n, t in theta]
+    progress = [(f"progress/{n.split('/')[1]}", t / 100) for n, t in theta]
+    kinds = [
+        PayloadKind("phase", tuple(layout_of(phi)), "bf16"),
+        PayloadKind("progress", tuple(layout_of(progress)), "int8"),
+    ]
+
+    def stream_receiver() -> PayloadReceiver:
+        return PayloadReceiver((), kinds=kinds, run_fingerprint=RUN, max_total_bytes=10**8)
+
+    rx = stream_receiver()
+    got = receive(encoded(phi, wire_dtype="bf16"), rx)
+    assert rx.kind is kinds[0] and got.parts == ["phi"]
+    assert torch.equal(got.tensors["phi/a"], phi[0][1].to(torch.bfloat16))
+    rx = stream_receiver()
+    got = receive(encoded(progress, wire_dtype="int8"), rx)
+    assert rx.kind is kinds[1] and got.parts == ["progress"] and got.tensors["progress/a"].dtype == torch.float32
+    error = refused(encoded(phi, wire_dtype="int8"), stream_receiver())
+    assert (error.code, error.reason) == (grpc.StatusCode.FAILED_PRECONDITION, "wire_dtype")
+    error = refused(encoded(progress, wire_dtype="bf16"), stream_receiver())
+    assert (error.code, error.reason) == (grpc.StatusCode.FAILED_PRECONDITION, "wire_dtype")
+    error = refused(encoded(theta, wire_dtype="int8"), stream_receiver())
+    assert (error.code, error.reason) == (grpc.StatusCode.FAILED_PRECONDITION, "payload_layout")
+    assert "exchanges phi or progress" in error.message and "--mode" in error.message
