@@ -427,6 +427,13 @@ class NodeConfig(_Settings):
         "val loss on the tiny model over 40 outer steps (docs/algorithm-study.md). Every node of a run must use the "
         "same.",
     )
+    train_while_waiting: bool = Field(
+        True,
+        description="sync and stream: while the trainer waits for its partner at an outer step, it goes on taking "
+        "inner steps (borrowed from its next phase, which still ends at the same multiple of H) and blends its fresh "
+        "weights with the partner's: a partner that finishes its phase later costs this node no idle time. Off: the "
+        "trainer idles and blends the weights it sent, exactly.",
+    )
     record_ttl: float = Field(20.0, gt=1.0, description="DHT record lifetime (s); refreshed at a third of it.")
     avoid_seconds: float = Field(30.0, ge=0, description="How long a peer that failed is not chosen.")
     checkpoint_every: int = Field(1, ge=1, description="Outer steps between checkpoints.")

@@ -430,6 +430,7 @@ class Node:
                 norm_guard=self.security.norm_guard,
                 max_staleness=self.cfg.max_staleness,
                 judge=self.peering.served.judge,
+                train_while_waiting=self.cfg.train_while_waiting,
                 # A multi-GPU member's ranks would all have to adopt the state in one collective: not done there.
                 catch_up=None if self.data_parallel else functools.partial(self._catch_up, catch_up, replica),
                 data_parallel=self.data_parallel,

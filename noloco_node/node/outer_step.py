@@ -83,6 +83,7 @@ class OuterStepDeps:
     norm_guard: NormGuard  # bounds partners by this node's own movement, measured here before each pairing
     max_staleness: int  # how many outer steps a partner may be ahead or behind (for the norm bound's learning rate)
     judge: Callable[[Payload], bool]  # the norm bound, for a payload that arrived before this node had one
+    train_while_waiting: bool = True  # --train-while-waiting: inner steps instead of idle time at the outer step
     # Adopt a live peer's state when this node fell out of every peer's reach (True: adopted); None: never.
     catch_up: Callable[[], bool] | None = None
     data_parallel: DataParallel | None = None
@@ -98,9 +99,48 @@ BEHIND_STEPS = 3
 MAX_CATCH_UP_BACKOFF = 64
 
 
+class StepsWhileWaiting:
+    """Inner steps the trainer takes while it waits for its partner (--train-while-waiting), instead of idling.
+
+    They are borrowed from the next phase: that phase still ends at the next multiple of H, so the run's inner and
+    outer steps are unchanged, and at least one of its steps is left (the loop never yields an empty phase). The
+    blend then uses this node's fresher weights with the partner's as sent, the eager-style use of one's own fresh
+    progress (arXiv 2502.12996); the partner blended with what this node sent at its phase's end."""
+
+    def __init__(
+        self, replica: Replica, train_cfg: TrainConfig, hooks: Sequence[StepHook], stop_requested: Callable[[], bool]
+    ) -> None:
+        self.replica = replica
+        self.hooks = hooks
+        self.stop_requested = stop_requested
+        next_boundary = (replica.inner_step // train_cfg.inner_steps + 1) * train_cfg.inner_steps
+        self.last_step = min(next_boundary - 1, train_cfg.total_steps - 1)
+        self.losses: list[float] = []
+        self.seconds = 0.0
+
+    def __call__(self) -> bool:
+        """One inner step; False (and no step) when the borrowing must stop."""
+        replica = self.replica
+        if replica.inner_step >= self.last_step or self.stop_requested():
+            return False
+        started = time.monotonic()
+        loss = replica.train_step()
+        if loss is None:
+            return False
+        seconds = time.monotonic() - started
+        for hook in self.hooks:
+            hook(replica, loss, seconds)
+        self.losses.append(loss)
+        self.seconds += seconds
+        return True
+
+
 class OuterStep:
     def __init__(self, deps: OuterStepDeps) -> None:
         self.deps = deps
+        self._train_cfg: TrainConfig | None = None
+        self._hooks: list[StepHook] = []
+        self._stop_requested: Callable[[], bool] = lambda: False
         self._behind = 0  # solo steps in a row with every live peer out of reach ahead
         self._catch_up_backoff = 1
         self._next_catch_up = 0  # the outer step from which a catch-up may be tried again
@@ -114,12 +154,13 @@ class OuterStep:
         def on_step(replica: Replica, loss: float, seconds: float) -> None:
             deps.telemetry.on_inner_step(replica.inner_step, loss, seconds, replica.current_lr)
 
+        self._train_cfg, self._hooks, self._stop_requested = train_cfg, [*hooks, on_step], stop_requested
         inner = InnerLoop(
             deps.replica,
             total_steps=train_cfg.total_steps,
             inner_steps=train_cfg.inner_steps,
             stop_requested=stop_requested,
-            after_step=[*hooks, on_step],
+            after_step=self._hooks,
         )
         for phase in inner.phases():
             self(phase)
@@ -153,11 +194,16 @@ class OuterStep:
         phase_lr, partner_lr = phase_learning_rates(replica.train_cfg, replica.inner_step, deps.max_staleness)
         deps.norm_guard.observe_own_movement(movement, phase_lr, partner_lr)
         wait_started = time.monotonic()
-        partner = deps.strategy.partner(replica, phase.seconds)
+        extra = None
+        if deps.train_while_waiting and deps.data_parallel is None and self._train_cfg is not None:
+            # Not in a multi-GPU member: its other ranks take their steps in lockstep with rank 0's phases.
+            extra = StepsWhileWaiting(replica, self._train_cfg, self._hooks, self._stop_requested)
+        partner = deps.strategy.partner(replica, phase.seconds, extra)
         if partner is not None and partner.unjudged and not deps.judge(partner):
             partner.release()  # it came before this node had a bound, and fails it now: never blended
             partner = None
-        waited = time.monotonic() - wait_started
+        extra_seconds, extra_steps = (extra.seconds, len(extra.losses)) if extra is not None else (0.0, 0)
+        waited = time.monotonic() - wait_started - extra_seconds
         blend_started = time.monotonic()
         self._blend(partner)
         blend_seconds = time.monotonic() - blend_started
@@ -177,8 +223,9 @@ class OuterStep:
             "val_loss": val_loss,
             "partner": partner.peer_id if partner else None,
             "partner_step": partner.outer_step if partner else None,
-            "train_seconds": phase.seconds,
-            "phase_steps": len(phase.losses),
+            "train_seconds": phase.seconds + extra_seconds,
+            "phase_steps": len(phase.losses) + extra_steps,
+            "steps_while_waiting": extra_steps,
             "caught_up": caught_up,
             "wait_seconds": waited,
             "blend_seconds": blend_seconds,

@@ -50,10 +50,13 @@ class OuterStepRecord(BaseModel):
     val_loss: float
     partner: str | None = Field(description="Peer id blended with, or null for a solo step.")
     partner_step: int | None = None
-    train_seconds: float = Field(description="Wall time of the inner phase.")
+    train_seconds: float = Field(description="Wall time of the inner phase and of the steps taken while waiting.")
     phase_steps: int | None = Field(
         None,
         description="Inner steps the phase trained (inner_step can also jump: a catch-up adopts a peer's counters).",
+    )
+    steps_while_waiting: int = Field(
+        0, description="Inner steps taken while waiting for the partner (--train-while-waiting), in phase_steps too."
     )
     caught_up: bool = Field(False, description="This outer step ended by adopting a peer's state (a catch-up).")
     wait_seconds: float = Field(description="Time the trainer waited for communication at this outer step.")

@@ -17,7 +17,7 @@ import asyncio
 import logging
 import random
 import threading
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 
@@ -145,7 +145,9 @@ class OverlapPairing(PairingStrategy):
         self._outer_step = replica.outer_step
         self.book.set_offer(self.ctx.offers["weights"].publish(replica.weights(), replica.outer_step))
 
-    def partner(self, replica: Replica, phase_seconds: float) -> Payload | None:
+    def partner(
+        self, replica: Replica, phase_seconds: float, train_step: Callable[[], bool] | None = None
+    ) -> Payload | None:
         partner = self.book.take_freshest(replica.outer_step, self.ctx.max_staleness)
         if partner is not None:
             self.ctx.caller.paired(partner.peer_id, replica.outer_step)

@@ -136,8 +136,11 @@ class PairingStrategy(ABC):
         """Before the first inner phase (the replica is resumed or downloaded by now)."""
 
     @abstractmethod
-    def partner(self, replica: Replica, phase_seconds: float) -> Payload | None:
-        """At an outer step: the partner's payload to blend with, or None for a solo step."""
+    def partner(
+        self, replica: Replica, phase_seconds: float, train_step: Callable[[], bool] | None = None
+    ) -> Payload | None:
+        """At an outer step: the partner's payload to blend with, or None for a solo step. While it waits, a
+        strategy may call ``train_step`` (one inner step; False when no more may be taken) instead of idling."""
 
     def after_blend(  # noqa: B027
         self,

@@ -27,7 +27,7 @@ import asyncio
 import logging
 import random
 import threading
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 import grpc
@@ -181,7 +181,9 @@ class StreamPairing(PairingStrategy):
         if leftover is not None:
             leftover.release()
 
-    def partner(self, replica: Replica, phase_seconds: float) -> Payload | None:
+    def partner(
+        self, replica: Replica, phase_seconds: float, train_step: Callable[[], bool] | None = None
+    ) -> Payload | None:
         ctx = self.ctx
         assert ctx.loop is not None
         phase = self._phase
@@ -207,7 +209,7 @@ class StreamPairing(PairingStrategy):
             self._exchange_progress(current, reserved.peer_id, reserved.outer_step), ctx.loop
         )
         ctx.telemetry.beat()
-        current.wait(ctx.pair_timeout)
+        current.wait(ctx.pair_timeout, train_step)
         ctx.telemetry.beat()
         partner = current.close(wait_for_exchange=ctx.exchange_ceiling + 5)
         self._round = None

@@ -22,6 +22,7 @@ import logging
 import random
 import threading
 import time
+from collections.abc import Callable
 from concurrent.futures import Future, InvalidStateError
 from concurrent.futures import TimeoutError as FutureTimeout
 
@@ -112,10 +113,15 @@ class PairingRound:
             with contextlib.suppress(InvalidStateError):  # two threads may get here at once
                 self.waiting_over.set_result(None)
 
-    def wait(self, timeout: float) -> None:
-        """Trainer thread: until the round is paired or told to stop waiting, at most ``timeout`` s."""
+    def wait(self, timeout: float, train_step: Callable[[], bool] | None = None) -> None:
+        """Trainer thread: until the round is paired or told to stop waiting, at most ``timeout`` s; taking inner
+        steps meanwhile while ``train_step`` allows them, then idling."""
+        deadline = time.monotonic() + timeout
+        while train_step is not None and not self.waiting_over.done() and time.monotonic() < deadline:
+            if not train_step():
+                break
         try:
-            self.waiting_over.result(timeout=timeout)
+            self.waiting_over.result(timeout=max(0.0, deadline - time.monotonic()))
         except FutureTimeout:
             self.stop_waiting()
 
@@ -167,7 +173,9 @@ class SyncPairing(PairingStrategy):
             return None
         return current.try_session(partner_id, partner_outer_step, self.ctx.max_staleness)
 
-    def partner(self, replica: Replica, phase_seconds: float) -> Payload | None:
+    def partner(
+        self, replica: Replica, phase_seconds: float, train_step: Callable[[], bool] | None = None
+    ) -> Payload | None:
         ctx = self.ctx
         assert ctx.loop is not None
         offer = ctx.offers["weights"].publish(replica.weights(), replica.outer_step)
@@ -182,7 +190,7 @@ class SyncPairing(PairingStrategy):
         seeker = asyncio.run_coroutine_threadsafe(self._seek_partner(current), ctx.loop)
         asyncio.run_coroutine_threadsafe(ctx.publish_record(), ctx.loop)
         ctx.telemetry.beat()
-        current.wait(ctx.pair_timeout)
+        current.wait(ctx.pair_timeout, train_step)
         ctx.telemetry.beat()
         # An exchange still streaming holds the lock and finishes, bounded by the exchange ceiling; it streams a
         # held copy, so the trainer may go on even if it did not (the partner is then dropped on both sides).

@@ -156,3 +156,26 @@ def test_evaluate_is_a_loss_in_nats() -> None:
     batch = replica.shards[0].next_batch(4)
     loss = replica.evaluate([batch])
     assert abs(loss - math.log(256)) < 0.3
+
+
+def test_steps_taken_while_waiting_are_borrowed_from_the_next_phase_and_keep_its_boundary() -> None:
+    """--train-while-waiting: inner steps during the wait stop one short of the next multiple of H and before the
+    run's end, so the next phase still ends at its boundary with at least one step and no step is added."""
+    from noloco_node.node.outer_step import StepsWhileWaiting
+    from noloco_node.training.loop import InnerLoop
+
+    replica = make_replica()
+    cfg = replica.train_cfg.model_copy(update={"inner_steps": 5, "total_steps": 12})
+    seen: list[int] = []
+    phases = InnerLoop(replica, total_steps=12, inner_steps=5).phases()
+    next(phases)  # steps 1-5
+    steps = StepsWhileWaiting(replica, cfg, [lambda r, loss, s: seen.append(r.inner_step)], lambda: False)
+    while steps():
+        pass
+    assert replica.inner_step == 9 and seen == [6, 7, 8, 9] and len(steps.losses) == 4 and steps.seconds > 0
+    assert len(next(phases).losses) == 1 and replica.inner_step == 10  # the next phase still ends at 2H
+    steps = StepsWhileWaiting(replica, cfg, [], lambda: False)
+    assert steps() and not steps() and replica.inner_step == 11  # one short of the run's end (12)
+    assert len(next(phases).losses) == 1 and replica.inner_step == 12
+    stopping = StepsWhileWaiting(replica, cfg.model_copy(update={"total_steps": 100}), [], lambda: True)
+    assert not stopping() and replica.inner_step == 12  # a stop request: no borrowed step
