@@ -381,9 +381,17 @@ class NodeConfig(_Settings):
     wait_for_peers_timeout: float = Field(
         300.0, gt=0, description="Longest wait for --wait-for-peers; past it the node trains with whoever is there (s)."
     )
-    pair_timeout: float = Field(10.0, gt=0, description="sync: longest wait for a partner before a solo step (s).")
+    pair_timeout: float = Field(
+        10.0,
+        gt=0,
+        description="sync and stream: longest wait for a partner (stream: for its progress, or for a phase swap in "
+        "flight) before a solo step (s).",
+    )
     alone_grace: float = Field(
-        1.0, ge=0, description="sync: with no live peer within max_staleness, wait this long before a solo step (s)."
+        1.0,
+        ge=0,
+        description="sync: with no live peer within max_staleness, wait this long before a solo step; stream: wait "
+        "this long for a late phase swap when no partner was found during the phase (s).",
     )
     exchange_timeout: float = Field(
         60.0, gt=0, description="Longest deadline of one exchange call (s); shorter once peers' timings are known."

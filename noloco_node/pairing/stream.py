@@ -27,6 +27,7 @@ import asyncio
 import logging
 import random
 import threading
+import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
@@ -190,9 +191,7 @@ class StreamPairing(PairingStrategy):
         if phase is None:
             return None
         if not ctx.stopping.is_set():
-            # Not reserved yet (the first phase, an odd swarm, every peer taken): a peer in the same position may
-            # still swap now, at the price of phi on the critical path; --alone-grace at most.
-            phase.reserved.wait(ctx.alone_grace)
+            self._await_reservation(phase, train_step)
         with self._guard:
             phase.open = False  # no reservation from here on
             reserved = phase.partner
@@ -221,6 +220,19 @@ class StreamPairing(PairingStrategy):
         if partner is not None:
             ctx.caller.paired(partner.peer_id, replica.outer_step)
         return partner
+
+    def _await_reservation(self, phase: Phase, train_step: Callable[[], bool] | None) -> None:
+        """Not reserved at the phase's end (the first phase, an odd swarm, every peer taken, or a slow link still
+        carrying phi): a peer in the same position may still swap now, at the price of phi on the critical path.
+        --alone-grace at most, or --pair-timeout while a swap is in flight; training meanwhile when allowed."""
+        ctx = self.ctx
+        started = time.monotonic()
+        while not phase.reserved.is_set():
+            waited = time.monotonic() - started
+            if waited >= (ctx.pair_timeout if self._swap_lock.locked() else ctx.alone_grace):
+                return
+            if train_step is None or not train_step():
+                phase.reserved.wait(0.05)
 
     def after_blend(
         self,
