@@ -339,6 +339,7 @@ class WireDtypeComparison:
     rows: list[WireDtypeRow]
     tcp_both_ways_seconds: float  # raw TCP moving the first dtype's bytes both ways, same path, same run
     repeats: int
+    progress_seconds: float = 0.0  # stream mode: Delta = theta - phi over the model's fp32 weights, on this machine
 
     def report(self) -> str:
         first = self.rows[0]
@@ -360,7 +361,45 @@ class WireDtypeComparison:
             f"the same path: {self.tcp_both_ways_seconds:.3f} s; the {first.wire_dtype} exchange runs at "
             f"{self.tcp_both_ways_seconds / first.exchange_seconds:.0%} of it"
         )
+        lines += self._modes_report()
         return "\n".join(lines)
+
+    def _modes_report(self) -> list[str]:
+        """Per pairing mode: the bytes of one outer step, those on the critical path, and that path's time, against
+        today's default (sync, bf16 theta). In stream mode phi (bf16) crosses during the inner phase and only
+        Delta = theta - phi waits for its end; Delta has theta's shapes and codec, so its exchange takes what the
+        same wire dtype's exchange took above."""
+        by_dtype = {row.wire_dtype: row for row in self.rows}
+        if "bf16" not in by_dtype:
+            return []
+        reference = by_dtype["bf16"].exchange_seconds + by_dtype["bf16"].publish_seconds
+        lines = [
+            "",
+            "per pairing mode, one outer step (per direction), against sync with bf16 theta (today's default):",
+            "| mode | wire dtype | bytes sent | on the critical path | critical-path time | sync bf16 / this |",
+            "|---|---|---:|---:|---:|---:|",
+        ]
+        for mode in ("sync", "stream"):
+            for row in self.rows:
+                critical = row.exchange_seconds + row.publish_seconds
+                sent = row.payload_bytes
+                if mode == "stream":
+                    critical += self.progress_seconds
+                    sent += by_dtype["bf16"].payload_bytes  # phi, always bf16
+                refused = " (a node refuses it: 4 bits of whole weights cost 1.6%)"
+                shown = mode + (refused if mode == "sync" and row.wire_dtype == "int4" else "")
+                lines.append(
+                    f"| {shown} | {row.wire_dtype} | {sent / 1e6:.3f} MB | {row.payload_bytes / 1e6:.3f} MB | "
+                    f"{critical:.2f} s | {reference / critical:.2f}x |"
+                )
+        phi = by_dtype["bf16"]
+        lines.append(
+            f"stream: phi ({phi.payload_bytes / 1e6:.1f} MB in bf16) crosses during the inner phase, in "
+            f"{phi.exchange_seconds:.2f} s on this path: hidden when the phase lasts at least that long (else the rest "
+            f"of it waits at the outer step, while the trainer takes borrowed steps); Delta = theta - phi took "
+            f"{self.progress_seconds:.3f} s here (in the critical-path time)"
+        )
+        return lines
 
 
 def run_wire_dtype_comparison(
@@ -389,7 +428,19 @@ def run_wire_dtype_comparison(
                 )
             )
         tcp = min(raw_tcp_seconds(rows[0].payload_bytes, both_ways=True, where=where) for _ in range(repeats))
-    return WireDtypeComparison(size, link, rows, tcp, repeats)
+    return WireDtypeComparison(size, link, rows, tcp, repeats, _progress_seconds(size, vocab))
+
+
+def _progress_seconds(size: str, vocab: int) -> float:
+    """What stream mode adds to the outer step before its encode: Delta = theta - phi over the fp32 weights."""
+    shapes = [tuple(t.shape) for _, t in _weights_meta(size, vocab)]
+    theta = [torch.randn(shape) for shape in shapes]
+    phi = [torch.randn(shape) for shape in shapes]
+    started = time.perf_counter()
+    progress = [t - p for t, p in zip(theta, phi, strict=True)]
+    seconds = time.perf_counter() - started
+    del progress
+    return seconds
 
 
 @contextmanager

@@ -425,8 +425,9 @@ class NodeConfig(_Settings):
     max_staleness: int = Field(2, ge=0, description="Largest outer-step difference with a partner.")
     wire_dtype: Literal["bf16", "fp32", "int8", "int4"] = Field(
         "bf16",
-        description="Dtype of the exchanged weights on the wire: bf16, fp32, or int8/int4 (blockwise absmax, 256 "
-        "values per fp32 scale). Every node of a run must use the same; a payload in another is refused.",
+        description="Dtype of the exchanged weights on the wire (in stream mode: of the progress theta - phi; phi "
+        "streams in bf16): bf16, fp32, or int8/int4 (blockwise absmax, 256 values per fp32 scale; int4 in stream "
+        "mode only). Every node of a run must use the same; a payload in another is refused.",
     )
     blend_momenta: bool = Field(
         False,
@@ -466,4 +467,15 @@ class NodeConfig(_Settings):
     def _shard_in_range(self) -> NodeConfig:
         if self.shard_index is not None and self.shard_index >= self.num_shards:
             raise ValueError(f"shard_index ({self.shard_index}) must be < num_shards ({self.num_shards})")
+        return self
+
+    @model_validator(mode="after")
+    def _int4_carries_progress_only(self) -> NodeConfig:
+        # 4 bits of whole weights miss by more than a phase's progress (+1.64% val loss, docs/algorithm-study.md);
+        # 4 bits of the progress Delta, which only stream mode sends, cost +0.26%.
+        if self.wire_dtype == "int4" and self.mode != "stream":
+            raise ValueError(
+                f"wire_dtype int4 needs mode stream (not {self.mode}): int4 carries the progress theta - phi there; "
+                "on whole weights it costs 1.6% in convergence (use int8, or --mode stream)"
+            )
         return self

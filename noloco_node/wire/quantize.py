@@ -66,17 +66,19 @@ def quantize_into(values: torch.Tensor, wire_dtype: str, out: torch.Tensor) -> N
     scales = blocks.abs().amax(dim=1).div_(qmax)
     # A block of zeros keeps scale 0 (it decodes to zeros); dividing by 1 there avoids 0/0.
     divisor = torch.where(scales > 0, scales, torch.ones_like(scales))
-    codes = torch.round(blocks / divisor.unsqueeze(1)).clamp_(-qmax, qmax).to(torch.int8).view(-1)[:numel]
+    # One scratch tensor, rounded and clamped in place: the encode is on the critical path of every outer step.
+    scaled = torch.div(blocks, divisor.unsqueeze(1)).round_().clamp_(-qmax, qmax).view(-1)
     scale_bytes = 4 * scales.numel()
     out[:scale_bytes].copy_(scales.view(torch.uint8))
     if wire_dtype == "int8":
-        out[scale_bytes:].copy_(codes.view(torch.uint8))
+        out[scale_bytes:].copy_(scaled[:numel].to(torch.int8).view(torch.uint8))
         return
-    nibbles = (codes + 8).to(torch.uint8)
-    if numel % 2:
-        nibbles = torch.cat((nibbles, torch.full((1,), 8, dtype=torch.uint8)))  # pad with code 0
-    pairs = nibbles.view(-1, 2)
-    out[scale_bytes:].copy_(pairs[:, 0] | (pairs[:, 1] << 4))
+    # Nibbles are code + 8 (1..15); a padding value (past numel, inside the last block) is code 0, nibble 8.
+    nibbles = scaled.add_(8).to(torch.uint8)
+    if nibbles.numel() % 2:
+        nibbles = torch.cat((nibbles, torch.full((1,), 8, dtype=torch.uint8)))
+    pairs = nibbles[: 2 * code_bytes(numel, wire_dtype)].view(-1, 2)
+    torch.bitwise_or(pairs[:, 0], pairs[:, 1].bitwise_left_shift(4), out=out[scale_bytes:])
 
 
 def quantize(values: torch.Tensor, wire_dtype: str) -> torch.Tensor:

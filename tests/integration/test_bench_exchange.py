@@ -93,3 +93,16 @@ def test_bench_exchange_compares_wire_dtypes_in_one_run() -> None:
     # One byte and a 256th of a 4-byte scale per value, against two bytes.
     assert _payload_bytes("tiny", 256, "int8") < 0.6 * _payload_bytes("tiny", 256, "bf16")
     assert re.search(r"raw TCP moving bf16's [\d.]+ MB both ways at once on the same path: [\d.]+ s", out), out
+    # Per pairing mode: stream sends phi (bf16) on top, and only Delta (the dtype's bytes) is on the critical path.
+    modes = {
+        (m.group(1), m.group(2)): (float(m.group(3)), float(m.group(4)), float(m.group(5)), float(m.group(6)))
+        for m in re.finditer(
+            r"\| (sync|stream) \| (\w+) \| ([\d.]+) MB \| ([\d.]+) MB \| ([\d.]+) s \| ([\d.]+)x \|", out
+        )
+    }
+    assert set(modes) == {(mode, dtype) for mode in ("sync", "stream") for dtype in ("bf16", "int8")}, out
+    for (mode, dtype), (sent, critical, seconds, ratio) in modes.items():
+        phi = rows["bf16"][0] if mode == "stream" else 0.0
+        assert critical == rows[dtype][0] and abs(sent - phi - critical) <= 0.0015, out
+        assert seconds >= round(rows[dtype][2], 2) - 0.01 and ratio > 0, out
+    assert re.search(r"stream: phi \([\d.]+ MB in bf16\) crosses during the inner phase, in [\d.]+ s", out), out

@@ -71,6 +71,9 @@ def test_unknown_keys_variables_and_bad_values_are_named_with_their_source(tmp_p
         resolve(toml_file, {"NOLOCO_TRAIN__LRR": "1"}, {})
     with pytest.raises(SettingsError, match=r"node.mode.*from \$NOLOCO_NODE__MODE"):
         resolve(toml_file, {"NOLOCO_NODE__MODE": "async"}, {})
+    with pytest.raises(SettingsError, match=r"wire_dtype int4 needs mode stream \(not overlap\)"):
+        resolve(toml_file, {"NOLOCO_NODE__WIRE_DTYPE": "int4"}, {})
+    assert resolve(toml_file, {"NOLOCO_NODE__WIRE_DTYPE": "int4", "NOLOCO_NODE__MODE": "stream"}, {})
     with pytest.raises(SettingsError, match="does not parse"):
         (tmp_path / "broken.toml").write_text("[train\nlr=")
         resolve(tmp_path / "broken.toml", {}, {})
