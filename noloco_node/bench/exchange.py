@@ -30,7 +30,7 @@ from noloco_node.rpc.contracts import AdmitsEverything
 from noloco_node.rpc.metrics import ExchangeMetrics
 from noloco_node.rpc.service import start_server
 from noloco_node.rpc.state_download import download_state
-from noloco_node.security.payload_guard import relative_distance
+from noloco_node.security.payload_guard import RunningGap, relative_distance
 from noloco_node.wire import quantize
 from noloco_node.wire.frames import WIRE_DTYPES, TensorLayout, build_manifest, layout_of, wire_num_bytes
 from noloco_node.wire.payload import Payload, ReceiveBuffers
@@ -61,9 +61,14 @@ class _BenchPeer(AdmitsEverything):
         self._outgoing = Outgoing(manifest, _published(named, wire_dtype))
         self.received = 0
         self.receive_buffers = ReceiveBuffers(max_idle_bytes=self.max_payload_bytes())
+        self._references = {name: tensor.reshape(-1) for name, tensor in named}
 
     def expected_layout(self) -> list[TensorLayout]:
         return self.layout
+
+    def value_observer(self) -> RunningGap:
+        """As a node: the norm bound's distance measured chunk by chunk while the payload arrives."""
+        return RunningGap(self._references, lambda: None)
 
     def max_payload_bytes(self) -> int:
         return sum(item.numel for item in self.layout) * 4 + 1024
@@ -139,9 +144,12 @@ def _client_process(
     publish_seconds = time.perf_counter() - started
     buffers = ReceiveBuffers(max_idle_bytes=sum(t.numel() for _, t in named) * 6)
     baseline = _rss_mb()
-    seconds, norm_seconds = [], []
+    seconds, norm_seconds, left_seconds = [], [], []
+    references = {name: tensor.reshape(-1) for name, tensor in named}
+    numel = sum(t.numel() for _, t in named)
     for _ in range(repeats):
         started = time.perf_counter()
+        gap = RunningGap(references, lambda: None)  # as a node: the distance measured while the payload arrives
         payload = exchange_with(
             address,
             outgoing,
@@ -152,9 +160,14 @@ def _client_process(
             timeout=600,
             chunk_bytes=chunk_bytes,
             buffers=buffers,
+            observer=gap,
         )
         seconds.append(time.perf_counter() - started)
-        # What a node then spends on its admission check (payload_guard.py), against its own fp32 weights.
+        # What is left of the admission check (payload_guard.py) after the last byte: reading the distance.
+        started = time.perf_counter()
+        assert gap.distances({"theta": numel}) is not None
+        left_seconds.append(time.perf_counter() - started)
+        # The reference: the same check made after arrival, in one pass over the payload (as before).
         started = time.perf_counter()
         relative_distance(list(payload.tensors.values()), [t for _, t in named])
         norm_seconds.append(time.perf_counter() - started)
@@ -173,6 +186,7 @@ def _client_process(
             "seconds": seconds,
             "publish_seconds": publish_seconds,
             "norm_seconds": norm_seconds,
+            "norm_left_seconds": left_seconds,
             "download_seconds": download_seconds,
             "baseline_rss_mb": baseline,
             "peak_rss_mb": exchange_peak,
@@ -190,7 +204,8 @@ class ExchangeBenchResult:
     bare_grpc_seconds: float
     download_seconds: float
     tcp_download_seconds: float
-    norm_check_seconds: float
+    norm_check_seconds: float  # the check in one pass after arrival (the reference)
+    norm_left_seconds: float  # what is left of it after the last byte when it runs chunk by chunk (as nodes do)
     publish_seconds: float  # the weights into their wire dtype, once per outer step (a node's published copy)
     client_extra_rss_mb: float
     server_extra_rss_mb: float
@@ -219,8 +234,10 @@ class ExchangeBenchResult:
             f"  ratio to bare gRPC both ways (gRPC's own ceiling here):  "
             f"{self.bare_grpc_seconds / self.exchange_seconds:.0%}",
             f"  before it, the copy into the wire dtype (once per outer step): {self.publish_seconds:.3f} s",
-            f"  then the norm-bound check of the received payload (1 thread): {self.norm_check_seconds:.3f} s, "
-            f"{self.norm_check_seconds / self.exchange_seconds:.0%} of the exchange",
+            "  the norm-bound check runs chunk by chunk as the payload arrives (inside the exchange's time, both "
+            f"sides); left after the last byte: {self.norm_left_seconds * 1000:.2f} ms, against "
+            f"{self.norm_check_seconds:.3f} s for the same check in one pass after arrival "
+            f"({self.norm_check_seconds / self.exchange_seconds:.0%} of the exchange)",
             "state download: one way, fp32 weights, as a joiner fetches a donor's snapshot (GetState)",
             rate("raw TCP, one way:", self.tcp_download_seconds, state_gb, "         "),
             rate("noloco GetState, one way:", self.download_seconds, state_gb, "         "),
@@ -314,6 +331,7 @@ def _run(size: str, vocab: int, wire_dtype: str, chunk_bytes: int, repeats: int,
         bare_grpc_seconds=bare_grpc_seconds(payload, chunk_bytes, repeats, where),
         download_seconds=min(client_report["download_seconds"]),
         norm_check_seconds=min(client_report["norm_seconds"]),
+        norm_left_seconds=min(client_report["norm_left_seconds"]),
         publish_seconds=client_report["publish_seconds"],
         tcp_download_seconds=min(raw_tcp_seconds(numel * 4, both_ways=False, where=where) for _ in range(repeats)),
         client_extra_rss_mb=client_report["peak_rss_mb"] - client_report["baseline_rss_mb"],

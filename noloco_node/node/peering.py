@@ -81,6 +81,7 @@ class Peering:
             policy,
             admit=lambda payload: served[0].admit(payload),
             bad_payload=lambda peer, error: served[0].bad_payload(peer, error),
+            observer=lambda: served[0].value_observer(),
             executor=exchanges,
         )
         context = PairingContext(

@@ -10,6 +10,8 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
+import torch
+
 from noloco_node.node.outer_step import held_outer_state, partner_tensors
 from noloco_node.node.run_layout import RunLayout
 from noloco_node.pairing.peer_policy import PeerPolicy
@@ -17,6 +19,7 @@ from noloco_node.pairing.strategy import PairingStrategy
 from noloco_node.rpc import peer_pb2 as pb
 from noloco_node.rpc.contracts import ExchangeSession
 from noloco_node.security.node_security import NodeSecurity
+from noloco_node.security.payload_guard import RunningGap
 from noloco_node.wire.frames import PayloadError, PayloadKind
 from noloco_node.wire.payload import Payload, ReceiveBuffers
 from noloco_node.wire.published import Latest, Published
@@ -92,7 +95,24 @@ class ServedNode:
         payload.unjudged = False
         return True
 
+    def value_observer(self) -> RunningGap | None:
+        """For one incoming payload: the norm bound's distances measured as its chunks arrive, against the latest
+        published state (held until the payload is complete or dropped)."""
+        copy = self.snapshot.hold()
+        if copy is None:
+            return None
+        phi, delta = held_outer_state(copy, len(self.layout.names))
+        references: dict[str, torch.Tensor] = {}
+        for name, own_phi, own_delta in zip(self.layout.names, phi, delta, strict=True):
+            references[f"theta/{name}"] = references[f"phi/{name}"] = own_phi.reshape(-1)
+            references[f"delta/{name}"] = own_delta.reshape(-1)
+        return RunningGap(references, copy.release)
+
     def _check(self, payload: Payload) -> None:
+        measured = self._measured_distances(payload)
+        if measured is not None:  # measured chunk by chunk while it arrived: nothing left to compute
+            self.security.admit_distances(payload, measured)
+            return
         count = len(self.layout.names)
         copy = self.snapshot.hold()
         if copy is None:
@@ -113,6 +133,17 @@ class ServedNode:
             self.security.admit(payload, comparisons)
         finally:
             copy.release()
+
+    @staticmethod
+    def _measured_distances(payload: Payload) -> list[float] | None:
+        if not isinstance(payload.observer, RunningGap):
+            return None
+        numel: dict[str, int] = {}
+        for name, tensor in payload.tensors.items():
+            part = name.split("/", 1)[0]
+            numel[part] = numel.get(part, 0) + tensor.numel()
+        distances = payload.observer.distances(numel)
+        return None if distances is None else list(distances.values())
 
     def refused_peer(self, partner_id: str) -> bool:
         return self.policy.quarantined(partner_id)

@@ -30,7 +30,7 @@ from noloco_node.rpc.contracts import OutgoingPayload
 from noloco_node.rpc.metrics import ExchangeMetrics
 from noloco_node.rpc.transport import Transport
 from noloco_node.wire.frames import PayloadError, PayloadKind
-from noloco_node.wire.payload import Payload, ReceiveBuffers
+from noloco_node.wire.payload import Payload, ReceiveBuffers, ValueObserver
 from noloco_node.wire.published import Published
 
 log = logging.getLogger(__name__)
@@ -58,10 +58,12 @@ class PeerCaller:
         admit: Callable[[Payload], Payload],
         bad_payload: Callable[[str, PayloadError], None],
         executor: ThreadPoolExecutor,
+        observer: Callable[[], ValueObserver | None] = lambda: None,
     ) -> None:
         self.settings = settings
         self.policy = policy
         self.admit = admit
+        self.observer = observer  # a partner's payload measured as it arrives (the norm bound's distances)
         self.bad_payload = bad_payload
         self.executor = executor
         self.last_paired: dict[str, int] = {}  # peer id -> outer step of the last blend; live peers only
@@ -154,6 +156,7 @@ class PeerCaller:
             buffers=settings.receive_buffers,
             peer=peer.peer_id,
             transport=settings.transport,
+            observer=self.observer(),
         )
 
     def _failed(self, peer: PeerRecord, deadline: float, error: BaseException) -> None:

@@ -24,7 +24,7 @@ from noloco_node.rpc.metrics import ExchangeMetrics
 from noloco_node.rpc.service import EXCHANGE_METHOD, INFO_METHOD
 from noloco_node.rpc.transport import PLAIN, Transport
 from noloco_node.wire.frames import DEFAULT_CHUNK_BYTES, PayloadError, TensorLayout, iter_frames
-from noloco_node.wire.payload import Payload, PayloadReceiver, ReceiveBuffers
+from noloco_node.wire.payload import Payload, PayloadReceiver, ReceiveBuffers, ValueObserver
 
 log = logging.getLogger(__name__)
 
@@ -94,6 +94,7 @@ def exchange_with(
     buffers: ReceiveBuffers | None = None,
     peer: str | None = None,
     transport: Transport = PLAIN,
+    observer: ValueObserver | None = None,
 ) -> Payload:
     """Exchange payloads with the peer at ``address``; returns its verified payload or raises ExchangeError.
 
@@ -107,6 +108,7 @@ def exchange_with(
         max_total_bytes=max_payload_bytes,
         allowed_dtypes=(wire_dtype,) if wire_dtype else ("bf16", "fp32"),
         buffers=buffers,
+        observer=observer,
     )
     started = time.monotonic()
     sent = 0
@@ -152,6 +154,7 @@ def exchange_with(
         outcome = "busy" if error.reason == "busy" else "failed"
         raise
     finally:
+        receiver.release_observer()
         if metrics is not None:
             metrics.add_bytes(received=receiver.bytes_received)
             metrics.record(

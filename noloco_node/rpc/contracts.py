@@ -9,7 +9,7 @@ from typing import Any, Protocol
 
 from noloco_node.rpc import peer_pb2 as pb
 from noloco_node.wire.frames import PayloadError, PayloadKind, TensorLayout
-from noloco_node.wire.payload import Payload, ReceiveBuffers
+from noloco_node.wire.payload import Payload, ReceiveBuffers, ValueObserver
 
 
 class OutgoingPayload(Protocol):
@@ -70,6 +70,9 @@ class PeerNode(Protocol):
         """The full replica state at the last outer step, held for one joiner's download (the service releases
         it); None when there is none yet."""
 
+    def value_observer(self) -> ValueObserver | None:
+        """For one incoming payload: what sees its values as they arrive (the norm bound's distances), or None."""
+
     def admit(self, payload: Payload) -> Payload:
         """The payload to hand to the session (for a stream run's progress, assembled with the partner's phase
         payload), or PayloadError if it must still not be blended (the norm bound); on an error nothing is kept."""
@@ -92,6 +95,9 @@ class AdmitsEverything:
 
     def payload_kinds(self) -> list[PayloadKind]:
         return [PayloadKind("weights", tuple(self.expected_layout()), self.wire_dtype)]
+
+    def value_observer(self) -> None:
+        return None
 
     def admit(self, payload: Payload) -> Payload:
         return payload

@@ -96,6 +96,7 @@ class PeerService:
             run_fingerprint=self.node.run_fingerprint,
             max_total_bytes=self.node.max_payload_bytes(),
             buffers=self.node.receive_buffers,
+            observer=self.node.value_observer(),
         )
 
     def _refuse(self, context: grpc.ServicerContext, error: PayloadError) -> NoReturn:
@@ -153,6 +154,7 @@ class PeerService:
         try:
             yield from self._exchange(request_iterator, context, receiver, guard, proven)
         finally:
+            receiver.release_observer()
             self._leave(ticket, guard)
 
     def _exchange(

@@ -71,6 +71,11 @@ class NodeSecurity:
         for theirs, mine, scale in comparisons:
             self.norm_guard.admit(relative_distance(theirs, mine, scale), payload.peer_id)
 
+    def admit_distances(self, payload: Payload, distances: Sequence[float]) -> None:
+        """As :meth:`admit`, with the distances already measured (chunk by chunk as the payload arrived)."""
+        for distance in distances:
+            self.norm_guard.admit(distance, payload.peer_id)
+
     def bad_payload(self, peer_id: str, error: PayloadError, policy: PeerPolicy) -> None:
         """A payload refused (malformed or out of bounds): log it, rate limited, and quarantine the peer. The
         caller counts it in the metrics."""

@@ -40,7 +40,7 @@ import math
 import threading
 import time
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import grpc
 import torch
@@ -72,6 +72,49 @@ def relative_distance(
                 gap += float(torch.dot(diff, diff))
                 norm += float(torch.dot(size_slice, size_slice))
     return math.sqrt(gap) / max(math.sqrt(norm), 1e-12)
+
+
+class RunningGap:
+    """The norm bound's distances, measured chunk by chunk while a payload arrives (a wire/payload.py
+    ``ValueObserver``): for each part (theta, phi, delta) the sum of ``(theirs - mine)**2``, and ``||phi_own||**2``
+    from the slices of phi it compared, so that nothing is left to compute after the last byte. ``references``
+    maps a received tensor's name to this node's own tensor (flat, fp32) it is compared with; names without one
+    (a stream run's progress) are not measured, and the payload is then checked whole after it has arrived."""
+
+    def __init__(self, references: dict[str, torch.Tensor], release: Callable[[], None]) -> None:
+        self._references: dict[str, torch.Tensor] | None = references
+        self._release: Callable[[], None] | None = release
+        self.gap: dict[str, float] = {}
+        self.own: dict[str, float] = {}
+        self.seen: dict[str, int] = {}
+
+    def observe(self, name: str, start: int, values: torch.Tensor) -> None:
+        references = self._references  # close() may run meanwhile on another thread: read it once
+        mine = None if references is None else references.get(name)
+        if mine is None:
+            return
+        with torch.no_grad():
+            own = mine[start : start + values.numel()]
+            diff = values.reshape(-1).float() - own
+            part = name.split("/", 1)[0]
+            self.gap[part] = self.gap.get(part, 0.0) + float(torch.dot(diff, diff))
+            self.own[part] = self.own.get(part, 0.0) + float(torch.dot(own, own))
+        self.seen[part] = self.seen.get(part, 0) + values.numel()
+
+    def close(self) -> None:
+        release, self._release, self._references = self._release, None, None
+        if release is not None:
+            release()
+
+    def distances(self, numel_per_part: dict[str, int]) -> dict[str, float] | None:
+        """Each part's ||theirs - mine|| / ||phi_own||, or None unless every element of every part was measured."""
+        if any(self.seen.get(part) != numel for part, numel in numel_per_part.items()):
+            return None
+        phi_squared = self.own.get("theta", self.own.get("phi"))
+        if phi_squared is None:
+            return None
+        norm = max(math.sqrt(phi_squared), 1e-12)
+        return {part: math.sqrt(self.gap[part]) / norm for part in numel_per_part}
 
 
 class NormGuard:

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Iterable, Sequence
+from typing import Protocol
 
 import grpc
 import numpy as np
@@ -83,6 +84,18 @@ class ReceiveBuffers:
                 self._idle_bytes += buffer.nbytes
 
 
+class ValueObserver(Protocol):
+    """Sees a payload's values as they arrive, in order, without holding them (security/payload_guard.py's
+    ``RunningGap`` measures the norm bound's distance chunk by chunk, behind the transfer)."""
+
+    def observe(self, name: str, start: int, values: torch.Tensor) -> None:
+        """``values`` (wire dtype, or fp32 once a quantized tensor is decoded) are elements ``start`` onwards of
+        the tensor called ``name``; valid only during the call."""
+
+    def close(self) -> None:
+        """The payload is complete or dropped: let go of what it references. Idempotent."""
+
+
 class Payload:
     """A complete, verified payload: the sender's manifest and its tensors in manifest order, in the wire dtype
     (bf16, fp32) or, for a quantized wire dtype, decoded to fp32."""
@@ -100,6 +113,7 @@ class Payload:
         # Set when it arrived before the receiving node could judge its content (no norm bound yet): the trainer
         # judges it before blending it (node/outer_step.py).
         self.unjudged = False
+        self.observer: ValueObserver | None = None  # what measured its values on arrival, when anything did
         self._buffers = list(buffers)
         self._pool = pool
 
@@ -149,7 +163,9 @@ class PayloadReceiver:
         prefilled: Sequence[torch.Tensor] = (),
         prefilled_partial_bytes: int = 0,
         kinds: Sequence[PayloadKind] = (),
+        observer: ValueObserver | None = None,
     ) -> None:
+        self.observer = observer
         self.expected = list(expected)
         self.kinds = list(kinds)
         self.kind: PayloadKind | None = None  # the kind the manifest turned out to be, with ``kinds``
@@ -286,10 +302,18 @@ class PayloadReceiver:
             break
         return kept, 0
 
+    def release_observer(self) -> None:
+        """The call is over, however it ended: the observer lets go of what it references (its results stay with
+        a finished payload). Idempotent; safe while a reader thread still feeds (it then measures nothing)."""
+        if self.observer is not None:
+            self.observer.close()
+
     def discard(self) -> None:
         """The payload will not be finished (refused, cut): its buffers go back to the pool. Idempotent."""
         buffers = self._buffers + list(self._decoded.values())
         self._buffers, self._byte_views, self._decoded = [], [], {}
+        if self.observer is not None:
+            self.observer.close()
         if self.pool is not None and buffers:
             self.pool.give_back(buffers)
 
@@ -326,6 +350,9 @@ class PayloadReceiver:
             self._check_quantized_chunk(index, quantized, chunk.offset, size)
         elif _has_non_finite(target, self._buffers[index].dtype):
             raise _invalid("not_finite", f"tensor {spec.name!r} holds NaN or infinite values")
+        elif self.observer is not None:  # while the next chunk is on its way
+            start, itemsize = chunk.offset // self._itemsizes[index], self._itemsizes[index]
+            self.observer.observe(spec.name, start, self._buffers[index][start : start + size // itemsize])
         self._filled[index] += size
         self.bytes_received += size
         if quantized is not None and self._filled[index] == spec.num_bytes:
@@ -334,6 +361,8 @@ class PayloadReceiver:
             decoded = self._allocate(torch.float32, numel)
             quantize.dequantize(self._buffers[index], numel, quantized, out=decoded)
             self._decoded[index] = decoded
+            if self.observer is not None:
+                self.observer.observe(spec.name, 0, decoded)
 
     def _check_quantized_chunk(self, index: int, wire_dtype: str, offset: int, size: int) -> None:
         """Scales finite and not negative, codes within the encoder's range: a chunk that is not this format is
@@ -371,6 +400,9 @@ class PayloadReceiver:
         }
         payload = Payload(self.manifest, tensors, buffers=self._buffers + list(self._decoded.values()), pool=self.pool)
         self._buffers, self._byte_views, self._decoded = [], [], {}  # the payload owns them now
+        if self.observer is not None:
+            self.observer.close()
+            payload.observer = self.observer
         return payload
 
 

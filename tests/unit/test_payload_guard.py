@@ -124,3 +124,38 @@ def test_unknown_keys_and_variables_are_named_and_secrets_are_not_echoed() -> No
     with pytest.raises(SettingsError, match="NOLOCO_SWARM_SECRT") as typo_env:
         env_layer({"NOLOCO_CACHE_DIR": "x", "NOLOCO_SWARM_SECRT": "y", "NOLOCO_TRAIN__LR": "0.1", "PATH": "/bin"})
     assert "NOLOCO_CACHE_DIR" not in str(typo_env.value).split(":")[0]
+
+
+@pytest.mark.parametrize("wire_dtype", ["bf16", "int8"])
+def test_the_distance_measured_chunk_by_chunk_is_the_one_measured_after_arrival(wire_dtype: str) -> None:
+    """RunningGap sees every chunk as it arrives (bf16) or each tensor once decoded (int8): its distances equal
+    relative_distance on the received payload, its reference copy is released once, and a payload it did not see
+    whole gets no distance (the node then measures it after arrival)."""
+    from noloco_node.security.payload_guard import RunningGap
+    from noloco_node.wire.frames import build_manifest, iter_frames, layout_of
+    from noloco_node.wire.payload import PayloadReceiver
+
+    phi = [torch.randn(300, 7), torch.randn(70_000)]
+    delta = [0.01 * torch.randn_like(t) for t in phi]
+    sent = [("theta/a", phi[0] + 0.02 * torch.randn(300, 7)), ("theta/b", phi[1] + 0.02 * torch.randn(70_000))]
+    sent += [("delta/a", delta[0] * 3), ("delta/b", delta[1] * 3)]
+    references = {"theta/a": phi[0].view(-1), "theta/b": phi[1], "delta/a": delta[0].view(-1), "delta/b": delta[1]}
+    released = []
+    gap = RunningGap(references, lambda: released.append(1))
+    receiver = PayloadReceiver(
+        layout_of(sent), run_fingerprint="r", max_total_bytes=10**8, allowed_dtypes=(wire_dtype,), observer=gap
+    )
+    manifest = build_manifest(sent, wire_dtype=wire_dtype, run_fingerprint="r", peer_id="p", outer_step=1)
+    for frame in iter_frames(manifest, [t for _, t in sent], chunk_bytes=4096):
+        receiver.feed(frame)
+    payload = receiver.finish()
+    receiver.release_observer()
+    assert released == [1] and payload.observer is gap
+    got = [payload.tensors[name] for name, _ in sent]
+    measured = gap.distances({"theta": 2100 + 70_000, "delta": 2100 + 70_000})
+    assert measured is not None
+    assert measured["theta"] == pytest.approx(relative_distance(got[:2], phi), rel=1e-5)
+    assert measured["delta"] == pytest.approx(relative_distance(got[2:], delta, phi), rel=1e-5)
+    assert gap.distances({"theta": 2100 + 70_000, "phi": 10}) is None  # a part it did not see
+    gap.observe("theta/a", 0, torch.zeros(5))  # after close: references dropped, nothing measured
+    assert gap.seen["theta"] == 2100 + 70_000
