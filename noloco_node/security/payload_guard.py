@@ -95,7 +95,7 @@ class RunningGap:
             return
         with torch.no_grad():
             own = mine[start : start + values.numel()]
-            diff = values.reshape(-1).float() - own
+            diff = torch.sub(values.reshape(-1), own)  # one kernel: bf16 is promoted to fp32 on the fly
             part = name.split("/", 1)[0]
             self.gap[part] = self.gap.get(part, 0.0) + float(torch.dot(diff, diff))
             self.own[part] = self.own.get(part, 0.0) + float(torch.dot(own, own))
