@@ -106,12 +106,9 @@ class StreamPairing(PairingStrategy):
         if payload.parts != ["progress"]:
             return payload
         with self._guard:
-            phase = self._phase
-            partner = phase.partner if phase is not None else None
-            if partner is None or partner.peer_id != payload.peer_id:
-                partner = None
-            else:
-                phase.partner = None  # consumed: one progress per reservation
+            phase, partner = self._phase, None
+            if phase is not None and phase.partner is not None and phase.partner.peer_id == payload.peer_id:
+                partner, phase.partner = phase.partner, None  # consumed: one progress per reservation
         if partner is None:
             payload.release()
             raise PayloadError(

@@ -96,7 +96,7 @@ class AdmitsEverything:
     def payload_kinds(self) -> list[PayloadKind]:
         return [PayloadKind("weights", tuple(self.expected_layout()), self.wire_dtype)]
 
-    def value_observer(self) -> None:
+    def value_observer(self) -> ValueObserver | None:
         return None
 
     def admit(self, payload: Payload) -> Payload:
