@@ -128,10 +128,10 @@ class StepsWhileWaiting:
         if loss is None:
             return False
         seconds = time.monotonic() - started
-        for hook in self.hooks:
+        for hook in self.hooks:  # as in the inner loop: they see the step's own time
             hook(replica, loss, seconds)
         self.losses.append(loss)
-        self.seconds += seconds
+        self.seconds += time.monotonic() - started  # wall time with the hooks (an emulated step time sleeps there)
         return True
 
 
