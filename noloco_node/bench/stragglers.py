@@ -65,11 +65,8 @@ class StragglersResult:
         lines.append(f"no-wait rate 1/T = {ideal:.2f}; the barrier's expected rate from the distribution: {model:.2f}")
         if "diloco barrier" in self.rates:
             barrier = statistics.fmean(self.rates["diloco barrier"])
-            for mode in ("noloco sync", "noloco overlap"):
-                if mode in self.rates:
-                    lines.append(
-                        f"{mode} / diloco barrier throughput: {statistics.fmean(self.rates[mode]) / barrier:.3f}"
-                    )
+            for mode in [run for run in self.rates if run.startswith("noloco ")]:
+                lines.append(f"{mode} / diloco barrier throughput: {statistics.fmean(self.rates[mode]) / barrier:.3f}")
         return "\n".join(lines)
 
 
