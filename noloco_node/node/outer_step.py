@@ -103,7 +103,7 @@ class StepsWhileWaiting:
     """Inner steps the trainer takes while it waits for its partner (--train-while-waiting), instead of idling.
 
     They are borrowed from the next phase: that phase still ends at the next multiple of H, so the run's inner and
-    outer steps are unchanged, and at least one of its steps is left (the loop never yields an empty phase). The
+    outer steps are unchanged, and at least half of its steps are left to it (never an empty or a token phase). The
     blend then uses this node's fresher weights with the partner's as sent, the eager-style use of one's own fresh
     progress (arXiv 2502.12996); the partner blended with what this node sent at its phase's end."""
 
@@ -113,8 +113,11 @@ class StepsWhileWaiting:
         self.replica = replica
         self.hooks = hooks
         self.stop_requested = stop_requested
-        next_boundary = (replica.inner_step // train_cfg.inner_steps + 1) * train_cfg.inner_steps
-        self.last_step = min(next_boundary - 1, train_cfg.total_steps - 1)
+        # At most half of the next phase: each phase keeps at least H/2 steps of its own, so that the weights a
+        # partner receives at a phase's end always carry a substantial phase of training.
+        h = train_cfg.inner_steps
+        next_boundary = (replica.inner_step // h + 1) * h
+        self.last_step = min(next_boundary - (h + 1) // 2, train_cfg.total_steps - 1)
         self.losses: list[float] = []
         self.seconds = 0.0
 
@@ -190,8 +193,14 @@ class OuterStep:
         deps, replica = self.deps, self.deps.replica
         # This phase's own movement, before pairing: the norm bound a partner is checked against comes from it
         # (payload_guard.py), so the first exchange is already bounded and no payload can widen the bound.
-        movement = relative_distance(replica.fast_weights(), replica.phi)
-        phase_lr, partner_lr = phase_learning_rates(replica.train_cfg, replica.inner_step, deps.max_staleness)
+        # Scaled to a whole phase of H steps: after steps borrowed while waiting (StepsWhileWaiting) this phase had
+        # fewer, and a bound from its shorter movement refused honest partners that trained a whole phase (seen: a
+        # node that had borrowed 19 of 20 steps quarantined its partner at 0.0405 against a bound of 0.0378).
+        steps = max(1, len(phase.losses))
+        movement = relative_distance(replica.fast_weights(), replica.phi) * replica.train_cfg.inner_steps / steps
+        phase_lr, partner_lr = phase_learning_rates(
+            replica.train_cfg, replica.inner_step, deps.max_staleness, phase_steps=steps
+        )
         deps.norm_guard.observe_own_movement(movement, phase_lr, partner_lr)
         wait_started = time.monotonic()
         extra = None
@@ -304,11 +313,15 @@ class OuterStep:
         replica.apply_outer_step(new_phi, new_delta)
 
 
-def phase_learning_rates(cfg: TrainConfig, inner_step: int, max_staleness: int) -> tuple[float, float]:
-    """The mean learning rate of the phase that ended at ``inner_step``, and the largest one a partner up to
-    ``max_staleness`` outer steps ahead or behind may have trained its phase at."""
+def phase_learning_rates(
+    cfg: TrainConfig, inner_step: int, max_staleness: int, *, phase_steps: int | None = None
+) -> tuple[float, float]:
+    """The mean learning rate of the phase that ended at ``inner_step`` (of ``phase_steps`` steps, H by default),
+    and the largest one a partner up to ``max_staleness`` outer steps ahead or behind may have trained its phase
+    at."""
     h = cfg.inner_steps
-    phase = [learning_rate(s, cfg) for s in range(max(0, inner_step - h), max(1, inner_step))]
+    length = h if phase_steps is None else phase_steps
+    phase = [learning_rate(s, cfg) for s in range(max(0, inner_step - length), max(1, inner_step))]
     reach = (max_staleness + 1) * h
     stride = max(1, h // 8)  # the schedule is monotone between warmup's end and the ends of the window
     samples = [*range(max(0, inner_step - reach), inner_step + reach + 1, stride), cfg.effective_warmup_steps]

@@ -65,7 +65,9 @@ class OuterStepRecord(BaseModel):
         0.0, description="Trainer time at this outer step outside the wait, blend and evaluation: snapshot, checkpoint."
     )
     movement: float | None = Field(
-        None, description="This node's own relative movement in the phase, ||theta - phi|| / ||phi||: the norm bound."
+        None,
+        description="This node's own relative movement in the phase, ||theta - phi|| / ||phi||, scaled to H steps "
+        "when the phase was shorter (steps borrowed while waiting): the norm bound.",
     )
     phase_lr: float | None = Field(None, description="Mean inner learning rate of the phase.")
     partner_lr: float | None = Field(

@@ -159,8 +159,8 @@ def test_evaluate_is_a_loss_in_nats() -> None:
 
 
 def test_steps_taken_while_waiting_are_borrowed_from_the_next_phase_and_keep_its_boundary() -> None:
-    """--train-while-waiting: inner steps during the wait stop one short of the next multiple of H and before the
-    run's end, so the next phase still ends at its boundary with at least one step and no step is added."""
+    """--train-while-waiting: inner steps during the wait leave at least half of the next phase to it and stop
+    before the run's end, so the next phase still ends at its boundary and no step is added."""
     from noloco_node.node.outer_step import StepsWhileWaiting
     from noloco_node.training.loop import InnerLoop
 
@@ -172,8 +172,8 @@ def test_steps_taken_while_waiting_are_borrowed_from_the_next_phase_and_keep_its
     steps = StepsWhileWaiting(replica, cfg, [lambda r, loss, s: seen.append(r.inner_step)], lambda: False)
     while steps():
         pass
-    assert replica.inner_step == 9 and seen == [6, 7, 8, 9] and len(steps.losses) == 4 and steps.seconds > 0
-    assert len(next(phases).losses) == 1 and replica.inner_step == 10  # the next phase still ends at 2H
+    assert replica.inner_step == 7 and seen == [6, 7] and len(steps.losses) == 2 and steps.seconds > 0
+    assert len(next(phases).losses) == 3 and replica.inner_step == 10  # the next phase still ends at 2H
     steps = StepsWhileWaiting(replica, cfg, [], lambda: False)
     assert steps() and not steps() and replica.inner_step == 11  # one short of the run's end (12)
     assert len(next(phases).losses) == 1 and replica.inner_step == 12
