@@ -295,3 +295,21 @@ def projected_fast_weights(new_phi: TensorList, theta: TensorList, old_phi: Tens
         p.to(torch.float32) + (t.to(torch.float32) - o.to(torch.float32))
         for p, t, o in zip(new_phi, theta, old_phi, strict=True)
     ]
+
+
+@torch.no_grad()
+def pseudo_gradient(theta: TensorList, phi: TensorList) -> list[torch.Tensor]:
+    """A phase's progress Delta = theta - phi in fp32: what stream mode sends at the outer step."""
+    _check_same_shapes(theta, phi, "phi")
+    return [t.to(torch.float32) - p.to(torch.float32) for t, p in zip(theta, phi, strict=True)]
+
+
+@torch.no_grad()
+def fast_weights_from(
+    phi: TensorList, progress: TensorList, out: Sequence[torch.Tensor] | None = None
+) -> list[torch.Tensor]:
+    """A partner's fast weights theta = phi + Delta, rebuilt in fp32 from its slow weights and its progress as the
+    wire delivered them (each may have been rounded: bf16 phi, quantized Delta), into ``out`` when given."""
+    _check_same_shapes(phi, progress, "progress")
+    targets = out if out is not None else [torch.empty(p.shape, dtype=torch.float32) for p in phi]
+    return [t.copy_(p).add_(d) for t, p, d in zip(targets, phi, progress, strict=True)]

@@ -34,9 +34,10 @@ from dataclasses import dataclass, field
 import grpc
 import torch
 
+from noloco_node import algorithm
 from noloco_node.discovery.dht import PeerRecord
 from noloco_node.pairing.strategy import PairingContext, PairingStrategy
-from noloco_node.pairing.sync import PairingRound, RoundSession
+from noloco_node.pairing.sync import PairingRound, RoundSession, run_round
 from noloco_node.training.replica import Replica
 from noloco_node.wire.frames import PayloadError
 from noloco_node.wire.payload import Payload
@@ -131,15 +132,13 @@ class StreamPairing(PairingStrategy):
         manifest = progress.manifest
         phase_tensors, phase_buffers = phase_payload.hand_over()
         progress_tensors, progress_buffers = progress.hand_over()
-        tensors: dict[str, torch.Tensor] = {}
-        rebuilt: list[torch.Tensor] = []
-        for name, delta in progress_tensors.items():
-            parameter = name.split("/", 1)[1]
-            theta = pool.take(torch.float32, delta.numel()).view(delta.shape)
-            theta.copy_(phase_tensors[f"phi/{parameter}"]).add_(delta)  # in fp32, whatever the wire dtypes
-            tensors[f"theta/{parameter}"] = theta
-            rebuilt.append(theta.view(-1))
+        parameters = [name.split("/", 1)[1] for name in progress_tensors]
+        deltas = list(progress_tensors.values())
+        buffers = [pool.take(torch.float32, delta.numel()).view(delta.shape) for delta in deltas]
+        thetas = algorithm.fast_weights_from([phase_tensors[f"phi/{n}"] for n in parameters], deltas, out=buffers)
+        tensors = {f"theta/{n}": theta for n, theta in zip(parameters, thetas, strict=True)}
         tensors.update(phase_tensors)
+        rebuilt = [theta.view(-1) for theta in thetas]
         return Payload(manifest, tensors, buffers=[*phase_buffers, *progress_buffers, *rebuilt], pool=pool)
 
     def _reserve(self, phase: Phase, payload: Payload) -> bool:
@@ -194,22 +193,14 @@ class StreamPairing(PairingStrategy):
             reserved = phase.partner
         if reserved is None:
             return None  # nobody swapped phase payloads with this node: a solo step
-        progress = [t.to(torch.float32) - p for t, p in zip(replica.fast_weights(), replica.phi, strict=True)]
+        progress = algorithm.pseudo_gradient(replica.fast_weights(), replica.phi)
         offer = ctx.offers["progress"].publish({"progress": progress}, replica.outer_step)
         del progress
         current = PairingRound(replica.outer_step, offer, only_partner=reserved.peer_id)
         self._round = current
-        if ctx.stopping.is_set():
-            current.stop_waiting()
-        seeker = asyncio.run_coroutine_threadsafe(
-            self._exchange_progress(current, reserved.peer_id, reserved.outer_step), ctx.loop
-        )
-        ctx.telemetry.beat()
-        current.wait(ctx.pair_timeout, train_step)
-        ctx.telemetry.beat()
-        partner = current.close(wait_for_exchange=ctx.exchange_ceiling + 5)
+        seeker = self._exchange_progress(current, reserved.peer_id, reserved.outer_step)
+        partner = run_round(ctx, current, seeker, train_step)
         self._round = None
-        seeker.cancel()
         with self._guard:
             leftover, phase.partner = phase.partner, None  # not consumed: the progress never came
         if leftover is not None:

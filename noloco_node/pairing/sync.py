@@ -22,9 +22,10 @@ import logging
 import random
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Coroutine
 from concurrent.futures import Future, InvalidStateError
 from concurrent.futures import TimeoutError as FutureTimeout
+from typing import Any
 
 from noloco_node.pairing.strategy import PairingContext, PairingStrategy
 from noloco_node.training.replica import Replica
@@ -137,6 +138,28 @@ class PairingRound:
         return partner
 
 
+def run_round(
+    ctx: PairingContext,
+    current: PairingRound,
+    seeker: Coroutine[Any, Any, None],
+    train_step: Callable[[], bool] | None,
+) -> Payload | None:
+    """Trainer thread: one pairing round from open to close. ``seeker`` calls peers on the event loop while the
+    trainer waits (taking ``train_step``s meanwhile) until the round is paired, told to stop, or --pair-timeout;
+    an exchange still streaming then finishes, bounded by the exchange ceiling. It streams a held copy, so the
+    trainer may go on even if it did not (the partner is then dropped on both sides). Returns the partner."""
+    assert ctx.loop is not None
+    if ctx.stopping.is_set():  # a stop that came before the round opened: no waiting at all
+        current.stop_waiting()
+    seeking = asyncio.run_coroutine_threadsafe(seeker, ctx.loop)
+    ctx.telemetry.beat()
+    current.wait(ctx.pair_timeout, train_step)
+    ctx.telemetry.beat()
+    partner = current.close(wait_for_exchange=ctx.exchange_ceiling + 5)
+    seeking.cancel()
+    return partner
+
+
 class RoundSession:
     """The ExchangeSession of a pairing round: holds the round's exchange lock and its offer until released."""
 
@@ -185,18 +208,9 @@ class SyncPairing(PairingStrategy):
             grace = min(ctx.pair_timeout / 2, phase_seconds / 2)
             current.last_partner, current.repeat_after = self._last_partner, time.monotonic() + grace
         self._round = current
-        if ctx.stopping.is_set():  # a stop that came before the round opened: no waiting at all
-            current.stop_waiting()
-        seeker = asyncio.run_coroutine_threadsafe(self._seek_partner(current), ctx.loop)
-        asyncio.run_coroutine_threadsafe(ctx.publish_record(), ctx.loop)
-        ctx.telemetry.beat()
-        current.wait(ctx.pair_timeout, train_step)
-        ctx.telemetry.beat()
-        # An exchange still streaming holds the lock and finishes, bounded by the exchange ceiling; it streams a
-        # held copy, so the trainer may go on even if it did not (the partner is then dropped on both sides).
-        partner = current.close(wait_for_exchange=ctx.exchange_ceiling + 5)
+        asyncio.run_coroutine_threadsafe(ctx.publish_record(), ctx.loop)  # ready: say so
+        partner = run_round(ctx, current, self._seek_partner(current), train_step)
         self._round = None
-        seeker.cancel()
         if partner is not None:
             self._last_partner = partner.peer_id
             ctx.caller.paired(partner.peer_id, replica.outer_step)

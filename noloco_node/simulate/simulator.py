@@ -128,9 +128,8 @@ def partner_view(
     if stream_wire is None:
         return _through_wire(list(theta), sync_wire), _through_wire(list(phi), sync_wire)
     seen_phi = _through_wire(list(phi), "bf16")
-    pseudo_gradient = [t.to(torch.float32) - p for t, p in zip(theta, phi, strict=True)]
-    seen_delta = _through_wire(pseudo_gradient, stream_wire)
-    return [p + d for p, d in zip(seen_phi, seen_delta, strict=True)], seen_phi
+    seen_delta = _through_wire(algorithm.pseudo_gradient(theta, phi), stream_wire)
+    return algorithm.fast_weights_from(seen_phi, seen_delta), seen_phi
 
 
 # Per NoLoCo method: the wire dtype of theta and phi sent whole (sync), or of Delta when phi is streamed (stream).
