@@ -50,6 +50,13 @@ class ShapedNetwork:
     def router(self) -> str:
         return f"{self.prefix}-r"
 
+    def router_address(self, host: int) -> str:
+        """The router's address on ``host``'s link: reached from that host without crossing the delay."""
+        return f"10.81.{host}.1"
+
+    def router_exec_prefix(self) -> list[str]:
+        return ["ip", "netns", "exec", self.router]
+
 
 def _run(*args: str) -> None:
     done = subprocess.run(list(args), capture_output=True, text=True)
@@ -64,17 +71,21 @@ def _remove(prefix: str) -> None:
             subprocess.run(["ip", "netns", "del", name], capture_output=True)
 
 
-def _shape(namespace: str, device: str, rate_mbit: float) -> None:
-    # burst: two MTU-sized packets (the least tbf can pass 64 KB packets with: ~10 ms of line rate at 100 Mbit/s);
+def _shape(namespace: str, device: str, rate_mbit: float, mtu: int) -> None:
+    # burst: two MTU-sized packets, the least tbf can pass them with (at MTU 65000: ~10 ms of line rate at
+    # 100 Mbit/s; a slow link takes a small MTU so that the burst stays a sliver of a transfer);
     # latency: how long a packet may queue before tbf drops it
     _run("tc", "-n", namespace, "qdisc", "add", "dev", device, "root", "tbf", "rate", f"{rate_mbit}mbit",
-         "burst", "128kb", "latency", "400ms")  # fmt: skip
+         "burst", str(2 * (mtu + 14)), "latency", "400ms")  # fmt: skip
 
 
 @contextmanager
 def shaped_network(
-    hosts: int, *, rate_mbit: float, rtt_ms: float, jitter_ms: float = 0.0, prefix: str = "nls"
+    hosts: int, *, rate_mbit: float, rtt_ms: float, jitter_ms: float = 0.0, prefix: str = "nls", mtu: int = MTU
 ) -> Iterator[ShapedNetwork]:
+    """``mtu``: the links' MTU. Large by default, because the delaying router forwards packet by packet in Python
+    and fast links need few packets; at a rate of a few Mbit/s or less take 1500, so that tbf's burst of two
+    packets is not a large share of what a transfer moves."""
     if os.geteuid() != 0:
         raise PermissionError("a shaped network needs root (network namespaces, tc, a TUN device)")
     if not 1 <= hosts < 250:
@@ -96,17 +107,17 @@ def shaped_network(
             _run("ip", "link", "set", peer, "netns", router)
             _run("ip", "-n", ns, "addr", "add", f"10.81.{host}.2/24", "dev", dev)
             _run("ip", "-n", router, "addr", "add", f"10.81.{host}.1/24", "dev", peer)
-            _run("ip", "-n", ns, "link", "set", dev, "up", "mtu", str(MTU))
+            _run("ip", "-n", ns, "link", "set", dev, "up", "mtu", str(mtu))
             _run("ip", "-n", ns, "link", "set", "lo", "up")
-            _run("ip", "-n", router, "link", "set", peer, "up", "mtu", str(MTU))
+            _run("ip", "-n", router, "link", "set", peer, "up", "mtu", str(mtu))
             _run("ip", "-n", ns, "route", "add", "default", "via", f"10.81.{host}.1")
             # Long-lived connections keep their congestion window between exchanges (a node's channels are
             # pooled): the setting a deployment guide recommends for nodes; the bench also reports cold rounds.
             _run("ip", "netns", "exec", ns, "sysctl", "-qw", "net.ipv4.tcp_slow_start_after_idle=0")
             _run("ip", "netns", "exec", router, "sysctl", "-qw", f"net.ipv4.conf.{peer}.rp_filter=0")
             _run("ip", "-n", router, "rule", "add", "iif", peer, "lookup", "100")
-            _shape(ns, dev, rate_mbit)
-            _shape(router, peer, rate_mbit)
+            _shape(ns, dev, rate_mbit, mtu)
+            _shape(router, peer, rate_mbit, mtu)
         delayer = subprocess.Popen(
             ["ip", "netns", "exec", router, sys.executable, "-m", "noloco_node.bench.delay_router", TUN,
              str(rtt_ms / 2), "--jitter-ms", str(jitter_ms)],
@@ -115,7 +126,7 @@ def shaped_network(
         assert delayer.stdout is not None
         if delayer.stdout.readline().strip() != "ready":
             raise RuntimeError("the delay router did not start")
-        _run("ip", "-n", router, "link", "set", TUN, "up", "mtu", str(MTU))
+        _run("ip", "-n", router, "link", "set", TUN, "up", "mtu", str(mtu))
         _run("ip", "netns", "exec", router, "sysctl", "-qw", f"net.ipv4.conf.{TUN}.rp_filter=0")
         _run("ip", "-n", router, "route", "add", "default", "dev", TUN, "table", "100")
         time.sleep(0.2)

@@ -6,8 +6,8 @@ S inner steps of the same model, each with its own draws:
 
 - a real local swarm in ``sync`` mode (a node waits for a partner at its outer step, at most pair_timeout);
 - the same in ``overlap`` mode (no waiting: the exchange runs behind the next phase);
-- DiLoCo's global barrier (barrier_worker.py): N gloo processes that all-reduce every H steps, so each outer
-  step waits for the slowest replica.
+- DiLoCo's global barrier (diloco_worker.py): N gloo processes that run DiLoCo's outer step (an all-reduce) every
+  H steps, so each outer step waits for the slowest replica.
 
 The figure is each run's inner steps per second per replica (start-up excluded), next to 1/T, the rate with no
 waiting at all, and the barrier's expected rate from the same distribution (a Monte-Carlo estimate of
@@ -100,7 +100,7 @@ def _barrier_run(result: StragglersResult, model: str) -> tuple[list[float], flo
         "--inner-steps", str(result.inner_steps), "--step-time-seconds", str(result.step_seconds),
         "--step-time-sigma", str(result.sigma),
     ]  # fmt: skip
-    command = [sys.executable, "-m", "noloco_node.bench.barrier_worker", *common]
+    command = [sys.executable, "-m", "noloco_node.bench.diloco_worker", *common]
     workers = [
         subprocess.Popen([*command, "--rank", str(rank)], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
         for rank in range(result.nodes)

@@ -29,7 +29,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from noloco_node.bench.shaped_network import shaped_network
+from noloco_node.bench.shaped_network import ShapedNetwork, shaped_network
 
 
 @dataclass
@@ -108,6 +108,60 @@ class SyncResult:
         return "\n".join(lines)
 
 
+def measure_rounds(
+    net: ShapedNetwork,
+    sizes_mb: list[float],
+    *,
+    warm_rounds: int = 2,
+    ring_rounds: int = 2,
+    hivemind: bool = False,
+    progress: bool = True,
+) -> list[SyncRow]:
+    """One row per tensor size: a pairwise round (cold, then warm) and a ring all-reduce among all of ``net``'s
+    hosts (sync_worker.py, one process per host)."""
+    count = net.hosts
+    rows: list[SyncRow] = []
+    with tempfile.TemporaryDirectory(prefix="noloco-sync-") as tmp:
+        out = Path(tmp) / "rank0.json"
+        worker_args = [
+            "--world", str(count), "--addresses", ",".join(net.address(i) for i in range(count)),
+            "--sizes-mb", ",".join(f"{s:g}" for s in sizes_mb), "--warm-rounds", str(warm_rounds),
+            "--ring-rounds", str(ring_rounds), "--out", str(out), "--rendezvous", tmp,
+            *(["--hivemind"] if hivemind else []),
+        ]  # fmt: skip
+        logs = [(Path(tmp) / f"rank{i}.log").open("w") for i in range(count)]
+        workers = [
+            subprocess.Popen(
+                [*net.exec_prefix(i), sys.executable, "-m", "noloco_node.bench.sync_worker", "--rank", str(i),
+                 "--iface", net.device(i), *worker_args],
+                stdout=logs[i],
+                stderr=subprocess.STDOUT,
+            )
+            for i in range(count)
+        ]  # fmt: skip
+        codes = [w.wait(timeout=3600) for w in workers]
+        for log in logs:
+            log.close()
+        failures = [line for i in range(count) for line in (Path(tmp) / f"rank{i}.log").read_text().splitlines()
+                    if "round failed" in line]  # fmt: skip
+        if failures and progress:
+            print(f"N={count}: " + "\n".join(sorted(set(failures))[:5]), file=sys.stderr, flush=True)
+        if any(codes) or not out.exists():
+            failed = next((i for i, c in enumerate(codes) if c), 0)
+            tail = (Path(tmp) / f"rank{failed}.log").read_text()[-3000:]
+            raise RuntimeError(f"bench sync: host {failed} of {count} exited {codes[failed]}:\n{tail}")
+        for entry in json.loads(out.read_text()):
+            cold = entry["pairwise"][0]["seconds"]
+            warm = min(p["seconds"] for p in entry["pairwise"][1:]) if len(entry["pairwise"]) > 1 else cold
+            row = SyncRow(count, entry["size_mb"], cold, warm, min(entry["ring"]), net.rate_mbit, net.rtt_ms)
+            if entry.get("hivemind"):
+                row.hivemind = entry["hivemind"]["seconds"]
+                row.hivemind_matchmaking = entry["hivemind"]["matchmaking_seconds"]
+                row.hivemind_failed_hosts = entry["hivemind"].get("failed_hosts", 0)
+            rows.append(row)
+    return rows
+
+
 def run_sync_bench(
     hosts: list[int],
     sizes_mb: list[float],
@@ -122,48 +176,11 @@ def run_sync_bench(
 ) -> SyncResult:
     result = SyncResult(rate_mbit, rtt_ms, jitter_ms)
     for count in hosts:
-        with (
-            shaped_network(count, rate_mbit=rate_mbit, rtt_ms=rtt_ms, jitter_ms=jitter_ms) as net,
-            tempfile.TemporaryDirectory(prefix="noloco-sync-") as tmp,
-        ):
-            out = Path(tmp) / "rank0.json"
-            worker_args = [
-                "--world", str(count), "--addresses", ",".join(net.address(i) for i in range(count)),
-                "--sizes-mb", ",".join(f"{s:g}" for s in sizes_mb), "--warm-rounds", str(warm_rounds),
-                "--ring-rounds", str(ring_rounds), "--out", str(out), "--rendezvous", tmp,
-                *(["--hivemind"] if hivemind else []),
-            ]  # fmt: skip
-            logs = [(Path(tmp) / f"rank{i}.log").open("w") for i in range(count)]
+        with shaped_network(count, rate_mbit=rate_mbit, rtt_ms=rtt_ms, jitter_ms=jitter_ms) as net:
             started = time.monotonic()
-            workers = [
-                subprocess.Popen(
-                    [*net.exec_prefix(i), sys.executable, "-m", "noloco_node.bench.sync_worker", "--rank", str(i),
-                     "--iface", net.device(i), *worker_args],
-                    stdout=logs[i],
-                    stderr=subprocess.STDOUT,
-                )
-                for i in range(count)
-            ]  # fmt: skip
-            codes = [w.wait(timeout=3600) for w in workers]
-            for log in logs:
-                log.close()
-            failures = [line for i in range(count) for line in (Path(tmp) / f"rank{i}.log").read_text().splitlines()
-                        if "round failed" in line]  # fmt: skip
-            if failures and progress:
-                print(f"N={count}: " + "\n".join(sorted(set(failures))[:5]), file=sys.stderr, flush=True)
-            if any(codes) or not out.exists():
-                failed = next((i for i, c in enumerate(codes) if c), 0)
-                tail = (Path(tmp) / f"rank{failed}.log").read_text()[-3000:]
-                raise RuntimeError(f"bench sync: host {failed} of {count} exited {codes[failed]}:\n{tail}")
-            for entry in json.loads(out.read_text()):
-                cold = entry["pairwise"][0]["seconds"]
-                warm = min(p["seconds"] for p in entry["pairwise"][1:]) if len(entry["pairwise"]) > 1 else cold
-                row = SyncRow(count, entry["size_mb"], cold, warm, min(entry["ring"]), rate_mbit, rtt_ms)
-                if entry.get("hivemind"):
-                    row.hivemind = entry["hivemind"]["seconds"]
-                    row.hivemind_matchmaking = entry["hivemind"]["matchmaking_seconds"]
-                    row.hivemind_failed_hosts = entry["hivemind"].get("failed_hosts", 0)
-                result.rows.append(row)
+            result.rows += measure_rounds(
+                net, sizes_mb, warm_rounds=warm_rounds, ring_rounds=ring_rounds, hivemind=hivemind, progress=progress
+            )
             if progress:
                 print(f"N={count}: done in {time.monotonic() - started:.0f} s", file=sys.stderr, flush=True)
     return result

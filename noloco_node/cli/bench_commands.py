@@ -10,6 +10,8 @@ from typing import Any, get_args
 
 from noloco_node.config.models import MODEL_SIZES, PairingMode
 
+RACE_METHODS = ("noloco-sync", "noloco-stream", "diloco-H", "diloco-2H")  # bench/race.py METHODS, without its imports
+
 
 def add_bench_parsers(commands: Any) -> None:
     bench = commands.add_parser("bench", help="benchmarks that print a figure next to a same-run reference")
@@ -111,6 +113,26 @@ def add_bench_parsers(commands: Any) -> None:
         "--no-hivemind", action="store_true", help="skip the hivemind all-reduce round (its matchmaking is slow)"
     )
 
+    race = benches.add_parser(
+        "race",
+        help="time to quality: NoLoCo swarms against DiLoCo on shaped links scaled from a target deployment (root)",
+    )
+    race.add_argument("--nodes", default="16", help="replica counts, comma-separated (one race each)")
+    race.add_argument("--steps", type=int, default=500, help="inner steps each replica trains")
+    race.add_argument("--inner-steps", type=int, default=25, help="H of NoLoCo and of diloco-H (diloco-2H: 2H)")
+    race.add_argument("--step-seconds", type=float, default=0.3, help="emulated mean time of one inner step")
+    race.add_argument("--sigma", type=float, default=1.0, help="log-normal sigma of the step times")
+    race.add_argument("--methods", default=",".join(RACE_METHODS), help="methods to race, comma-separated")
+    race.add_argument("--target-model", default="125m", choices=list(MODEL_SIZES), help="the deployment's model")
+    race.add_argument(
+        "--target-tokens-per-step", type=int, default=524_288, help="the deployment's tokens per inner step"
+    )
+    race.add_argument("--target-tflops", type=float, default=989.0, help="its accelerator's bf16 peak (H100 SXM)")
+    race.add_argument("--target-mfu", type=float, default=0.40, help="the MFU assumed of the deployment")
+    race.add_argument("--target-rate-mbit", type=float, default=100.0, help="the deployment's links")
+    race.add_argument("--target-rtt-ms", type=float, default=50.0, help="the deployment's round-trip time")
+    race.add_argument("--out", type=Path, default=Path("runs/race"), help="race-N.json and race-N.png go here")
+
     train_bench = benches.add_parser(
         "train", help="training throughput (tokens/s) and MFU of a named model size on this device"
     )
@@ -208,6 +230,32 @@ def run_bench(args: argparse.Namespace) -> int:
             hivemind=not args.no_hivemind,
         )
         print(sync_result.report())
+        return 0
+    if args.bench == "race":
+        from noloco_node.bench.race import Deployment, run_race
+
+        deployment = Deployment(
+            model=args.target_model,
+            tokens_per_step=args.target_tokens_per_step,
+            peak_tflops=args.target_tflops,
+            mfu=args.target_mfu,
+            rate_mbit=args.target_rate_mbit,
+            rtt_ms=args.target_rtt_ms,
+        )
+        for count in [int(n) for n in args.nodes.split(",")]:
+            print(f"noloco-node bench race: {count} replicas, {os.cpu_count()} CPUs", flush=True)
+            race_result = run_race(
+                count,
+                args.steps,
+                sigma=args.sigma,
+                inner_steps=args.inner_steps,
+                step_seconds=args.step_seconds,
+                deployment=deployment,
+                methods=[m for m in args.methods.split(",") if m],
+                out_dir=args.out,
+            )
+            print(race_result.report(), flush=True)
+            print(f"curves: {args.out / f'race-{count}.png'}", flush=True)
         return 0
     if args.bench == "train":
         from noloco_node.bench.train import run_train_bench

@@ -106,11 +106,14 @@ def expand_bootstrap(entries: Sequence[str], *, wait: float = 120.0) -> list[str
     return expanded
 
 
-def start_bootstrap_process(log_path: Path, *, timeout: float = 60.0) -> tuple[subprocess.Popen[str], list[str]]:
-    """Start `noloco-node bootstrap` on 127.0.0.1 as a child process; returns it and the multiaddrs it printed."""
+def start_bootstrap_process(
+    log_path: Path, *, timeout: float = 60.0, host: str = "127.0.0.1", exec_prefix: Sequence[str] = ()
+) -> tuple[subprocess.Popen[str], list[str]]:
+    """Start `noloco-node bootstrap` on ``host`` as a child process (behind ``exec_prefix``, e.g. ``ip netns exec
+    NS``); returns it and the multiaddrs it printed."""
     with log_path.open("w") as log:
         process = subprocess.Popen(
-            [sys.executable, "-m", "noloco_node", "bootstrap", "--host-maddrs", "/ip4/127.0.0.1/tcp/0"],
+            [*exec_prefix, sys.executable, "-m", "noloco_node", "bootstrap", "--host-maddrs", f"/ip4/{host}/tcp/0"],
             stdout=subprocess.PIPE,
             stderr=log,
             text=True,

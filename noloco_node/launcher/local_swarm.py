@@ -4,7 +4,8 @@ Nodes are real processes with their own DHT peer, gRPC server and status endpoin
 gracefully, killed, restarted on its data directory, or replaced by a newcomer with an empty one. The user's
 ``noloco-node swarm`` (launcher/swarm.py), the benchmarks (bench idle, chaos, straggler, stragglers) and the test
 harness all start nodes through :func:`launch_node` and :class:`LocalSwarm`, and stop them through
-:func:`stop_gracefully`.
+:func:`stop_gracefully`. Given a shaped network (bench/shaped_network.py, for `bench race`), each node runs in its
+own network namespace behind an emulated internet link, and the bootstrap peer in the router's namespace.
 """
 
 from __future__ import annotations
@@ -19,10 +20,13 @@ from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from noloco_node.discovery.bootstrap import start_bootstrap_process
 from noloco_node.observability.status_file import read_status_document
+
+if TYPE_CHECKING:  # the launcher only calls its methods; the benchmark that builds it imports the launcher
+    from noloco_node.bench.shaped_network import ShapedNetwork
 
 
 def join_command(maddrs: Sequence[str], data_dir: Path, *args: str, log_format: str = "text") -> list[str]:
@@ -66,12 +70,15 @@ def launch_node(
     env: dict[str, str] | None = None,
     log_format: str = "text",
     open_files: int | None = None,
+    exec_prefix: Sequence[str] = (),
 ) -> subprocess.Popen[bytes]:
     """Start one node process, its output in ``log_path``; ``open_files`` sets its open-file limit (soft and hard),
-    for drills of a node on a host with a low one."""
+    for drills of a node on a host with a low one; ``exec_prefix`` runs it behind a command such as ``ip netns
+    exec NS``."""
     command = join_command(maddrs, data_dir, *args, log_format=log_format)
     if open_files is not None:
         command = [sys.executable, "-c", _LIMIT_THEN_EXEC, str(open_files), *command]
+    command = [*exec_prefix, *command]
     data_dir.mkdir(parents=True, exist_ok=True)
     with log_path.open("w") as log:  # the child holds its own descriptor
         return subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env={**os.environ, **(env or {})})
@@ -121,27 +128,42 @@ class LocalSwarm:
         num_nodes: int,
         node_args: Sequence[str],
         per_node_args: Sequence[Sequence[str]] | None = None,
+        *,
+        network: ShapedNetwork | None = None,
     ) -> None:
         self.base = base
+        self.network = network
         base.mkdir(parents=True, exist_ok=True)
-        self.bootstrap, self.maddrs = start_bootstrap_process(base / "bootstrap.log")
-        extra = per_node_args or [[] for _ in range(num_nodes)]
-        self.slots = [
-            NodeSlot(
-                i,
-                base / f"node{i}",
-                ["--shard-index", str(i), "--num-shards", str(num_nodes), *node_args, *extra[i]],
+        if network is None:
+            self.bootstrap, self.maddrs = start_bootstrap_process(base / "bootstrap.log")
+        else:  # in the router's namespace: every host reaches it, and its introductions use no host's link
+            self.bootstrap, self.maddrs = start_bootstrap_process(
+                base / "bootstrap.log", host=network.router_address(0), exec_prefix=network.router_exec_prefix()
             )
-            for i in range(num_nodes)
-        ]
+        extra = per_node_args or [[] for _ in range(num_nodes)]
+        self.slots = []
+        for i in range(num_nodes):
+            args = ["--shard-index", str(i), "--num-shards", str(num_nodes), *self._network_args(i)]
+            self.slots.append(NodeSlot(i, base / f"node{i}", [*args, *node_args, *extra[i]]))
         for slot in self.slots:
             self.start(slot)
+
+    def _network_args(self, index: int) -> list[str]:
+        """On a shaped network, node ``index`` serves gRPC and the DHT on its host's address."""
+        if self.network is None:
+            return []
+        address = self.network.address(index)
+        return ["--grpc-host", address, "--dht-host-maddrs", f"/ip4/{address}/tcp/0"]
 
     def start(self, slot: NodeSlot) -> None:
         slot.lives += 1
         slot.killed_by_us = False
         slot.process = launch_node(
-            self.maddrs, slot.data_dir, slot.args, self.base / f"node{slot.index}.life{slot.lives}.log"
+            self.maddrs,
+            slot.data_dir,
+            slot.args,
+            self.base / f"node{slot.index}.life{slot.lives}.log",
+            exec_prefix=self.network.exec_prefix(slot.index) if self.network is not None else (),
         )
 
     def status(self, slot: NodeSlot) -> dict[str, Any] | None:

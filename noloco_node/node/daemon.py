@@ -24,6 +24,7 @@ import logging
 import math
 import signal
 import threading
+import time
 
 import torch
 
@@ -303,6 +304,7 @@ class Node:
             self.trainer = threading.Thread(
                 target=self._train, args=(outer_step, finished, loop), name="trainer", daemon=True
             )
+            self.telemetry.training_started = time.time()
             self.trainer.start()
             await self._until_stopped(finished, stop_requested)
             if self.trainer_error is None:  # a trainer that died mid-step may leave half-updated state: keep the last

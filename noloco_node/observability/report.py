@@ -129,6 +129,7 @@ def node_status(node: ReportedNode) -> NodeStatus:
         status_url=node.status_url,
         dht_maddrs=node.dht_maddrs,
         started_at=node.telemetry.started,
+        training_started_at=node.telemetry.training_started,
         uptime_seconds=time.time() - node.telemetry.started,
         inner_step=replica.inner_step if replica else 0,
         outer_step=replica.outer_step if replica else 0,

@@ -132,6 +132,9 @@ class NodeStatus(BaseModel):
     status_url: str = Field(description="Where this endpoint is served.")
     dht_maddrs: list[str] = Field(description="This node's DHT multiaddrs (usable as --bootstrap).")
     started_at: float = Field(description="Unix time the node started.")
+    training_started_at: float | None = Field(
+        None, description="Unix time its trainer started (after loading and --wait-for-peers); null before."
+    )
     uptime_seconds: float
     inner_step: int
     outer_step: int

@@ -52,6 +52,7 @@ class Telemetry:
     degraded_after: float  # seconds without any live peer before the node says so
     stall_after: float  # seconds without trainer progress before the node is unhealthy
     started: float = field(default_factory=time.time)
+    training_started: float | None = None  # time.time() of the first inner step's start (after --wait-for-peers)
     phase: str = "loading the model and data"
 
     def __post_init__(self) -> None:

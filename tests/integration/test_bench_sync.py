@@ -3,28 +3,15 @@ node's gRPC exchange and a gloo all-reduce, with a table whose figures obey the 
 
 from __future__ import annotations
 
-import os
 import re
-import shutil
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 
+from .shaping import SHAPING_NEEDS, can_shape, leftover_namespaces
 
-def _can_shape() -> bool:
-    """Root, a TUN device, iproute2 and tc, and a kernel that lets us make a network namespace."""
-    if os.geteuid() != 0 or not Path("/dev/net/tun").exists() or not (shutil.which("ip") and shutil.which("tc")):
-        return False
-    made = subprocess.run(["ip", "netns", "add", "nls-probe"], capture_output=True).returncode == 0
-    subprocess.run(["ip", "netns", "del", "nls-probe"], capture_output=True)
-    return made
-
-
-pytestmark = pytest.mark.skipif(
-    not _can_shape(), reason="bench sync needs root, /dev/net/tun, iproute2 (ip, tc) and network namespaces"
-)
+pytestmark = pytest.mark.skipif(not can_shape(), reason=f"bench sync {SHAPING_NEEDS}")
 
 
 def test_bench_sync_smoke_measures_a_shaped_network() -> None:
@@ -47,5 +34,4 @@ def test_bench_sync_smoke_measures_a_shaped_network() -> None:
     assert cold >= warm and cold >= 2 * rtt_ms / 1000
     assert ring > 0 and ring_model > 0
     assert re.search(r"ring / pairwise \| model ratio", done.stdout)
-    assert not [line for line in subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
-                .splitlines() if line.startswith("nls-")]  # fmt: skip
+    assert not leftover_namespaces("nls")

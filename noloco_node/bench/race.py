@@ -1,0 +1,425 @@
+"""`noloco-node bench race`: time to quality. NoLoCo swarms against DiLoCo on emulated internet links.
+
+A user choosing between this node and DiLoCo asks which reaches a given loss sooner on their links and machines.
+This bench trains the same model on the same shards from the same seed with every method, each host a process in
+its own network namespace behind a link shaped to a bandwidth and a round-trip time (shaped_network.py: tc tbf and
+the delaying router), every inner step taking a mean time T times a log-normal factor of spread sigma (the
+straggler model of the paper's Fig. 5B; node.fault_injection), and reports validation loss against wall-clock:
+
+- ``noloco-sync``: real `noloco-node join` processes (LocalSwarm on the shaped network), ``--mode sync``, bf16;
+- ``noloco-stream``: the same with ``--mode stream --wire-dtype int4`` (the phase's slow weights stream during
+  the phase, only the int4 progress waits at the outer step);
+- ``diloco-H`` and ``diloco-2H``: DiLoCo (diloco_worker.py): a global barrier, a gloo ring all-reduce of the
+  pseudo-gradient in bf16 and the heavy-ball outer step, every H and every 2H inner steps.
+
+Scaling. 2 CPU cores cannot train a 125m model, so the race trains ``tiny`` and keeps what decides the race: the
+ratio of a pairwise exchange's time to an inner phase's time. The target deployment (:class:`Deployment`: a model,
+its batch, an accelerator's datasheet peak at an assumed MFU, a link) gives a step time and an exchange time; the
+emulation keeps H, picks an emulated step time T (slow enough that N processes on this machine's cores keep it),
+scales every duration by T / T_target, and sets the link's rate so that tiny's bf16 payload crosses it in the
+scaled exchange time. A pairwise round and a ring all-reduce are then measured on those links before the race,
+and the ratio achieved is printed next to the target's.
+
+Each NoLoCo run's curve is the mean over its nodes of their validation loss (each node's own slow weights,
+evaluated on the same batches after its outer step) at each multiple of H, at the mean time the nodes got there;
+DiLoCo's replicas share their slow weights, evaluated on the same batches. Time starts when training starts
+(nodes wait for each other with --wait-for-peers; DiLoCo's ranks at a barrier), so start-up is not raced.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import math
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from collections import defaultdict
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from noloco_node.bench.shaped_network import ShapedNetwork, shaped_network
+from noloco_node.bench.sync import measure_rounds
+from noloco_node.config.models import DataConfig, TrainConfig, model_config_for
+from noloco_node.launcher.local_swarm import LocalSwarm
+from noloco_node.model.decoder import parameter_count
+
+METHODS = ("noloco-sync", "noloco-stream", "diloco-H", "diloco-2H")
+DILOCO_PORT = 29600
+BF16 = 2  # bytes per value on the wire
+
+
+@dataclass(frozen=True)
+class Deployment:
+    """The deployment the race stands for: its exchange-to-phase time ratio is what the emulation keeps."""
+
+    model: str = "125m"
+    vocab_size: int = 32_000
+    tokens_per_step: int = 524_288  # 0.5M tokens per step: GPT-3 Small's batch
+    peak_tflops: float = 989.0  # H100 SXM, dense bf16, datasheet
+    mfu: float = 0.40  # assumed (nanoGPT-class single-GPU training)
+    rate_mbit: float = 100.0
+    rtt_ms: float = 50.0
+
+    @property
+    def params(self) -> int:
+        return parameter_count(model_config_for(self.model, vocab_size=self.vocab_size, max_seq_len=1024))
+
+    @property
+    def step_seconds(self) -> float:
+        return 6 * self.params * self.tokens_per_step / (self.peak_tflops * 1e12 * self.mfu)
+
+    def exchange_seconds(self) -> float:
+        """A pairwise exchange: one bf16 model each way at once, over the link, plus a round trip."""
+        return self.params * BF16 * 8 / (self.rate_mbit * 1e6) + self.rtt_ms / 1000
+
+    def ring_seconds(self, hosts: int) -> float:
+        """A ring all-reduce's latency-bandwidth model: 2(N-1) steps, each moving 1/N of the model and waiting for
+        the previous step's data to arrive."""
+        return 2 * (hosts - 1) * (self.params * BF16 * 8 / (hosts * self.rate_mbit * 1e6) + self.rtt_ms / 2000)
+
+    def describe(self, inner_steps: int) -> str:
+        phase = inner_steps * self.step_seconds
+        return (
+            f"target deployment: {self.model} ({self.params / 1e6:.0f}M parameters with a {self.vocab_size:,} "
+            f"vocabulary), {self.tokens_per_step:,} tokens per inner step on one accelerator of "
+            f"{self.peak_tflops:g} TFLOPS bf16 peak at {self.mfu:.0%} MFU: {self.step_seconds:.3f} s per step, "
+            f"H = {inner_steps}: a {phase:.1f} s inner phase; links {self.rate_mbit:g} Mbit/s, RTT {self.rtt_ms:g} "
+            f"ms: a bf16 pairwise exchange {self.exchange_seconds():.1f} s, "
+            f"exchange / phase = {self.exchange_seconds() / phase:.2f}"
+        )
+
+
+@dataclass(frozen=True)
+class Emulation:
+    """The race as this machine runs it: every duration of the deployment times ``scale``."""
+
+    deployment: Deployment
+    model: str
+    step_seconds: float
+    inner_steps: int
+
+    @property
+    def payload_bytes(self) -> int:
+        vocab = _run_vocab_size()
+        return parameter_count(model_config_for(self.model, vocab_size=vocab, max_seq_len=128)) * BF16
+
+    @property
+    def scale(self) -> float:
+        return self.step_seconds / self.deployment.step_seconds
+
+    @property
+    def rtt_ms(self) -> float:
+        return self.deployment.rtt_ms * self.scale
+
+    @property
+    def exchange_seconds(self) -> float:
+        return self.deployment.exchange_seconds() * self.scale
+
+    @property
+    def rate_mbit(self) -> float:
+        """The link rate at which this model's bf16 payload takes the scaled exchange time (less its round trip)."""
+        transfer = self.exchange_seconds - self.rtt_ms / 1000
+        return self.payload_bytes * 8 / transfer / 1e6
+
+    @property
+    def phase_seconds(self) -> float:
+        return self.inner_steps * self.step_seconds
+
+    def describe(self) -> str:
+        return (
+            f"emulated: {self.model} ({self.payload_bytes / 1e3:.0f} KB in bf16), {self.step_seconds:g} s per step "
+            f"(time scale {self.scale:.3f}), H = {self.inner_steps}: a {self.phase_seconds:.1f} s phase; links "
+            f"{self.rate_mbit:.3f} Mbit/s, RTT {self.rtt_ms:.1f} ms: a bf16 exchange {self.exchange_seconds:.2f} s, "
+            f"exchange / phase = {self.exchange_seconds / self.phase_seconds:.2f} by the model"
+        )
+
+
+@functools.cache
+def _run_vocab_size() -> int:
+    from noloco_node.model.source import load_run_corpus
+
+    return load_run_corpus(DataConfig(), TrainConfig()).vocab_size
+
+
+Curve = list[tuple[float, int, float]]  # (seconds since training started, inner step, validation loss)
+
+
+@dataclass
+class MethodRun:
+    name: str
+    inner_steps: int
+    curve: Curve
+    wall_seconds: float
+    blends: int = 0  # NoLoCo: outer steps with a partner
+    outer_steps: int = 0
+    waited: float = 0.0  # mean fraction of wall time waiting at outer steps (NoLoCo) or in the barrier (DiLoCo)
+
+    @property
+    def final_loss(self) -> float:
+        return self.curve[-1][2]
+
+    def time_to(self, target: float) -> float | None:
+        """When the curve first reaches ``target`` (linear between evaluations), or None if it never does."""
+        previous: tuple[float, int, float] | None = None
+        for point in self.curve:
+            if point[2] <= target:
+                if previous is None or previous[2] == point[2]:
+                    return point[0]
+                t0, _, l0 = previous
+                t1, _, l1 = point
+                return t0 + (t1 - t0) * (l0 - target) / (l0 - l1)
+            previous = point
+        return None
+
+
+@dataclass
+class RaceResult:
+    nodes: int
+    steps: int
+    sigma: float
+    emulation: Emulation
+    pairwise_seconds: float = math.nan  # measured on the race's links before the race
+    ring_seconds: float = math.nan
+    runs: dict[str, MethodRun] = field(default_factory=dict)
+
+    def report(self) -> str:
+        emulation, deployment = self.emulation, self.emulation.deployment
+        phase = emulation.phase_seconds
+        lines = [
+            deployment.describe(emulation.inner_steps),
+            emulation.describe(),
+            f"measured on these links, {self.nodes} hosts: a pairwise round {self.pairwise_seconds:.2f} s "
+            f"(exchange / phase = {self.pairwise_seconds / phase:.2f}, the target's "
+            f"{deployment.exchange_seconds() / (emulation.inner_steps * deployment.step_seconds):.2f}); a ring "
+            f"all-reduce {self.ring_seconds:.2f} s (ring / phase = {self.ring_seconds / phase:.2f}, the target's "
+            f"model {deployment.ring_seconds(self.nodes) / (emulation.inner_steps * deployment.step_seconds):.2f})",
+            f"{self.nodes} replicas, {self.steps} inner steps each, step times x log-normal(sigma {self.sigma:g}, "
+            "mean 1)",
+        ]
+        targets = {name: run.final_loss for name, run in self.runs.items() if name.startswith("diloco")}
+        header = "| method | H | outer steps | blends | waiting | final val loss | wall s |"
+        rule = "|---|---:|---:|---:|---:|---:|---:|"
+        for name, target in targets.items():
+            header += f" to {name}'s final {target:.4f}: s | sooner than {name} |"
+            rule += "---:|---:|"
+        lines += [header, rule]
+        for name, run in self.runs.items():
+            blends = f"{run.blends}/{run.outer_steps}" if name.startswith("noloco") else "-"
+            row = (
+                f"| {name} | {run.inner_steps} | {run.outer_steps} | {blends} | {run.waited:.0%} | "
+                f"{run.final_loss:.4f} | {run.wall_seconds:.0f} |"
+            )
+            for diloco, target in targets.items():
+                reached, reference = run.time_to(target), self.runs[diloco].time_to(target)
+                if reached is None:
+                    row += f" not reached ({_loss_at(run.curve, self.runs[diloco].wall_seconds)}) | - |"
+                else:
+                    ratio = f"{reference / reached:.2f}x" if reference else "-"
+                    row += f" {reached:.0f} | {ratio} |"
+            lines.append(row)
+        lines.append(
+            "sooner than X: X's time to its own final loss / this method's time to the same loss (above 1: sooner)"
+        )
+        return "\n".join(lines)
+
+
+def _loss_at(curve: Curve, seconds: float) -> str:
+    """The curve's loss at a time, for a method that never reached a target: what it had by then."""
+    before = [point for point in curve if point[0] <= seconds]
+    return f"{before[-1][2]:.4f} at {seconds:.0f} s" if before else f"nothing by {seconds:.0f} s"
+
+
+def swarm_curve(statuses: Sequence[dict], inner_steps: int) -> tuple[Curve, float]:
+    """The swarm's curve (mean loss and mean time over the nodes at each outer step that at least half of them
+    evaluated; a node that caught up skipped some) and the time its last node finished, from training's start."""
+    started = min(s["training_started_at"] for s in statuses if s.get("training_started_at"))
+    # By outer step, not by inner step: steps borrowed while waiting (--train-while-waiting) put a node's inner
+    # step at its k-th outer step a few past k * H.
+    points: dict[int, list[tuple[float, float]]] = defaultdict(list)
+    for status in statuses:
+        for entry in status.get("history", []):
+            points[entry["outer_step"]].append((entry["time"] - started, entry["val_loss"]))
+    quorum = max(1, len(statuses) // 2)
+    curve = [
+        (statistics.fmean(t for t, _ in values), outer * inner_steps, statistics.fmean(loss for _, loss in values))
+        for outer, values in sorted(points.items())
+        if len(values) >= quorum
+    ]
+    finished = max(s["history"][-1]["time"] for s in statuses if s.get("history")) - started
+    return curve, finished
+
+
+def _node_args(result: RaceResult, mode: str) -> list[str]:
+    emulation = result.emulation
+    link_bytes_per_second = emulation.rate_mbit * 1e6 / 8
+    args = [
+        "--model", emulation.model, "--steps", str(result.steps), "--inner-steps", str(emulation.inner_steps),
+        "--log-every", "100000", "--step-time-seconds", str(emulation.step_seconds),
+        "--step-time-sigma", str(result.sigma), "--wait-for-peers", str(result.nodes - 1), "--mode", mode,
+        # deadlines: a transfer may run at a quarter of the link's rate before it counts as stalled; a partner is
+        # waited for as long as a few exchanges take on this link
+        "--min-link-rate", f"{link_bytes_per_second / 4:.0f}",
+        "--pair-timeout", f"{max(10.0, 4 * emulation.exchange_seconds):.1f}",
+    ]  # fmt: skip
+    if mode == "stream":
+        args += ["--wire-dtype", "int4"]
+    return args
+
+
+def _noloco_run(net: ShapedNetwork, base: Path, result: RaceResult, mode: str, deadline: float) -> MethodRun:
+    swarm = LocalSwarm(base, result.nodes, _node_args(result, mode), network=net)
+    try:
+        while time.monotonic() < deadline and swarm.running():
+            time.sleep(1.0)
+    finally:
+        swarm.stop()
+    statuses = [swarm.status(slot) or {} for slot in swarm.slots]
+    unfinished = [slot.index for slot, s in zip(swarm.slots, statuses, strict=True) if not s.get("history")]
+    if unfinished or swarm.slots[0].crashes:
+        tail = swarm.logs(swarm.slots[unfinished[0] if unfinished else 0])[-3000:]
+        raise RuntimeError(f"bench race: noloco-{mode} node(s) {unfinished} did not train:\n{tail}")
+    curve, finished = swarm_curve(statuses, result.emulation.inner_steps)
+    histories = [s["history"] for s in statuses]
+    waited = statistics.fmean(sum(h["wait_seconds"] for h in history) / finished for history in histories)
+    return MethodRun(
+        f"noloco-{mode}",
+        result.emulation.inner_steps,
+        curve,
+        finished,
+        blends=sum(1 for history in histories for h in history if h["partner"]),
+        outer_steps=sum(len(history) for history in histories),
+        waited=waited,
+    )
+
+
+def _diloco_run(net: ShapedNetwork, base: Path, result: RaceResult, inner_steps: int, name: str) -> MethodRun:
+    emulation = result.emulation
+    common = [
+        "--world", str(result.nodes), "--port", str(DILOCO_PORT), "--address", net.address(0),
+        "--model", emulation.model, "--steps", str(result.steps), "--inner-steps", str(inner_steps),
+        "--step-time-seconds", str(emulation.step_seconds), "--step-time-sigma", str(result.sigma),
+        "--eval-batches", str(TrainConfig().eval_batches),
+    ]  # fmt: skip
+    base.mkdir(parents=True, exist_ok=True)
+    logs = [(base / f"rank{rank}.log").open("w") for rank in range(result.nodes)]
+    try:
+        workers = []
+        for rank in range(result.nodes):
+            command = [*net.exec_prefix(rank), sys.executable, "-m", "noloco_node.bench.diloco_worker"]
+            command += ["--rank", str(rank), "--iface", net.device(rank), *common]
+            stdout = subprocess.PIPE if rank == 0 else logs[rank]
+            workers.append(subprocess.Popen(command, stdout=stdout, stderr=logs[rank], text=True))
+        output = workers[0].communicate(timeout=7200)[0]
+        codes = [w.wait(timeout=120) for w in workers]
+    finally:
+        for log in logs:
+            log.close()
+    if any(codes):
+        failed = next(rank for rank, code in enumerate(codes) if code)
+        raise RuntimeError(f"bench race: {name} rank {failed} exited {codes[failed]}:\n" + (
+            (base / f"rank{failed}.log").read_text()[-3000:]))  # fmt: skip
+    measured = json.loads(output.strip().splitlines()[-1])
+    started = measured["started_at"]
+    curve = [(t - started, step, loss) for t, step, loss in measured["curve"]]
+    return MethodRun(
+        name,
+        inner_steps,
+        curve,
+        measured["seconds"],
+        outer_steps=len(curve),
+        waited=measured["barrier_seconds"] / measured["seconds"],
+    )
+
+
+def run_race(
+    nodes: int,
+    steps: int,
+    *,
+    sigma: float = 1.0,
+    inner_steps: int = 25,
+    step_seconds: float = 0.3,
+    model: str = "tiny",
+    deployment: Deployment | None = None,
+    methods: Sequence[str] = METHODS,
+    out_dir: Path | None = None,
+    progress: bool = True,
+) -> RaceResult:
+    unknown = sorted(set(methods) - set(METHODS))
+    if unknown:
+        raise ValueError(f"unknown race method(s) {unknown}; choose from {', '.join(METHODS)}")
+    emulation = Emulation(deployment or Deployment(), model, step_seconds, inner_steps)
+    result = RaceResult(nodes, steps, sigma, emulation)
+
+    def say(message: str) -> None:
+        if progress:
+            print(message, file=sys.stderr, flush=True)
+
+    with (
+        shaped_network(nodes, rate_mbit=emulation.rate_mbit, rtt_ms=emulation.rtt_ms, mtu=1500, prefix="nlr") as net,
+        tempfile.TemporaryDirectory(prefix="noloco-race-") as tmp,
+    ):
+        work = out_dir / f"race-{nodes}-logs" if out_dir is not None else Path(tmp)  # kept: the nodes' logs
+        say(emulation.describe())
+        (row,) = measure_rounds(net, [emulation.payload_bytes / 2**20], warm_rounds=1, ring_rounds=1)
+        result.pairwise_seconds, result.ring_seconds = row.pairwise_warm, row.ring
+        say(f"links measured: a pairwise round {row.pairwise_warm:.2f} s, a ring all-reduce {row.ring:.2f} s")
+        for method in methods:
+            started = time.monotonic()
+            if method.startswith("noloco-"):
+                mode = method.removeprefix("noloco-")
+                run = _noloco_run(net, work / method, result, mode, time.monotonic() + 7200)
+            else:
+                h = inner_steps if method == "diloco-H" else 2 * inner_steps
+                run = _diloco_run(net, work / method, result, h, method)
+            result.runs[method] = run
+            say(f"{method}: final val loss {run.final_loss:.4f}, {run.wall_seconds:.0f} s of training "
+                f"({time.monotonic() - started:.0f} s with start-up)")  # fmt: skip
+    if out_dir is not None:
+        out_dir.mkdir(parents=True, exist_ok=True)
+        (out_dir / f"race-{nodes}.json").write_text(
+            json.dumps(
+                {
+                    "nodes": nodes,
+                    "steps": steps,
+                    "sigma": sigma,
+                    "report": result.report(),
+                    "runs": {name: run.curve for name, run in result.runs.items()},
+                },
+                indent=2,
+            )
+        )
+        plot_race(result, out_dir / f"race-{nodes}.png")
+    return result
+
+
+def plot_race(result: RaceResult, path: Path) -> None:
+    """Validation loss against wall-clock for every method, with DiLoCo's final losses as the targets."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(8, 5))
+    for name, run in result.runs.items():
+        times = [t for t, _, _ in run.curve]
+        losses = [loss for _, _, loss in run.curve]
+        line = ax.plot(times, losses, marker=".", label=f"{name} (H {run.inner_steps})")[0]
+        if name.startswith("diloco"):
+            ax.axhline(run.final_loss, color=line.get_color(), linestyle=":", linewidth=1)
+    finals = [run.final_loss for run in result.runs.values()]
+    ax.set_ylim(min(finals) - 0.1, max(finals) + 0.9)
+    ax.set(
+        xlabel="wall-clock since training started (s, emulated)",
+        ylabel="validation loss (nats/token)",
+        title=f"bench race: {result.nodes} replicas, sigma {result.sigma:g}, "
+        f"exchange/phase {result.pairwise_seconds / result.emulation.phase_seconds:.2f}",
+    )
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)

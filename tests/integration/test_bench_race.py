@@ -1,0 +1,60 @@
+"""`noloco-node bench race` end to end, small: real node processes and real DiLoCo gloo processes, each in its own
+network namespace behind a shaped, delayed link, racing to a loss; the report's figures must obey the links'
+physics and the races' own arithmetic."""
+
+from __future__ import annotations
+
+import json
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from .shaping import SHAPING_NEEDS, can_shape, leftover_namespaces
+
+pytestmark = pytest.mark.skipif(not can_shape(), reason=f"bench race {SHAPING_NEEDS}")
+
+
+def _row(stdout: str, method: str) -> list[str]:
+    line = next(line for line in stdout.splitlines() if line.startswith(f"| {method} |"))
+    return [cell.strip() for cell in line.strip("|").split("|")]
+
+
+def test_bench_race_smoke(tmp_path: Path) -> None:
+    steps, inner_steps = 40, 10
+    done = subprocess.run(
+        [sys.executable, "-m", "noloco_node", "bench", "race", "--nodes", "2", "--steps", str(steps),
+         "--inner-steps", str(inner_steps), "--step-seconds", "0.1", "--target-tokens-per-step", "2000000",
+         "--out", str(tmp_path)],
+        capture_output=True, text=True, timeout=600,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    out = done.stdout
+    # The links are shaped as the scaling says: the emulated exchange time is the target's, times the time scale,
+    # and the pairwise round measured on them takes at least the payload's transfer time at the link's rate.
+    target = float(re.search(r"a bf16 pairwise exchange ([\d.]+) s", out).group(1))
+    scale = float(re.search(r"time scale ([\d.]+)\)", out).group(1))
+    emulated = float(re.search(r"a bf16 exchange ([\d.]+) s", out).group(1))
+    assert emulated == pytest.approx(target * scale, rel=0.02)
+    kilobytes = float(re.search(r"tiny \((\d+) KB in bf16\)", out).group(1))
+    rate_mbit = float(re.search(r"links ([\d.]+) Mbit/s, RTT", out).group(1))
+    measured = float(re.search(r"a pairwise round ([\d.]+) s", out).group(1))
+    assert measured >= 0.9 * kilobytes * 1e3 * 8 / (rate_mbit * 1e6)
+    rows = {method: _row(out, method) for method in ("noloco-sync", "noloco-stream", "diloco-H", "diloco-2H")}
+    for method, cells in rows.items():
+        assert 0 < float(cells[5]) < 4.5, (method, cells)  # trained: tiny starts near ln(256) = 5.5 nats
+    assert rows["diloco-H"][1] == str(inner_steps) and rows["diloco-2H"][1] == str(2 * inner_steps)
+    assert int(rows["diloco-H"][2]) == steps // inner_steps and int(rows["diloco-2H"][2]) == steps // (2 * inner_steps)
+    for mode in ("noloco-sync", "noloco-stream"):
+        blends, outer_steps = map(int, rows[mode][3].split("/"))
+        assert outer_steps == 2 * steps // inner_steps and blends > 0, rows[mode]
+    # Each DiLoCo run reaches its own final loss exactly when it ends: 1.00x against itself.
+    assert rows["diloco-H"][8] == "1.00x" and rows["diloco-2H"][10] == "1.00x"
+    curves = json.loads((tmp_path / "race-2.json").read_text())["runs"]
+    for method, curve in curves.items():
+        times = [point[0] for point in curve]
+        assert times == sorted(times) and times[0] > 0, method
+    assert (tmp_path / "race-2.png").stat().st_size > 10_000
+    assert not leftover_namespaces("nlr")
