@@ -6,7 +6,10 @@ host's side is shaped to ``rate`` with ``tc tbf`` on egress (its upload) and the
 round trip) and jitter that this kernel's missing netem cannot. So a byte from host i to host j crosses i's
 upload, the delay, and j's download: the path of two peers on different home links.
 
-Host i has address 10.81.i.2 (i < 250). Needs root, iproute2 and /dev/net/tun. The namespaces are named
+Host i has address 10.81.i.2 (i < 250). With ``control_plane``, each host also has a second, unshaped and
+undelayed link to a bridge in the router's namespace, address 10.82.i.2 (the bridge: 10.82.255.1), for a
+benchmark's control traffic whose volume does not scale with its emulation (bench race: the DHT). Needs root,
+iproute2 and /dev/net/tun. The namespaces are named
 ``{prefix}-h{i}`` and ``{prefix}-r``; everything is removed on exit, and stale leftovers of a killed run are
 removed on entry.
 """
@@ -32,6 +35,7 @@ class ShapedNetwork:
     rtt_ms: float
     jitter_ms: float
     prefix: str
+    control_plane: bool = False
 
     def namespace(self, host: int) -> str:
         return f"{self.prefix}-h{host}"
@@ -57,6 +61,14 @@ class ShapedNetwork:
     def router_exec_prefix(self) -> list[str]:
         return ["ip", "netns", "exec", self.router]
 
+    def control_address(self, host: int) -> str:
+        """``host``'s address on the unshaped control plane (only with ``control_plane``)."""
+        return f"10.82.{host}.2"
+
+    @property
+    def control_router_address(self) -> str:
+        return "10.82.255.1"
+
 
 def _run(*args: str) -> None:
     done = subprocess.run(list(args), capture_output=True, text=True)
@@ -79,9 +91,31 @@ def _shape(namespace: str, device: str, rate_mbit: float, mtu: int) -> None:
          "burst", str(2 * (mtu + 14)), "latency", "400ms")  # fmt: skip
 
 
+def _control_plane(net: ShapedNetwork) -> None:
+    bridge = f"{net.prefix}br"
+    _run("ip", "-n", net.router, "link", "add", bridge, "type", "bridge")
+    _run("ip", "-n", net.router, "addr", "add", f"{net.control_router_address}/16", "dev", bridge)
+    _run("ip", "-n", net.router, "link", "set", bridge, "up")
+    for host in range(net.hosts):
+        ns, dev, port = net.namespace(host), f"{net.prefix}c{host}", f"{net.prefix}rc{host}"
+        _run("ip", "link", "add", dev, "type", "veth", "peer", "name", port)
+        _run("ip", "link", "set", dev, "netns", ns)
+        _run("ip", "link", "set", port, "netns", net.router)
+        _run("ip", "-n", ns, "addr", "add", f"{net.control_address(host)}/16", "dev", dev)
+        _run("ip", "-n", ns, "link", "set", dev, "up")
+        _run("ip", "-n", net.router, "link", "set", port, "master", bridge, "up")
+
+
 @contextmanager
 def shaped_network(
-    hosts: int, *, rate_mbit: float, rtt_ms: float, jitter_ms: float = 0.0, prefix: str = "nls", mtu: int = MTU
+    hosts: int,
+    *,
+    rate_mbit: float,
+    rtt_ms: float,
+    jitter_ms: float = 0.0,
+    prefix: str = "nls",
+    mtu: int = MTU,
+    control_plane: bool = False,
 ) -> Iterator[ShapedNetwork]:
     """``mtu``: the links' MTU. Large by default, because the delaying router forwards packet by packet in Python
     and fast links need few packets; at a rate of a few Mbit/s or less take 1500, so that tbf's burst of two
@@ -90,7 +124,7 @@ def shaped_network(
         raise PermissionError("a shaped network needs root (network namespaces, tc, a TUN device)")
     if not 1 <= hosts < 250:
         raise ValueError(f"hosts must be in [1, 250), not {hosts}")
-    net = ShapedNetwork(hosts, rate_mbit, rtt_ms, jitter_ms, prefix)
+    net = ShapedNetwork(hosts, rate_mbit, rtt_ms, jitter_ms, prefix, control_plane)
     _remove(prefix)
     delayer: subprocess.Popen[str] | None = None
     try:
@@ -118,6 +152,8 @@ def shaped_network(
             _run("ip", "-n", router, "rule", "add", "iif", peer, "lookup", "100")
             _shape(ns, dev, rate_mbit, mtu)
             _shape(router, peer, rate_mbit, mtu)
+        if control_plane:
+            _control_plane(net)
         delayer = subprocess.Popen(
             ["ip", "netns", "exec", router, sys.executable, "-m", "noloco_node.bench.delay_router", TUN,
              str(rtt_ms / 2), "--jitter-ms", str(jitter_ms)],

@@ -71,6 +71,11 @@ class TiedDHT(hivemind.DHT):
 DEFAULT_RECORD_TTL = 30.0
 MAX_LIVE_PEERS = 1024  # records a node considers at once: a flood of fake ones cannot grow its tables
 DEFAULT_DHT_TIMEOUT = 10.0
+# live_peers() callers within this long of a lookup's start share its answer. A lookup fetches every peer's record
+# from several DHT peers (about 100 KB at 8 nodes: it grows with the swarm), and a node's pairing loops, status
+# page and catch-up each asked for one several times a second: 65-70 KB/s of upload per node of an 8-node swarm
+# between outer steps, which filled a slow link before any weights moved (measured while building bench race).
+LOOKUP_SHARING_SECONDS = 1.0
 
 
 @dataclass(frozen=True)
@@ -218,6 +223,7 @@ class Discovery:
             self._dht_kwargs["announce_maddrs"] = list(announce_maddrs)
         self.dht: hivemind.DHT | None = None
         self._last_expiration = 0.0
+        self._lookup: tuple[float, asyncio.Task[list[PeerRecord]]] | None = None  # (started, the shared lookup)
 
     def start(self) -> None:
         """Start the DHT process (it forks: call this before starting gRPC servers or torch threads)."""
@@ -259,6 +265,7 @@ class Discovery:
             value["mac"] = record_mac(self.secret, self.key, self.subkey, value)
         future = self._require().store(self.key, value, expiration, subkey=self.subkey, return_future=True)
         stored = bool(await self._await(future, "store"))
+        self._lookup = None  # the next lookup sees this node's own record as it now is
         if stored:
             self._last_expiration = expiration
         # The start record never changes: refreshed at a third of its lifetime, not at every outer step's publish.
@@ -299,12 +306,28 @@ class Discovery:
         return await self.publish(tombstone)
 
     async def live_peers(self, *, include_self: bool = False) -> list[PeerRecord]:
-        """Every unexpired, well-formed, non-tombstone record of this run, newest first (at most MAX_LIVE_PEERS)."""
+        """Every unexpired, well-formed, non-tombstone record of this run, newest first (at most MAX_LIVE_PEERS).
+
+        Callers within LOOKUP_SHARING_SECONDS of a lookup's start share its answer (and its failure)."""
+        loop = asyncio.get_running_loop()
+        now = time.monotonic()
+        shared = self._lookup
+        if (
+            shared is None
+            or shared[1].get_loop() is not loop
+            or (shared[1].done() and now - shared[0] > LOOKUP_SHARING_SECONDS)
+        ):
+            task = loop.create_task(self._lookup_records())
+            task.add_done_callback(lambda done: done.cancelled() or done.exception())  # retrieved even if nobody waits
+            shared = self._lookup = (now, task)
+        records = await asyncio.shield(shared[1])
+        return [r for r in records if include_self or r.peer_id != self.peer_id]
+
+    async def _lookup_records(self) -> list[PeerRecord]:
         future = self._require().get(self.key, latest=True, return_future=True)
         found = await self._await(future, "get")
         if found is None or not isinstance(found.value, dict):
             return []
-        own = self.peer_id
         records = []
         for subkey, entry in found.value.items():
             value = getattr(entry, "value", None)
@@ -317,8 +340,6 @@ class Discovery:
                 continue  # not written by a member of this private run
             record = PeerRecord.from_value(peer_id, value)
             if record is None or record.leaving or record.run_fingerprint != self.run_fingerprint:
-                continue
-            if record.peer_id == own and not include_self:
                 continue
             records.append(record)
         # Records cost nothing to publish: past this many, the oldest are not even looked at (bounded tables).

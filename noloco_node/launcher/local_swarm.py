@@ -137,8 +137,9 @@ class LocalSwarm:
         if network is None:
             self.bootstrap, self.maddrs = start_bootstrap_process(base / "bootstrap.log")
         else:  # in the router's namespace: every host reaches it, and its introductions use no host's link
+            host = network.control_router_address if network.control_plane else network.router_address(0)
             self.bootstrap, self.maddrs = start_bootstrap_process(
-                base / "bootstrap.log", host=network.router_address(0), exec_prefix=network.router_exec_prefix()
+                base / "bootstrap.log", host=host, exec_prefix=network.router_exec_prefix()
             )
         extra = per_node_args or [[] for _ in range(num_nodes)]
         self.slots = []
@@ -149,11 +150,13 @@ class LocalSwarm:
             self.start(slot)
 
     def _network_args(self, index: int) -> list[str]:
-        """On a shaped network, node ``index`` serves gRPC and the DHT on its host's address."""
+        """On a shaped network, node ``index`` serves gRPC on its host's address, and the DHT there too or on its
+        control-plane address."""
         if self.network is None:
             return []
-        address = self.network.address(index)
-        return ["--grpc-host", address, "--dht-host-maddrs", f"/ip4/{address}/tcp/0"]
+        net = self.network
+        dht = net.control_address(index) if net.control_plane else net.address(index)
+        return ["--grpc-host", net.address(index), "--dht-host-maddrs", f"/ip4/{dht}/tcp/0"]
 
     def start(self, slot: NodeSlot) -> None:
         slot.lives += 1

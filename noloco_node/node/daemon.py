@@ -329,7 +329,7 @@ class Node:
             max_state_downloads=self.cfg.max_state_downloads,
             max_concurrent_calls=self.cfg.security.max_concurrent_calls,
             min_link_rate=self.cfg.min_link_rate,
-            stall_seconds=self.cfg.security.stall_seconds,
+            stall_seconds=self.layout.stall_seconds(self.cfg.security.stall_seconds),
             max_calls_per_address=self.cfg.security.max_calls_per_address,
             max_connections=connection_budget(self.descriptor_limit),
             transport=self.security.transport,

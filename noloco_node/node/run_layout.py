@@ -14,7 +14,7 @@ from noloco_node.config.models import NodeConfig, OuterConfig, TrainConfig
 from noloco_node.data.corpus import Corpus
 from noloco_node.model.source import ModelSource, model_source, run_fingerprint
 from noloco_node.wire import quantize
-from noloco_node.wire.frames import PayloadKind, TensorLayout
+from noloco_node.wire.frames import DEFAULT_CHUNK_BYTES, PayloadKind, TensorLayout
 
 
 def run_identity(node_cfg: NodeConfig, train_cfg: TrainConfig, corpus: Corpus) -> tuple[ModelSource, str]:
@@ -87,6 +87,14 @@ class RunLayout:
         --min-link-rate (both directions share nothing on a full-duplex link, so one payload's time)."""
         payload = max(kind.wire_bytes() for kind in self.payload_kinds())
         return max(self.exchange_timeout, payload / self.min_link_rate + 10.0)
+
+    def stall_seconds(self, configured: float) -> float:
+        """How long a served call may move no byte: --stall-seconds, or longer when one chunk at --min-link-rate
+        takes more than half of it. Progress is counted by whole chunks, so on a slow link an honest peer's chunk
+        (up to 1 MiB, or its largest tensor) arrives seconds apart: measured with bench race at 0.33 Mbit/s, where
+        the fixed 2 s cut and barred honest partners and 2 of 32 outer steps blended."""
+        largest = max(math.prod(shape) for shape in self.shapes) * 4  # fp32, the widest wire dtype
+        return max(configured, 2 * min(DEFAULT_CHUNK_BYTES, largest) / self.min_link_rate)
 
     def download_timeout(self) -> float:
         """The deadline of one state download: the fp32 state (4 model-sized tensors) at --min-link-rate."""

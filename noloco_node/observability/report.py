@@ -225,14 +225,19 @@ async def watch_peers(
     run_fingerprint: str,
     run_name: str,
     every: float = 3.0,
+    starts_every: float = 30.0,
     max_info_calls: int = 16,
     transport: Transport = PLAIN,
 ) -> None:
-    """Keep the view of the swarm fresh for the status page: DHT records, then each peer's Info (its curve)."""
+    """Keep the view of the swarm fresh for the status page: DHT records, then each peer's Info (its curve). Other
+    starts of the run name change only when someone starts anew: looked up every ``starts_every`` s."""
+    starts_due = 0.0
     while True:
         try:
             telemetry.on_peers(await discovery.live_peers())
-            telemetry.on_other_starts(await discovery.other_starts(), run_name, discovery.run_start)
+            if time.monotonic() >= starts_due:
+                telemetry.on_other_starts(await discovery.other_starts(), run_name, discovery.run_start)
+                starts_due = time.monotonic() + starts_every
         except (TimeoutError, OSError) as error:
             log.debug("DHT lookup for the status page failed: %s", error)
         peers = telemetry.peer_addresses()

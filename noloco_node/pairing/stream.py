@@ -45,7 +45,9 @@ from noloco_node.wire.published import Published
 
 log = logging.getLogger(__name__)
 
-MISSING_LOOKUPS = 3  # DHT lookups in a row without the partner's record before the node stops waiting for it
+# How long the partner's record may be missing from every DHT lookup before the node stops waiting for it: about
+# three lookups (discovery/dht.py shares one lookup among the callers of a second).
+PARTNER_MISSING_SECONDS = 3.0
 
 
 @dataclass
@@ -277,7 +279,7 @@ class StreamPairing(PairingStrategy):
         partner is gone or already past this phase (it went on alone: nobody will answer). The first call goes to
         the address known from the phase swap, without waiting for a DHT lookup."""
         ctx = self.ctx
-        record, missing = self._records.get(partner_id), 0
+        record, missing_since = self._records.get(partner_id), None
         while current.open:
             if record is not None and record.address and current.lock.acquire(blocking=False):
                 try:
@@ -295,8 +297,10 @@ class StreamPairing(PairingStrategy):
             except (TimeoutError, OSError):
                 continue
             record = next((p for p in live if p.peer_id == partner_id), None)
-            missing = 0 if record is not None else missing + 1
-            if missing >= MISSING_LOOKUPS or (record is not None and record.outer_step > partner_step):
+            now = time.monotonic()
+            missing_since = None if record is not None else (missing_since or now)
+            gone = missing_since is not None and now - missing_since >= PARTNER_MISSING_SECONDS
+            if gone or (record is not None and record.outer_step > partner_step):
                 current.stop_waiting()
                 return
 

@@ -1,0 +1,37 @@
+"""Limits a node derives from its run's layout: the stall bound follows the slowest link it accepts."""
+
+from __future__ import annotations
+
+from typing import Any, cast
+
+import pytest
+
+from noloco_node.node.run_layout import RunLayout
+
+
+def layout(min_link_rate: float, shapes: tuple[tuple[int, ...], ...] = ((256, 64), (64,))) -> RunLayout:
+    return RunLayout(
+        source=cast(Any, None),  # not consulted by the limits
+        run_fingerprint="run",
+        start={},
+        names=tuple(f"t{i}" for i in range(len(shapes))),
+        shapes=shapes,
+        send_phi=False,
+        send_delta=False,
+        wire_dtype="bf16",
+        mode="sync",
+        exchange_timeout=60.0,
+        min_link_rate=min_link_rate,
+    )
+
+
+def test_the_stall_bound_is_the_configured_one_on_fast_links() -> None:
+    assert layout(5e6).stall_seconds(2.0) == 2.0
+    assert layout(5e6, ((4096, 4096),)).stall_seconds(2.0) == 2.0  # a 1 MiB chunk at 5 MB/s: 0.42 s for two
+
+
+def test_the_stall_bound_covers_two_chunks_at_the_slowest_link_accepted() -> None:
+    # the largest tensor, 256 x 64 values, is one chunk of at most 64 KB (fp32): two take 13.1 s at 10 KB/s
+    assert layout(10_000).stall_seconds(2.0) == pytest.approx(2 * 256 * 64 * 4 / 10_000)
+    # chunks are at most 1 MiB, whatever the tensor
+    assert layout(1e6, ((4096, 4096),)).stall_seconds(2.0) == pytest.approx(2 * 2**20 / 1e6)
