@@ -10,7 +10,10 @@ straggler model of the paper's Fig. 5B; node.fault_injection), and reports valid
 - ``noloco-stream``: the same with ``--mode stream --wire-dtype int4`` (the phase's slow weights stream during
   the phase, only the int4 progress waits at the outer step);
 - ``diloco-H`` and ``diloco-2H``: DiLoCo (diloco_worker.py): a global barrier, a gloo ring all-reduce of the
-  pseudo-gradient in bf16 and the heavy-ball outer step, every H and every 2H inner steps.
+  pseudo-gradient in bf16 and the heavy-ball outer step, every H and every 2H inner steps;
+- ``hivemind-H``: the same DiLoCo at H with hivemind's DecentralizedAverager doing the all-reduce (fp16 on the
+  wire, a group of every replica; OpenDiLoCo's setup). Its DHT and its all-reduce cross the shaped links, and its
+  matchmaking time is hivemind's default 5 s, scaled like every other duration.
 
 Scaling. 2 CPU cores cannot train a 125m model, so the race trains ``tiny`` and keeps what decides the race: the
 ratio of a pairwise exchange's time to an inner phase's time. The target deployment (:class:`Deployment`: a model,
@@ -34,9 +37,13 @@ DiLoCo's replicas share their slow weights, evaluated on the same batches. Time 
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import json
 import math
+import os
+import shutil
+import signal
 import statistics
 import subprocess
 import sys
@@ -53,8 +60,10 @@ from noloco_node.config.models import DataConfig, TrainConfig, model_config_for
 from noloco_node.launcher.local_swarm import LocalSwarm
 from noloco_node.model.decoder import parameter_count
 
-METHODS = ("noloco-sync", "noloco-stream", "diloco-H", "diloco-2H")
+METHODS = ("noloco-sync", "noloco-stream", "diloco-H", "diloco-2H", "hivemind-H")
 DILOCO_PORT = 29600
+STARTUP_ALLOWANCE = 120.0  # seconds a method may take to start before its time cap counts
+HIVEMIND_MATCHMAKING_SECONDS = 5.0  # DecentralizedAverager's default min_matchmaking_time, scaled like every duration
 BF16 = 2  # bytes per value on the wire
 
 
@@ -163,6 +172,9 @@ class MethodRun:
     blends: int = 0  # NoLoCo: outer steps with a partner
     outer_steps: int = 0
     waited: float = 0.0  # mean fraction of wall time waiting at outer steps (NoLoCo) or in the barrier (DiLoCo)
+    failed_rounds: int = 0  # hivemind: replica-rounds that found no full group and stepped on their own progress
+    stopped: bool = False  # stopped at the race's time cap before its last step: the curve so far
+    megabytes_sent: float = math.nan  # mean over the hosts of what each sent on its shaped link during the run
 
     @property
     def final_loss(self) -> float:
@@ -191,6 +203,7 @@ class RaceResult:
     pairwise_seconds: float = math.nan  # measured on the race's links before the race
     ring_seconds: float = math.nan
     runs: dict[str, MethodRun] = field(default_factory=dict)
+    failed: dict[str, str] = field(default_factory=dict)  # method -> why it did not finish
 
     def report(self) -> str:
         emulation, deployment = self.emulation, self.emulation.deployment
@@ -207,35 +220,59 @@ class RaceResult:
             "mean 1)",
         ]
         targets = {name: run.final_loss for name, run in self.runs.items() if name.startswith("diloco")}
-        header = "| method | H | outer steps | blends | waiting | final val loss | wall s |"
-        rule = "|---|---:|---:|---:|---:|---:|---:|"
+        header = "| method | H | outer steps | blends | waiting | MB sent per host | final val loss | wall s |"
+        rule = "|---|---:|---:|---:|---:|---:|---:|---:|"
         for name, target in targets.items():
             header += f" to {name}'s final {target:.4f}: s | sooner than {name} |"
             rule += "---:|---:|"
+        # A fixed time budget: every method's loss when the first of them finished.
+        budget = min((run.wall_seconds for run in self.runs.values()), default=0.0)
+        header += f" val loss at {budget:.0f} s |"
+        rule += "---:|"
         lines += [header, rule]
         for name, run in self.runs.items():
             blends = f"{run.blends}/{run.outer_steps}" if name.startswith("noloco") else "-"
+            wall = f"{run.wall_seconds:.0f}" + (" (stopped)" if run.stopped else "")
             row = (
                 f"| {name} | {run.inner_steps} | {run.outer_steps} | {blends} | {run.waited:.0%} | "
-                f"{run.final_loss:.4f} | {run.wall_seconds:.0f} |"
+                f"{run.megabytes_sent:.1f} | {run.final_loss:.4f} | {wall} |"
             )
             for diloco, target in targets.items():
                 reached, reference = run.time_to(target), self.runs[diloco].time_to(target)
                 if reached is None:
-                    row += f" not reached ({_loss_at(run.curve, self.runs[diloco].wall_seconds)}) | - |"
+                    row += f" not reached ({_loss_at(run, self.runs[diloco].wall_seconds)}) | - |"
                 else:
                     ratio = f"{reference / reached:.2f}x" if reference else "-"
                     row += f" {reached:.0f} | {ratio} |"
+            by_then = [loss for t, _, loss in run.curve if t <= budget + 1e-9]
+            row += f" {by_then[-1]:.4f} |" if by_then else " - |"
             lines.append(row)
         lines.append(
-            "sooner than X: X's time to its own final loss / this method's time to the same loss (above 1: sooner)"
+            "sooner than X: X's time to its own final loss / this method's time to the same loss (above 1: sooner); "
+            "val loss at T: each method's last evaluation by the time the first method finished"
         )
+        lines += [
+            f"{name}: {run.failed_rounds} of {self.nodes * run.outer_steps} replica-rounds found no full group and "
+            "stepped on their own progress"
+            for name, run in self.runs.items()
+            if name.startswith("hivemind")
+        ]
+        lines += [
+            f"{name}: stopped at the time cap after {run.curve[-1][1] if run.curve else 0} of {self.steps} inner "
+            "steps; its final val loss is its last evaluation's"
+            for name, run in self.runs.items()
+            if run.stopped
+        ]
+        lines += [f"{name}: did not finish: {why}" for name, why in self.failed.items()]
         return "\n".join(lines)
 
 
-def _loss_at(curve: Curve, seconds: float) -> str:
-    """The curve's loss at a time, for a method that never reached a target: what it had by then."""
-    before = [point for point in curve if point[0] <= seconds]
+def _loss_at(run: MethodRun, seconds: float) -> str:
+    """A run's loss at a time, for a method that never reached a target: what it had by then, or what it ended
+    with if it finished sooner (its last loss is not a loss "at" a time it never ran to)."""
+    if run.curve and run.curve[-1][0] < seconds:
+        return f"{run.final_loss:.4f} at its end, {run.curve[-1][0]:.0f} s"
+    before = [point for point in run.curve if point[0] <= seconds]
     return f"{before[-1][2]:.4f} at {seconds:.0f} s" if before else f"nothing by {seconds:.0f} s"
 
 
@@ -281,6 +318,7 @@ def _noloco_run(net: ShapedNetwork, base: Path, result: RaceResult, mode: str, d
     try:
         while time.monotonic() < deadline and swarm.running():
             time.sleep(1.0)
+        stopped = bool(swarm.running())
     finally:
         swarm.stop()
     statuses = [swarm.status(slot) or {} for slot in swarm.slots]
@@ -299,45 +337,86 @@ def _noloco_run(net: ShapedNetwork, base: Path, result: RaceResult, mode: str, d
         blends=sum(1 for history in histories for h in history if h["partner"]),
         outer_steps=sum(len(history) for history in histories),
         waited=waited,
+        stopped=stopped,
     )
 
 
-def _diloco_run(net: ShapedNetwork, base: Path, result: RaceResult, inner_steps: int, name: str) -> MethodRun:
+def _diloco_run(
+    net: ShapedNetwork,
+    base: Path,
+    result: RaceResult,
+    inner_steps: int,
+    name: str,
+    deadline: float,
+    all_reduce: str = "gloo",
+) -> MethodRun:
     emulation = result.emulation
+    rendezvous = base / "rendezvous"
+    shutil.rmtree(rendezvous, ignore_errors=True)
+    rendezvous.mkdir(parents=True)
     common = [
         "--world", str(result.nodes), "--port", str(DILOCO_PORT), "--address", net.address(0),
         "--model", emulation.model, "--steps", str(result.steps), "--inner-steps", str(inner_steps),
         "--step-time-seconds", str(emulation.step_seconds), "--step-time-sigma", str(result.sigma),
-        "--eval-batches", str(TrainConfig().eval_batches),
+        "--eval-batches", str(TrainConfig().eval_batches), "--all-reduce", all_reduce,
+        "--rendezvous", str(rendezvous),
+        "--matchmaking-seconds", f"{max(0.5, HIVEMIND_MATCHMAKING_SECONDS * emulation.scale):.2f}",
     ]  # fmt: skip
     base.mkdir(parents=True, exist_ok=True)
     logs = [(base / f"rank{rank}.log").open("w") for rank in range(result.nodes)]
+    result_path = base / "rank0.json"
+    workers: list[subprocess.Popen] = []
     try:
-        workers = []
         for rank in range(result.nodes):
             command = [*net.exec_prefix(rank), sys.executable, "-m", "noloco_node.bench.diloco_worker"]
-            command += ["--rank", str(rank), "--iface", net.device(rank), *common]
-            stdout = subprocess.PIPE if rank == 0 else logs[rank]
-            workers.append(subprocess.Popen(command, stdout=stdout, stderr=logs[rank], text=True))
-        output = workers[0].communicate(timeout=7200)[0]
-        codes = [w.wait(timeout=120) for w in workers]
+            command += ["--rank", str(rank), "--iface", net.device(rank), "--host", net.address(rank), *common]
+            stdout = result_path.open("w") if rank == 0 else logs[rank]
+            # a session of its own: hivemind's DHT and averager are child processes, and none may outlive the run
+            workers.append(subprocess.Popen(command, stdout=stdout, stderr=logs[rank], start_new_session=True))
+            if rank == 0:
+                stdout.close()
+        while time.monotonic() < deadline and any(w.poll() is None for w in workers):
+            time.sleep(0.5)
+        stopped = any(w.poll() is None for w in workers)
+        codes = [0 if stopped else w.returncode for w in workers]
     finally:
+        for worker in workers:  # on a timeout or an interrupt too: the rank and whatever it started
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(worker.pid, signal.SIGKILL)
+            worker.wait()
         for log in logs:
             log.close()
     if any(codes):
         failed = next(rank for rank, code in enumerate(codes) if code)
         raise RuntimeError(f"bench race: {name} rank {failed} exited {codes[failed]}:\n" + (
             (base / f"rank{failed}.log").read_text()[-3000:]))  # fmt: skip
-    measured = json.loads(output.strip().splitlines()[-1])
-    started = measured["started_at"]
-    curve = [(t - started, step, loss) for t, step, loss in measured["curve"]]
-    return MethodRun(
+    lines = [json.loads(line) for line in result_path.read_text().splitlines() if line.startswith("{")]
+    points = [line for line in lines if "point" in line]
+    if not stopped:
+        measured = lines[-1]
+        started = measured["started_at"]
+        curve = [(t - started, step, loss) for t, step, loss in measured["curve"]]
+        return MethodRun(
+            name,
+            inner_steps,
+            curve,
+            measured["seconds"],
+            outer_steps=len(curve),
+            waited=measured["barrier_seconds"] / measured["seconds"],
+            failed_rounds=measured["failed_rounds"],
+        )
+    if not points:
+        raise RuntimeError(f"bench race: {name} reached no outer step before the time cap")
+    started = points[0]["started_at"]
+    curve = [(t - started, step, loss) for t, step, loss in (line["point"] for line in points)]
+    return MethodRun(  # rank 0's view of the time in the barrier: the others' totals are never printed
         name,
         inner_steps,
         curve,
-        measured["seconds"],
+        curve[-1][0],
         outer_steps=len(curve),
-        waited=measured["barrier_seconds"] / measured["seconds"],
+        waited=points[-1]["barrier_seconds"] / curve[-1][0],
+        stopped=True,
     )
 
 
@@ -353,10 +432,13 @@ def run_race(
     methods: Sequence[str] = METHODS,
     out_dir: Path | None = None,
     progress: bool = True,
+    time_cap_factor: float = 2.0,
 ) -> RaceResult:
     unknown = sorted(set(methods) - set(METHODS))
     if unknown:
         raise ValueError(f"unknown race method(s) {unknown}; choose from {', '.join(METHODS)}")
+    if not time_cap_factor > 0:
+        raise ValueError(f"--time-cap-factor must be above 0, not {time_cap_factor}")
     emulation = Emulation(deployment or Deployment(), model, step_seconds, inner_steps)
     result = RaceResult(nodes, steps, sigma, emulation)
 
@@ -377,12 +459,28 @@ def run_race(
         say(f"links measured: a pairwise round {row.pairwise_warm:.2f} s, a ring all-reduce {row.ring:.2f} s")
         for method in methods:
             started = time.monotonic()
-            if method.startswith("noloco-"):
-                mode = method.removeprefix("noloco-")
-                run = _noloco_run(net, work / method, result, mode, time.monotonic() + 7200)
-            else:
-                h = inner_steps if method == "diloco-H" else 2 * inner_steps
-                run = _diloco_run(net, work / method, result, h, method)
+            # The time cap: a method still training after time_cap_factor x the longest run so far (start-up
+            # allowed for) is stopped, and its curve so far is what it reached by then.
+            finished = [run.wall_seconds for run in result.runs.values()]
+            deadline = started + (time_cap_factor * max(finished) + STARTUP_ALLOWANCE if finished else 7200)
+            sent_before = [net.bytes_sent(host) for host in range(nodes)]
+            try:
+                if method.startswith("noloco-"):
+                    mode = method.removeprefix("noloco-")
+                    run = _noloco_run(net, work / method, result, mode, deadline)
+                else:
+                    h = 2 * inner_steps if method.endswith("-2H") else inner_steps
+                    all_reduce = "hivemind" if method.startswith("hivemind") else "gloo"
+                    run = _diloco_run(net, work / method, result, h, method, deadline, all_reduce)
+            except (RuntimeError, subprocess.TimeoutExpired) as error:
+                # One method that cannot run at this size (hivemind's averager on too few cores, say) is reported
+                # as such; the others' curves, an hour of measurement, are kept.
+                why = str(error).strip().splitlines()
+                result.failed[method] = f"{why[0] if why else type(error).__name__} (logs: {work / method})"
+                say(f"{method}: did not finish: {str(error)[-3000:]}")
+                continue
+            sent = [net.bytes_sent(host) - before for host, before in enumerate(sent_before)]
+            run.megabytes_sent = statistics.fmean(sent) / 1e6
             result.runs[method] = run
             say(f"{method}: final val loss {run.final_loss:.4f}, {run.wall_seconds:.0f} s of training "
                 f"({time.monotonic() - started:.0f} s with start-up)")  # fmt: skip

@@ -46,6 +46,12 @@ class ShapedNetwork:
     def device(self, host: int) -> str:
         return f"{self.prefix}h{host}"
 
+    def bytes_sent(self, host: int) -> int:
+        """Bytes ``host`` has sent on its shaped link since the network was made (the veth's counter)."""
+        path = f"/sys/class/net/{self.device(host)}/statistics/tx_bytes"
+        done = subprocess.run([*self.exec_prefix(host), "cat", path], capture_output=True, text=True, check=True)
+        return int(done.stdout)
+
     def exec_prefix(self, host: int) -> list[str]:
         """Prefix a command line with this to run it on ``host``."""
         return ["ip", "netns", "exec", self.namespace(host)]

@@ -38,6 +38,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from noloco_node.bench.hivemind_rendezvous import rendezvous_dht
 from noloco_node.rpc import peer_pb2 as pb
 from noloco_node.rpc.client import Outgoing, exchange_with
 from noloco_node.rpc.contracts import AdmitsEverything
@@ -130,21 +131,7 @@ def _start_averagers(args: argparse.Namespace, addresses: list[str], tensors: di
     and one DecentralizedAverager per tensor size, all in groups of every host."""
     import hivemind
 
-    rendezvous = Path(args.rendezvous)
-    first = rendezvous / "dht0"
-    host = [f"/ip4/{addresses[args.rank]}/tcp/0"]
-    if args.rank == 0:
-        dht = hivemind.DHT(start=True, host_maddrs=host)
-        staging = rendezvous / "dht0.tmp"
-        staging.write_text("\n".join(str(m) for m in dht.get_visible_maddrs()))
-        staging.rename(first)
-    else:
-        deadline = time.monotonic() + 300
-        while not first.exists():
-            if time.monotonic() > deadline:
-                raise TimeoutError("rank 0's DHT address never appeared")
-            time.sleep(0.2)
-        dht = hivemind.DHT(start=True, host_maddrs=host, initial_peers=first.read_text().split())
+    dht = rendezvous_dht(args.rank, addresses[args.rank], Path(args.rendezvous))
     return {
         size: hivemind.averaging.DecentralizedAverager(
             [tensor.clone()],

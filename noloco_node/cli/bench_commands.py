@@ -5,12 +5,19 @@ from __future__ import annotations
 
 import argparse
 import os
+import sys
 from pathlib import Path
 from typing import Any, get_args
 
 from noloco_node.config.models import MODEL_SIZES, PairingMode
 
-RACE_METHODS = ("noloco-sync", "noloco-stream", "diloco-H", "diloco-2H")  # bench/race.py METHODS, without its imports
+RACE_METHODS = (
+    "noloco-sync",
+    "noloco-stream",
+    "diloco-H",
+    "diloco-2H",
+    "hivemind-H",
+)  # bench/race.py METHODS, without its imports
 
 
 def add_bench_parsers(commands: Any) -> None:
@@ -131,6 +138,13 @@ def add_bench_parsers(commands: Any) -> None:
     race.add_argument("--target-mfu", type=float, default=0.40, help="the MFU assumed of the deployment")
     race.add_argument("--target-rate-mbit", type=float, default=100.0, help="the deployment's links")
     race.add_argument("--target-rtt-ms", type=float, default=50.0, help="the deployment's round-trip time")
+    race.add_argument(
+        "--time-cap-factor",
+        type=float,
+        default=2.0,
+        help="stop a method still training after this many times the longest run before it (its curve so far is "
+        "reported)",
+    )
     race.add_argument("--out", type=Path, default=Path("runs/race"), help="race-N.json and race-N.png go here")
 
     train_bench = benches.add_parser(
@@ -232,7 +246,7 @@ def run_bench(args: argparse.Namespace) -> int:
         print(sync_result.report())
         return 0
     if args.bench == "race":
-        from noloco_node.bench.race import Deployment, run_race
+        from noloco_node.bench.race import METHODS, Deployment, run_race
 
         deployment = Deployment(
             model=args.target_model,
@@ -242,6 +256,18 @@ def run_bench(args: argparse.Namespace) -> int:
             rate_mbit=args.target_rate_mbit,
             rtt_ms=args.target_rtt_ms,
         )
+        methods = [m for m in args.methods.split(",") if m]
+        unknown = sorted(set(methods) - set(METHODS))
+        problem = (
+            f"--methods: unknown {', '.join(unknown)}; choose from {', '.join(METHODS)}"
+            if unknown
+            else f"--time-cap-factor must be above 0, not {args.time_cap_factor}"
+            if not args.time_cap_factor > 0
+            else None
+        )
+        if problem:  # before any namespace exists: bad input changes nothing
+            print(f"noloco-node bench race: {problem}", file=sys.stderr)
+            return 2
         for count in [int(n) for n in args.nodes.split(",")]:
             print(f"noloco-node bench race: {count} replicas, {os.cpu_count()} CPUs", flush=True)
             race_result = run_race(
@@ -251,8 +277,9 @@ def run_bench(args: argparse.Namespace) -> int:
                 inner_steps=args.inner_steps,
                 step_seconds=args.step_seconds,
                 deployment=deployment,
-                methods=[m for m in args.methods.split(",") if m],
+                methods=methods,
                 out_dir=args.out,
+                time_cap_factor=args.time_cap_factor,
             )
             print(race_result.report(), flush=True)
             print(f"curves: {args.out / f'race-{count}.png'}", flush=True)

@@ -1,6 +1,6 @@
-"""`noloco-node bench race` end to end, small: real node processes and real DiLoCo gloo processes, each in its own
-network namespace behind a shaped, delayed link, racing to a loss; the report's figures must obey the links'
-physics and the races' own arithmetic."""
+"""`noloco-node bench race` end to end, small: real node processes and real DiLoCo processes (gloo's ring, and
+hivemind's averager), each in its own network namespace behind a shaped, delayed link, racing to a loss; the
+report's figures must obey the links' physics and the races' own arithmetic."""
 
 from __future__ import annotations
 
@@ -42,16 +42,30 @@ def test_bench_race_smoke(tmp_path: Path) -> None:
     rate_mbit = float(re.search(r"links ([\d.]+) Mbit/s, RTT", out).group(1))
     measured = float(re.search(r"a pairwise round ([\d.]+) s", out).group(1))
     assert measured >= 0.9 * kilobytes * 1e3 * 8 / (rate_mbit * 1e6)
-    rows = {method: _row(out, method) for method in ("noloco-sync", "noloco-stream", "diloco-H", "diloco-2H")}
+    rows = {
+        method: _row(out, method) for method in ("noloco-sync", "noloco-stream", "diloco-H", "diloco-2H", "hivemind-H")
+    }
     for method, cells in rows.items():
-        assert 0 < float(cells[5]) < 4.5, (method, cells)  # trained: tiny starts near ln(256) = 5.5 nats
-    assert rows["diloco-H"][1] == str(inner_steps) and rows["diloco-2H"][1] == str(2 * inner_steps)
-    assert int(rows["diloco-H"][2]) == steps // inner_steps and int(rows["diloco-2H"][2]) == steps // (2 * inner_steps)
+        assert 0 < float(cells[6]) < 4.5, (method, cells)  # trained: tiny starts near ln(256) = 5.5 nats
+        assert not cells[7].endswith("(stopped)"), (method, cells)
+    assert rows["diloco-H"][1] == rows["hivemind-H"][1] == str(inner_steps)
+    assert rows["diloco-2H"][1] == str(2 * inner_steps)
+    assert int(rows["diloco-H"][2]) == int(rows["hivemind-H"][2]) == steps // inner_steps
+    assert int(rows["diloco-2H"][2]) == steps // (2 * inner_steps)
+    # hivemind's averager formed its group of both replicas at every outer step (it waits for a full group)
+    assert f"hivemind-H: 0 of {2 * steps // inner_steps} replica-rounds found no full group" in out, out
     for mode in ("noloco-sync", "noloco-stream"):
         blends, outer_steps = map(int, rows[mode][3].split("/"))
         assert outer_steps == 2 * steps // inner_steps and blends > 0, rows[mode]
     # Each DiLoCo run reaches its own final loss exactly when it ends: 1.00x against itself.
-    assert rows["diloco-H"][8] == "1.00x" and rows["diloco-2H"][10] == "1.00x"
+    assert rows["diloco-H"][9] == "1.00x" and rows["diloco-2H"][11] == "1.00x"
+    # Bytes on the shaped links: each blend sends a bf16 model, and a ring all-reduce of 2 hosts sends each host's
+    # half twice (reduce-scatter, all-gather), a model per host per round; a counter cannot show less.
+    megabytes = kilobytes / 1e3
+    blends = int(rows["noloco-sync"][3].split("/")[0])
+    assert float(rows["noloco-sync"][5]) >= 0.9 * megabytes * blends / 2, rows["noloco-sync"]
+    for method in ("diloco-H", "diloco-2H"):
+        assert float(rows[method][5]) >= 0.9 * megabytes * int(rows[method][2]), rows[method]
     curves = json.loads((tmp_path / "race-2.json").read_text())["runs"]
     for method, curve in curves.items():
         times = [point[0] for point in curve]

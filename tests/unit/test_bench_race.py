@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from noloco_node.bench.race import Deployment, Emulation, MethodRun, swarm_curve
+from noloco_node.bench.race import Deployment, Emulation, MethodRun, RaceResult, swarm_curve
 
 
 def test_the_emulation_keeps_the_deployments_exchange_to_phase_ratio() -> None:
@@ -42,3 +42,46 @@ def test_a_swarms_curve_is_by_outer_step_from_the_first_trainer_start() -> None:
     curve, finished = swarm_curve([a, b], inner_steps=10)
     assert curve == [(pytest.approx(12.0), 10, pytest.approx(3.1)), (pytest.approx(23.0), 20, pytest.approx(2.1))]
     assert finished == pytest.approx(26.0)
+
+
+def test_a_method_that_ended_before_the_reference_quotes_its_final_loss_as_at_its_end() -> None:
+    early = MethodRun("noloco-sync", 10, [(10.0, 10, 3.0), (20.0, 20, 2.5)], 20.0)
+    late = MethodRun("noloco-stream", 10, [(10.0, 10, 3.0), (40.0, 20, 2.4), (60.0, 30, 2.3)], 60.0)
+    diloco = MethodRun("diloco-10", 10, [(25.0, 10, 2.6), (50.0, 20, 2.0)], 50.0)
+    result = RaceResult(nodes=2, steps=20, sigma=1.0, emulation=Emulation(Deployment(), "tiny", 0.3, 10))
+    result.runs = {run.name: run for run in (early, late, diloco)}
+    rows = {line.split(" | ")[0]: line for line in result.report().splitlines() if line.startswith("| ")}
+    assert "not reached (2.5000 at its end, 20 s)" in rows["| noloco-sync"]
+    assert "not reached (2.4000 at 50 s)" in rows["| noloco-stream"]
+    assert "| 50 | 1.00x |" in rows["| diloco-10"]
+    # at the first finish (noloco-sync's 20 s), each method's last evaluation by then
+    assert "val loss at 20 s |" in result.report()
+    assert rows["| noloco-sync"].endswith("| 2.5000 |") and rows["| noloco-stream"].endswith("| 3.0000 |")
+    assert rows["| diloco-10"].endswith("| - |")
+
+
+def test_a_run_stopped_at_the_time_cap_is_marked_and_says_how_far_it_got() -> None:
+    diloco = MethodRun("diloco-10", 10, [(25.0, 10, 2.6), (50.0, 20, 2.0)], 50.0, megabytes_sent=1.25)
+    capped = MethodRun("hivemind-10", 10, [(60.0, 10, 2.7)], 60.0, stopped=True, megabytes_sent=9.5)
+    result = RaceResult(nodes=2, steps=20, sigma=1.0, emulation=Emulation(Deployment(), "tiny", 0.3, 10))
+    result.runs = {run.name: run for run in (diloco, capped)}
+    report = result.report()
+    row = next(line for line in report.splitlines() if line.startswith("| hivemind-10 |"))
+    assert "| 9.5 | 2.7000 | 60 (stopped) |" in row and "not reached (nothing by 50 s)" in row
+    assert "hivemind-10: stopped at the time cap after 10 of 20 inner steps" in report
+
+
+@pytest.mark.parametrize(
+    ("flags", "message"),
+    [
+        (["--methods", "noloco-sync,ddp"], "--methods: unknown ddp; choose from noloco-sync"),
+        (["--time-cap-factor", "0"], "--time-cap-factor must be above 0, not 0.0"),
+    ],
+)
+def test_bad_race_flags_are_refused_by_name_before_any_namespace_exists(
+    flags: list[str], message: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from noloco_node.cli.main import main
+
+    assert main(["bench", "race", "--nodes", "2", *flags]) == 2
+    assert message in capsys.readouterr().err
