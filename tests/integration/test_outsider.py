@@ -25,7 +25,7 @@ from noloco_node.bench.outsider import (
     fresh_identity,
     ratchet,
 )
-from noloco_node.config.models import model_config_for
+from noloco_node.config.models import SecurityConfig, model_config_for
 from noloco_node.rpc.client import fetch_info
 from noloco_node.rpc.transport import Transport
 
@@ -195,16 +195,23 @@ def test_a_lock_hog_and_slot_exhaustion_leave_honest_nodes_blending_and_answerin
             _wait_for(lambda n=n: (s := n.status()) and s["address"] and s["outer_step"] >= 2 and s, 120, n.name)
             for n in nodes
         ]
-        # A hog that got in holds a node's round for the stall limit (2 s), and its address is then barred for 30 s:
-        # one hold per node per window. At 30 s that is about 8% of the window; at 20 s it was 7-19% in 5 runs here
-        # (plus the CPU of its retries), too near the bound below to measure anything but noise.
+        # A hog that got in holds a node's round until the stall limit cuts it, and its address is then barred for
+        # 30 s: one hold per node per 30 s window. With two nodes a held node's partner has nobody else, so each hold
+        # costs the swarm about the stall limit: 2 holds x 2 s of 30 s, about 13% of the window's blends. The blend
+        # count also moves with the shared CPU (inner steps took 17-30 ms in 5 s slices of one quiet window), so a
+        # ratio of counts measured 0.78-0.92 in runs where every defence worked. What is asserted instead is what
+        # the defences promise, per outer step, from the nodes' own history: none went alone; none waited longer
+        # than one cut hold (the watchdog checks every 0.5 s, so it cuts 2-3 s after the last byte, and the pair
+        # then forms again: 2.5-2.7 s measured here), where an uncut hog holds the round to --pair-timeout, 5 s, and
+        # the step goes alone; and the bar let the hog in at most once per node per window.
         window = 30.0
+        stall = SecurityConfig().stall_seconds
 
-        def blends(start: float, end: float) -> int:
-            """Blends of both nodes in the window (the status keeps each node's last 200 outer steps: enough)."""
-            return sum(1 for n in nodes for h in n.status()["history"] if start < h["time"] <= end and h["partner"])
+        def steps_in(start: float, end: float) -> list[dict]:
+            """Both nodes' outer steps in the window (the status keeps each node's last 200: enough)."""
+            return [h for n in nodes for h in n.status()["history"] if start < h["time"] <= end]
 
-        def attack(attacks: str, source: str) -> tuple[int, dict]:
+        def attack(attacks: str, source: str) -> tuple[list[dict], dict]:
             started = time.time()
             outsider = subprocess.run(
                 [
@@ -219,24 +226,37 @@ def test_a_lock_hog_and_slot_exhaustion_leave_honest_nodes_blending_and_answerin
                 timeout=window + 120,
             )
             assert outsider.returncode == 0, outsider.stderr[-3000:]
-            return blends(started, started + window), json.loads(outsider.stdout.strip().splitlines()[-1])
+            return steps_in(started, started + window), json.loads(outsider.stdout.strip().splitlines()[-1])
 
         # The reference window has the outsider's process and its honest probes (Info and GetState twice a second
-        # per node) but no attack, so the comparison measures the attacks alone, not the probes' load on 2 cores.
+        # per node) but no attack.
         quiet, _ = attack("", "127.0.0.2")
         # The lock hog alone (from an address of its own): a valid manifest, then silence, again and again.
         hogged, hog_seen = attack("hog", "127.0.0.3")
         # Then the hog and ten silent streams per node, from another address.
         flooded, seen = attack("hog,silent", "127.0.0.2")
+
+        def summary(steps: list[dict]) -> str:
+            blended = sum(1 for h in steps if h["partner"])
+            longest = max((h["wait_seconds"] for h in steps), default=0.0)
+            return f"{blended}/{len(steps)} outer steps blended, longest wait {longest:.2f} s"
+
         print(
-            f"blends in {window:.0f} s: under the probes alone {quiet}, under the lock hog {hogged}, under the hog and "
-            f"the silent streams {flooded}; the outsider saw {hog_seen} and {seen}"
+            f"in {window:.0f} s: under the probes alone {summary(quiet)}; under the lock hog {summary(hogged)}; under "
+            f"the hog and the silent streams {summary(flooded)}; the outsider saw {hog_seen} and {seen}"
         )
-        assert hogged >= 0.8 * quiet and flooded >= 0.8 * quiet, (quiet, hogged, flooded)
-        # It tried: a hog got the round and was cut, then its address was refused; so were the silent streams.
-        assert hog_seen["hogs"].get("CANCELLED", 0) >= 1 and hog_seen["hogs"].get("RESOURCE_EXHAUSTED", 0) >= 1, (
-            hog_seen
-        )
+        for steps, name in ((quiet, "quiet"), (hogged, "hog"), (flooded, "hog and silent streams")):
+            # They kept training through it (a quiet window here holds about 120 outer steps of the two nodes).
+            assert len(steps) >= 40, (name, len(steps))
+            alone = [h for h in steps if not h["partner"]]
+            assert len(alone) <= 0.05 * len(steps), (name, summary(steps), alone)
+            held = [h for h in steps if h["wait_seconds"] > stall + 2.0]
+            assert not held, (name, stall, held)
+        # It tried: a hog got the round and was cut, at most once per node (the bar), then its address was refused.
+        # With the silent streams from the same address, their cuts usually bar it before the hog gets in.
+        assert 1 <= hog_seen["hogs"].get("CANCELLED", 0) <= len(nodes), hog_seen
+        assert hog_seen["hogs"].get("RESOURCE_EXHAUSTED", 0) >= 1, hog_seen
+        assert seen["hogs"].get("CANCELLED", 0) <= len(nodes), seen
         assert seen["silent"].get("CANCELLED", 0) >= 1 and seen["silent"].get("RESOURCE_EXHAUSTED", 0) >= 10, seen
         probes = Counter(hog_seen["probes"]) + Counter(seen["probes"])
         answered = sum(v for k, v in probes.items() if k.endswith(" OK"))
