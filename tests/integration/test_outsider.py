@@ -188,7 +188,7 @@ def test_a_lock_hog_and_slot_exhaustion_leave_honest_nodes_blending_and_answerin
 ) -> None:
     """The outsider runs as a process of its own at the lowest CPU priority: on these shared 2 cores it stands
     for a host of its own, and what is measured is what it does to the nodes, not the CPU it burns."""
-    args = [*TRAIN, "--steps", "100000", "--inner-steps", "20", "--pair-timeout", "5"]
+    args = [*TRAIN, "--steps", "100000", "--inner-steps", "20", "--pair-timeout", "10"]
     nodes = [NodeProcess(f"n{i}", bootstrap, tmp_path, *args, "--shard-index", str(i)) for i in range(2)]
     try:
         statuses = [
@@ -198,14 +198,18 @@ def test_a_lock_hog_and_slot_exhaustion_leave_honest_nodes_blending_and_answerin
         # A hog that got in holds a node's round until the stall limit cuts it, and its address is then barred for
         # 30 s: one hold per node per 30 s window. With two nodes a held node's partner has nobody else, so each hold
         # costs the swarm about the stall limit: 2 holds x 2 s of 30 s, about 13% of the window's blends. The blend
-        # count also moves with the shared CPU (inner steps took 17-30 ms in 5 s slices of one quiet window), so a
-        # ratio of counts measured 0.78-0.92 in runs where every defence worked. What is asserted instead is what
-        # the defences promise, per outer step, from the nodes' own history: none went alone; none waited longer
-        # than one cut hold (the watchdog checks every 0.5 s, so it cuts 2-3 s after the last byte, and the pair
-        # then forms again: 2.5-2.7 s measured here), where an uncut hog holds the round to --pair-timeout, 5 s, and
-        # the step goes alone; and the bar let the hog in at most once per node per window.
+        # count also moves with the shared CPU (inner steps took 17-30 ms in 5 s slices of one window with no
+        # attack), so its ratio to a window with no attack measured 0.78-1.12 in runs where every defence worked.
+        # What is asserted instead is what the defences promise, per outer step, from the nodes' own history:
+        # - none waited longer than the two nodes' holds together: the watchdog checks every 0.5 s, so it cuts a
+        #   hold 2-3 s after the last byte, and the two holds may follow each other (2.1-3.0 s measured here,
+        #   against at most 0.44 s in windows with no attack); an uncut hog holds the round to --pair-timeout (10 s
+        #   here, clear of the two holds) and the step goes alone;
+        # - none went alone;
+        # - the bar let the hog in at most once per node per window.
         window = 30.0
-        stall = SecurityConfig().stall_seconds
+        longest_cut_hold = SecurityConfig().stall_seconds + 2 * 0.5  # Watchdog(tick=0.5)
+        wait_bound = len(nodes) * longest_cut_hold + 1.0  # and a second to pair again
 
         def steps_in(start: float, end: float) -> list[dict]:
             """Both nodes' outer steps in the window (the status keeps each node's last 200: enough)."""
@@ -226,11 +230,11 @@ def test_a_lock_hog_and_slot_exhaustion_leave_honest_nodes_blending_and_answerin
                 timeout=window + 120,
             )
             assert outsider.returncode == 0, outsider.stderr[-3000:]
-            return steps_in(started, started + window), json.loads(outsider.stdout.strip().splitlines()[-1])
+            # Its window starts after its own start-up, and a step it held may end after it exits: every outer step
+            # that ended from its start until a moment after its exit is counted.
+            time.sleep(3.0)
+            return steps_in(started, time.time()), json.loads(outsider.stdout.strip().splitlines()[-1])
 
-        # The reference window has the outsider's process and its honest probes (Info and GetState twice a second
-        # per node) but no attack.
-        quiet, _ = attack("", "127.0.0.2")
         # The lock hog alone (from an address of its own): a valid manifest, then silence, again and again.
         hogged, hog_seen = attack("hog", "127.0.0.3")
         # Then the hog and ten silent streams per node, from another address.
@@ -242,16 +246,16 @@ def test_a_lock_hog_and_slot_exhaustion_leave_honest_nodes_blending_and_answerin
             return f"{blended}/{len(steps)} outer steps blended, longest wait {longest:.2f} s"
 
         print(
-            f"in {window:.0f} s: under the probes alone {summary(quiet)}; under the lock hog {summary(hogged)}; under "
+            f"while the outsider ran ({window:.0f} s of attack): under the lock hog {summary(hogged)}; under "
             f"the hog and the silent streams {summary(flooded)}; the outsider saw {hog_seen} and {seen}"
         )
-        for steps, name in ((quiet, "quiet"), (hogged, "hog"), (flooded, "hog and silent streams")):
-            # They kept training through it (a quiet window here holds about 120 outer steps of the two nodes).
+        for steps, name in ((hogged, "hog"), (flooded, "hog and silent streams")):
+            # They kept training through it (the two nodes take 200-240 outer steps while the outsider runs here).
             assert len(steps) >= 40, (name, len(steps))
             alone = [h for h in steps if not h["partner"]]
             assert len(alone) <= 0.05 * len(steps), (name, summary(steps), alone)
-            held = [h for h in steps if h["wait_seconds"] > stall + 2.0]
-            assert not held, (name, stall, held)
+            held = [h for h in steps if h["wait_seconds"] > wait_bound]
+            assert not held, (name, wait_bound, held)
         # It tried: a hog got the round and was cut, at most once per node (the bar), then its address was refused.
         # With the silent streams from the same address, their cuts usually bar it before the hog gets in.
         assert 1 <= hog_seen["hogs"].get("CANCELLED", 0) <= len(nodes), hog_seen
