@@ -129,15 +129,17 @@ def test_status_metrics_and_commands_on_a_live_two_node_swarm(bootstrap: Bootstr
 
 
 def test_healthz_turns_503_with_the_reason_when_the_trainer_thread_dies(bootstrap: Bootstrap, tmp_path: Path) -> None:
-    dies_at = ["--fail-at-inner-step", "400", "--failure-linger", "60"]
+    # Alone, a sync node waits out --alone-grace (1 s) at each outer step: dying at step 120 (6 outer steps) leaves
+    # seconds of health to see first, not half a minute.
+    dies_at = ["--fail-at-inner-step", "120", "--failure-linger", "60"]
     node = NodeProcess("node0", bootstrap, tmp_path, *TRAIN, "--steps", "100000", *dies_at, log_format="json")
     try:
         url = wait_for(lambda: status_url(node), 60, "the status URL")
         wait_for(lambda: get(url + "/healthz")[0] == 200, 60, "a healthy trainer")
         _, body = wait_for(lambda: (r := get(url + "/healthz"))[0] == 503 and r, 90, "/healthz to turn 503")
-        assert b"trainer thread died" in body and b"injected fault at inner step 400" in body
+        assert b"trainer thread died" in body and b"injected fault at inner step 120" in body
         status = fetch(url)
-        assert status.health.state == "failed" and not status.health.ok and status.inner_step == 400
+        assert status.health.state == "failed" and not status.health.ok and status.inner_step == 120
         shown = cli("status", "--url", url)
         assert shown.returncode == 1 and "trainer thread died" in shown.stdout
     finally:
