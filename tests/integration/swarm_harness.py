@@ -3,6 +3,7 @@ and stopped by the package's one launcher (noloco_node/launcher/local_swarm.py);
 
 from __future__ import annotations
 
+import copy
 from pathlib import Path
 
 from noloco_node.discovery.bootstrap import start_bootstrap_process
@@ -11,8 +12,29 @@ from noloco_node.observability.status_file import read_status_document
 
 
 class Bootstrap:
-    def __init__(self, log_dir: Path) -> None:
+    """A `noloco-node bootstrap` process. ``run_name`` is the run its test's nodes join (NodeProcess passes it as
+    --run-name unless a test names its own); None leaves the nodes' default."""
+
+    def __init__(self, log_dir: Path, run_name: str | None = None) -> None:
+        self.log_dir = log_dir
+        self.run_name = run_name
         self.process, self.maddrs = start_bootstrap_process(log_dir / "bootstrap.log")
+
+    def for_run(self, run_name: str) -> Bootstrap:
+        """The same process, for nodes of the run ``run_name``."""
+        view = copy.copy(self)
+        view.run_name = run_name
+        return view
+
+    def run_args(self) -> list[str]:
+        """What a node of this test adds to its command line to join its run."""
+        return ["--run-name", self.run_name] if self.run_name else []
+
+    def restart(self) -> None:
+        """A new process after this one died (its log is kept beside the new one's)."""
+        self.log_dir = self.log_dir / "restarted"
+        self.log_dir.mkdir()
+        self.process, self.maddrs = start_bootstrap_process(self.log_dir / "bootstrap.log")
 
     def stop(self) -> None:
         stop_gracefully(self.process, 20)
@@ -33,6 +55,8 @@ class NodeProcess:
         self.data_dir = base / name
         self.data_dir.mkdir(parents=True, exist_ok=True)
         self.log_path = base / f"{name}.log"
+        if "--run-name" not in args:
+            args = (*args, *bootstrap.run_args())
         self.process = launch_node(
             bootstrap.maddrs, self.data_dir, args, self.log_path, env=env, log_format=log_format, open_files=open_files
         )

@@ -20,7 +20,7 @@ def _member(bootstrap: Bootstrap, tmp_path: Path, *args: str) -> tuple[subproces
     command = [
         sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
         "-m", "noloco_node", "join", "--bootstrap", *bootstrap.maddrs, "--data-dir", str(tmp_path / "member"),
-        "--status-port", "0", "--torch-threads", "1", *TRAIN, *args,
+        "--status-port", "0", "--torch-threads", "1", *bootstrap.run_args(), *TRAIN, *args,
     ]  # fmt: skip
     return subprocess.Popen(command, stdout=log.open("w"), stderr=subprocess.STDOUT), log
 
