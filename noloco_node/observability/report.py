@@ -229,15 +229,19 @@ async def watch_peers(
     max_info_calls: int = 16,
     transport: Transport = PLAIN,
 ) -> None:
-    """Keep the view of the swarm fresh for the status page: DHT records, then each peer's Info (its curve). Other
-    starts of the run name change only when someone starts anew: looked up every ``starts_every`` s."""
-    starts_due = 0.0
+    """Keep the view of the swarm fresh for the status page: DHT records, then each peer's Info (its curve).
+
+    Other starts of the run name change only when someone starts anew, mostly when a run's members start together:
+    they are looked up every ``every`` s at first, the interval doubling up to ``starts_every`` s, so that a node
+    started from another model is named within seconds of the start, not half a minute later."""
+    starts_due, starts_interval = 0.0, every
     while True:
         try:
             telemetry.on_peers(await discovery.live_peers())
             if time.monotonic() >= starts_due:
                 telemetry.on_other_starts(await discovery.other_starts(), run_name, discovery.run_start)
-                starts_due = time.monotonic() + starts_every
+                starts_due = time.monotonic() + starts_interval
+                starts_interval = min(2 * starts_interval, starts_every)
         except (TimeoutError, OSError) as error:
             log.debug("DHT lookup for the status page failed: %s", error)
         peers = telemetry.peer_addresses()

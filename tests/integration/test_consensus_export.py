@@ -26,13 +26,13 @@ def _cli(*args: str, timeout: float = 300) -> subprocess.CompletedProcess[str]:
 
 
 def _prepared_corpus(tmp_path: Path) -> Path:
-    """A byte-level BPE trained on 3 MB of the standard library, and 6 MB of it tokenized with it."""
+    """A byte-level BPE trained on 1 MB of the standard library, and 3 MB of it tokenized with it."""
     tokenizer = tmp_path / "tokenizer.json"
-    done = _cli("data", "tokenizer", "stdlib", "--vocab-size", "512", "--max-bytes", "3000000", "--out", str(tokenizer))
+    done = _cli("data", "tokenizer", "stdlib", "--vocab-size", "512", "--max-bytes", "1000000", "--out", str(tokenizer))
     assert done.returncode == 0, done.stderr
     prepared = tmp_path / "prepared"
     done = _cli(
-        "data", "prepare", "stdlib", "--tokenizer", str(tokenizer), "--max-bytes", "6000000", "--out", str(prepared)
+        "data", "prepare", "stdlib", "--tokenizer", str(tokenizer), "--max-bytes", "3000000", "--out", str(prepared)
     )
     assert done.returncode == 0, done.stderr
     assert "validation:" in done.stdout and json.loads((prepared / "meta.json").read_text())["vocab_size"] == 512

@@ -37,6 +37,7 @@ def test_two_nodes_continue_a_saved_qwen2_and_refuse_a_node_started_from_another
     load_run_corpus(DataConfig(source=str(text), cache_dir=cache), TrainConfig(init_from=model))
     common = ["--data", str(text), "--cache-dir", str(cache), "--seq-len", "64", "--batch-size", "8"]
     common += ["--eval-batches", "4", "--inner-steps", "10", "--pair-timeout", "5", "--run-name", "continued"]
+    common += ["--warmup-steps", "10"]  # the default, 10% of --steps, would keep the rate near 0 for the whole test
     first_model = ["--init-from", str(model), "--steps", "100000"]
     nodes = [
         NodeProcess(f"node{i}", bootstrap, tmp_path, *common, *first_model, "--shard-index", str(i)) for i in range(2)
