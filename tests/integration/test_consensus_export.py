@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from .swarm_harness import Bootstrap, NodeProcess
+from .swarm_harness import Bootstrap, NodeProcess, stop_all
 
 TRAIN = ["--model", "tiny", "--seq-len", "64", "--batch-size", "8", "--eval-batches", "4", "--inner-steps", "20"]
 
@@ -77,8 +77,7 @@ def test_consensus_of_three_live_nodes_is_no_worse_than_its_members(bootstrap: B
         assert done.returncode == 0, done.stdout + done.stderr
         print(done.stdout)
     finally:
-        for node in nodes:
-            node.stop()
+        stop_all(nodes)
     meta = json.loads((out / "noloco.json").read_text())
     members = meta["members"]
     assert {m["peer_id"] for m in members} == peer_ids  # the three live nodes, each once

@@ -44,7 +44,7 @@ from noloco_node.wire.frames import (
 )
 
 from .attacker import call_exchange, fresh_identity, node_weights
-from .swarm_harness import Bootstrap, NodeProcess
+from .swarm_harness import Bootstrap, NodeProcess, stop_all
 
 TWIN = [
     *("--model", "tiny", "--seq-len", "64", "--batch-size", "8", "--eval-batches", "2"),
@@ -247,8 +247,7 @@ def twins(tmp_path: Path):
         peers.append(Bootstrap(tmp_path / f"dht{i}"))
     nodes = [NodeProcess(name, peers[i], tmp_path, *TWIN) for i, name in enumerate(("attacked", "twin"))]
     yield nodes
-    for node in nodes:
-        node.stop()
+    stop_all(nodes)
     for peer in peers:
         peer.stop()
 

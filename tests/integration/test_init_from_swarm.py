@@ -14,7 +14,7 @@ from noloco_node.config.models import DataConfig, TrainConfig
 from noloco_node.model.source import load_run_corpus
 
 from ..hf_models import TEXT, save_model
-from .swarm_harness import Bootstrap, NodeProcess
+from .swarm_harness import Bootstrap, NodeProcess, stop_all
 
 transformers = pytest.importorskip("transformers")  # a dev dependency: CI installs it, so this runs there
 
@@ -56,8 +56,7 @@ def test_two_nodes_continue_a_saved_qwen2_and_refuse_a_node_started_from_another
         while not settled():
             assert time.monotonic() < deadline, "\n".join(node.output()[-2000:] for node in everyone)
             time.sleep(0.5)
-        for node in everyone:
-            node.stop()  # gracefully: the final status.json stays
+        stop_all(everyone)  # gracefully: the final status.json stays
         statuses = [node.status() for node in nodes]
         other_status = other.status()
         ids = {s["peer_id"] for s in statuses}
@@ -76,5 +75,4 @@ def test_two_nodes_continue_a_saved_qwen2_and_refuse_a_node_started_from_another
             assert "started from a different model" in refusal and "weights" in refusal
         assert "started from a different model" in other.output()  # said in its log too
     finally:
-        for node in everyone:
-            node.stop()
+        stop_all(everyone)

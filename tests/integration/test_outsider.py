@@ -29,7 +29,7 @@ from noloco_node.config.models import SecurityConfig, model_config_for
 from noloco_node.rpc.client import fetch_info
 from noloco_node.rpc.transport import Transport
 
-from .swarm_harness import Bootstrap, NodeProcess
+from .swarm_harness import Bootstrap, NodeProcess, stop_all
 
 TRAIN = ["--model", "tiny", "--seq-len", "64", "--batch-size", "8", "--eval-batches", "2"]
 MODEL = model_config_for("tiny", vocab_size=256, max_seq_len=64)
@@ -76,8 +76,7 @@ def test_a_forged_payload_is_refused_and_the_real_peer_keeps_blending(bootstrap:
         _wait_for(lambda: _blends_with(nodes[1], a["peer_id"], attacked) >= 3, 90, "blends of b with a")
         assert _live(a)["rejected_payloads"].get("spoofed_peer_id") == 3
     finally:
-        for node in nodes:
-            node.stop()
+        stop_all(nodes)
 
 
 def test_the_norm_bound_is_not_ratcheted_from_a_cold_start_nor_after_a_restart(
@@ -185,16 +184,14 @@ def test_a_fake_donor_is_adopted_neither_by_a_joiner_nor_by_a_restarting_member(
         assert donor.identity.peer_id[-8:] not in line and donor.served == lured, line
         # Alone with the fake donor (every honest node gone), a joiner has only its record to go on: it downloads
         # the state, measures it on its own validation batches, refuses it and starts from the run's seed.
-        for node in (member, peer, joiner):
-            node.stop()
+        stop_all([member, peer, joiner])
         alone = NodeProcess("alone", bootstrap, tmp_path, *args, "--shard-index", "3")
         others.append(alone)
         first = _wait_for(lambda: (s := alone.status()) and s["history"] and s, 120, "the lone joiner's first step")
         assert "refused the state of outer step 1000000" in alone.output()
         assert first["history"][0]["outer_step"] == 1 and donor.served >= 1
     finally:
-        for node in [member, peer, *others]:
-            node.stop()
+        stop_all([member, peer, *others])
         if donor is not None:
             donor.close()
 
@@ -285,8 +282,7 @@ def test_a_lock_hog_and_slot_exhaustion_leave_honest_nodes_blending_and_answerin
         assert live["rejected_payloads"].get("admission_barred", 0) > 0, live["rejected_payloads"]
         assert all(n.process.poll() is None for n in nodes)
     finally:
-        for node in nodes:
-            node.stop()
+        stop_all(nodes)
 
 
 HOLD_IDLE_CONNECTIONS = """

@@ -32,7 +32,7 @@ from noloco_node.wire.frames import iter_frames, layout_of
 from noloco_node.wire.payload import ReceiveBuffers
 
 from .attacker import exchange_status, fresh_identity, node_weights, now_ms, payload, raw_info, signed_metadata
-from .swarm_harness import Bootstrap, NodeProcess
+from .swarm_harness import Bootstrap, NodeProcess, stop_all
 
 TRAIN = ["--model", "tiny", "--seq-len", "64", "--batch-size", "8", "--eval-batches", "4"]
 
@@ -269,8 +269,7 @@ def test_tls_peers_exchange_and_a_plaintext_peer_is_refused(bootstrap: Bootstrap
         assert not any(h["partner"] for h in finals["plain"]["history"])  # nobody would talk to it
         assert finals["plain"]["exchange_outcomes"].get("completed", 0) == 0
     finally:
-        for node in nodes:
-            node.stop()
+        stop_all(nodes)
 
 
 def test_a_node_refuses_to_start_with_a_world_readable_secret(bootstrap: Bootstrap, tmp_path: Path) -> None:

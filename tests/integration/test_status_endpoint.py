@@ -18,7 +18,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from noloco_node.observability.status import NodeStatus
 
-from .swarm_harness import Bootstrap, NodeProcess
+from .swarm_harness import Bootstrap, NodeProcess, stop_all
 
 TRAIN = ["--model", "tiny", "--seq-len", "64", "--batch-size", "8", "--eval-batches", "2", "--inner-steps", "20"]
 
@@ -124,8 +124,7 @@ def test_status_metrics_and_commands_on_a_live_two_node_swarm(bootstrap: Bootstr
         assert "2 live peer(s)" in listed.stdout
         assert other["peer_id"] in listed.stdout and later.peer_id in listed.stdout
     finally:
-        for node in nodes:
-            node.stop()
+        stop_all(nodes)
 
 
 def test_healthz_turns_503_with_the_reason_when_the_trainer_thread_dies(bootstrap: Bootstrap, tmp_path: Path) -> None:

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from .swarm_harness import Bootstrap, NodeProcess
+from .swarm_harness import Bootstrap, NodeProcess, stop_all
 from .webdriver import Browser, browser_missing
 
 TRAIN = ["--model", "tiny", "--seq-len", "64", "--batch-size", "8", "--eval-batches", "2", "--inner-steps", "25"]
@@ -58,6 +58,5 @@ def test_the_live_page_draws_both_nodes_curves_in_chromium(tmp_path: Path) -> No
     finally:
         if browser is not None:
             browser.close()
-        for node in nodes:
-            node.stop()
+        stop_all(nodes)
         bootstrap.stop()

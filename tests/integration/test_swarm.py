@@ -16,7 +16,7 @@ from noloco_node.data.corpus import ReplicaShard, load_corpus
 from noloco_node.model.source import SeededDecoder
 from noloco_node.wire import quantize
 
-from .swarm_harness import Bootstrap, NodeProcess
+from .swarm_harness import Bootstrap, NodeProcess, stop_all
 from .throttling_proxy import ThrottlingProxy, free_port
 
 TRAIN = ["--model", "tiny", "--seq-len", "64", "--batch-size", "8", "--eval-batches", "4"]
@@ -61,8 +61,7 @@ def test_three_nodes_discover_each_other_exchange_and_learn(bootstrap: Bootstrap
                 node.status()["peer_id"]
             }
     finally:
-        for node in nodes:
-            node.stop()
+        stop_all(nodes)
 
 
 @pytest.mark.parametrize(
@@ -104,8 +103,7 @@ def test_two_nodes_blend_exactly_as_the_algorithm_says(
     try:
         assert [node.wait(timeout=300) for node in nodes] == [0, 0], nodes[0].output()[-2000:]
     finally:
-        for node in nodes:
-            node.stop()
+        stop_all(nodes)
     statuses = [node.status() for node in nodes]
     assert statuses[0]["history"][0]["partner"] == statuses[1]["peer_id"]
     assert statuses[1]["history"][0]["partner"] == statuses[0]["peer_id"]
@@ -274,8 +272,7 @@ def test_overlap_mode_blends_without_waiting_for_partners(bootstrap: Bootstrap, 
     try:
         assert [node.wait(timeout=300) for node in nodes] == [0, 0, 0], nodes[0].output()[-2000:]
     finally:
-        for node in nodes:
-            node.stop()
+        stop_all(nodes)
     for node in nodes:
         history = node.status()["history"]
         # A node that starts a moment after the others joins a run in progress (downloads their state) and so
@@ -326,8 +323,7 @@ def test_a_late_joiner_trains_from_a_donors_state_and_the_donor_never_pauses(
         for node in early:
             assert node.wait(timeout=120) == 0
     finally:
-        for node in [*early, *([late] if late else [])]:
-            node.stop()
+        stop_all([*early, *([late] if late else [])])
         for proxy in proxies:
             proxy.close()
     output = late.output()
@@ -404,8 +400,7 @@ def test_sigterm_leaves_gracefully_checkpoints_and_withdraws_the_record(bootstra
     finally:
         if observer is not None:
             observer.shutdown()
-        for node in nodes:
-            node.stop()
+        stop_all(nodes)
 
 
 def test_a_data_dir_of_another_run_is_refused_by_name(tmp_path: Path) -> None:
@@ -474,8 +469,7 @@ def test_a_node_left_out_of_reach_catches_up_and_blends_again(bootstrap: Bootstr
         early_ids = {node.status()["peer_id"] for node in early}
         assert {h["partner"] for h in history if h["partner"]} <= early_ids
     finally:
-        for node in [*early, *([behind] if behind else [])]:
-            node.stop()
+        stop_all([*early, *([behind] if behind else [])])
 
 
 def _outer_step(node: NodeProcess) -> int:
