@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import asyncio
 import time
+from typing import ClassVar
 
 import pytest
 
@@ -86,3 +88,40 @@ def test_peers_come_and_go_with_their_info() -> None:
     assert peers["a"].record_age_seconds == pytest.approx(2, abs=0.5) and peers["b"].health is None
     watch.on_peers([b])
     assert [p.peer_id for p in watch.known_peers()] == ["b"]
+
+
+class _EnoughError(Exception):
+    """Ends watch_peers' endless loop once the test has seen enough lookups."""
+
+
+def test_other_starts_are_looked_up_often_at_first_then_every_30_s(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A run's members mostly start together: a node started from another model must be named within seconds, and
+    a long-lived node must not ask the DHT every 3 s for what changes only when someone starts anew."""
+    from noloco_node.observability import report
+
+    clock = [0.0]
+    real_sleep = asyncio.sleep
+
+    async def sleep(seconds: float) -> None:  # time passes only where watch_peers waits
+        clock[0] += seconds
+        await real_sleep(0)
+
+    monkeypatch.setattr(report.time, "monotonic", lambda: clock[0])
+    monkeypatch.setattr(report.asyncio, "sleep", sleep)
+    looked_up: list[float] = []
+
+    class Discovery:
+        run_start: ClassVar[dict[str, str]] = {}
+
+        async def live_peers(self) -> list[PeerRecord]:
+            return []
+
+        async def other_starts(self) -> list:
+            looked_up.append(clock[0])
+            if len(looked_up) == 8:
+                raise _EnoughError
+            return []
+
+    with pytest.raises(_EnoughError):
+        asyncio.run(report.watch_peers(Discovery(), telemetry(), "run", "name", every=3.0, starts_every=30.0))  # type: ignore[arg-type]
+    assert looked_up == [0.0, 3.0, 9.0, 21.0, 45.0, 75.0, 105.0, 135.0]
