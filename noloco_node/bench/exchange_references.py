@@ -12,8 +12,6 @@ from typing import Any
 
 import grpc
 
-from noloco_node.rpc.transport import CHANNEL_OPTIONS
-
 TCP_BUFFER = 4 * 2**20
 # (namespace, host) of the server and of the client: None for this machine's own network.
 Where = tuple[tuple[str | None, str], tuple[str | None, str]]
@@ -103,6 +101,8 @@ def raw_tcp_seconds(
 
 def _bare_grpc_server(chunks: int, chunk_bytes: int, conn: Any, namespace: str | None, host: str) -> None:
     """gRPC alone: a bidirectional stream of ready-made byte messages, nothing converted, checked or copied."""
+    from noloco_node.rpc.transport import CHANNEL_OPTIONS  # here: the raw TCP processes need none of the node
+
     enter(namespace)
     blob = b"\0" * chunk_bytes
 
@@ -146,6 +146,8 @@ def bare_grpc_seconds(total: int, chunk_bytes: int, repeats: int, where: Where) 
 def _bare_grpc_client(
     chunks: int, chunk_bytes: int, address: str, repeats: int, conn: Any, namespace: str | None
 ) -> None:
+    from noloco_node.rpc.transport import CHANNEL_OPTIONS  # here: the raw TCP processes need none of the node
+
     enter(namespace)
     blob = b"\0" * chunk_bytes
     with grpc.insecure_channel(address, options=CHANNEL_OPTIONS) as channel:
