@@ -4,12 +4,11 @@ and stopped by the package's one launcher (noloco_node/launcher/local_swarm.py);
 from __future__ import annotations
 
 import copy
-import signal
 from collections.abc import Iterable
 from pathlib import Path
 
 from noloco_node.discovery.bootstrap import start_bootstrap_process
-from noloco_node.launcher.local_swarm import launch_node, stop_gracefully, wait_or_kill
+from noloco_node.launcher.local_swarm import launch_node, stop_gracefully, stop_together
 from noloco_node.observability.status_file import read_status_document
 
 
@@ -17,9 +16,9 @@ class Bootstrap:
     """A `noloco-node bootstrap` process. ``run_name`` is the run its test's nodes join (NodeProcess passes it as
     --run-name unless a test names its own); None leaves the nodes' default."""
 
-    def __init__(self, log_dir: Path, run_name: str | None = None) -> None:
+    def __init__(self, log_dir: Path) -> None:
         self.log_dir = log_dir
-        self.run_name = run_name
+        self.run_name: str | None = None
         self.process, self.maddrs = start_bootstrap_process(log_dir / "bootstrap.log")
 
     def for_run(self, run_name: str) -> Bootstrap:
@@ -93,11 +92,5 @@ class NodeProcess:
 
 
 def stop_all(nodes: Iterable[NodeProcess]) -> None:
-    """Stop nodes gracefully, all at once (one SIGTERM each, then each waited for): a graceful leave takes a node
-    1-2 s (its last checkpoint, its DHT record withdrawn), which one after another would add up."""
-    nodes = list(nodes)
-    for node in nodes:
-        if node.process.poll() is None:
-            node.process.send_signal(signal.SIGTERM)
-    for node in nodes:
-        wait_or_kill(node.process, 30)
+    """Stop a test's nodes gracefully, all at once."""
+    stop_together([node.process for node in nodes], 30)
