@@ -90,6 +90,10 @@ def test_two_nodes_blend_exactly_as_the_algorithm_says(
         *(["--blend-momenta"] if blend_momenta else []),
         "--pair-timeout",
         "30",
+        # A stream node whose phase found no partner waits --alone-grace for a late phase swap: the two nodes may
+        # start training a second apart (--wait-for-peers polls), longer than a 10-step phase, so wait long enough.
+        "--alone-grace",
+        "30",
         "--wait-for-peers",
         "1",
         "--torch-threads",
