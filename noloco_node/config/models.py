@@ -445,6 +445,19 @@ class NodeConfig(_Settings):
     )
     record_ttl: float = Field(20.0, gt=1.0, description="DHT record lifetime (s); refreshed at a third of it.")
     avoid_seconds: float = Field(30.0, ge=0, description="How long a peer that failed is not chosen.")
+    standing_seconds: float = Field(
+        120.0,
+        ge=0,
+        description="A peer earns standing (it is preferred as a partner) once this node has seen its DHT record "
+        "for this long and blended with it once; until then it is a stranger (s).",
+    )
+    stranger_share: float = Field(
+        0.1,
+        ge=0,
+        le=1,
+        description="Share of outer steps in which strangers are called and served, however many keys and addresses "
+        "they come from (every step while no peer with standing is within reach).",
+    )
     checkpoint_every: int = Field(1, ge=1, description="Outer steps between checkpoints.")
     num_shards: int = Field(16, ge=1, description="How many shards the corpus is dealt into.")
     shard_index: int | None = Field(None, ge=0, description="This node's shard (default: from its peer id).")

@@ -49,11 +49,13 @@ from noloco_node.observability.status import Health, NodeStatus
 from noloco_node.observability.status_file import write_status_file
 from noloco_node.observability.telemetry import KEEP_OUTER_STEPS, HealthInputs, Telemetry
 from noloco_node.pairing.peer_policy import PeerPolicy
+from noloco_node.pairing.standing import Standing
 from noloco_node.rpc import peer_pb2 as pb
 from noloco_node.rpc.metrics import ExchangeMetrics
 from noloco_node.rpc.service import start_server
 from noloco_node.security.caller_proof import CallerVerifier
 from noloco_node.security.node_security import NodeSecurity, SecuritySetupError
+from noloco_node.security.payload_guard import NORM_BOUND
 from noloco_node.training.checkpoints import CheckpointWriter, OuterStateCopies
 from noloco_node.training.data_parallel import DataParallel, weights_digest
 from noloco_node.training.follower import run_follower
@@ -117,6 +119,7 @@ class Node:
             min_deadline=node_cfg.min_exchange_deadline,
             avoid_seconds=node_cfg.avoid_seconds,
         )
+        self.standing = Standing(standing_seconds=node_cfg.standing_seconds, stranger_share=node_cfg.stranger_share)
         self.supervisor = Supervisor()
         self.stop_event = threading.Event()  # a stop was asked for, or the trainer ended
         self.trainer: threading.Thread | None = None
@@ -132,6 +135,7 @@ class Node:
             peer_id=lambda: self.peer_id,
             security=self.security,
             policy=self.policy,
+            standing=self.standing,
             metrics=self.metrics,
             discovery=self.discovery,
             telemetry=self.telemetry,
@@ -372,9 +376,9 @@ class Node:
         adopted = asyncio.run_coroutine_threadsafe(download, self.peering.context.loop).result()
         if adopted:
             # Their payloads were refused as too far from weights this node no longer has.
-            lifted = self.policy.lift_quarantines("norm_bound")
+            lifted = self.policy.lift(NORM_BOUND)
             if lifted:
-                log.info("lifted the norm-bound quarantine of %d peer(s) after catching up", len(lifted))
+                log.info("called again %d peer(s) set aside for the norm bound, after catching up", len(lifted))
         self.telemetry.phase = "training"
         return adopted
 

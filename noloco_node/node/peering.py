@@ -26,6 +26,7 @@ from noloco_node.observability.telemetry import Telemetry
 from noloco_node.pairing.caller import CallSettings, PeerCaller
 from noloco_node.pairing.overlap import OverlapPairing
 from noloco_node.pairing.peer_policy import PeerPolicy
+from noloco_node.pairing.standing import Standing
 from noloco_node.pairing.strategy import OfferPublisher, PairingContext, PairingStrategy
 from noloco_node.pairing.stream import StreamPairing
 from noloco_node.pairing.sync import SyncPairing
@@ -57,6 +58,7 @@ class Peering:
         peer_id: Callable[[], str],
         security: NodeSecurity,
         policy: PeerPolicy,
+        standing: Standing,
         metrics: ExchangeMetrics,
         discovery: Discovery,
         telemetry: Telemetry,
@@ -79,6 +81,7 @@ class Peering:
                 receive_buffers=receive_buffers,
             ),
             policy,
+            standing,
             admit=lambda payload: served[0].admit(payload),
             bad_payload=lambda peer, error: served[0].bad_payload(peer, error),
             observer=lambda: served[0].value_observer(),
@@ -109,6 +112,7 @@ class Peering:
                 snapshot=snapshot,
                 security=security,
                 policy=policy,
+                standing=standing,
                 receive_buffers=receive_buffers,
                 info=info,
             )

@@ -15,6 +15,7 @@ import torch
 from noloco_node.node.outer_step import held_outer_state, partner_tensors
 from noloco_node.node.run_layout import RunLayout
 from noloco_node.pairing.peer_policy import PeerPolicy
+from noloco_node.pairing.standing import Standing
 from noloco_node.pairing.strategy import PairingStrategy
 from noloco_node.rpc import peer_pb2 as pb
 from noloco_node.rpc.contracts import ExchangeSession
@@ -23,6 +24,10 @@ from noloco_node.security.payload_guard import RunningGap
 from noloco_node.wire.frames import PayloadError, PayloadKind
 from noloco_node.wire.payload import Payload, ReceiveBuffers
 from noloco_node.wire.published import Latest, Published
+
+# The payload kinds whose exchange makes the caller a partner (sync's and overlap's weights, a stream run's phase
+# swap); a stream run's progress goes only to the partner its phase swap chose.
+PARTNER_CHOOSING_KINDS = ("weights", "phase")
 
 
 class ServedNode:
@@ -35,6 +40,7 @@ class ServedNode:
         snapshot: Latest,
         security: NodeSecurity,
         policy: PeerPolicy,
+        standing: Standing,
         receive_buffers: ReceiveBuffers,
         info: Callable[[], pb.InfoReply],
     ) -> None:
@@ -45,6 +51,7 @@ class ServedNode:
         self.snapshot = snapshot
         self.security = security
         self.policy = policy
+        self.standing = standing
         self.receive_buffers = receive_buffers
         self._info = info
         self._kinds = layout.payload_kinds()
@@ -60,6 +67,11 @@ class ServedNode:
         return self.layout.max_payload_bytes()
 
     def open_session(self, partner_id: str, partner_outer_step: int, kind: str) -> ExchangeSession | None:
+        """A session from the strategy, or None (busy). A stranger is served only in this node's stranger steps
+        (pairing/standing.py); a stream run's progress is exchanged with the partner its phase swap reserved, so
+        the standing of that partner was weighed when the swap was taken."""
+        if kind in PARTNER_CHOOSING_KINDS and not self.standing.may_serve(partner_id):
+            return None
         return self.strategy.open_session(partner_id, partner_outer_step, kind)
 
     def info(self) -> pb.InfoReply:
@@ -109,9 +121,11 @@ class ServedNode:
         return RunningGap(references, copy.release)
 
     def _check(self, payload: Payload) -> None:
+        # Since when the two replicas last shared weights: the norm bound allows for their drift meanwhile.
+        steps_apart = self.standing.steps_apart(payload.peer_id)
         measured = self._measured_distances(payload)
         if measured is not None:  # measured chunk by chunk while it arrived: nothing left to compute
-            self.security.admit_distances(payload, measured)
+            self.security.admit_distances(payload, measured, steps_apart)
             return
         count = len(self.layout.names)
         copy = self.snapshot.hold()
@@ -130,7 +144,7 @@ class ServedNode:
             comparisons = [(theirs, phi, phi) for theirs in (theta, partner_phi) if theirs]
             if partner_delta:
                 comparisons.append((partner_delta, delta, phi))
-            self.security.admit(payload, comparisons)
+            self.security.admit(payload, comparisons, steps_apart)
         finally:
             copy.release()
 

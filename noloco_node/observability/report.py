@@ -14,7 +14,7 @@ import random
 import time
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 from noloco_node import __version__
 from noloco_node.config.models import NodeConfig, TrainConfig
@@ -36,6 +36,9 @@ from noloco_node.rpc.transport import PLAIN, Transport
 from noloco_node.security.node_security import NodeSecurity
 from noloco_node.training.replica import Replica
 from noloco_node.wire.payload import Payload
+
+if TYPE_CHECKING:  # the protocol's type only: what a node reports on, not an import of the pairing package
+    from noloco_node.pairing.standing import Standing
 
 log = logging.getLogger("noloco_node.node.daemon")  # progress lines read as the node's own
 
@@ -74,6 +77,7 @@ class ReportedNode(Protocol):
     telemetry: Telemetry
     metrics: ExchangeMetrics
     security: NodeSecurity
+    standing: Standing
 
     @property
     def supervisor(self) -> Supervised: ...
@@ -146,6 +150,7 @@ def node_status(node: ReportedNode) -> NodeStatus:
         bytes_received=counters["bytes_received"],
         exchange_outcomes=counters["outcomes"],
         rejected_payloads=counters["rejected"],
+        background_errors=counters["background_errors"],
         exchanges=[ExchangeRecord(**entry) for entry in counters["recent"][-20:]],
         peers=node.telemetry.known_peers(),
         refused_peers=list(node.telemetry.refused_starts.values()),
@@ -180,6 +185,9 @@ def security_status(node: ReportedNode) -> SecurityStatus:
         norm_bound=guard.bound(),
         norm_bound_basis=guard.basis,
         last_partner_distance=guard.last_distance,
+        established_peers=sum(node.standing.established(peer.peer_id) for peer in node.telemetry.known_peers()),
+        stranger_share=node.standing.stranger_share,
+        stranger_steps=node.standing.stranger_steps,
     )
 
 

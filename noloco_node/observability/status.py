@@ -117,6 +117,13 @@ class SecurityStatus(BaseModel):
         description="Where the bound comes from: configured, or this node's own recent movement (never from peers)."
     )
     last_partner_distance: float | None = Field(description="Relative L2 distance of the last admitted partner.")
+    established_peers: int = Field(
+        0, description="Live peers with standing: seen for --standing-seconds and blended with this node."
+    )
+    stranger_share: float = Field(0.0, description="Share of outer steps that admit strangers (--stranger-share).")
+    stranger_steps: int = Field(
+        0, description="Outer steps that admitted strangers while a peer with standing was within reach."
+    )
 
 
 class NodeStatus(BaseModel):
@@ -151,6 +158,9 @@ class NodeStatus(BaseModel):
     bytes_received: int
     exchange_outcomes: dict[str, int] = Field(description="Exchanges by outcome since start.")
     rejected_payloads: dict[str, int] = Field(description="Refused payloads by reason since start.")
+    background_errors: dict[str, int] = Field(
+        default_factory=dict, description="Background work of the pairing strategy that ended with an error, by task."
+    )
     exchanges: list[ExchangeRecord] = Field(description="The last exchanges, oldest first (up to 20).")
     peers: list[KnownPeer] = Field(description="Live peers of the run in the DHT, as this node last saw them.")
     refused_peers: list[str] = Field(

@@ -1,9 +1,10 @@
 """How a node calls its peers, whatever the pairing strategy: whom to call first, and one exchange call.
 
 :class:`PeerCaller` chooses among the run's live peers (ready, reachable, not avoided or quarantined, within the
-staleness bound), orders them (the least recently paired first, at random among equals) and makes one exchange
-call: on the node's own bounded exchange executor (never asyncio's default one, which status fetches share), under
-a deadline learnt from earlier exchanges (peer_policy.py). The partner's payload must then pass the node's
+staleness bound), orders them by standing (standing.py: established peers least recently paired first, strangers
+only in this node's stranger steps) and makes one exchange call: on the node's own bounded exchange executor
+(never asyncio's default one, which status fetches share), under a deadline learnt from earlier exchanges
+(peer_policy.py). The partner's payload must then pass the node's
 admission check (the norm bound); a refusal is counted and held against the partner, whose id here is the one its
 DHT record was signed with and whose server answered as that id (rpc/client.py).
 
@@ -15,7 +16,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import random
 import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -25,6 +25,7 @@ import grpc
 
 from noloco_node.discovery.dht import PeerRecord
 from noloco_node.pairing.peer_policy import PeerPolicy
+from noloco_node.pairing.standing import Standing
 from noloco_node.rpc.client import ExchangeError, exchange_with
 from noloco_node.rpc.contracts import OutgoingPayload
 from noloco_node.rpc.metrics import ExchangeMetrics
@@ -54,6 +55,7 @@ class PeerCaller:
         self,
         settings: CallSettings,
         policy: PeerPolicy,
+        standing: Standing,
         *,
         admit: Callable[[Payload], Payload],
         bad_payload: Callable[[str, PayloadError], None],
@@ -62,6 +64,7 @@ class PeerCaller:
     ) -> None:
         self.settings = settings
         self.policy = policy
+        self.standing = standing
         self.admit = admit
         self.observer = observer  # a partner's payload measured as it arrives (the norm bound's distances)
         self.bad_payload = bad_payload
@@ -71,6 +74,7 @@ class PeerCaller:
     def choosable(self, peers: Sequence[PeerRecord], own_step: int) -> list[PeerRecord]:
         """Peers worth calling now; forgets what it knew of peers no longer live (bounded tables)."""
         live = {p.peer_id for p in peers}
+        self.standing.observe(peers, own_step, self.settings.max_staleness)
         self.policy.forget(live)
         for gone in set(self.last_paired) - live:
             del self.last_paired[gone]
@@ -85,23 +89,14 @@ class PeerCaller:
         ]
 
     def order(self, candidates: list[PeerRecord]) -> list[PeerRecord]:
-        """One peer never paired with (so that newcomers are found), then the peers paired with before, least
-        recently paired first (random among equals), then the other strangers.
-
-        Least recently paired first: nodes of equal speed reach their outer steps in lockstep and would otherwise
-        keep finding their last partner ready first, splitting the swarm into fixed pairs that never mix (seen in
-        a 4-node swarm). One stranger only, before the peers that answered: a record costs nothing to publish,
-        and a hundred ready records of peers that never answer must not be called before the ones that do."""
-        shuffled = list(candidates)
-        random.shuffle(shuffled)
-        known = sorted(
-            (p for p in shuffled if p.peer_id in self.last_paired), key=lambda p: self.last_paired[p.peer_id]
-        )
-        strangers = [p for p in shuffled if p.peer_id not in self.last_paired]
-        return strangers[:1] + known + strangers[1:]
+        """Whom to call, in order (standing.py): established peers least recently paired first, and one stranger
+        before them in this node's stranger steps."""
+        return self.standing.order(candidates, self.last_paired)
 
     def paired(self, peer_id: str, outer_step: int) -> None:
+        """A blend with ``peer_id`` at this node's ``outer_step``: its payload passed every check."""
         self.last_paired[peer_id] = outer_step
+        self.standing.blended(peer_id, outer_step)
 
     async def call(self, peer: PeerRecord, outgoing: OutgoingPayload, kind: str = "weights") -> Payload | None:
         """One exchange of payloads of ``kind`` with ``peer``; its admitted payload, or None (busy, failed, refused:

@@ -5,8 +5,11 @@ step, and a short one cuts healthy exchanges of a big model over a slow link. Ea
 exponentially weighted mean of its duration, per peer and overall; the deadline for the next call is a multiple of
 that (with a floor, so that jitter does not cut healthy calls, and the configured exchange timeout as the ceiling).
 A peer that fails is avoided, for twice as long after each consecutive failure (up to a cap); one success clears
-its record. A busy answer is not a failure. A peer that sent a payload refused for its content (payload_guard.py)
-is quarantined: neither called nor served for ``quarantine_seconds``, whatever happens meanwhile.
+its record. A busy answer is not a failure. So is a peer whose weights were too far from this node's (the norm
+bound): replicas that were apart for a while drift, and drift is not hostility, so it is *set aside* for now (the
+same doubling backoff), not quarantined. A peer that sent a payload no honest peer sends (malformed, forged, in
+another run's layout) is quarantined: neither called nor served for ``quarantine_seconds``, whatever happens
+meanwhile.
 """
 
 from __future__ import annotations
@@ -26,6 +29,7 @@ class _PeerRecord:
     typical: float | None = None
     failures: int = 0
     avoid_until: float = 0.0
+    avoid_reason: str = ""
     quarantined_until: float = 0.0
     quarantine_reason: str = ""
 
@@ -52,16 +56,18 @@ class PeerPolicy:
         with self._lock:
             record = self._peers.setdefault(peer_id, _PeerRecord())
             record.typical = seconds if record.typical is None else _blend(record.typical, seconds)
-            record.failures, record.avoid_until = 0, 0.0  # a quarantine is not lifted by a success
+            record.failures, record.avoid_until, record.avoid_reason = 0, 0.0, ""  # a quarantine outlives a success
             self._typical = seconds if self._typical is None else _blend(self._typical, seconds)
 
-    def failed(self, peer_id: str) -> float:
-        """Record a failure; returns how long the peer is now avoided (s)."""
+    def failed(self, peer_id: str, reason: str = "failure") -> float:
+        """Record a failure (or a refusal for drift: ``reason`` norm_bound); returns how long the peer is now
+        avoided (s)."""
         with self._lock:
             record = self._peers.setdefault(peer_id, _PeerRecord())
             record.failures += 1
             avoid = self.avoid_seconds * 2 ** min(record.failures - 1, MAX_BACKOFF_DOUBLINGS)
             record.avoid_until = time.monotonic() + avoid
+            record.avoid_reason = reason
             return avoid
 
     def quarantine(self, peer_id: str, seconds: float, reason: str = "") -> None:
@@ -71,14 +77,18 @@ class PeerPolicy:
             record.quarantined_until = max(record.quarantined_until, time.monotonic() + seconds)
             record.quarantine_reason = reason
 
-    def lift_quarantines(self, reason: str) -> list[str]:
-        """End every quarantine given for ``reason``; returns the peers it lifted. A node that adopted a donor's
-        state lifts those for ``norm_bound``: they measured a distance from weights it no longer has."""
+    def lift(self, reason: str) -> list[str]:
+        """End every quarantine and avoidance given for ``reason``; returns the peers it lifted. A node that adopted
+        a donor's state lifts those for ``norm_bound``: they measured a distance from weights it no longer has."""
         lifted = []
         with self._lock:
+            now = time.monotonic()
             for peer_id, record in self._peers.items():
-                if record.quarantine_reason == reason and record.quarantined_until > time.monotonic():
+                if record.quarantine_reason == reason and record.quarantined_until > now:
                     record.quarantined_until, record.quarantine_reason = 0.0, ""
+                    lifted.append(peer_id)
+                if record.avoid_reason == reason and record.avoid_until > now:
+                    record.failures, record.avoid_until, record.avoid_reason = 0, 0.0, ""
                     lifted.append(peer_id)
         return lifted
 

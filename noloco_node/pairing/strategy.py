@@ -20,10 +20,12 @@ another one implements this class and is registered in node/peering.py's ``STRAT
 from __future__ import annotations
 
 import asyncio
+import logging
 import math
 import threading
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Coroutine, Mapping, Sequence
+from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Any
 
@@ -38,6 +40,8 @@ from noloco_node.wire import quantize
 from noloco_node.wire.frames import WIRE_DTYPES, PayloadKind, build_manifest
 from noloco_node.wire.payload import Payload
 from noloco_node.wire.published import BufferPool, Published
+
+log = logging.getLogger(__name__)
 
 
 class OfferPublisher:
@@ -100,6 +104,24 @@ class PairingContext:
     max_staleness: int
     exchange_ceiling: float  # the longest one exchange may take, whatever its deadline
     loop: asyncio.AbstractEventLoop | None = None  # set when the node's event loop runs
+
+    def spawn(self, coroutine: Coroutine[Any, Any, None], what: str) -> Future[None]:
+        """Run ``coroutine`` on the node's event loop from another thread. Its end is always read: an error is
+        logged with its traceback and counted (``noloco_background_errors``), a cancellation is not an error."""
+        assert self.loop is not None
+        future = asyncio.run_coroutine_threadsafe(coroutine, self.loop)
+        metrics = self.caller.settings.metrics
+
+        def ended(done: Future[None]) -> None:
+            if done.cancelled():
+                return
+            error = done.exception()
+            if error is not None:
+                metrics.background_error(what)
+                log.error("%s failed", what, exc_info=error)
+
+        future.add_done_callback(ended)
+        return future
 
 
 class PairingStrategy(ABC):

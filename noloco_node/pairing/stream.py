@@ -153,9 +153,8 @@ class StreamPairing(PairingStrategy):
         if not reserved:
             payload.release()
             return False
-        loop = self.ctx.loop
-        if loop is not None:  # no longer ready for other peers' swaps: say so
-            asyncio.run_coroutine_threadsafe(self.ctx.publish_record(), loop)
+        if self.ctx.loop is not None:  # no longer ready for other peers' swaps: say so
+            self.ctx.spawn(self.ctx.publish_record(), "publishing the DHT record")
         return True
 
     # ---------------------------------------------------------------------------------- trainer thread
@@ -163,7 +162,7 @@ class StreamPairing(PairingStrategy):
     def start(self, replica: Replica) -> None:
         self._begin_phase(replica.phi, replica.delta, replica.outer_step)
         if self.ctx.loop is not None:  # ready for phase swaps from now on: say so before the first phase ends
-            asyncio.run_coroutine_threadsafe(self.ctx.publish_record(), self.ctx.loop)
+            self.ctx.spawn(self.ctx.publish_record(), "publishing the DHT record")
 
     def _begin_phase(self, phi: Sequence[torch.Tensor], delta: Sequence[torch.Tensor], outer_step: int) -> None:
         offer = self.ctx.offers["phase"].publish({"phi": phi, "delta": delta}, outer_step)

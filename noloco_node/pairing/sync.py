@@ -151,7 +151,9 @@ def run_round(
     assert ctx.loop is not None
     if ctx.stopping.is_set():  # a stop that came before the round opened: no waiting at all
         current.stop_waiting()
-    seeking = asyncio.run_coroutine_threadsafe(seeker, ctx.loop)
+    seeking = ctx.spawn(seeker, "the search for a partner")
+    # However the search ends (settled, nobody within reach, or an error), the trainer need not wait any longer.
+    seeking.add_done_callback(lambda _: current.stop_waiting())
     ctx.telemetry.beat()
     current.wait(ctx.pair_timeout, train_step)
     ctx.telemetry.beat()
@@ -208,7 +210,7 @@ class SyncPairing(PairingStrategy):
             grace = min(ctx.pair_timeout / 2, phase_seconds / 2)
             current.last_partner, current.repeat_after = self._last_partner, time.monotonic() + grace
         self._round = current
-        asyncio.run_coroutine_threadsafe(ctx.publish_record(), ctx.loop)  # ready: say so
+        ctx.spawn(ctx.publish_record(), "publishing the DHT record")  # ready: say so
         partner = run_round(ctx, current, self._seek_partner(current), train_step)
         self._round = None
         if partner is not None:

@@ -38,6 +38,12 @@ class ExchangeMetrics:
         self._rejected = Counter(
             "noloco_rejected_payloads", "Refused payloads by reason.", ["reason"], registry=self.registry
         )
+        self._background_errors = Counter(
+            "noloco_background_errors",
+            "Background work of the pairing strategies that ended with an error.",
+            ["task"],
+            registry=self.registry,
+        )
         self._sent = Counter("noloco_bytes_sent", "Payload bytes sent to peers.", registry=self.registry)
         self._received = Counter("noloco_bytes_received", "Payload bytes received from peers.", registry=self.registry)
         self._duration = Histogram(
@@ -69,6 +75,14 @@ class ExchangeMetrics:
 
     def outcome(self, name: str) -> None:
         self._outcomes.labels(name).inc()
+
+    def background_error(self, task: str) -> None:
+        self._background_errors.labels(task=task).inc()
+
+    @property
+    def background_errors(self) -> CounterDict[str]:
+        """Background work that ended with an error, by task."""
+        return CounterDict(_by_label(self._background_errors, "task"))
 
     def rejection(self, reason: str) -> None:
         self._rejected.labels(reason).inc()
@@ -102,6 +116,7 @@ class ExchangeMetrics:
         return {
             "outcomes": dict(self.outcomes),
             "rejected": dict(self.rejected),
+            "background_errors": dict(self.background_errors),
             "bytes_sent": self.bytes_sent,
             "bytes_received": self.bytes_received,
             "recent": recent,

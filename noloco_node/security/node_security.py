@@ -2,8 +2,9 @@
 
 node.py holds one :class:`NodeSecurity` and asks it three things: which transport its calls and server use
 (plain or TLS, signed or not: transport.py), whether a verified payload may be blended (the norm bound:
-payload_guard.py), and whether a peer is refused. Every refusal of a payload's content is counted by reason,
-logged once per peer with rate limiting, and quarantines the peer (peer_policy.py).
+payload_guard.py), and whether a peer is refused. Every refusal of a payload's content is counted by reason and
+logged once per peer with rate limiting; weights beyond the norm bound set the peer aside for now (drift is not
+hostility), anything else quarantines it (peer_policy.py).
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ from noloco_node.pairing.peer_policy import PeerPolicy
 from noloco_node.rpc.transport import Transport
 from noloco_node.security.auth import CallAuthenticator, SecretError, SwarmSecret, load_secret
 from noloco_node.security.identity import IdentityError, NodeIdentity
-from noloco_node.security.payload_guard import Complaints, NormGuard, relative_distance
+from noloco_node.security.payload_guard import NORM_BOUND, Complaints, NormGuard, relative_distance
 from noloco_node.security.tls import TlsError, TlsFiles
 from noloco_node.wire.frames import PayloadError
 from noloco_node.wire.payload import Payload
@@ -62,23 +63,27 @@ class NodeSecurity:
     def peer_id(self) -> str:
         return self.identity.peer_id
 
-    def admit(self, payload: Payload, comparisons: Sequence[Comparison]) -> None:
+    def admit(self, payload: Payload, comparisons: Sequence[Comparison], steps_apart: int | None = None) -> None:
         """Raise PayloadError when the partner's tensors are too far from this node's.
 
         ``comparisons``: (partner tensors, own tensors, the tensors whose norm scales the gap), e.g. (their theta,
         my phi, my phi), (their phi, my phi, my phi) and (their momentum, my momentum, my phi).
         """
         for theirs, mine, scale in comparisons:
-            self.norm_guard.admit(relative_distance(theirs, mine, scale), payload.peer_id)
+            self.norm_guard.admit(relative_distance(theirs, mine, scale), payload.peer_id, steps_apart)
 
-    def admit_distances(self, payload: Payload, distances: Sequence[float]) -> None:
+    def admit_distances(self, payload: Payload, distances: Sequence[float], steps_apart: int | None = None) -> None:
         """As :meth:`admit`, with the distances already measured (chunk by chunk as the payload arrived)."""
         for distance in distances:
-            self.norm_guard.admit(distance, payload.peer_id)
+            self.norm_guard.admit(distance, payload.peer_id, steps_apart)
 
     def bad_payload(self, peer_id: str, error: PayloadError, policy: PeerPolicy) -> None:
-        """A payload refused (malformed or out of bounds): log it, rate limited, and quarantine the peer. The
-        caller counts it in the metrics."""
+        """A payload refused: log it, rate limited; set the peer aside for now (too far: it may have drifted while
+        apart from this node) or quarantine it (malformed: no honest peer sends that). The caller counts it."""
+        if error.reason == NORM_BOUND:
+            avoid = policy.failed(peer_id, NORM_BOUND)
+            self.complaints.complain(peer_id, error.reason, f"{error.message}; not called for {avoid:.0f}s")
+            return
         policy.quarantine(peer_id, self.cfg.quarantine_seconds, error.reason)
         self.complaints.complain(
             peer_id, error.reason, f"{error.message}; quarantined for {self.cfg.quarantine_seconds:.0f}s"

@@ -51,6 +51,10 @@ log = logging.getLogger(__name__)
 
 CEILING = 0.9  # the loosest bound ever: zero weights are at distance 1.0, random ones beyond
 NOT_READY = "not_ready"  # a refusal that says nothing about the peer
+NORM_BOUND = "norm_bound"  # too far from this node's weights: drift or hostility, the peer is set aside for now
+# Drift: two honest replicas that have not blended for k outer steps may be this much farther apart than the bound
+# of one phase allows (sqrt(1 + k): the spread of independent walks), for k up to this many steps.
+MAX_DRIFT_STEPS = 15
 DISTANCE_SLICE = 1 << 20  # elements per slice: the distance never allocates a model-sized temporary
 
 
@@ -162,9 +166,15 @@ class NormGuard:
         with self._lock:
             return "own_movement" if self._per_lr else "none_yet"
 
-    def admit(self, distance: float, peer: str) -> None:
-        """Accept the distance, or raise PayloadError naming it and the bound. Nothing is learnt from it."""
+    def admit(self, distance: float, peer: str, steps_apart: int | None = None) -> None:
+        """Accept the distance, or raise PayloadError naming it and the bound. Nothing is learnt from it.
+
+        ``steps_apart``: outer steps since this node last blended with the peer (None: never). Replicas that were
+        apart drift (a partition, a slow node): the bound widens by sqrt(1 + k), k at most MAX_DRIFT_STEPS, so that
+        a swarm split for a while merges again; a peer never blended with gets the bound of one phase."""
         bound = self.bound()
+        if bound is not None and steps_apart:
+            bound = min(CEILING, bound * math.sqrt(1 + min(steps_apart, MAX_DRIFT_STEPS)))
         if bound is None:
             raise PayloadError(
                 grpc.StatusCode.ABORTED,
@@ -174,7 +184,7 @@ class NormGuard:
         if not math.isfinite(distance) or distance > bound:
             raise PayloadError(
                 grpc.StatusCode.INVALID_ARGUMENT,
-                "norm_bound",
+                NORM_BOUND,
                 f"the weights from {peer} are {distance:.3g} (relative L2) from this node's, beyond the bound "
                 f"{bound:.3g}",
             )

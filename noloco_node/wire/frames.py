@@ -50,6 +50,9 @@ def wire_num_bytes(numel: int, wire_dtype: str) -> int:
     return numel * torch.empty((), dtype=WIRE_DTYPES[wire_dtype][1]).element_size()
 
 
+NOT_THE_SENDERS_FAULT = ("incomplete", "not_ready", "no_phase_payload", "progress_step")
+
+
 class PayloadError(NolocoError):
     """A received payload that must not be used: the gRPC status to answer with and a metric label."""
 
@@ -62,9 +65,10 @@ class PayloadError(NolocoError):
     @property
     def blames_sender(self) -> bool:
         """Whether the payload says something bad about its sender. A stream that ended early is what a peer
-        killed mid-exchange looks like, and a receiver with no bound yet judges nobody: neither is held against
-        the peer (a restarted node must not find itself quarantined)."""
-        return self.reason not in ("incomplete", "not_ready")
+        killed mid-exchange looks like, a receiver with no bound yet judges nobody, and a stream run's progress
+        that finds this node's phase already closed (or another phase's) is this node's own timing: none of them
+        is held against the peer (a restarted node must not find itself quarantined)."""
+        return self.reason not in NOT_THE_SENDERS_FAULT
 
 
 def _invalid(reason: str, message: str) -> PayloadError:

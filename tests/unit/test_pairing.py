@@ -195,30 +195,6 @@ def test_receive_buffers_are_reused_after_release() -> None:
     assert buffers.take(torch.float32, 10).data_ptr() == tensor.data_ptr()
 
 
-def test_peers_that_answered_come_before_all_but_one_stranger() -> None:
-    from concurrent.futures import ThreadPoolExecutor
-
-    from noloco_node.discovery.dht import PeerRecord
-    from noloco_node.pairing.caller import PeerCaller
-    from noloco_node.pairing.peer_policy import PeerPolicy
-
-    caller = PeerCaller(
-        None,  # type: ignore[arg-type]  # ordering needs no call settings
-        PeerPolicy(exchange_timeout=10, min_deadline=1, avoid_seconds=1),
-        admit=lambda payload: None,
-        bad_payload=lambda peer, error: None,
-        executor=ThreadPoolExecutor(1),
-    )
-    honest = [PeerRecord(f"honest{i}", f"127.0.0.1:{i + 1}", "run", ready=True) for i in range(3)]
-    fakes = [PeerRecord(f"fake{i}", f"10.9.9.9:{i + 1}", "run", ready=True) for i in range(100)]
-    for step, peer in enumerate(honest):
-        caller.paired(peer.peer_id, step)
-    for _ in range(20):
-        order = [p.peer_id for p in caller.order([*fakes, *honest])]
-        assert order[0].startswith("fake") and order[1:4] == ["honest0", "honest1", "honest2"]  # least recent first
-        assert len(order) == 103
-
-
 def stream_pairing() -> StreamPairing:
     """A stream strategy with the parts of a node its phase bookkeeping uses (no loop, no network)."""
     kind = PayloadKind("phase", (TensorLayout("phi/w", (3, 2)),), "bf16")

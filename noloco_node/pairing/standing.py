@@ -1,0 +1,183 @@
+"""Whom a node pairs with in an open swarm: standing earned by a track record, and a bounded share for strangers.
+
+A peer id costs nothing (a fresh RSA key), so a node that calls never-paired ids first, or takes whichever caller
+completes first, can have every round taken by one stranger minting keys and echoing the node's own weights back
+(which passes every payload check by construction). Partner choice therefore rests on two things ids cannot buy:
+
+- **Standing.** A peer is *established* once this node has seen its record in the DHT for at least
+  ``standing_seconds`` and has blended with it at least once (a payload that passed every check). Established peers
+  are mixed at random among themselves, as the algorithm needs (least recently paired first, one host at a time).
+- **A bounded share for strangers.** Every other id is a stranger. Strangers are called, and their calls served,
+  only in *stranger steps*: a token bucket that admits ``stranger_share`` of this node's outer steps (its phase
+  starts at random, so that nodes started together do not open the same steps). Whatever the number of keys and
+  addresses, strangers take at most that share of a node's rounds. Among strangers a host is chosen first, then one
+  of its keys, so a thousand keys on one address weigh as one. A node with no established peer within reach (a new
+  swarm, a joiner, a restart) admits strangers at every step: it has no one better to pair with.
+
+What K keys on M addresses can take is in docs/threat-model.md. Standing is remembered after a peer leaves the DHT
+(a partition, a restart), in a bounded table that evicts the longest-gone first: an eviction only ever takes
+standing away, so the table cannot be flooded into granting it. Standing is per node and not persisted: a
+restarted node starts with no established peers.
+"""
+
+from __future__ import annotations
+
+import random
+import threading
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+from noloco_node.discovery.dht import PeerRecord
+
+MAX_REMEMBERED = 4096  # peers whose standing is kept; past this the longest-gone are forgotten first
+
+
+@dataclass
+class _Track:
+    first_seen: float  # monotonic time this node first saw the peer's record
+    last_seen: float
+    blends: int = 0  # blends with this node whose payload passed every check
+    last_blend_step: int | None = None  # this node's outer step at the last of them
+
+
+def host_of(address: str) -> str:
+    """The host part of ``host:port`` (brackets kept for IPv6): what one machine, however many keys, shows."""
+    return address.rpartition(":")[0] or address
+
+
+class Standing:
+    """Thread-safe: read by gRPC threads (incoming sessions) and the event loop (calls), written by both."""
+
+    def __init__(
+        self,
+        *,
+        standing_seconds: float,
+        stranger_share: float,
+        clock: Callable[[], float] = time.monotonic,
+        rng: random.Random | None = None,
+    ) -> None:
+        self.standing_seconds = standing_seconds
+        self.stranger_share = stranger_share
+        self._clock = clock
+        self._rng = rng or random.Random()
+        self._lock = threading.Lock()
+        self._tracks: dict[str, _Track] = {}
+        self._step: int | None = None
+        self._tokens = self._rng.random()  # a random phase: nodes started together open different steps
+        self._step_admits = True
+        self._established_within_reach = False
+        self.stranger_steps = 0  # outer steps that admitted strangers while established peers were within reach
+
+    # ------------------------------------------------------------------------------------------- what is known
+
+    def observe(self, peers: Sequence[PeerRecord], own_step: int, max_staleness: int) -> None:
+        """The live view of the swarm at this node's outer step ``own_step``."""
+        now = self._clock()
+        with self._lock:
+            for peer in peers:
+                track = self._tracks.get(peer.peer_id)
+                if track is None:
+                    self._tracks[peer.peer_id] = _Track(first_seen=now, last_seen=now)
+                else:
+                    track.last_seen = now
+            self._forget_beyond_limit()
+            self._established_within_reach = any(
+                abs(p.outer_step - own_step) <= max_staleness and self._established(p.peer_id, now) for p in peers
+            )
+            self._enter_step(own_step)
+
+    def blended(self, peer_id: str, own_step: int) -> None:
+        """A blend with ``peer_id`` at this node's outer step ``own_step`` (its payload passed every check)."""
+        now = self._clock()
+        with self._lock:
+            track = self._tracks.setdefault(peer_id, _Track(first_seen=now, last_seen=now))
+            track.blends += 1
+            track.last_blend_step = own_step
+
+    def established(self, peer_id: str) -> bool:
+        with self._lock:
+            return self._established(peer_id, self._clock())
+
+    def steps_apart(self, peer_id: str) -> int | None:
+        """Outer steps from this node's last blend with ``peer_id`` to its current step; None if it never blended
+        with it. Counted on this node's own steps: nothing the peer says moves it."""
+        with self._lock:
+            track = self._tracks.get(peer_id)
+            if track is None or track.last_blend_step is None or self._step is None:
+                return None
+            return max(0, self._step - track.last_blend_step)
+
+    # ------------------------------------------------------------------------------------------- decisions
+
+    def admits_strangers(self) -> bool:
+        """Whether this node's current outer step lets strangers in (as callers and as callees)."""
+        with self._lock:
+            return self._step_admits or not self._established_within_reach
+
+    def may_serve(self, peer_id: str) -> bool:
+        """Whether an incoming pairing call from ``peer_id`` may be taken now; a refusal says nothing of the peer."""
+        with self._lock:
+            now = self._clock()
+            return self._established(peer_id, now) or self._step_admits or not self._established_within_reach
+
+    def order(self, candidates: Sequence[PeerRecord], last_paired: dict[str, int]) -> list[PeerRecord]:
+        """Whom to call, in order: at a stranger step one stranger first (a random host, then a random key of it),
+        then the established peers, least recently paired host first; otherwise the established peers alone.
+
+        Least recently paired first: nodes of equal speed reach their outer steps in lockstep and would otherwise
+        keep finding their last partner ready first, splitting the swarm into fixed pairs that never mix. One
+        stranger only, before the peers that answered before: a record costs nothing to publish."""
+        now = self._clock()
+        with self._lock:
+            established = [p for p in candidates if self._established(p.peer_id, now)]
+            strangers = [p for p in candidates if not self._established(p.peer_id, now)]
+            admits = self._step_admits or not self._established_within_reach
+        ordered = _by_host(established, last_paired, self._rng)
+        if admits and strangers:
+            hosts = sorted({host_of(p.address) for p in strangers})
+            host = self._rng.choice(hosts)
+            ordered.insert(0, self._rng.choice([p for p in strangers if host_of(p.address) == host]))
+        return ordered
+
+    # ------------------------------------------------------------------------------------------- internals
+
+    def _established(self, peer_id: str, now: float) -> bool:
+        track = self._tracks.get(peer_id)
+        return track is not None and track.blends > 0 and now - track.first_seen >= self.standing_seconds
+
+    def _enter_step(self, own_step: int) -> None:
+        if self._step is not None and own_step <= self._step:
+            return
+        steps = 1 if self._step is None else own_step - self._step
+        self._step = own_step
+        self._tokens = min(1.0, self._tokens + self.stranger_share * steps)
+        self._step_admits = self._tokens >= 1.0
+        if self._step_admits:
+            self._tokens -= 1.0
+            if self._established_within_reach:
+                self.stranger_steps += 1
+
+    def _forget_beyond_limit(self) -> None:
+        if len(self._tracks) <= MAX_REMEMBERED:
+            return
+        by_last_seen = sorted(self._tracks, key=lambda peer_id: self._tracks[peer_id].last_seen)
+        for peer_id in by_last_seen[: len(self._tracks) - MAX_REMEMBERED]:
+            del self._tracks[peer_id]
+
+
+def _by_host(peers: Sequence[PeerRecord], last_paired: dict[str, int], rng: random.Random) -> list[PeerRecord]:
+    """Peers ordered host by host: each host's least recently paired key first, hosts least recently paired first
+    (random among equals); then the hosts' other keys in the same way. Many keys on one host weigh as one."""
+    shuffled = list(peers)
+    rng.shuffle(shuffled)
+    shuffled.sort(key=lambda p: last_paired.get(p.peer_id, -1))
+    first: dict[str, PeerRecord] = {}
+    rest: list[PeerRecord] = []
+    for peer in shuffled:
+        host = host_of(peer.address)
+        if host in first:
+            rest.append(peer)
+        else:
+            first[host] = peer
+    return list(first.values()) + rest

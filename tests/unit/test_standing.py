@@ -1,0 +1,151 @@
+"""Partner choice in an open swarm (pairing/standing.py), the norm bound's allowance for drift, and the fates of
+a peer whose payload was refused (set aside for drift, quarantined for what no honest peer sends)."""
+
+from __future__ import annotations
+
+import random
+
+import grpc
+import pytest
+
+from noloco_node.discovery.dht import PeerRecord
+from noloco_node.pairing.peer_policy import PeerPolicy
+from noloco_node.pairing.standing import Standing
+from noloco_node.security.payload_guard import CEILING, NormGuard
+from noloco_node.wire.frames import PayloadError
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def record(peer_id: str, host: str, port: int, step: int = 0) -> PeerRecord:
+    return PeerRecord(peer_id, f"{host}:{port}", "run", outer_step=step, ready=True)
+
+
+def established_swarm(clock: Clock, share: float = 0.1, seed: int = 0) -> tuple[Standing, list[PeerRecord]]:
+    standing = Standing(standing_seconds=30, stranger_share=share, clock=clock, rng=random.Random(seed))
+    honest = [record(f"honest{i}", f"10.0.0.{i + 1}", 7000) for i in range(3)]
+    standing.observe(honest, 0, 2)
+    for peer in honest:
+        standing.blended(peer.peer_id, 0)
+    clock.now = 31.0
+    return standing, honest
+
+
+def test_a_peer_earns_standing_by_time_seen_and_a_blend_and_nothing_else() -> None:
+    clock = Clock()
+    standing = Standing(standing_seconds=30, stranger_share=0.1, clock=clock)
+    peer = record("p", "10.0.0.1", 7000)
+    standing.observe([peer], 0, 2)
+    clock.now = 100.0
+    assert not standing.established("p")  # seen long enough, never blended
+    standing.blended("p", 3)
+    assert standing.established("p")
+    fresh = Standing(standing_seconds=30, stranger_share=0.1, clock=clock)
+    fresh.observe([peer], 0, 2)
+    fresh.blended("p", 0)
+    assert not fresh.established("p")  # blended, but seen for 0 s
+    clock.now = 130.0
+    assert fresh.established("p")
+
+
+def test_a_fresh_key_flood_takes_at_most_the_stranger_share_of_steps_from_one_or_many_addresses() -> None:
+    for hosts in (1, 5):
+        clock = Clock()
+        standing, honest = established_swarm(clock)
+        first_is_stranger = 0
+        served_stranger = 0
+        for step in range(1, 201):
+            # A new key every step, each on one of the attacker's hosts; old keys stay live.
+            flood = [record(f"key{step}-{k}", f"192.0.2.{k % hosts + 1}", 9000 + k) for k in range(20)]
+            at_step = [record(p.peer_id, p.address.split(":")[0], 7000, step=step) for p in honest]
+            live = [*at_step, *flood]
+            standing.observe(live, step, 2)
+            order = standing.order(live, {})
+            first_is_stranger += order[0].peer_id.startswith("key")
+            served_stranger += standing.may_serve(f"key{step}-0")
+            assert all(p.peer_id.startswith("honest") for p in order[-3:])  # the honest ones are always called
+            clock.now += 1.0
+        assert first_is_stranger <= 21 and served_stranger <= 21  # 10% of 200 steps, +1 for the bucket's phase
+        assert first_is_stranger >= 19 and served_stranger >= 19  # strangers are not shut out either
+
+
+def test_without_established_peers_within_reach_strangers_are_let_in_at_every_step() -> None:
+    clock = Clock()
+    standing = Standing(standing_seconds=30, stranger_share=0.1, clock=clock)
+    strangers = [record(f"s{i}", "10.0.0.9", 7000 + i) for i in range(3)]
+    for step in range(10):
+        standing.observe(strangers, step, 2)
+        assert standing.admits_strangers() and standing.may_serve("s0")
+        assert len(standing.order(strangers, {})) == 1  # one stranger per round, as at stranger steps
+    established, honest = established_swarm(clock)
+    far = [record(p.peer_id, p.address.split(":")[0], 7000, step=50) for p in honest]  # all beyond max_staleness
+    established.observe([*far, *strangers], 10, 2)
+    assert established.admits_strangers()
+
+
+def test_a_thousand_keys_on_one_host_weigh_as_one_host() -> None:
+    clock = Clock()
+    standing = Standing(standing_seconds=0, stranger_share=1.0, clock=clock, rng=random.Random(1))
+    sybils = [record(f"sybil{i}", "192.0.2.1", 9000 + i) for i in range(1000)]
+    loner = record("loner", "198.51.100.7", 7000)
+    picks = 0
+    for step in range(400):
+        standing.observe([*sybils, loner], step, 2)
+        picks += standing.order([*sybils, loner], {})[0].peer_id == "loner"
+    assert 140 <= picks <= 260  # one host of two: about half, not 1/1001
+
+
+def test_established_peers_come_host_by_host_least_recently_paired_first() -> None:
+    clock = Clock()
+    standing = Standing(standing_seconds=0, stranger_share=0.0, clock=clock)
+    peers = [record("a1", "10.0.0.1", 1), record("a2", "10.0.0.1", 2), record("b", "10.0.0.2", 1)]
+    standing.observe(peers, 0, 2)
+    for peer in peers:
+        standing.blended(peer.peer_id, 0)
+    order = [p.peer_id for p in standing.order(peers, {"a1": 5, "a2": 1, "b": 3})]
+    assert order == ["a2", "b", "a1"]  # host 10.0.0.1 by its least recently paired key, then b, then a1
+
+
+def test_standing_survives_a_partition_and_steps_apart_count_this_nodes_own_steps() -> None:
+    clock = Clock()
+    standing, honest = established_swarm(clock)
+    standing.observe(honest, 4, 2)
+    standing.blended("honest0", 4)
+    for step in range(5, 40):  # honest0 gone from the DHT view (a partition) for 35 steps
+        standing.observe(honest[1:], step, 2)
+    assert standing.established("honest0") and standing.steps_apart("honest0") == 35
+    assert standing.steps_apart("never-seen") is None
+
+
+def test_the_norm_bound_allows_for_drift_since_the_last_blend_up_to_a_limit() -> None:
+    guard = NormGuard(fixed=0.1)
+    guard.admit(0.099, "p")
+    with pytest.raises(PayloadError) as refused:
+        guard.admit(0.15, "p")
+    assert refused.value.reason == "norm_bound" and refused.value.code == grpc.StatusCode.INVALID_ARGUMENT
+    guard.admit(0.15, "p", steps_apart=3)  # bound 0.1 * sqrt(4) = 0.2
+    with pytest.raises(PayloadError):
+        guard.admit(0.5, "p", steps_apart=1000)  # at most sqrt(16) = 4x
+    with pytest.raises(PayloadError):
+        NormGuard(fixed=0.5).admit(CEILING + 0.01, "p", steps_apart=15)  # never beyond the ceiling
+
+
+def test_drift_sets_a_peer_aside_for_now_while_a_bad_payload_quarantines_it(tmp_path) -> None:
+    from noloco_node.config.models import SecurityConfig
+    from noloco_node.security.node_security import NodeSecurity
+
+    security = NodeSecurity(SecurityConfig(), tmp_path)
+    policy = PeerPolicy(exchange_timeout=10, min_deadline=1, avoid_seconds=30)
+    too_far = PayloadError(grpc.StatusCode.INVALID_ARGUMENT, "norm_bound", "too far")
+    security.bad_payload("drifted", too_far, policy)
+    assert policy.avoided("drifted") and not policy.quarantined("drifted")
+    security.bad_payload("liar", PayloadError(grpc.StatusCode.INVALID_ARGUMENT, "checksum", "bad"), policy)
+    assert policy.quarantined("liar")
+    assert policy.lift("norm_bound") == ["drifted"]  # caught up: its distance was from weights no longer held
+    assert not policy.avoided("drifted") and policy.quarantined("liar")
