@@ -1,0 +1,310 @@
+"""The fresh-key flood (docs/threat-model.md): partner capture by identities that cost nothing.
+
+An outsider with nothing but the .proto and free RSA keys mints a new key every ``--key-every`` seconds. Each key
+gets a gRPC server of its own on one of the outsider's addresses and a signed DHT record that says it is ready at
+the swarm's outer step; it answers every exchange with the caller's own slow weights (read with GetState, which
+anyone may call), and it calls the honest nodes with their own weights too. Such a payload passes every check by
+construction (it *is* the caller's model), and a blend with it is a wasted round: the honest nodes stop mixing.
+
+All the keys are made before the clock starts (on a machine shared with the swarm the outsider must not spend the
+nodes' CPU on keys) and sign their records through one DHT peer (:class:`ManyKeysSigner`). Run as
+``python -m noloco_node.bench.echo_flood``; prints what it did as JSON.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import threading
+import time
+from collections import Counter
+from collections.abc import Callable, Sequence
+from pathlib import Path
+
+import grpc
+import hivemind
+import torch
+from hivemind.dht.crypto import RSASignatureValidator
+from hivemind.dht.validation import DHTRecord
+from hivemind.utils.timed_storage import get_dht_time
+
+from noloco_node.bench.outsider import (
+    SourceBoundRelay,
+    Target,
+    download_phi,
+    fresh_identity,
+    payload_frames,
+    send_exchange,
+    targets_from_status_files,
+    theta_names,
+)
+from noloco_node.config.models import ModelConfig, model_config_for
+from noloco_node.discovery.dht import PeerRecord, owner_subkey, peers_key
+from noloco_node.observability.status_file import read_status_document
+from noloco_node.rpc import peer_pb2 as pb
+from noloco_node.rpc.client import ExchangeError, Outgoing
+from noloco_node.rpc.contracts import AdmitsEverything
+from noloco_node.rpc.metrics import ExchangeMetrics
+from noloco_node.rpc.service import start_server
+from noloco_node.security.identity import NodeIdentity
+from noloco_node.wire.frames import TensorLayout, build_manifest
+from noloco_node.wire.payload import Payload, ReceiveBuffers
+
+
+class ManyKeysSigner(RSASignatureValidator):
+    """hivemind's record validator, signing each record with whichever of ``identities`` owns its subkey: one DHT
+    peer publishes the records of every key (hivemind keeps one RSASignatureValidator per DHT, this one)."""
+
+    def __init__(self, identities: Sequence[NodeIdentity]) -> None:
+        super().__init__(identities[0].private_key)
+        self._signers = [RSASignatureValidator(identity.private_key) for identity in identities]
+
+    def sign_value(self, record: DHTRecord) -> bytes:
+        for signer in self._signers:
+            if signer.local_public_key in record.key or signer.local_public_key in record.subkey:
+                return signer.sign_value(record)
+        return record.value
+
+
+class EchoServer(AdmitsEverything):
+    """One key's gRPC service: every exchange is answered with the caller's own slow weights."""
+
+    wire_dtype = "bf16"
+
+    def __init__(self, identity: NodeIdentity, model_cfg: ModelConfig, fingerprint: str, echo: Callable) -> None:
+        self.identity = identity
+        self.model_cfg = model_cfg
+        self._fingerprint = fingerprint
+        self._echo = echo  # caller's peer id -> its (outer step, phi), or None
+        self.receive_buffers = ReceiveBuffers(max_idle_bytes=0)
+        self.served: Counter[str] = Counter()
+
+    @property
+    def run_fingerprint(self) -> str:
+        return self._fingerprint
+
+    @property
+    def peer_id(self) -> str:
+        return self.identity.peer_id
+
+    def expected_layout(self) -> list[TensorLayout]:
+        return [TensorLayout(name, shape) for name, shape in theta_names(self.model_cfg)]
+
+    def max_payload_bytes(self) -> int:
+        return 1 << 31
+
+    def info(self) -> pb.InfoReply:
+        return pb.InfoReply(peer_id=self.peer_id, run_fingerprint=self._fingerprint)
+
+    def state_snapshot(self) -> None:
+        return None
+
+    def open_session(self, partner_id: str, partner_outer_step: int, kind: str) -> EchoSession | None:
+        known = self._echo(partner_id)
+        if known is None:
+            self.served["no_weights_yet"] += 1
+            return None
+        step, phi = known
+        named = [(name, tensor) for (name, _), tensor in zip(theta_names(self.model_cfg), phi, strict=True)]
+        manifest = build_manifest(
+            named, wire_dtype="bf16", run_fingerprint=self._fingerprint, peer_id=self.peer_id, outer_step=step
+        )
+        return EchoSession(self, Outgoing(manifest, [t for _, t in named]))
+
+
+class EchoSession:
+    def __init__(self, server: EchoServer, outgoing: Outgoing) -> None:
+        self.server = server
+        self._outgoing = outgoing
+
+    def outgoing(self) -> Outgoing:
+        return self._outgoing
+
+    def complete(self, payload: Payload) -> None:
+        self.server.served["echoed"] += 1
+        payload.release()
+
+    def release(self) -> None:
+        return None
+
+
+class EchoFlood:
+    """The flood, from ``hosts`` (loopback addresses of the outsider's own), until ``stop``."""
+
+    def __init__(
+        self,
+        targets_now: Callable[[], list[Target]],
+        model_cfg: ModelConfig,
+        *,
+        initial_peers: Sequence[str],
+        hosts: Sequence[str],
+        key_every: float,
+        key_life: float,
+        keys: int,
+        call_in: bool = True,
+    ) -> None:
+        self.targets_now = targets_now
+        self.model_cfg = model_cfg
+        self.hosts = list(hosts)
+        self.key_every, self.key_life = key_every, key_life
+        self.call_in = call_in
+        self._keys = [fresh_identity() for _ in range(keys)]
+        self._reader = fresh_identity()  # reads the honest nodes' weights with GetState, as anyone may
+        self.dht = hivemind.DHT(
+            initial_peers=list(initial_peers),
+            host_maddrs=["/ip4/127.0.0.1/tcp/0"],
+            record_validators=[ManyKeysSigner(self._keys)],
+            start=True,
+        )
+        self._weights: dict[str, tuple[int, list[torch.Tensor]]] = {}
+        self._live: list[tuple[NodeIdentity, str, grpc.Server, EchoServer, float]] = []
+        self._relays: dict[str, SourceBoundRelay] = {}
+        self._stop = threading.Event()
+        self._lock = threading.Lock()
+        self.report: Counter[str] = Counter()
+        self.peer_ids: list[str] = []
+        self._threads: list[threading.Thread] = []
+
+    def start(self) -> None:
+        for loop in (self._read_weights, self._mint_keys, self._publish_records, self._call_in):
+            thread = threading.Thread(target=loop, daemon=True, name=f"flood-{loop.__name__}")
+            thread.start()
+            self._threads.append(thread)
+
+    def _echo(self, peer_id: str) -> tuple[int, list[torch.Tensor]] | None:
+        with self._lock:
+            return self._weights.get(peer_id)
+
+    def _read_weights(self) -> None:
+        while not self._stop.is_set():
+            for target in self.targets_now():
+                try:
+                    phi = download_phi(target, self.model_cfg, self._reader, timeout=10)
+                except (ExchangeError, grpc.RpcError, OSError):
+                    self.report["weights_unread"] += 1
+                    continue
+                with self._lock:
+                    self._weights[target.peer_id] = (target.outer_step, phi)
+            self._stop.wait(0.5)
+
+    def _mint_keys(self) -> None:
+        for number, identity in enumerate(self._keys):
+            if self._stop.is_set():
+                return
+            host = self.hosts[number % len(self.hosts)]
+            echo = EchoServer(identity, self.model_cfg, self._fingerprint(), self._echo)
+            server, port = start_server(echo, ExchangeMetrics(), bind=f"{host}:0", max_calls_per_address=64)
+            with self._lock:
+                self._live.append((identity, f"{host}:{port}", server, echo, time.monotonic() + self.key_life))
+                self.peer_ids.append(identity.peer_id)
+                expired = [entry for entry in self._live if entry[4] < time.monotonic()]
+                self._live = [entry for entry in self._live if entry[4] >= time.monotonic()]
+            for _, _, old_server, old_echo, _ in expired:
+                self.report.update(old_echo.served)
+                old_server.stop(grace=0)
+            self.report["keys"] += 1
+            self._stop.wait(self.key_every)
+
+    def _fingerprint(self) -> str:
+        targets = self.targets_now()
+        return targets[0].run_fingerprint if targets else ""
+
+    def _publish_records(self) -> None:
+        while not self._stop.is_set():
+            targets = self.targets_now()
+            with self._lock:
+                live = [(identity, address) for identity, address, *_ in self._live]
+            if targets:
+                step = max(t.outer_step for t in targets)
+                for identity, address in live:
+                    record = PeerRecord(identity.peer_id, address, targets[0].run_fingerprint, step, step * 20, True)
+                    value = {**record.to_value(), "updated": get_dht_time()}
+                    self.dht.store(
+                        peers_key(record.run_fingerprint),
+                        value,
+                        get_dht_time() + 10,
+                        subkey=owner_subkey(identity),
+                        return_future=True,
+                    )
+                    self.report["records"] += 1
+            self._stop.wait(0.5)
+
+    def _call_in(self) -> None:
+        """Each live key calls each honest node with that node's own weights (the echo, as a caller)."""
+        while self.call_in and not self._stop.is_set():
+            with self._lock:
+                live = [(identity, address) for identity, address, *_ in self._live]
+            for target in self.targets_now():
+                known = self._echo(target.peer_id)
+                for identity, address in live:
+                    if known is None or self._stop.is_set():
+                        break
+                    source = address.rsplit(":", 1)[0]
+                    relay = self._relay(target, source)
+                    frames = payload_frames(target, self.model_cfg, known[1], peer_id=identity.peer_id)
+                    code, _ = send_exchange(relay, target, frames, identity, timeout=10)
+                    self.report[f"called {code.name}"] += 1
+            self._stop.wait(0.2)
+
+    def _relay(self, target: Target, source: str) -> str:
+        with self._lock:
+            relay = self._relays.get(f"{source}>{target.address}")
+            if relay is None:
+                relay = self._relays[f"{source}>{target.address}"] = SourceBoundRelay(target.address, source)
+            return relay.address
+
+    def stop(self, grace: float = 10.0) -> dict[str, object]:
+        self._stop.set()
+        deadline = time.monotonic() + grace
+        for thread in self._threads:
+            thread.join(max(0.0, deadline - time.monotonic()))
+        with self._lock:
+            live, self._live = self._live, []
+        for _, _, server, echo, _ in live:
+            self.report.update(echo.served)
+            server.stop(grace=0)
+        for relay in self._relays.values():
+            relay.close()
+        self.dht.shutdown()
+        return {"report": dict(self.report), "peer_ids": self.peer_ids}
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """``python -m noloco_node.bench.echo_flood``: the flood as a process of its own, at the lowest CPU priority."""
+    parser = argparse.ArgumentParser(description=main.__doc__)
+    parser.add_argument("--data-dir", type=Path, action="append", required=True, help="an honest node's data dir")
+    parser.add_argument("--model", default="tiny")
+    parser.add_argument("--vocab-size", type=int, default=256)
+    parser.add_argument("--seq-len", type=int, default=64)
+    parser.add_argument("--seconds", type=float, required=True)
+    parser.add_argument("--hosts", default="127.0.0.2", help="comma-separated loopback addresses of the outsider")
+    parser.add_argument("--key-every", type=float, default=3.0, help="a new key this often (s)")
+    parser.add_argument("--key-life", type=float, default=30.0, help="each key serves this long (s)")
+    parser.add_argument("--no-call-in", action="store_true", help="only answer, never call the honest nodes")
+    args = parser.parse_args(argv)
+    os.nice(19)
+    model_cfg = model_config_for(args.model, vocab_size=args.vocab_size, max_seq_len=args.seq_len)
+    first = read_status_document(args.data_dir[0]) or {}
+    flood = EchoFlood(
+        targets_from_status_files(args.data_dir),
+        model_cfg,
+        initial_peers=first.get("dht_maddrs", []),
+        hosts=args.hosts.split(","),
+        key_every=args.key_every,
+        key_life=args.key_life,
+        keys=int(args.seconds / args.key_every) + 2,
+        call_in=not args.no_call_in,
+    )
+    done = threading.Event()
+    for signum in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(signum, lambda *_: done.set())
+    flood.start()
+    done.wait(args.seconds)
+    print(json.dumps(flood.stop()))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

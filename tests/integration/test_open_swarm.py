@@ -1,0 +1,103 @@
+"""An open swarm against identities that cost nothing (docs/threat-model.md, "Partner capture"): real node
+processes, the real DHT and gRPC, and the fresh-key flood of noloco_node/bench/echo_flood.py as a process of its
+own. Each of its keys has a server on an outsider's address and a signed ready record, answers every exchange
+with the caller's own weights and calls the honest nodes with theirs: every payload passes every check."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from .swarm_harness import Bootstrap, NodeProcess, stop_all
+
+TRAIN = ["--model", "tiny", "--seq-len", "64", "--batch-size", "8", "--eval-batches", "2"]
+WINDOW = 20.0  # seconds of each window
+# A fresh key lives shorter than a peer takes to earn standing: it is a stranger for all its life. (A patient
+# attacker's keys that outlive it and win a stranger step join the established peers, where one address weighs as
+# one host: docs/threat-model.md.)
+STANDING_SECONDS = 15.0
+KEY_LIFE = 12.0
+
+
+def _steps(nodes: list[NodeProcess], start: float, end: float) -> list[dict]:
+    """Every node's outer steps that ended in the window (a node's status keeps its last 200: enough)."""
+    return [h for n in nodes for h in (n.status() or {}).get("history", []) if start < h["time"] <= end]
+
+
+def _flood(nodes: list[NodeProcess], hosts: str, extra: tuple[str, ...] = ()) -> tuple[list[dict], dict]:
+    started = time.time()
+    flood = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "noloco_node.bench.echo_flood",
+            *(item for n in nodes for item in ("--data-dir", str(n.data_dir))),
+            *("--seconds", str(WINDOW), "--hosts", hosts, "--key-life", str(KEY_LIFE), *extra),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=WINDOW + 120,
+    )
+    assert flood.returncode == 0, flood.stderr[-3000:]
+    time.sleep(2.0)  # a step the flood held may end after it exits
+    return _steps(nodes, started, time.time()), json.loads(flood.stdout.strip().splitlines()[-1])
+
+
+def _shares(steps: list[dict], honest: set[str]) -> tuple[float, float, str]:
+    """(share of outer steps blended with the attacker, share blended with an honest node, a summary)."""
+    with_attacker = sum(1 for h in steps if h["partner"] and h["partner"] not in honest)
+    with_honest = sum(1 for h in steps if h["partner"] in honest)
+    total = max(1, len(steps))
+    return with_attacker / total, with_honest / total, f"{with_attacker}+{with_honest} of {len(steps)} steps"
+
+
+def _swarm(bootstrap: Bootstrap, base: Path, *extra: str) -> list[NodeProcess]:
+    args = [*TRAIN, "--steps", "100000", "--inner-steps", "20", "--warmup-steps", "10", "--wait-for-peers", "2"]
+    return [
+        NodeProcess(f"n{i}", bootstrap, base, *args, "--shard-index", str(i), "--standing-seconds", str(STANDING_SECONDS), *extra)
+        for i in range(3)
+    ]
+
+
+def _established(nodes: list[NodeProcess]) -> set[str]:
+    """The honest ids, once every node has seen the others for --standing-seconds and blended with them."""
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline:
+        statuses = [n.status() for n in nodes]
+        if all(s and s["outer_step"] >= 3 and s["uptime_seconds"] > STANDING_SECONDS + 3 for s in statuses):
+            return {s["peer_id"] for s in statuses}  # type: ignore[index]
+        time.sleep(0.5)
+    raise AssertionError("the honest swarm did not get going")
+
+
+def test_a_fresh_key_flood_from_one_or_several_addresses_takes_at_most_its_share_of_rounds(
+    bootstrap: Bootstrap, tmp_path: Path
+) -> None:
+    nodes = _swarm(bootstrap, tmp_path)
+    try:
+        honest = _established(nodes)
+        start = time.time()
+        time.sleep(WINDOW)
+        quiet = _steps(nodes, start, time.time())
+        _, quiet_rate, quiet_summary = _shares(quiet, honest)
+        one_host, one_seen = _flood(nodes, "127.0.0.2")
+        many_hosts, many_seen = _flood(nodes, "127.0.0.2,127.0.0.3,127.0.0.4,127.0.0.5")
+        print(
+            f"attacker+honest blends: no flood {quiet_summary}; flood from one address {_shares(one_host, honest)[2]} "
+            f"(the flood: {one_seen['report']}); from four {_shares(many_hosts, honest)[2]} ({many_seen['report']})"
+        )
+        assert len(quiet) >= 30 and quiet_rate >= 0.5, quiet_summary
+        for steps, seen in ((one_host, one_seen), (many_hosts, many_seen)):
+            attacker_share, honest_rate, summary = _shares(steps, honest)
+            assert len(steps) >= 30, summary
+            assert seen["report"].get("keys", 0) >= 5 and seen["report"].get("records", 0) > 0, seen
+            # The flood was there to be taken: the nodes answered its calls and some stranger steps took it.
+            assert seen["report"].get("called OK", 0) + seen["report"].get("echoed", 0) >= 1, seen
+            assert attacker_share <= 0.2, summary
+            assert honest_rate >= 0.7 * quiet_rate, (summary, quiet_summary)
+        assert all(n.process.poll() is None for n in nodes)
+    finally:
+        stop_all(nodes)
