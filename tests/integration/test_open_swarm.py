@@ -57,7 +57,17 @@ def _shares(steps: list[dict], honest: set[str]) -> tuple[float, float, str]:
 def _swarm(bootstrap: Bootstrap, base: Path, *extra: str) -> list[NodeProcess]:
     args = [*TRAIN, "--steps", "100000", "--inner-steps", "20", "--warmup-steps", "10", "--wait-for-peers", "2"]
     return [
-        NodeProcess(f"n{i}", bootstrap, base, *args, "--shard-index", str(i), "--standing-seconds", str(STANDING_SECONDS), *extra)
+        NodeProcess(
+            f"n{i}",
+            bootstrap,
+            base,
+            *args,
+            "--shard-index",
+            str(i),
+            "--standing-seconds",
+            str(STANDING_SECONDS),
+            *extra,
+        )
         for i in range(3)
     ]
 
