@@ -49,7 +49,7 @@ from noloco_node.rpc.contracts import AdmitsEverything
 from noloco_node.rpc.metrics import ExchangeMetrics
 from noloco_node.rpc.service import start_server
 from noloco_node.security.identity import NodeIdentity
-from noloco_node.wire.frames import TensorLayout, build_manifest
+from noloco_node.wire.frames import TensorLayout, build_manifest, verdict_frame
 from noloco_node.wire.payload import Payload, ReceiveBuffers
 
 
@@ -243,7 +243,11 @@ class EchoFlood:
                         break
                     source = address.rsplit(":", 1)[0]
                     relay = self._relay(target, source)
-                    frames = payload_frames(target, self.model_cfg, known[1], peer_id=identity.peer_id)
+                    # Its commit goes with its payload: it never looks at what it gets back.
+                    frames = [
+                        *payload_frames(target, self.model_cfg, known[1], peer_id=identity.peer_id),
+                        verdict_frame(commit=True),
+                    ]
                     code, _ = send_exchange(relay, target, frames, identity, timeout=10)
                     self.report[f"called {code.name}"] += 1
             self._stop.wait(0.2)

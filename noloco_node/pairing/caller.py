@@ -118,24 +118,16 @@ class PeerCaller:
         return payload
 
     def _exchange(self, peer: PeerRecord, outgoing: OutgoingPayload, kind: str, deadline: float) -> Payload:
-        """Exchange thread: the call (holding the published copy it streams), then the admission check."""
-        settings = self.settings
+        """Exchange thread: the call, holding the published copy it streams; the partner's payload is admitted
+        (the norm bound) before this side commits to it (rpc/client.py)."""
         if isinstance(outgoing, Published):
             if not outgoing.hold():
                 raise ExchangeError(grpc.StatusCode.ABORTED, "busy", "the offer was withdrawn before the call")
             try:
-                payload = self._stream(peer, outgoing, settings.kinds[kind], deadline)
+                return self._stream(peer, outgoing, self.settings.kinds[kind], deadline)
             finally:
                 outgoing.release()
-        else:
-            payload = self._stream(peer, outgoing, settings.kinds[kind], deadline)
-        try:
-            payload = self.admit(payload)
-        except PayloadError as error:
-            payload.release()
-            settings.metrics.rejection(error.reason)
-            raise ExchangeError(error.code, error.reason, error.message, bad_payload=error) from None
-        return payload
+        return self._stream(peer, outgoing, self.settings.kinds[kind], deadline)
 
     def _stream(self, peer: PeerRecord, outgoing: OutgoingPayload, kind: PayloadKind, deadline: float) -> Payload:
         settings = self.settings
@@ -152,6 +144,7 @@ class PeerCaller:
             peer=peer.peer_id,
             transport=settings.transport,
             observer=self.observer(),
+            admit=self.admit,
         )
 
     def _failed(self, peer: PeerRecord, deadline: float, error: BaseException) -> None:

@@ -23,7 +23,14 @@ from noloco_node.rpc.contracts import OutgoingPayload
 from noloco_node.rpc.metrics import ExchangeMetrics
 from noloco_node.rpc.service import EXCHANGE_METHOD, INFO_METHOD
 from noloco_node.rpc.transport import PLAIN, Transport
-from noloco_node.wire.frames import DEFAULT_CHUNK_BYTES, PayloadError, TensorLayout, iter_frames
+from noloco_node.wire.frames import (
+    DEFAULT_CHUNK_BYTES,
+    PayloadError,
+    TensorLayout,
+    iter_frames,
+    read_verdict,
+    verdict_frame,
+)
 from noloco_node.wire.payload import Payload, PayloadReceiver, ReceiveBuffers, ValueObserver
 
 log = logging.getLogger(__name__)
@@ -57,6 +64,7 @@ class ExchangeError(NolocoError):
 
 
 def _receive(
+    responses: Iterator[bytes],
     call: Any,
     receiver: PayloadReceiver,
     address: str,
@@ -64,15 +72,17 @@ def _receive(
     metrics: ExchangeMetrics | None,
     on_first: Callable[[], None] | None = None,
 ) -> Payload:
-    """Feed a response stream into its receiver; any failure becomes an ExchangeError naming the peer.
-    ``on_first`` runs when the first frame (the peer's manifest) has arrived."""
+    """Feed a response stream into its receiver up to the payload's end; any failure becomes an ExchangeError
+    naming the peer. ``on_first`` runs when the first frame (the peer's manifest) has arrived."""
     try:
         try:
-            for frame in call:
+            for frame in responses:
                 receiver.feed(frame)
                 if on_first is not None:
                     on_first()
                     on_first = None
+                if receiver.ended:
+                    break
             return receiver.finish()
         except BaseException:
             receiver.discard()  # nothing to blend: the buffers may take the next payload
@@ -85,10 +95,32 @@ def _receive(
             error.code, error.reason, f"bad {what} from {address}: {error.message}", bad_payload=error
         ) from None
     except grpc.RpcError as error:
-        code = error.code() if hasattr(error, "code") else grpc.StatusCode.UNKNOWN
-        reason = "busy" if code == grpc.StatusCode.ABORTED else code.name.lower()
-        details = error.details() if hasattr(error, "details") else str(error)
-        raise ExchangeError(code, reason, f"{address}: {details}") from None
+        raise _call_error(error, address) from None
+
+
+def _call_error(error: grpc.RpcError, address: str, reason: str | None = None) -> ExchangeError:
+    code = error.code() if hasattr(error, "code") else grpc.StatusCode.UNKNOWN
+    details = error.details() if hasattr(error, "details") else str(error)
+    return ExchangeError(
+        code, reason or ("busy" if code == grpc.StatusCode.ABORTED else code.name.lower()), f"{address}: {details}"
+    )
+
+
+def _acknowledged(responses: Iterator[bytes], call: Any, address: str) -> None:
+    """The server's acknowledgement of this side's commit (it has blended): or ExchangeError, and nothing blends."""
+    try:
+        ack = read_verdict(next(responses))
+    except StopIteration:
+        raise ExchangeError(
+            grpc.StatusCode.ABORTED, "not_committed", f"{address} ended without acknowledging"
+        ) from None
+    except grpc.RpcError as error:
+        raise _call_error(error, address, "not_committed") from None
+    except PayloadError as error:
+        call.cancel()
+        raise ExchangeError(error.code, "not_committed", f"{address}: {error.message}") from None
+    if not ack.commit:
+        raise ExchangeError(grpc.StatusCode.ABORTED, "not_committed", f"{address} did not commit: {ack.reason}")
 
 
 def exchange_with(
@@ -106,8 +138,15 @@ def exchange_with(
     peer: str | None = None,
     transport: Transport = PLAIN,
     observer: ValueObserver | None = None,
+    admit: Callable[[Payload], Payload] | None = None,
 ) -> Payload:
     """Exchange payloads with the peer at ``address``; returns its verified payload or raises ExchangeError.
+
+    The exchange commits on both sides or on neither (proto ``Verdict``): once the peer's payload is here, ``admit``
+    checks it (it returns the payload to blend, or raises PayloadError); this side then sends its commit (or its
+    refusal, and raises) and returns the payload only on the peer's acknowledgement, which the peer sends after it
+    has blended with this side's payload. The one case left is an acknowledgement lost on its way back: then the
+    peer has blended and this side has not.
 
     Blocking (call it from a worker thread); the whole call, connection included, is bounded by ``timeout``. With
     ``metrics``, the exchange is recorded under ``peer`` (default: the address) whatever its outcome. In a private
@@ -142,6 +181,8 @@ def exchange_with(
             metadata, nonce = transport.sign(EXCHANGE_METHOD, peer or "")
             checked, server_proved = threading.Event(), [False]
             answered, accepted = threading.Event(), [False]
+            decided = threading.Event()
+            verdict: list[bytes] = []  # this side's verdict on the peer's payload, once checked
 
             def frames() -> Iterator[bytes]:
                 # grpc pulls this from its own thread as soon as the call starts: hold the model back until the
@@ -152,6 +193,8 @@ def exchange_with(
                 yield next(encoded)  # the manifest: the peer decides on it
                 if answered.wait(timeout) and accepted[0]:
                     yield from encoded
+                    if decided.wait(timeout) and verdict:
+                        yield verdict[0]
 
             def accept() -> None:
                 accepted[0] = True
@@ -165,17 +208,25 @@ def exchange_with(
                     checked.set()
                     if problem is not None:
                         raise problem
-                payload = _receive(call, receiver, address, "payload", metrics, on_first=accept)
+                responses = iter(call)
+                payload = _receive(responses, call, receiver, address, "payload", metrics, on_first=accept)
+                try:
+                    payload = _checked(payload, peer, address, admit, metrics)
+                except ExchangeError as refused:
+                    verdict.append(verdict_frame(commit=False, reason=refused.reason))
+                    decided.set()
+                    raise
+                verdict.append(verdict_frame(commit=True))
+                decided.set()
+                try:
+                    _acknowledged(responses, call, address)
+                except ExchangeError:
+                    payload.release()
+                    raise
             finally:
                 checked.set()
                 answered.set()  # however the call ended: the sending thread stops waiting
-        if peer is not None and payload.peer_id != peer:
-            # The DHT record that led here was signed by ``peer``; whoever answers at its address is someone else
-            # (a restarted process on a reused port, or an impostor): its payload is not the partner's.
-            payload.release()
-            raise ExchangeError(
-                grpc.StatusCode.PERMISSION_DENIED, "wrong_peer", f"{address} answered as {payload.peer_id}, not {peer}"
-            )
+                decided.set()
         outcome = "completed"
     except ExchangeError as error:
         outcome = "busy" if error.reason == "busy" else "failed"
@@ -194,6 +245,32 @@ def exchange_with(
             )
     log.debug("exchange with %s: %d bytes in %.3fs", address, receiver.bytes_received, time.monotonic() - started)
     return payload
+
+
+def _checked(
+    payload: Payload,
+    peer: str | None,
+    address: str,
+    admit: Callable[[Payload], Payload] | None,
+    metrics: ExchangeMetrics | None,
+) -> Payload:
+    """The peer's payload as this side will blend it, or ExchangeError (the payload released)."""
+    if peer is not None and payload.peer_id != peer:
+        # The DHT record that led here was signed by ``peer``; whoever answers at its address is someone else
+        # (a restarted process on a reused port, or an impostor): its payload is not the partner's.
+        payload.release()
+        raise ExchangeError(
+            grpc.StatusCode.PERMISSION_DENIED, "wrong_peer", f"{address} answered as {payload.peer_id}, not {peer}"
+        )
+    if admit is None:
+        return payload
+    try:
+        return admit(payload)
+    except PayloadError as error:
+        payload.release()
+        if metrics is not None:
+            metrics.rejection(error.reason)
+        raise ExchangeError(error.code, error.reason, error.message, bad_payload=error) from None
 
 
 def server_problem(transport: Transport, method: str, nonce: str, call: Any, address: str) -> ExchangeError | None:

@@ -64,15 +64,25 @@ class End(_message.Message):
     total_bytes: int
     def __init__(self, total_bytes: _Optional[int] = ...) -> None: ...
 
+class Verdict(_message.Message):
+    __slots__ = ("commit", "reason")
+    COMMIT_FIELD_NUMBER: _ClassVar[int]
+    REASON_FIELD_NUMBER: _ClassVar[int]
+    commit: bool
+    reason: str
+    def __init__(self, commit: _Optional[bool] = ..., reason: _Optional[str] = ...) -> None: ...
+
 class Frame(_message.Message):
-    __slots__ = ("manifest", "chunk", "end")
+    __slots__ = ("manifest", "chunk", "end", "verdict")
     MANIFEST_FIELD_NUMBER: _ClassVar[int]
     CHUNK_FIELD_NUMBER: _ClassVar[int]
     END_FIELD_NUMBER: _ClassVar[int]
+    VERDICT_FIELD_NUMBER: _ClassVar[int]
     manifest: Manifest
     chunk: Chunk
     end: End
-    def __init__(self, manifest: _Optional[_Union[Manifest, _Mapping]] = ..., chunk: _Optional[_Union[Chunk, _Mapping]] = ..., end: _Optional[_Union[End, _Mapping]] = ...) -> None: ...
+    verdict: Verdict
+    def __init__(self, manifest: _Optional[_Union[Manifest, _Mapping]] = ..., chunk: _Optional[_Union[Chunk, _Mapping]] = ..., end: _Optional[_Union[End, _Mapping]] = ..., verdict: _Optional[_Union[Verdict, _Mapping]] = ...) -> None: ...
 
 class StateRequest(_message.Message):
     __slots__ = ("run_fingerprint", "peer_id", "from_tensor", "outer_step", "from_offset")

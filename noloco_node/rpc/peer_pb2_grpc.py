@@ -55,9 +55,10 @@ class PeerServicer:
     """Missing associated documentation comment in .proto file."""
 
     def Exchange(self, request_iterator, context):
-        """Bidirectional: each side streams a Manifest, its Chunks and an End; each side blends only once it holds the
-        other's complete, verified payload. A busy peer refuses at once with ABORTED; another run's peer with
-        FAILED_PRECONDITION; a malformed payload with INVALID_ARGUMENT.
+        """Bidirectional: the caller sends its Manifest; the server, if it takes the exchange, streams its Manifest,
+        Chunks and End, and the caller then its Chunks and End. The caller sends its Verdict on the server's payload,
+        and the server, having blended on a commit, answers with its own: see Verdict. A busy peer refuses at once with
+        ABORTED; another run's peer with FAILED_PRECONDITION; a malformed payload with INVALID_ARGUMENT.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

@@ -37,7 +37,7 @@ from noloco_node.rpc.metrics import ExchangeMetrics
 from noloco_node.rpc.transport import CHANNEL_OPTIONS, PLAIN, GuardedCall, Transport, Watchdog
 from noloco_node.security.caller_proof import KEY_HEADER, CallerProofError, CallerVerifier
 from noloco_node.security.payload_guard import Complaints
-from noloco_node.wire.frames import DEFAULT_CHUNK_BYTES, PayloadError, iter_frames
+from noloco_node.wire.frames import DEFAULT_CHUNK_BYTES, PayloadError, iter_frames, read_verdict, verdict_frame
 from noloco_node.wire.payload import Payload, PayloadReceiver
 
 log = logging.getLogger(__name__)
@@ -53,6 +53,9 @@ INFO_SLOTS = 4  # Info answers in milliseconds: a few slots keep it answerable w
 REFUSAL_THREADS = 8
 HANDSHAKE_SECONDS = 5.0  # a TCP connection that says nothing is closed after this
 IDLE_CONNECTION_SECONDS = 300.0
+# How long a server waits, once both payloads have crossed, for the caller's verdict on its payload: the caller's
+# own check of a payload it has already received takes well under this, and the pairing round is held meanwhile.
+VERDICT_SECONDS = 10.0
 
 
 class PeerService:
@@ -223,17 +226,31 @@ class PeerService:
         reader: threading.Thread | None = None
         try:
             outcome: dict[str, object] = {}
+            verdict_heard = threading.Event()
 
             def consume() -> None:
+                """The caller's payload, then its verdict on ours (the frame after its end)."""
                 try:
                     for frame in request_iterator:
+                        if receiver.ended:
+                            outcome["verdict"] = read_verdict(frame)
+                            break
                         receiver.feed(frame)
-                    outcome["payload"] = receiver.finish()
+                        if receiver.ended:
+                            outcome["payload"] = receiver.finish()
+                            payload_heard.set()
+                    else:
+                        if "payload" not in outcome:
+                            outcome["payload"] = receiver.finish()  # raises: the end never came
                 except PayloadError as error:
                     outcome["error"] = error
                 except Exception as error:  # the stream broke (client gone, deadline): nothing to blend
                     outcome["broken"] = error
+                finally:
+                    payload_heard.set()
+                    verdict_heard.set()
 
+            payload_heard = threading.Event()
             reader = threading.Thread(target=consume, name="exchange-reader", daemon=True)
             reader.start()
             outgoing = session.outgoing()
@@ -246,11 +263,11 @@ class PeerService:
                 raise
             remaining = context.time_remaining()
             limit = self.max_call_seconds if remaining is None else min(remaining, self.max_call_seconds)
-            reader.join(timeout=max(0.0, limit))
+            payload_heard.wait(timeout=max(0.0, limit))
             guard.transferred = True
             self.metrics.add_bytes(received=receiver.bytes_received)
             # A call the watchdog cancelled may look, to the reader, like a stream that simply ended early.
-            if reader.is_alive() or "broken" in outcome or guard.cut_reason is not None:
+            if not payload_heard.is_set() or "broken" in outcome or guard.cut_reason is not None:
                 finish(f"cut_{guard.cut_reason}" if guard.cut_reason else "aborted")
                 log.warning(
                     "exchange with %s aborted: the partner's payload did not arrive whole (%s)",
@@ -259,17 +276,19 @@ class PeerService:
                 )
                 _abort(
                     context,
-                    grpc.StatusCode.DEADLINE_EXCEEDED if reader.is_alive() else grpc.StatusCode.CANCELLED,
+                    grpc.StatusCode.DEADLINE_EXCEEDED if not payload_heard.is_set() else grpc.StatusCode.CANCELLED,
                     "the partner's payload did not arrive whole",
                 )
-            received = outcome.get("payload")
+            received, problem = outcome.get("payload"), outcome.get("error")
             if isinstance(received, Payload):
-                try:
-                    received = self.node.admit(received)
-                except PayloadError as refused:
-                    outcome["error"] = refused
-                    received.release()
-            problem = outcome.get("error")
+                if problem is not None:
+                    received.release()  # a garbled verdict after a good payload: the payload is let go
+                else:
+                    try:
+                        received = self.node.admit(received)
+                    except PayloadError as refused:
+                        problem = refused
+                        received.release()
             if isinstance(problem, PayloadError):
                 self.metrics.rejection(problem.reason)
                 if not problem.blames_sender:
@@ -279,8 +298,20 @@ class PeerService:
                     finish("refused_payload")
                 _abort(context, problem.code, problem.message)
             assert isinstance(received, Payload)
+            # Both payloads have crossed and this side admits the caller's: the caller's verdict on ours decides.
+            # It needs no more than the caller's own check of our payload; a caller that keeps us waiting longer
+            # holds the pairing round, so the wait is bounded.
+            remaining = context.time_remaining()
+            verdict_heard.wait(timeout=min(VERDICT_SECONDS, limit if remaining is None else remaining))
+            verdict = outcome.get("verdict")
+            if not isinstance(verdict, pb.Verdict) or not verdict.commit:
+                received.release()
+                why = verdict.reason if isinstance(verdict, pb.Verdict) else "no verdict in time"
+                finish("not_committed")
+                _abort(context, grpc.StatusCode.ABORTED, f"the caller did not commit: {why}"[:300])
             session.complete(received)
             finish("completed")
+            yield verdict_frame(commit=True)  # the acknowledgement: the caller blends on it
         finally:
             session.release()
             if reader is None or not reader.is_alive():  # a reader still running owns the buffers until it stops

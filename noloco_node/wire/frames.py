@@ -293,6 +293,22 @@ def _fields(raw: bytes, pos: int, end: int) -> Iterator[tuple[int, int, int, int
             raise _invalid("malformed_frame", f"unsupported protobuf wire type {wire_type}")
 
 
+def verdict_frame(commit: bool, reason: str = "") -> bytes:
+    """The encoded commit (or refusal, with its reason) that ends an exchange: see proto Verdict."""
+    return pb.Frame(verdict=pb.Verdict(commit=commit, reason=reason[:200])).SerializeToString()
+
+
+def read_verdict(raw: bytes) -> pb.Verdict:
+    """A verdict frame, or PayloadError: what follows a payload's end must be the other side's verdict."""
+    try:
+        frame = pb.Frame.FromString(raw)
+    except Exception as error:  # protobuf's DecodeError
+        raise _invalid("malformed_verdict", f"a frame protobuf cannot parse: {error}") from None
+    if frame.WhichOneof("body") != "verdict":
+        raise _invalid("malformed_verdict", "the frame after a payload's end must be a verdict")
+    return frame.verdict
+
+
 def decode_frame(raw: bytes) -> pb.Manifest | ChunkView | pb.End | None:
     """One received frame: a manifest, a chunk (read without copying its data), an end, or None for an empty frame.
 

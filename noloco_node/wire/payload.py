@@ -188,6 +188,11 @@ class PayloadReceiver:
         self._ended = False
         self.bytes_received = 0
 
+    @property
+    def ended(self) -> bool:
+        """The payload's end has arrived (what follows it, if anything, is the exchange's verdict)."""
+        return self._ended
+
     def feed(self, raw: bytes) -> None:
         """One encoded frame (see :func:`decode_frame`), checked and applied, or PayloadError."""
         body = decode_frame(raw)

@@ -111,3 +111,35 @@ def test_a_fresh_key_flood_from_one_or_several_addresses_takes_at_most_its_share
         assert all(n.process.poll() is None for n in nodes)
     finally:
         stop_all(nodes)
+
+
+def test_a_caller_that_refuses_the_servers_payload_leaves_both_sides_unblended(
+    bootstrap: Bootstrap, tmp_path: Path
+) -> None:
+    """n0 refuses every payload (a norm bound of 1e-9); n1 is an ordinary node. When n0 calls, n1 has admitted
+    n0's payload before n0 judges n1's: n1 must not blend with a partner that did not blend with it."""
+    args = [*TRAIN, "--steps", "100000", "--inner-steps", "10", "--pair-timeout", "2", "--avoid-seconds", "0.2"]
+    refusing = NodeProcess("n0", bootstrap, tmp_path, *args, "--shard-index", "0", "--norm-bound", "1e-9")
+    ordinary = NodeProcess("n1", bootstrap, tmp_path, *args, "--shard-index", "1")
+    nodes = [refusing, ordinary]
+    try:
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline:
+            statuses = [n.status() for n in nodes]
+            served = (statuses[1] or {}).get("exchange_outcomes", {}).get("not_committed", 0)
+            if served >= 3 and all(s and s["outer_step"] >= 5 for s in statuses):
+                break
+            time.sleep(0.5)
+        statuses = [n.status() for n in nodes]
+        assert all(statuses), statuses
+        ids = [s["peer_id"] for s in statuses]  # type: ignore[index]
+        outcomes = statuses[1]["exchange_outcomes"]  # type: ignore[index]
+        print(f"n0 refused {statuses[0]['rejected_payloads']}; n1's exchanges {outcomes}")  # type: ignore[index]
+        # n0 called n1, n1 admitted and served it, and n0 refused n1's payload: the exchange was not committed.
+        assert outcomes.get("not_committed", 0) >= 3, outcomes
+        assert statuses[0]["rejected_payloads"].get("norm_bound", 0) >= 3  # type: ignore[index]
+        for status, other in zip(statuses, reversed(ids), strict=True):
+            blends = [h for h in status["history"] if h["partner"] == other]  # type: ignore[index]
+            assert not blends, (status["peer_id"], blends)  # type: ignore[index]
+    finally:
+        stop_all(nodes)
