@@ -345,14 +345,33 @@ def probe_state(target: Target, transport: Transport) -> str:
 
 
 class FakeDonor:
-    """Attack 3: a GetState server of the outsider's own, serving random weights as the state of outer step
-    1,000,000, and a DHT record, signed with the outsider's own key, that says so (refreshed until ``close``)."""
+    """Attack 3: a GetState server of the outsider's own, serving a state of outer step 1,000,000, and a DHT record,
+    signed with the outsider's own key, that says so (refreshed until ``close``). The state is random weights, or
+    with ``honest`` (the node to copy) the freshest honest slow weights with the outer momentum and Adam's moments
+    poisoned (exp_avg 1, exp_avg_sq 0: Adam's steps become lr / eps), which a check of phi alone cannot see. Two
+    of them under two keys make the claim "corroborated" to a node that counts keys."""
 
-    def __init__(self, maddrs: Sequence[str], run_fingerprint: str, model_cfg: ModelConfig) -> None:
+    def __init__(
+        self,
+        maddrs: Sequence[str],
+        run_fingerprint: str,
+        model_cfg: ModelConfig,
+        *,
+        host: str = "127.0.0.1",
+        honest: Callable[[], Target | None] | None = None,
+        inner_steps: int = 50,
+    ) -> None:
         self.identity = fresh_identity()
         self.run_fingerprint = run_fingerprint
-        counters = {"inner_step": CLAIMED_STEP * 50, "outer_step": CLAIMED_STEP, "adam_step": CLAIMED_STEP * 50}
-        named = [(name, torch.randn(shape) * 0.05) for name, shape in snapshot_layout(SeededDecoder(model_cfg, seed=0))]
+        self.model_cfg = model_cfg
+        self.honest = honest
+        counters = {
+            "inner_step": CLAIMED_STEP * inner_steps,
+            "outer_step": CLAIMED_STEP,
+            "adam_step": CLAIMED_STEP * inner_steps,
+        }
+        self.layout = snapshot_layout(SeededDecoder(model_cfg, seed=0))
+        named = [(name, torch.randn(shape) * 0.05) for name, shape in self.layout]
         self.manifest = build_manifest(
             named,
             wire_dtype="fp32",
@@ -366,7 +385,7 @@ class FakeDonor:
         self.server = grpc.server(futures.ThreadPoolExecutor(max_workers=4), options=CHANNEL_OPTIONS)
         handler = grpc.unary_stream_rpc_method_handler(self._get_state)
         self.server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(SERVICE, {"GetState": handler}),))
-        self.address = f"127.0.0.1:{self.server.add_insecure_port('127.0.0.1:0')}"
+        self.address = f"{host}:{self.server.add_insecure_port(f'{host}:0')}"
         self.server.start()
         self.discovery = Discovery(run_fingerprint, initial_peers=list(maddrs), identity=self.identity, record_ttl=10)
         self.discovery.start()
@@ -376,7 +395,15 @@ class FakeDonor:
 
     def _get_state(self, _request: bytes, _context: grpc.ServicerContext) -> Iterator[bytes]:
         self.served += 1
-        yield from iter_frames(self.manifest, self.tensors)
+        tensors = self.tensors
+        target = self.honest() if self.honest is not None else None
+        if target is not None:
+            phi = download_phi(target, self.model_cfg, self.identity)
+            count = len(phi)
+            delta = [torch.zeros_like(p) for p in phi]
+            tensors = [*phi, *delta, *(torch.ones_like(p) for p in phi), *(torch.zeros_like(p) for p in phi)]
+            assert len(tensors) == 4 * count == len(self.layout)
+        yield from iter_frames(self.manifest, tensors)
 
     def _publish_forever(self) -> None:
         record = PeerRecord(

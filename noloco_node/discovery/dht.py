@@ -118,6 +118,11 @@ class PeerRecord:
             return None
         return record
 
+    @property
+    def host(self) -> str:
+        """The host part of its address: what one machine shows, however many keys it holds."""
+        return self.address.rpartition(":")[0] or self.address
+
     def to_value(self) -> dict[str, Any]:
         value = asdict(self)
         del value["peer_id"]  # readers derive it from the subkey, the owner key: a claim here would prove nothing

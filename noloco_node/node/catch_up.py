@@ -11,12 +11,17 @@ Whom a node believes here: a DHT record is signed by its owner, but its owner ma
 step 1,000,000 once made a fresh joiner adopt an attacker's random state, and a member restarting from a good
 checkpoint believe itself 999,924 steps behind and throw it away. So:
 
-- **The swarm's front is corroborated**: the furthest outer step that at least two peers claim (one record
-  alone cannot move it; with a single peer in sight, its claim), and donors are the peers within one step of it.
-- **A downloaded state is measured before it is adopted**, on this node's own validation batches: a member
-  adopts it only if it is no worse than its own checkpoint's state, a fresh joiner only if it is at least
-  ``STATE_IMPROVEMENT`` better than the run's seed (a donor past outer step 0 has learnt something). A state that
-  fails is dropped whole, its donor is not asked again, and the node keeps what it had.
+- **The swarm's front is claimed by peers with standing** once this node has any (pairing/standing.py), and it is
+  **corroborated by hosts, not keys**: the furthest outer step that peers on at least two
+  hosts claim (keys cost nothing: two records from one address are one claim; with a single host in sight, the
+  furthest step two of its peers claim, or its one peer's), and donors are the peers within one step of it.
+- **Only the slow weights are adopted, and they are measured first**, on this node's own validation batches: a
+  member adopts them only if they are no worse than its own checkpoint's, a fresh joiner only if they are at least
+  ``STATE_IMPROVEMENT`` better than the run's seed (a donor past outer step 0 has learnt something). The counters
+  must be the donor's claimed step and consistent with it. The outer momentum and Adam's moments are rebuilt
+  locally, never taken from the donor (training/replica.py ``adopt_donor_weights``): two free keys once served
+  honest weights with moments of 1 and 0, and both a joiner and a restarting member ended worse than the seed. A
+  state that fails is dropped whole, its donor is not asked again, and the node keeps what it had.
 
 Everything here runs on the event loop and awaits the DHT and the donors under deadlines; loading a checkpoint and
 adopting a downloaded state run in threads.
@@ -29,7 +34,7 @@ import hashlib
 import json
 import logging
 import random
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -57,11 +62,30 @@ STATE_IMPROVEMENT = 0.01  # a joiner adopts a donor's state only if its validati
 
 
 def credible_front(peers: Sequence[PeerRecord]) -> int | None:
-    """The furthest outer step at least two peers claim to have reached (with one peer, its claim); None if none."""
-    claims = sorted((p.outer_step for p in peers), reverse=True)
-    if not claims:
+    """The furthest outer step peers on two hosts claim to have reached (one host: two of its peers, or its one
+    peer); None if no peer is in sight. Many keys on one address are one claim."""
+    furthest: dict[str, list[int]] = {}
+    for peer in peers:
+        furthest.setdefault(peer.host, []).append(peer.outer_step)
+    if not furthest:
         return None
+    if len(furthest) == 1:
+        claims = sorted(next(iter(furthest.values())), reverse=True)
+    else:
+        claims = sorted((max(steps) for steps in furthest.values()), reverse=True)
     return claims[1] if len(claims) > 1 else claims[0]
+
+
+def implausible_counters(got: dict[str, int], donor: PeerRecord, inner_steps: int) -> str | None:
+    """Why the counters a donor sent cannot be the state of the step its record claims, or None."""
+    outer, inner = int(got["outer_step"]), int(got["inner_step"])
+    if abs(outer - donor.outer_step) > 1:
+        return f"outer step {outer}, but its record says {donor.outer_step}"
+    # At outer step k a replica has taken k phases of H inner steps (the run's last may be shorter), and borrowed
+    # at most half of the next one.
+    if not (outer - 1) * inner_steps < inner < (outer + 1) * inner_steps:
+        return f"inner step {inner} at outer step {outer} with H = {inner_steps}"
+    return None
 
 
 def donors_near(peers: Sequence[PeerRecord], front: int) -> list[PeerRecord]:
@@ -85,6 +109,9 @@ class CatchUp:
     metrics: ExchangeMetrics
     download_timeout: float
     validation: Sequence[Batch]  # this node's own batches: a donor's state is measured on them before adoption
+    # Whose claims of the swarm's front count (pairing/standing.py): once this node has peers with standing, theirs
+    # alone, so that strangers' records cannot pull a running node onto a front of their making.
+    believe: Callable[[str], bool] = lambda _peer_id: True
 
     async def choose_shard(self) -> int:
         """This node's data shard (see the module docstring). Two nodes starting in the same second may still pick
@@ -170,7 +197,11 @@ class CatchUp:
 
     async def _donor_candidates(self) -> list[PeerRecord]:
         try:
-            return [p for p in await self.discovery.live_peers() if p.outer_step > 0 and p.address and p.reachable]
+            return [
+                p
+                for p in await self.discovery.live_peers()
+                if p.outer_step > 0 and p.address and p.reachable and self.believe(p.peer_id)
+            ]
         except (TimeoutError, OSError) as error:
             log.warning("DHT lookup for donors failed: %s", error)
             return []
@@ -217,6 +248,13 @@ class CatchUp:
                         len(download.done),
                     )
                     continue
+                implausible = implausible_counters(got, donor, self.train_cfg.inner_steps)
+                if implausible is not None:
+                    refused.add(donor.peer_id)
+                    download = StateDownload(layout, run_fingerprint=self.run_fingerprint, peer_id=self.peer_id)
+                    self.metrics.outcome("state_refused")
+                    log.warning("refused the state from %s: implausible counters (%s)", donor.peer_id, implausible)
+                    continue
                 phi = [tensors[f"phi/{name}"] for name in replica.names]
                 loss = await asyncio.to_thread(replica.loss_of, phi, self.validation)
                 if not loss <= needed:  # NaN fails too
@@ -233,7 +271,9 @@ class CatchUp:
                         "its own checkpoint" if has_own_state else "the run's seed",
                     )
                     continue
-                await asyncio.to_thread(replica.load_outer_snapshot, tensors, got)
+                await asyncio.to_thread(
+                    replica.adopt_donor_weights, tensors, int(got["outer_step"]), int(got["inner_step"])
+                )
                 self.metrics.outcome("state_downloaded")
                 log.info(
                     "%s: state of outer step %d from %s (validation loss %.4f, against %.4f)%s",

@@ -402,6 +402,7 @@ class Node:
             metrics=self.metrics,
             download_timeout=self.layout.download_timeout(),
             validation=validation,
+            believe=self.standing.believable,
         )
         self.shard = await catch_up.choose_shard()
         self.replica = replica = await catch_up.replica(self.shard, self.corpus, self.source, self.data_parallel)

@@ -41,11 +41,6 @@ class _Track:
     last_blend_step: int | None = None  # this node's outer step at the last of them
 
 
-def host_of(address: str) -> str:
-    """The host part of ``host:port`` (brackets kept for IPv6): what one machine, however many keys, shows."""
-    return address.rpartition(":")[0] or address
-
-
 class Standing:
     """Thread-safe: read by gRPC threads (incoming sessions) and the event loop (calls), written by both."""
 
@@ -99,6 +94,13 @@ class Standing:
         with self._lock:
             return self._established(peer_id, self._clock())
 
+    def believable(self, peer_id: str) -> bool:
+        """Whether what ``peer_id`` says of itself (its outer step: the swarm's front) counts: once this node has
+        any peer with standing, only those peers' claims do."""
+        with self._lock:
+            now = self._clock()
+            return self._established(peer_id, now) or not any(self._established(known, now) for known in self._tracks)
+
     def steps_apart(self, peer_id: str) -> int | None:
         """Outer steps from this node's last blend with ``peer_id`` to its current step; None if it never blended
         with it. Counted on this node's own steps: nothing the peer says moves it."""
@@ -135,9 +137,9 @@ class Standing:
             admits = self._step_admits or not self._established_within_reach
         ordered = _by_host(established, last_paired, self._rng)
         if admits and strangers:
-            hosts = sorted({host_of(p.address) for p in strangers})
+            hosts = sorted({p.host for p in strangers})
             host = self._rng.choice(hosts)
-            ordered.insert(0, self._rng.choice([p for p in strangers if host_of(p.address) == host]))
+            ordered.insert(0, self._rng.choice([p for p in strangers if p.host == host]))
         return ordered
 
     # ------------------------------------------------------------------------------------------- internals
@@ -175,7 +177,7 @@ def _by_host(peers: Sequence[PeerRecord], last_paired: dict[str, int], rng: rand
     first: dict[str, PeerRecord] = {}
     rest: list[PeerRecord] = []
     for peer in shuffled:
-        host = host_of(peer.address)
+        host = peer.host
         if host in first:
             rest.append(peer)
         else:

@@ -169,21 +169,18 @@ class Replica:
     # ------------------------------------------------------------------------------------------ joiners
 
     @torch.no_grad()
-    def load_outer_snapshot(self, tensors: dict[str, torch.Tensor], metadata: dict[str, Any]) -> None:
-        """Adopt a donor's snapshot (already verified by wire.py): weights, outer state, Adam moments, counters."""
+    def adopt_donor_weights(self, tensors: dict[str, torch.Tensor], outer_step: int, inner_step: int) -> None:
+        """Adopt a donor's slow weights (measured by the caller) and its counters (checked by the caller); rebuild
+        the rest here rather than take it on trust. The outer momentum starts again from zero (with alpha = 0.5 it
+        halves every outer step anyway), and Adam's moments stay this replica's own: a joiner's are empty, so Adam
+        starts afresh with its bias correction, a member's are those of its own recent training. Nothing a donor
+        sends but phi (and it is measured) enters the update: moments of 1 and 0 once wrecked every adopter."""
         for name, param, phi, delta in zip(self.names, self.params, self.phi, self.delta, strict=True):
             phi.copy_(tensors[f"phi/{name}"])
-            delta.copy_(tensors[f"delta/{name}"])
+            delta.zero_()
             param.copy_(phi)
-            adam_step = int(metadata["adam_step"])
-            if adam_step > 0:
-                self.optimizer.state[param] = {
-                    "step": torch.tensor(float(adam_step)),
-                    "exp_avg": tensors[f"adam.exp_avg/{name}"].to(param.device, torch.float32).clone(),
-                    "exp_avg_sq": tensors[f"adam.exp_avg_sq/{name}"].to(param.device, torch.float32).clone(),
-                }
-        self.inner_step = int(metadata["inner_step"])
-        self.outer_step = int(metadata["outer_step"])
+        self.inner_step = inner_step
+        self.outer_step = outer_step
 
     # ------------------------------------------------------------------------------------------ evaluation
 

@@ -149,7 +149,7 @@ def test_a_fake_donor_is_adopted_neither_by_a_joiner_nor_by_a_restarting_member(
     others: list[NodeProcess] = []
     try:
         status = _wait_for(lambda: (s := member.status()) and s["outer_step"] >= 3 and s, 120, "member at step 3")
-        donor = FakeDonor(bootstrap.maddrs, status["run_fingerprint"], MODEL)
+        donor = FakeDonor(bootstrap.maddrs, status["run_fingerprint"], MODEL, inner_steps=10)  # plausible counters
         # The member restarts from its good checkpoint with an honest peer and the fake donor in sight: the front
         # two peers agree on is the honest one's, so it never believes itself a million steps behind.
         member.stop()
@@ -193,6 +193,59 @@ def test_a_fake_donor_is_adopted_neither_by_a_joiner_nor_by_a_restarting_member(
     finally:
         stop_all([member, peer, *others])
         if donor is not None:
+            donor.close()
+
+
+def test_a_corroborated_poisoned_donor_harms_neither_a_joiner_nor_a_restarting_member(
+    bootstrap: Bootstrap, tmp_path: Path
+) -> None:
+    """Two free keys on one outsider address claim outer step 1,000,000 and serve the freshest honest slow weights
+    (which measure well) with Adam's moments poisoned. Keys are not hosts: the front stays the honest one's, and
+    no adopted state carries a donor's moments anyway (unit: test_a_donors_state_gives_...)."""
+    args = [*TRAIN, "--steps", "100000", "--inner-steps", "10", "--pair-timeout", "3", "--warmup-steps", "10"]
+    args += ["--standing-seconds", "3"]  # the two honest nodes have standing with each other before the attack
+    member = NodeProcess("member", bootstrap, tmp_path, *args, "--shard-index", "0")
+    peer = NodeProcess("peer", bootstrap, tmp_path, *args, "--shard-index", "1")
+    donors: list[FakeDonor] = []
+    others: list[NodeProcess] = []
+    try:
+        status = _wait_for(lambda: (s := member.status()) and s["outer_step"] >= 3 and s, 120, "member at step 3")
+        honest = lambda: _target(peer.status())  # noqa: E731 - the freshest honest state, read when asked
+        donors = [
+            FakeDonor(
+                bootstrap.maddrs, status["run_fingerprint"], MODEL, host="127.0.0.2", honest=honest, inner_steps=10
+            )
+            for _ in range(2)
+        ]
+        time.sleep(3.0)  # both records in the DHT
+        member.stop()
+        (member.data_dir / "status.json").unlink()
+        member = NodeProcess("member", bootstrap, tmp_path, *args, "--shard-index", "0")
+        joiner = NodeProcess("joiner", bootstrap, tmp_path, *args, "--shard-index", "2")
+        others.append(joiner)
+        target = peer.status()["outer_step"] + 12  # type: ignore[index]
+        def evaluated_at_target() -> list[float] | None:
+            """Each node's validation loss at its first outer step from ``target`` on (evaluated there, not one a
+            jump of its counters carried over)."""
+            losses = []
+            for node in (member, joiner, peer):
+                history = (node.status() or {}).get("history", [])
+                reached = [h["val_loss"] for h in history if h["outer_step"] >= target and h["val_loss"]]
+                if not reached:
+                    return None
+                losses.append(reached[0])
+            return losses
+
+        losses = _wait_for(evaluated_at_target, 180, f"every node evaluated at outer step {target}")
+        print(f"validation loss member {losses[0]:.4f}, joiner {losses[1]:.4f}, honest peer {losses[2]:.4f}")
+        logs = member.output() + joiner.output()
+        assert "state of outer step 1000000" not in logs and "999" not in member.output()
+        assert "joined a run in progress" in joiner.output() and "resumed from" in member.output()
+        # No worse than 5% above the honest node (the poison, once adopted, left both above the seed's 5.5).
+        assert max(losses[:2]) <= 1.05 * losses[2], losses
+    finally:
+        stop_all([member, peer, *others])
+        for donor in donors:
             donor.close()
 
 

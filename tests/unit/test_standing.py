@@ -149,3 +149,37 @@ def test_drift_sets_a_peer_aside_for_now_while_a_bad_payload_quarantines_it(tmp_
     assert policy.quarantined("liar")
     assert policy.lift("norm_bound") == ["drifted"]  # caught up: its distance was from weights no longer held
     assert not policy.avoided("drifted") and policy.quarantined("liar")
+
+
+def test_the_swarms_front_is_corroborated_by_hosts_not_keys() -> None:
+    from noloco_node.node.catch_up import credible_front
+
+    honest = [record("a", "10.0.0.1", 1, step=40), record("b", "10.0.0.2", 1, step=41)]
+    liars = [record(f"liar{i}", "192.0.2.9", 9000 + i, step=1_000_000) for i in range(2)]
+    assert credible_front([*honest, *liars]) == 41  # two keys on one address are one claim
+    assert credible_front(liars) == 1_000_000  # one host in sight: two of its peers (nothing better to go on)
+    assert credible_front([honest[0], *liars]) == 40  # two hosts: the furthest both claim
+    assert credible_front([record("one", "10.0.0.1", 1, step=7)]) == 7
+    assert credible_front([]) is None
+    same_host = [record(f"n{i}", "127.0.0.1", 7000 + i, step=s) for i, s in enumerate((5, 6, 1_000_000))]
+    assert credible_front(same_host) == 6  # a loopback swarm: two claims as before
+
+
+def test_a_donors_counters_must_be_the_step_its_record_claims() -> None:
+    from noloco_node.node.catch_up import implausible_counters
+
+    donor = record("d", "10.0.0.1", 1, step=12)
+    assert implausible_counters({"outer_step": 12, "inner_step": 12 * 20 + 7}, donor, 20) is None
+    assert implausible_counters({"outer_step": 13, "inner_step": 13 * 20}, donor, 20) is None  # stepped meanwhile
+    assert "record says 12" in (implausible_counters({"outer_step": 1_000_000, "inner_step": 0}, donor, 20) or "")
+    assert "inner step" in (implausible_counters({"outer_step": 12, "inner_step": 50_000_000}, donor, 20) or "")
+    assert "inner step" in (implausible_counters({"outer_step": 12, "inner_step": 3}, donor, 20) or "")
+
+
+def test_once_a_node_has_peers_with_standing_only_their_claims_count() -> None:
+    clock = Clock()
+    standing = Standing(standing_seconds=30, stranger_share=0.1, clock=clock)
+    standing.observe([record("liar", "192.0.2.9", 1)], 0, 2)
+    assert standing.believable("liar")  # nobody has standing yet: a joiner believes whom it sees
+    standing, _ = established_swarm(clock)
+    assert standing.believable("honest0") and not standing.believable("liar")

@@ -179,3 +179,23 @@ def test_steps_taken_while_waiting_are_borrowed_from_the_next_phase_and_keep_its
     assert len(next(phases).losses) == 1 and replica.inner_step == 12
     stopping = StepsWhileWaiting(replica, cfg.model_copy(update={"total_steps": 100}), [], lambda: True)
     assert not stopping() and replica.inner_step == 12  # a stop request: no borrowed step
+
+
+def test_a_donors_state_gives_its_slow_weights_and_counters_and_nothing_else() -> None:
+    """Outer momentum and Adam's moments are rebuilt by the adopter, never taken from a donor: moments of 1 and 0
+    (served once under two free keys) would otherwise turn Adam's first steps into steps of lr / eps."""
+    donor = make_replica(seed=1)
+    train(donor, 12)
+    poisoned: dict[str, torch.Tensor] = {}
+    for name, phi in zip(donor.names, donor.params, strict=True):
+        poisoned[f"phi/{name}"] = phi.detach().clone()
+        poisoned[f"delta/{name}"] = torch.full_like(phi, 5.0)
+        poisoned[f"adam.exp_avg/{name}"] = torch.ones_like(phi)
+        poisoned[f"adam.exp_avg_sq/{name}"] = torch.zeros_like(phi)
+    joiner = make_replica(seed=0)
+    joiner.adopt_donor_weights(poisoned, outer_step=1, inner_step=12)
+    assert joiner.optimizer.state == {} and (joiner.outer_step, joiner.inner_step) == (1, 12)
+    for name, param, phi, delta in zip(joiner.names, joiner.params, joiner.phi, joiner.delta, strict=True):
+        assert torch.equal(phi, poisoned[f"phi/{name}"]) and torch.equal(param, phi) and not delta.any()
+    losses = train(joiner, 5)
+    assert all(math.isfinite(loss) for loss in losses) and losses[-1] < 1.2 * train(donor, 1)[0]
