@@ -62,8 +62,10 @@ STATE_IMPROVEMENT = 0.01  # a joiner adopts a donor's state only if its validati
 
 
 def credible_front(peers: Sequence[PeerRecord]) -> int | None:
-    """The furthest outer step peers on two hosts claim to have reached (one host: two of its peers, or its one
-    peer); None if no peer is in sight. Many keys on one address are one claim."""
+    """The furthest outer step that peers on enough hosts claim to have reached: the k-th furthest of the hosts'
+    claims, k = max(2, half the hosts), so that an outsider needs as many addresses as the honest hosts in sight to
+    move it (many keys on one address are one claim). One host in sight: the furthest step two of its peers claim,
+    or its one peer's. None if no peer is in sight."""
     furthest: dict[str, list[int]] = {}
     for peer in peers:
         furthest.setdefault(peer.host, []).append(peer.outer_step)
@@ -71,9 +73,9 @@ def credible_front(peers: Sequence[PeerRecord]) -> int | None:
         return None
     if len(furthest) == 1:
         claims = sorted(next(iter(furthest.values())), reverse=True)
-    else:
-        claims = sorted((max(steps) for steps in furthest.values()), reverse=True)
-    return claims[1] if len(claims) > 1 else claims[0]
+        return claims[1] if len(claims) > 1 else claims[0]
+    claims = sorted((max(steps) for steps in furthest.values()), reverse=True)
+    return claims[max(2, (len(claims) + 1) // 2) - 1]
 
 
 def implausible_counters(got: dict[str, int], donor: PeerRecord, inner_steps: int) -> str | None:

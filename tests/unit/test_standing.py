@@ -161,6 +161,9 @@ def test_the_swarms_front_is_corroborated_by_hosts_not_keys() -> None:
     assert credible_front([honest[0], *liars]) == 40  # two hosts: the furthest both claim
     assert credible_front([record("one", "10.0.0.1", 1, step=7)]) == 7
     assert credible_front([]) is None
+    # Five hosts, two of them the outsider's: the third-furthest host claim, the furthest honest one.
+    many = [record(f"h{i}", f"10.0.0.{i}", 1, step=50 + i) for i in range(3)]
+    assert credible_front([*many, *(record(f"x{i}", f"192.0.2.{i}", 1, step=1_000_000) for i in range(2))]) == 52
     same_host = [record(f"n{i}", "127.0.0.1", 7000 + i, step=s) for i, s in enumerate((5, 6, 1_000_000))]
     assert credible_front(same_host) == 6  # a loopback swarm: two claims as before
 
