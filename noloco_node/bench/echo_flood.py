@@ -13,7 +13,6 @@ nodes' CPU on keys) and sign their records through one DHT peer (:class:`ManyKey
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import signal
@@ -21,7 +20,6 @@ import threading
 import time
 from collections import Counter
 from collections.abc import Callable, Sequence
-from pathlib import Path
 
 import grpc
 import hivemind
@@ -33,6 +31,7 @@ from hivemind.utils.timed_storage import get_dht_time
 from noloco_node.bench.outsider import (
     SourceBoundRelay,
     Target,
+    attacker_arguments,
     download_phi,
     fresh_identity,
     payload_frames,
@@ -277,12 +276,7 @@ class EchoFlood:
 
 def main(argv: Sequence[str] | None = None) -> int:
     """``python -m noloco_node.bench.echo_flood``: the flood as a process of its own, at the lowest CPU priority."""
-    parser = argparse.ArgumentParser(description=main.__doc__)
-    parser.add_argument("--data-dir", type=Path, action="append", required=True, help="an honest node's data dir")
-    parser.add_argument("--model", default="tiny")
-    parser.add_argument("--vocab-size", type=int, default=256)
-    parser.add_argument("--seq-len", type=int, default=64)
-    parser.add_argument("--seconds", type=float, required=True)
+    parser = attacker_arguments(main.__doc__)
     parser.add_argument("--hosts", default="127.0.0.2", help="comma-separated loopback addresses of the outsider")
     parser.add_argument("--key-every", type=float, default=3.0, help="a new key this often (s)")
     parser.add_argument("--key-life", type=float, default=30.0, help="each key serves this long (s)")

@@ -582,16 +582,23 @@ def targets_from_status_files(data_dirs: Sequence[Path]) -> Callable[[], list[Ta
     return now
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-    """``python -m noloco_node.bench.outsider``: the outsider as a process of its own, at the lowest CPU priority
-    (on a machine it shares with the swarm it stands for a host of its own, so it must not take the nodes' CPU).
-    Prints its report as JSON."""
-    parser = argparse.ArgumentParser(description=main.__doc__)
+def attacker_arguments(description: str | None) -> argparse.ArgumentParser:
+    """The command line every attacking process shares: the honest nodes (their data dirs), the model they train,
+    and how long to attack."""
+    parser = argparse.ArgumentParser(description=description)
     parser.add_argument("--data-dir", type=Path, action="append", required=True, help="an honest node's data dir")
     parser.add_argument("--model", default="tiny")
     parser.add_argument("--vocab-size", type=int, default=256)
     parser.add_argument("--seq-len", type=int, default=64)
     parser.add_argument("--seconds", type=float, required=True)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """``python -m noloco_node.bench.outsider``: the outsider as a process of its own, at the lowest CPU priority
+    (on a machine it shares with the swarm it stands for a host of its own, so it must not take the nodes' CPU).
+    Prints its report as JSON."""
+    parser = attacker_arguments(main.__doc__)
     parser.add_argument("--attacks", default=",".join(ATTACKS))
     parser.add_argument("--silent-streams", type=int, default=10)
     parser.add_argument("--idle", type=int, default=200)

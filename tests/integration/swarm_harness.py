@@ -4,6 +4,10 @@ and stopped by the package's one launcher (noloco_node/launcher/local_swarm.py);
 from __future__ import annotations
 
 import copy
+import json
+import subprocess
+import sys
+import time
 from collections.abc import Iterable
 from pathlib import Path
 
@@ -94,3 +98,23 @@ class NodeProcess:
 def stop_all(nodes: Iterable[NodeProcess]) -> None:
     """Stop a test's nodes gracefully, all at once."""
     stop_together([node.process for node in nodes], 30)
+
+
+def run_attacker(module: str, nodes: list[NodeProcess], seconds: float, *args: str) -> tuple[float, dict]:
+    """Run ``python -m module`` (an attacking process of noloco_node/bench) against ``nodes`` for ``seconds``;
+    returns when it started (Unix time) and the JSON report it printed last."""
+    started = time.time()
+    attacker = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            module,
+            *(item for n in nodes for item in ("--data-dir", str(n.data_dir))),
+            *("--seconds", str(seconds), *args),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=seconds + 120,
+    )
+    assert attacker.returncode == 0, attacker.stderr[-3000:]
+    return started, json.loads(attacker.stdout.strip().splitlines()[-1])

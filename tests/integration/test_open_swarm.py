@@ -5,13 +5,10 @@ with the caller's own weights and calls the honest nodes with theirs: every payl
 
 from __future__ import annotations
 
-import json
-import subprocess
-import sys
 import time
 from pathlib import Path
 
-from .swarm_harness import Bootstrap, NodeProcess, stop_all
+from .swarm_harness import Bootstrap, NodeProcess, run_attacker, stop_all
 
 TRAIN = ["--model", "tiny", "--seq-len", "64", "--batch-size", "8", "--eval-batches", "2"]
 WINDOW = 20.0  # seconds of each window
@@ -27,23 +24,11 @@ def _steps(nodes: list[NodeProcess], start: float, end: float) -> list[dict]:
     return [h for n in nodes for h in (n.status() or {}).get("history", []) if start < h["time"] <= end]
 
 
-def _flood(nodes: list[NodeProcess], hosts: str, extra: tuple[str, ...] = ()) -> tuple[list[dict], dict]:
-    started = time.time()
-    flood = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "noloco_node.bench.echo_flood",
-            *(item for n in nodes for item in ("--data-dir", str(n.data_dir))),
-            *("--seconds", str(WINDOW), "--hosts", hosts, "--key-life", str(KEY_LIFE), *extra),
-        ],
-        capture_output=True,
-        text=True,
-        timeout=WINDOW + 120,
-    )
-    assert flood.returncode == 0, flood.stderr[-3000:]
+def _flood(nodes: list[NodeProcess], hosts: str) -> tuple[list[dict], dict]:
+    args = ("--hosts", hosts, "--key-life", str(KEY_LIFE))
+    started, seen = run_attacker("noloco_node.bench.echo_flood", nodes, WINDOW, *args)
     time.sleep(2.0)  # a step the flood held may end after it exits
-    return _steps(nodes, started, time.time()), json.loads(flood.stdout.strip().splitlines()[-1])
+    return _steps(nodes, started, time.time()), seen
 
 
 def _shares(steps: list[dict], honest: set[str]) -> tuple[float, float, str]:

@@ -29,7 +29,7 @@ from noloco_node.config.models import SecurityConfig, model_config_for
 from noloco_node.rpc.client import fetch_info
 from noloco_node.rpc.transport import Transport
 
-from .swarm_harness import Bootstrap, NodeProcess, stop_all
+from .swarm_harness import Bootstrap, NodeProcess, run_attacker, stop_all
 
 TRAIN = ["--model", "tiny", "--seq-len", "64", "--batch-size", "8", "--eval-batches", "2"]
 MODEL = model_config_for("tiny", vocab_size=256, max_seq_len=64)
@@ -283,24 +283,13 @@ def test_a_lock_hog_and_slot_exhaustion_leave_honest_nodes_blending_and_answerin
             return [h for n in nodes for h in n.status()["history"] if start < h["time"] <= end]
 
         def attack(attacks: str, source: str) -> tuple[list[dict], dict]:
-            started = time.time()
-            outsider = subprocess.run(
-                [
-                    sys.executable,
-                    "-m",
-                    "noloco_node.bench.outsider",
-                    *(item for n in nodes for item in ("--data-dir", str(n.data_dir))),
-                    *("--seconds", str(window), "--attacks", attacks, "--source", source),
-                ],
-                capture_output=True,
-                text=True,
-                timeout=window + 120,
+            started, seen = run_attacker(
+                "noloco_node.bench.outsider", nodes, window, "--attacks", attacks, "--source", source
             )
-            assert outsider.returncode == 0, outsider.stderr[-3000:]
             # Its window starts after its own start-up, and a step it held may end after it exits: every outer step
             # that ended from its start until a moment after its exit is counted.
             time.sleep(3.0)
-            return steps_in(started, time.time()), json.loads(outsider.stdout.strip().splitlines()[-1])
+            return steps_in(started, time.time()), seen
 
         # The lock hog alone (from an address of its own): a valid manifest, then silence, again and again.
         hogged, hog_seen = attack("hog", "127.0.0.3")
