@@ -121,9 +121,10 @@ class EchoSession:
     def outgoing(self) -> Outgoing:
         return self._outgoing
 
-    def complete(self, payload: Payload) -> None:
+    def complete(self, payload: Payload) -> bool:
         self.server.served["echoed"] += 1
         payload.release()
+        return True
 
     def release(self) -> None:
         return None

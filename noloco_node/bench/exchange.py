@@ -79,9 +79,10 @@ class _BenchPeer(AdmitsEverything):
     def outgoing(self) -> Outgoing:
         return self._outgoing
 
-    def complete(self, payload: Payload) -> None:
+    def complete(self, payload: Payload) -> bool:
         self.received += 1
         payload.release()  # as a node does once it has blended
+        return True
 
     def release(self) -> None:
         pass

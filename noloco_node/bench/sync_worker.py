@@ -86,11 +86,12 @@ class _SyncPeer(AdmitsEverything):
         assert self._outgoing is not None
         return self._outgoing
 
-    def complete(self, payload: Payload) -> None:
+    def complete(self, payload: Payload) -> bool:
         payload.release()
         with self.changed:
             self.completed += 1
             self.changed.notify_all()
+        return True
 
     def release(self) -> None:
         pass

@@ -143,6 +143,7 @@ class Node:
             publish_record=self._publish,
             stopping=self.stop_event,
             info=self.info,
+            outer_step=lambda: None if self.replica is None else self.replica.outer_step,
         )
         self.strategy = self.peering.strategy
         self._progress = report.ProgressLog(every=node_cfg.log_every, total_steps=train_cfg.total_steps)

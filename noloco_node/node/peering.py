@@ -66,6 +66,7 @@ class Peering:
         publish_record: Callable[[], Coroutine[Any, Any, None]],
         stopping: Event,
         info: Callable[[], pb.InfoReply],
+        outer_step: Callable[[], int | None],
     ) -> Peering:
         exchanges = ThreadPoolExecutor(EXCHANGE_THREADS, thread_name_prefix="exchange")  # threads start on use
         receive_buffers = ReceiveBuffers(max_idle_bytes=layout.receive_pool_bytes())
@@ -85,6 +86,7 @@ class Peering:
             admit=lambda payload: served[0].admit(payload),
             bad_payload=lambda peer, error: served[0].bad_payload(peer, error),
             observer=lambda: served[0].value_observer(),
+            on_peer_step=telemetry.on_live_step,
             executor=exchanges,
         )
         context = PairingContext(
@@ -115,6 +117,8 @@ class Peering:
                 standing=standing,
                 receive_buffers=receive_buffers,
                 info=info,
+                outer_step=outer_step,
+                max_staleness=cfg.max_staleness,
             )
         )
         return cls(caller, context, strategy, served[0], exchanges, receive_buffers)

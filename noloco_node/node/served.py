@@ -18,7 +18,7 @@ from noloco_node.pairing.peer_policy import PeerPolicy
 from noloco_node.pairing.standing import Standing
 from noloco_node.pairing.strategy import PairingStrategy
 from noloco_node.rpc import peer_pb2 as pb
-from noloco_node.rpc.contracts import ExchangeSession
+from noloco_node.rpc.contracts import ExchangeSession, OutOfReachError
 from noloco_node.security.node_security import NodeSecurity
 from noloco_node.security.payload_guard import RunningGap
 from noloco_node.wire.frames import PayloadError, PayloadKind
@@ -43,6 +43,8 @@ class ServedNode:
         standing: Standing,
         receive_buffers: ReceiveBuffers,
         info: Callable[[], pb.InfoReply],
+        outer_step: Callable[[], int | None],
+        max_staleness: int,
     ) -> None:
         self.layout = layout
         self.run_fingerprint = layout.run_fingerprint
@@ -54,6 +56,8 @@ class ServedNode:
         self.standing = standing
         self.receive_buffers = receive_buffers
         self._info = info
+        self._outer_step = outer_step  # the replica's, read from another thread (an int: nothing is torn)
+        self.max_staleness = max_staleness
         self._kinds = layout.payload_kinds()
 
     @property
@@ -69,7 +73,11 @@ class ServedNode:
     def open_session(self, partner_id: str, partner_outer_step: int, kind: str) -> ExchangeSession | None:
         """A session from the strategy, or None (busy). A stranger is served only in this node's stranger steps
         (pairing/standing.py); a stream run's progress is exchanged with the partner its phase swap reserved, so
-        the standing of that partner was weighed when the swap was taken."""
+        the standing of that partner was weighed when the swap was taken. A partner further than --max-staleness
+        outer steps away is told so, with this node's step (OutOfReachError), in every mode."""
+        own = self._outer_step()
+        if own is not None and abs(partner_outer_step - own) > self.max_staleness:
+            raise OutOfReachError(own, partner_outer_step, self.max_staleness)
         if kind in PARTNER_CHOOSING_KINDS and not self.standing.may_serve(partner_id):
             return None
         return self.strategy.open_session(partner_id, partner_outer_step, kind)

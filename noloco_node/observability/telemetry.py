@@ -31,6 +31,8 @@ class PeerView:
     seen: float  # time.time() of the DHT lookup that listed it
     info: pb.InfoReply | None = None
     info_time: float | None = None
+    live_step: int | None = None  # the outer step the peer's own server last said it was at (an out-of-reach refusal)
+    live_step_time: float = 0.0  # when it said so; a record written later supersedes it
 
 
 @dataclass
@@ -117,9 +119,22 @@ class Telemetry:
                 self.last_peer_seen = time.monotonic()
 
     def peer_outer_steps(self) -> list[int]:
-        """The outer steps of the live peers, as the last DHT lookup saw them."""
+        """The outer steps of the live peers: as the last DHT lookup saw them, or as a peer's server said since (a
+        record may lag its node by a step; a node left behind must not believe a peer within reach that is not)."""
         with self._lock:
-            return [view.record.outer_step for view in self._peers.values()]
+            return [
+                view.live_step
+                if view.live_step is not None and view.record.updated < view.live_step_time
+                else view.record.outer_step
+                for view in self._peers.values()
+            ]
+
+    def on_live_step(self, peer_id: str, outer_step: int) -> None:
+        """A live peer's server refused this node as out of reach and said which outer step it is at."""
+        with self._lock:
+            view = self._peers.get(peer_id)
+            if view is not None:  # only peers the DHT lists: a refusal cannot add one
+                view.live_step, view.live_step_time = outer_step, time.time()
 
     def on_other_starts(self, others: list[RunStart], run_name: str, own: dict[str, str]) -> None:
         """Nodes of this run's name that started elsewhere: each said once in the log, all shown in /status."""

@@ -61,6 +61,7 @@ class PeerCaller:
         bad_payload: Callable[[str, PayloadError], None],
         executor: ThreadPoolExecutor,
         observer: Callable[[], ValueObserver | None] = lambda: None,
+        on_peer_step: Callable[[str, int], None] = lambda _peer, _step: None,
     ) -> None:
         self.settings = settings
         self.policy = policy
@@ -69,6 +70,7 @@ class PeerCaller:
         self.observer = observer  # a partner's payload measured as it arrives (the norm bound's distances)
         self.bad_payload = bad_payload
         self.executor = executor
+        self.on_peer_step = on_peer_step  # a peer that refused this node as out of reach said where it is
         self.last_paired: dict[str, int] = {}  # peer id -> outer step of the last blend; live peers only
 
     def choosable(self, peers: Sequence[PeerRecord], own_step: int) -> list[PeerRecord]:
@@ -149,7 +151,10 @@ class PeerCaller:
 
     def _failed(self, peer: PeerRecord, deadline: float, error: BaseException) -> None:
         reason = error.reason if isinstance(error, ExchangeError) else "timeout"
-        if isinstance(error, ExchangeError) and error.bad_payload is not None:
+        if isinstance(error, ExchangeError) and reason == "out_of_reach":
+            if error.peer_outer_step is not None:  # not a failure: the peer is further on (or behind) than its record
+                self.on_peer_step(peer.peer_id, error.peer_outer_step)
+        elif isinstance(error, ExchangeError) and error.bad_payload is not None:
             if error.bad_payload.blames_sender:
                 self.bad_payload(peer.peer_id, error.bad_payload)
         elif reason != "busy":

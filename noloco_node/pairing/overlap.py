@@ -67,8 +67,9 @@ class OfferBook:
                 return None
         return OfferSession(self, offer, partner_id)
 
-    def store(self, partner_id: str, payload: Payload) -> None:
-        """Keep the freshest offer of each (proven) peer, and at most ``max_offers`` in all: the stalest go first."""
+    def store(self, partner_id: str, payload: Payload) -> bool:
+        """Keep the freshest offer of each (proven) peer, and at most ``max_offers`` in all: the stalest go first.
+        Returns whether ``payload`` was kept."""
         dropped: list[Payload] = []
         with self._guard:
             known = self._received.get(partner_id)
@@ -83,6 +84,7 @@ class OfferBook:
                     dropped.append(self._received.pop(stalest))
         for old in dropped:
             old.release()
+        return payload not in dropped
 
     def take_freshest(self, own_outer_step: int, max_staleness: int) -> Payload | None:
         """The freshest offer within the staleness bound; every other held offer is dropped (each is used once)."""
@@ -117,8 +119,8 @@ class OfferSession:
     def outgoing(self) -> Published:
         return self.offer
 
-    def complete(self, payload: Payload) -> None:
-        self.book.store(self.partner_id, payload)
+    def complete(self, payload: Payload) -> bool:
+        return self.book.store(self.partner_id, payload)
 
     def release(self) -> None:
         self.offer.release()

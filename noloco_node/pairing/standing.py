@@ -124,17 +124,20 @@ class Standing:
             return self._established(peer_id, now) or self._step_admits or not self._established_within_reach
 
     def order(self, candidates: Sequence[PeerRecord], last_paired: dict[str, int]) -> list[PeerRecord]:
-        """Whom to call, in order: at a stranger step one stranger first (a random host, then a random key of it),
-        then the established peers, least recently paired host first; otherwise the established peers alone.
+        """Whom to call, in order: the established peers, least recently paired host first, and at a stranger step
+        one stranger before them (a random host, then a random key of it); with no established peer within reach,
+        every candidate alike, one host at a time.
 
         Least recently paired first: nodes of equal speed reach their outer steps in lockstep and would otherwise
         keep finding their last partner ready first, splitting the swarm into fixed pairs that never mix. One
         stranger only, before the peers that answered before: a record costs nothing to publish."""
         now = self._clock()
         with self._lock:
+            if not self._established_within_reach:
+                return _by_host(candidates, last_paired, self._rng)
             established = [p for p in candidates if self._established(p.peer_id, now)]
             strangers = [p for p in candidates if not self._established(p.peer_id, now)]
-            admits = self._step_admits or not self._established_within_reach
+            admits = self._step_admits
         ordered = _by_host(established, last_paired, self._rng)
         if admits and strangers:
             hosts = sorted({p.host for p in strangers})
@@ -170,16 +173,19 @@ class Standing:
 
 def _by_host(peers: Sequence[PeerRecord], last_paired: dict[str, int], rng: random.Random) -> list[PeerRecord]:
     """Peers ordered host by host: each host's least recently paired key first, hosts least recently paired first
-    (random among equals); then the hosts' other keys in the same way. Many keys on one host weigh as one."""
+    (random among equal hosts, whatever their number of keys); then the hosts' other keys in the same way. Many
+    keys on one host weigh as one."""
     shuffled = list(peers)
     rng.shuffle(shuffled)
     shuffled.sort(key=lambda p: last_paired.get(p.peer_id, -1))
     first: dict[str, PeerRecord] = {}
     rest: list[PeerRecord] = []
     for peer in shuffled:
-        host = peer.host
-        if host in first:
+        if peer.host in first:
             rest.append(peer)
         else:
-            first[host] = peer
-    return list(first.values()) + rest
+            first[peer.host] = peer
+    hosts = list(first.values())
+    rng.shuffle(hosts)
+    hosts.sort(key=lambda p: last_paired.get(p.peer_id, -1))
+    return hosts + rest

@@ -315,8 +315,8 @@ class PhaseSession:
     def outgoing(self) -> Published:
         return self.phase.offer
 
-    def complete(self, payload: Payload) -> None:
-        self.strategy._reserve(self.phase, payload)
+    def complete(self, payload: Payload) -> bool:
+        return self.strategy._reserve(self.phase, payload)
 
     def release(self) -> None:
         self.phase.offer.release()

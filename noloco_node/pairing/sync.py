@@ -90,9 +90,9 @@ class PairingRound:
                 return None
         return RoundSession(self)
 
-    def settle(self, partner: Payload) -> None:
+    def settle(self, partner: Payload) -> bool:
         """A completed exchange: the first one is the partner (until the round is closed); a later one is let go
-        (its buffers return to the pool)."""
+        (its buffers return to the pool). Returns whether it became the partner."""
         with self._guard:
             first = self.stage in (Stage.OPEN, Stage.CLOSING)
             if first:
@@ -101,6 +101,7 @@ class PairingRound:
             self._stop_waiting()
         else:
             partner.release()
+        return first
 
     def stop_waiting(self) -> None:
         """Nobody within reach, the pair timeout, or a stop: no new exchanges; one in flight may still finish."""
@@ -171,8 +172,8 @@ class RoundSession:
     def outgoing(self) -> Published:
         return self.round.offer
 
-    def complete(self, payload: Payload) -> None:
-        self.round.settle(payload)
+    def complete(self, payload: Payload) -> bool:
+        return self.round.settle(payload)
 
     def release(self) -> None:
         self.round.offer.release()

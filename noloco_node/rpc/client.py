@@ -19,7 +19,7 @@ import grpc
 from noloco_node.errors import NolocoError
 from noloco_node.rpc import peer_pb2 as pb
 from noloco_node.rpc import peer_pb2_grpc as pb_grpc
-from noloco_node.rpc.contracts import OutgoingPayload
+from noloco_node.rpc.contracts import OUTER_STEP_HEADER, OutgoingPayload
 from noloco_node.rpc.metrics import ExchangeMetrics
 from noloco_node.rpc.service import EXCHANGE_METHOD, INFO_METHOD
 from noloco_node.rpc.transport import PLAIN, Transport
@@ -55,12 +55,19 @@ class ExchangeError(NolocoError):
     """An exchange that produced nothing to blend: refused, cut, timed out, or a bad payload from the partner."""
 
     def __init__(
-        self, code: grpc.StatusCode, reason: str, message: str, *, bad_payload: PayloadError | None = None
+        self,
+        code: grpc.StatusCode,
+        reason: str,
+        message: str,
+        *,
+        bad_payload: PayloadError | None = None,
+        peer_outer_step: int | None = None,
     ) -> None:
         super().__init__(f"{code.name}: {message}")
         self.code = code
         self.reason = reason
         self.bad_payload = bad_payload  # set when the partner's payload was refused here (not by the partner)
+        self.peer_outer_step = peer_outer_step  # the partner's outer step, when it refused this node as out of reach
 
 
 def _receive(
@@ -101,9 +108,19 @@ def _receive(
 def _call_error(error: grpc.RpcError, address: str, reason: str | None = None) -> ExchangeError:
     code = error.code() if hasattr(error, "code") else grpc.StatusCode.UNKNOWN
     details = error.details() if hasattr(error, "details") else str(error)
-    return ExchangeError(
-        code, reason or ("busy" if code == grpc.StatusCode.ABORTED else code.name.lower()), f"{address}: {details}"
-    )
+    if code == grpc.StatusCode.OUT_OF_RANGE:
+        return ExchangeError(code, "out_of_reach", f"{address}: {details}", peer_outer_step=_outer_step_of(error))
+    reason = reason or ("busy" if code == grpc.StatusCode.ABORTED else code.name.lower())
+    return ExchangeError(code, reason, f"{address}: {details}")
+
+
+def _outer_step_of(error: grpc.RpcError) -> int | None:
+    """The outer step an out-of-reach refusal carries (a stranger's server may send anything: None if absent)."""
+    trailing = error.trailing_metadata() if hasattr(error, "trailing_metadata") else None
+    for key, value in trailing or ():
+        if key == OUTER_STEP_HEADER and isinstance(value, str) and value.isdigit() and len(value) < 19:
+            return int(value)
+    return None
 
 
 def _acknowledged(responses: Iterator[bytes], call: Any, address: str) -> None:

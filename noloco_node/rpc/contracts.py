@@ -7,9 +7,25 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from typing import Any, Protocol
 
+from noloco_node.errors import NolocoError
 from noloco_node.rpc import peer_pb2 as pb
 from noloco_node.wire.frames import PayloadError, PayloadKind, TensorLayout
 from noloco_node.wire.payload import Payload, ReceiveBuffers, ValueObserver
+
+OUTER_STEP_HEADER = "noloco-outer-step"  # trailing metadata of an out-of-reach refusal: the server's outer step
+
+
+class OutOfReachError(NolocoError):
+    """A pairing call from a peer further than --max-staleness outer steps from this node: refused with
+    OUT_OF_RANGE and this node's outer step, so that a caller left behind learns it from the live swarm, not only
+    from DHT records that may lag a step."""
+
+    def __init__(self, outer_step: int, partner_outer_step: int, max_staleness: int) -> None:
+        super().__init__(
+            f"out of reach: this node is at outer step {outer_step}, the caller at {partner_outer_step} "
+            f"(--max-staleness {max_staleness})"
+        )
+        self.outer_step = outer_step
 
 
 class OutgoingPayload(Protocol):
@@ -34,8 +50,10 @@ class ExchangeSession(Protocol):
 
     def outgoing(self) -> OutgoingPayload: ...
 
-    def complete(self, payload: Payload) -> None:
-        """The partner's verified payload: blend with it (atomically)."""
+    def complete(self, payload: Payload) -> bool:
+        """The partner's verified payload, which the partner has committed to: take it to blend with (atomically)
+        and return True, or return False (the round closed meanwhile: the payload is let go) and the exchange is
+        not committed on either side."""
 
     def release(self) -> None:
         """The exchange is over, whatever its outcome; the node may pair again."""
@@ -62,7 +80,7 @@ class PeerNode(Protocol):
 
     def open_session(self, partner_id: str, partner_outer_step: int, kind: str) -> ExchangeSession | None:
         """A session for an exchange of payloads of ``kind`` if this node can exchange with that partner now; None
-        means busy (ABORTED)."""
+        means busy (ABORTED); raises OutOfReachError for a partner too many outer steps away (OUT_OF_RANGE)."""
 
     def info(self) -> pb.InfoReply: ...
 

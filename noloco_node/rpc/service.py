@@ -32,7 +32,7 @@ from google.protobuf.message import DecodeError
 
 from noloco_node.rpc import peer_pb2 as pb
 from noloco_node.rpc.admission import DOWNLOAD, EXCHANGE, INFO, Admission, Refused, Ticket, remote_host
-from noloco_node.rpc.contracts import HeldPayload, PeerNode
+from noloco_node.rpc.contracts import OUTER_STEP_HEADER, HeldPayload, OutOfReachError, PeerNode
 from noloco_node.rpc.metrics import ExchangeMetrics
 from noloco_node.rpc.transport import CHANNEL_OPTIONS, PLAIN, GuardedCall, Transport, Watchdog
 from noloco_node.security.caller_proof import KEY_HEADER, CallerProofError, CallerVerifier
@@ -218,7 +218,13 @@ class PeerService:
 
         guard.progress = lambda: sent + receiver.bytes_received
         assert receiver.kind is not None
-        session = self.node.open_session(partner, receiver.manifest.outer_step, receiver.kind.name)
+        try:
+            session = self.node.open_session(partner, receiver.manifest.outer_step, receiver.kind.name)
+        except OutOfReachError as far:
+            receiver.discard()
+            finish("out_of_reach")
+            context.set_trailing_metadata(((OUTER_STEP_HEADER, str(far.outer_step)),))
+            _abort(context, grpc.StatusCode.OUT_OF_RANGE, str(far))
         if session is None:
             receiver.discard()
             finish("busy")
@@ -309,7 +315,10 @@ class PeerService:
                 why = verdict.reason if isinstance(verdict, pb.Verdict) else "no verdict in time"
                 finish("not_committed")
                 _abort(context, grpc.StatusCode.ABORTED, f"the caller did not commit: {why}"[:300])
-            session.complete(received)
+            if not session.complete(received):  # the round closed meanwhile: the payload was let go
+                finish("not_committed")
+                yield verdict_frame(commit=False, reason="this node's round closed before the commit")
+                return
             finish("completed")
             yield verdict_frame(commit=True)  # the acknowledgement: the caller blends on it
         finally:

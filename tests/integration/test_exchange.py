@@ -65,8 +65,9 @@ class Holder(AdmitsEverything):
     def outgoing(self) -> Outgoing:
         return outgoing(self.named, self.peer_id)
 
-    def complete(self, payload: Payload) -> None:
+    def complete(self, payload: Payload) -> bool:
         self.completed.append(payload)
+        return True
 
     def release(self) -> None:
         self.released.set()

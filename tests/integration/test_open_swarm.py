@@ -128,3 +128,42 @@ def test_a_caller_that_refuses_the_servers_payload_leaves_both_sides_unblended(
             assert not blends, (status["peer_id"], blends)  # type: ignore[index]
     finally:
         stop_all(nodes)
+
+
+def test_a_node_out_of_reach_is_told_the_step_its_partner_is_at(bootstrap: Bootstrap, tmp_path: Path) -> None:
+    """A caller further than --max-staleness outer steps from a node learns the node's live step from the node
+    itself (OUT_OF_RANGE, and the step in the trailing metadata), not only from a DHT record that may lag."""
+    from noloco_node.rpc.client import ExchangeError, exchange_with
+    from noloco_node.rpc.transport import Transport
+    from noloco_node.wire.frames import TensorLayout
+
+    from .attacker import fresh_identity, node_weights, payload
+
+    node = NodeProcess("n0", bootstrap, tmp_path, *TRAIN, "--steps", "100000", "--inner-steps", "5")
+    try:
+        deadline = time.monotonic() + 120
+        while not ((status := node.status()) and status["outer_step"] >= 6 and status["address"]):
+            assert time.monotonic() < deadline, "the node did not reach outer step 6"
+            time.sleep(0.3)
+        weights = node_weights(seq_len=64)
+        caller = fresh_identity()
+        outgoing = payload(weights, run_fingerprint=status["run_fingerprint"], peer_id=caller.peer_id, outer_step=1)
+        layout = [TensorLayout(name, tuple(t.shape)) for name, t in weights]
+        try:
+            exchange_with(
+                status["address"],
+                outgoing,
+                layout,
+                run_fingerprint=status["run_fingerprint"],
+                max_payload_bytes=1 << 30,
+                timeout=20,
+                peer=status["peer_id"],
+                transport=Transport(identity=caller),
+            )
+        except ExchangeError as refused:
+            assert refused.reason == "out_of_reach" and "outer step" in str(refused), refused
+            assert refused.peer_outer_step is not None and refused.peer_outer_step >= 6, refused.peer_outer_step
+        else:
+            raise AssertionError("a caller 5 outer steps behind was served")
+    finally:
+        stop_all([node])

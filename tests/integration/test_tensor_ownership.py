@@ -4,6 +4,7 @@ they were when they were offered. Real gRPC server and a slow real client on 127
 
 from __future__ import annotations
 
+import itertools
 import threading
 import time
 from collections.abc import Iterator
@@ -24,7 +25,7 @@ from noloco_node.rpc.metrics import ExchangeMetrics
 from noloco_node.rpc.service import EXCHANGE_METHOD, start_server
 from noloco_node.rpc.transport import CHANNEL_OPTIONS
 from noloco_node.training.replica import Replica
-from noloco_node.wire.frames import PayloadKind, TensorLayout, build_manifest, iter_frames
+from noloco_node.wire.frames import PayloadKind, TensorLayout, build_manifest, iter_frames, read_verdict, verdict_frame
 from noloco_node.wire.payload import PayloadReceiver, ReceiveBuffers
 
 RUN = "ownership-test"
@@ -94,9 +95,16 @@ def test_an_exchange_streaming_through_the_outer_step_delivers_the_pre_step_tens
     stepped = threading.Event()
     try:
         with grpc.insecure_channel(f"127.0.0.1:{port}", options=CHANNEL_OPTIONS) as channel:
-            sent: Iterator[bytes] = iter_frames(caller.manifest, caller.tensors)
+            # The caller commits with its payload; the server's round is closed by then, so it answers no.
+            sent: Iterator[bytes] = itertools.chain(
+                iter_frames(caller.manifest, caller.tensors), [verdict_frame(commit=True)]
+            )
             call = channel.stream_stream(EXCHANGE_METHOD)(sent, timeout=120)
+            verdicts = []
             for index, frame in enumerate(call):
+                if receiver.ended:
+                    verdicts.append(read_verdict(frame))
+                    continue
                 receiver.feed(frame)
                 if index == 2:
                     # The trainer's side, mid-stream: its wait for the exchange runs out (the timeouts that once
@@ -113,6 +121,8 @@ def test_an_exchange_streaming_through_the_outer_step_delivers_the_pre_step_tens
     finally:
         server.stop(grace=None)
     assert stepped.is_set() and node.sessions == 1
+    # Its round closed before the caller's commit came: it did not blend, and said so (neither side blends).
+    assert [v.commit for v in verdicts] == [False] and "closed" in verdicts[0].reason
     moved = sum(not torch.equal(p.detach().to(torch.bfloat16), before[f"theta/{n}"]) for n, p in
                 zip(replica.names, replica.params, strict=True))  # fmt: skip
     assert moved == len(replica.names)  # the live weights did change under the stream

@@ -125,3 +125,16 @@ def test_other_starts_are_looked_up_often_at_first_then_every_30_s(monkeypatch: 
     with pytest.raises(_EnoughError):
         asyncio.run(report.watch_peers(Discovery(), telemetry(), "run", "name", every=3.0, starts_every=30.0))  # type: ignore[arg-type]
     assert looked_up == [0.0, 3.0, 9.0, 21.0, 45.0, 75.0, 105.0, 135.0]
+
+
+def test_a_peers_own_word_on_its_outer_step_holds_until_a_newer_record() -> None:
+    """A node left behind learns a live peer's outer step from the peer's out-of-reach refusal: its DHT record may
+    lag a step, and a node three steps behind once stayed solo for 60 outer steps believing the record."""
+    telemetry = Telemetry(tokens_per_step=1, degraded_after=60, stall_after=60)
+    written = time.time() - 5
+    telemetry.on_peers([PeerRecord("p", "10.0.0.1:1", "run", outer_step=5, updated=written)])
+    telemetry.on_live_step("stranger", 1000)  # a peer the DHT does not list: ignored
+    telemetry.on_live_step("p", 8)
+    assert telemetry.peer_outer_steps() == [8]
+    telemetry.on_peers([PeerRecord("p", "10.0.0.1:1", "run", outer_step=9, updated=time.time() + 1)])
+    assert telemetry.peer_outer_steps() == [9]  # a record written after the refusal supersedes it
