@@ -441,6 +441,7 @@ class Node:
                 train_while_waiting=self.cfg.train_while_waiting,
                 # A multi-GPU member's ranks would all have to adopt the state in one collective: not done there.
                 catch_up=None if self.data_parallel else functools.partial(self._catch_up, catch_up, replica),
+                believe=self.standing.believable,
                 data_parallel=self.data_parallel,
             )
         )

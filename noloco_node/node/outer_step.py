@@ -86,6 +86,7 @@ class OuterStepDeps:
     train_while_waiting: bool = True  # --train-while-waiting: inner steps instead of idle time at the outer step
     # Adopt a live peer's state when this node fell out of every peer's reach (True: adopted); None: never.
     catch_up: Callable[[], bool] | None = None
+    believe: Callable[[str], bool] = lambda _peer_id: True  # whose outer step counts (pairing/standing.py)
     data_parallel: DataParallel | None = None
 
 
@@ -257,9 +258,11 @@ class OuterStep:
         """After a solo step: when every live peer has been ahead beyond --max-staleness for BEHIND_STEPS outer
         steps, adopt a donor's state (node/catch_up.py: only one that measures no worse than this node's own).
         A node that came up late, or whose joiner download was refused, otherwise trains alone for good: as fast
-        as the others, it never gets back within reach, and drifts beyond their norm bound."""
+        as the others, it never gets back within reach, and drifts beyond their norm bound. A peer's step is the
+        one its own server last said when it refused this node as out of reach, if newer than its DHT record; peers
+        count as ``believe`` says (once this node has peers with standing, theirs alone)."""
         deps, replica = self.deps, self.deps.replica
-        steps = deps.telemetry.peer_outer_steps()
+        steps = [step for peer, step in deps.telemetry.peer_steps().items() if deps.believe(peer)]
         within = [s for s in steps if abs(s - replica.outer_step) <= deps.max_staleness]
         ahead = [s for s in steps if s > replica.outer_step + deps.max_staleness]
         if not ahead or within:

@@ -118,16 +118,16 @@ class Telemetry:
             if records:
                 self.last_peer_seen = time.monotonic()
 
-    def peer_outer_steps(self) -> list[int]:
-        """The outer steps of the live peers: as the last DHT lookup saw them, or as a peer's server said since (a
+    def peer_steps(self) -> dict[str, int]:
+        """The outer step of each live peer: as the last DHT lookup saw it, or as the peer's server said since (a
         record may lag its node by a step; a node left behind must not believe a peer within reach that is not)."""
         with self._lock:
-            return [
-                view.live_step
+            return {
+                peer_id: view.live_step
                 if view.live_step is not None and view.record.updated < view.live_step_time
                 else view.record.outer_step
-                for view in self._peers.values()
-            ]
+                for peer_id, view in self._peers.items()
+            }
 
     def on_live_step(self, peer_id: str, outer_step: int) -> None:
         """A live peer's server refused this node as out of reach and said which outer step it is at."""

@@ -62,6 +62,7 @@ class Standing:
         self._tokens = self._rng.random()  # a random phase: nodes started together open different steps
         self._step_admits = True
         self._established_within_reach = False
+        self._had_established = False
         self.stranger_steps = 0  # outer steps that admitted strangers while established peers were within reach
 
     # ------------------------------------------------------------------------------------------- what is known
@@ -99,7 +100,9 @@ class Standing:
         any peer with standing, only those peers' claims do."""
         with self._lock:
             now = self._clock()
-            return self._established(peer_id, now) or not any(self._established(known, now) for known in self._tracks)
+            if not self._had_established:  # once true it stays true: a node that had standing peers keeps its bar
+                self._had_established = any(self._established(known, now) for known in self._tracks)
+            return not self._had_established or self._established(peer_id, now)
 
     def steps_apart(self, peer_id: str) -> int | None:
         """Outer steps from this node's last blend with ``peer_id`` to its current step; None if it never blended

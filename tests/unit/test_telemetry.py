@@ -135,6 +135,6 @@ def test_a_peers_own_word_on_its_outer_step_holds_until_a_newer_record() -> None
     telemetry.on_peers([PeerRecord("p", "10.0.0.1:1", "run", outer_step=5, updated=written)])
     telemetry.on_live_step("stranger", 1000)  # a peer the DHT does not list: ignored
     telemetry.on_live_step("p", 8)
-    assert telemetry.peer_outer_steps() == [8]
+    assert telemetry.peer_steps() == {"p": 8}
     telemetry.on_peers([PeerRecord("p", "10.0.0.1:1", "run", outer_step=9, updated=time.time() + 1)])
-    assert telemetry.peer_outer_steps() == [9]  # a record written after the refusal supersedes it
+    assert telemetry.peer_steps() == {"p": 9}  # a record written after the refusal supersedes it
