@@ -197,7 +197,13 @@ def _run(base: Path, label: str, nodes: int, model: str, steps: int, inner_steps
 def _stop(attacker: subprocess.Popen[str]) -> dict[str, Any]:
     """Stop an attacking process (it stops its attacks and prints what it saw, as JSON)."""
     attacker.terminate()
-    stdout, _ = attacker.communicate(timeout=120)
+    try:
+        # At the lowest CPU priority on cores the nodes keep busy, its wind-down can take minutes.
+        stdout, _ = attacker.communicate(timeout=300)
+    except subprocess.TimeoutExpired:
+        attacker.kill()
+        attacker.communicate()
+        return {"report": "killed: it did not stop within 300 s"}
     lines = stdout.strip().splitlines()
     return json.loads(lines[-1]) if lines else {}
 
