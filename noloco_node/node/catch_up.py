@@ -63,7 +63,7 @@ STATE_IMPROVEMENT = 0.01  # a joiner adopts a donor's state only if its validati
 
 def credible_front(peers: Sequence[PeerRecord]) -> int | None:
     """The furthest outer step that peers on enough hosts claim to have reached: the k-th furthest of the hosts'
-    claims, k = max(2, half the hosts), so that an outsider needs as many addresses as the honest hosts in sight to
+    claims (each host's: the lower median of its peers'), k = max(2, half the hosts), so that an outsider needs as many addresses as the honest hosts in sight to
     move it (many keys on one address are one claim). One host in sight: the furthest step two of its peers claim,
     or its one peer's. None if no peer is in sight."""
     furthest: dict[str, list[int]] = {}
@@ -74,7 +74,9 @@ def credible_front(peers: Sequence[PeerRecord]) -> int | None:
     if len(furthest) == 1:
         claims = sorted(next(iter(furthest.values())), reverse=True)
         return claims[1] if len(claims) > 1 else claims[0]
-    claims = sorted((max(steps) for steps in furthest.values()), reverse=True)
+    # A host's claim is the lower median of its peers' claims: one liar key beside honest nodes on a shared
+    # address (a NAT, a loopback test) does not make that address claim the liar's step.
+    claims = sorted((sorted(steps)[(len(steps) - 1) // 2] for steps in furthest.values()), reverse=True)
     return claims[max(2, (len(claims) + 1) // 2) - 1]
 
 

@@ -166,6 +166,10 @@ def test_the_swarms_front_is_corroborated_by_hosts_not_keys() -> None:
     assert credible_front([*many, *(record(f"x{i}", f"192.0.2.{i}", 1, step=1_000_000) for i in range(2))]) == 52
     same_host = [record(f"n{i}", "127.0.0.1", 7000 + i, step=s) for i, s in enumerate((5, 6, 1_000_000))]
     assert credible_front(same_host) == 6  # a loopback swarm: two claims as before
+    # A liar key beside two honest nodes on their address, and two more liar keys on an address of their own: the
+    # shared address claims what most of its peers claim (bench outsider once lured a restarting node this way).
+    liar_beside = record("liar-beside", "127.0.0.1", 9999, step=1_000_000)
+    assert credible_front([*same_host[:2], liar_beside, *liars]) == 6
 
 
 def test_a_donors_counters_must_be_the_step_its_record_claims() -> None:
