@@ -63,9 +63,9 @@ STATE_IMPROVEMENT = 0.01  # a joiner adopts a donor's state only if its validati
 
 def credible_front(peers: Sequence[PeerRecord]) -> int | None:
     """The furthest outer step that peers on enough hosts claim to have reached: the k-th furthest of the hosts'
-    claims (each host's: the lower median of its peers'), k = max(2, half the hosts), so that an outsider needs as many addresses as the honest hosts in sight to
-    move it (many keys on one address are one claim). One host in sight: the furthest step two of its peers claim,
-    or its one peer's. None if no peer is in sight."""
+    claims (each host's: the lower median of its peers'), k = max(2, half the hosts), so that an outsider needs as
+    many addresses as the honest hosts in sight to move it (many keys on one address are one claim). One host in
+    sight: the furthest step two of its peers claim, or its one peer's. None if no peer is in sight."""
     furthest: dict[str, list[int]] = {}
     for peer in peers:
         furthest.setdefault(peer.host, []).append(peer.outer_step)
