@@ -93,14 +93,20 @@ class PeerService:
         self.watchdog = watchdog or Watchdog()
 
     def _receiver(self) -> PayloadReceiver:
-        return PayloadReceiver(
-            (),
-            kinds=self.node.payload_kinds(),
-            run_fingerprint=self.node.run_fingerprint,
-            max_total_bytes=self.node.max_payload_bytes(),
-            buffers=self.node.receive_buffers,
-            observer=self.node.value_observer(),
-        )
+        observer = self.node.value_observer()  # holds the latest published state until closed
+        try:
+            return PayloadReceiver(
+                (),
+                kinds=self.node.payload_kinds(),
+                run_fingerprint=self.node.run_fingerprint,
+                max_total_bytes=self.node.max_payload_bytes(),
+                buffers=self.node.receive_buffers,
+                observer=observer,
+            )
+        except BaseException:
+            if observer is not None:
+                observer.close()
+            raise
 
     def _refuse(self, context: grpc.ServicerContext, error: PayloadError) -> NoReturn:
         self.metrics.rejection(error.reason)
@@ -146,19 +152,25 @@ class PeerService:
     def Exchange(self, request_iterator: Iterator[bytes], context: grpc.ServicerContext) -> Iterator[bytes]:  # noqa: N802
         proven = self._caller(EXCHANGE_METHOD, context, required=True)
         ticket = self._admit(EXCHANGE, context, proven)
-        receiver = self._receiver()
-        guard = self.watchdog.watch(
-            context,
-            limit=self.max_call_seconds,
-            progress=lambda: receiver.bytes_received,
-            min_rate=self.min_link_rate,
-            stall=self.stall_seconds,
-        )
-        try:
+        receiver: PayloadReceiver | None = None
+        guard: GuardedCall | None = None
+        try:  # whatever raises from here on, the slot (and what the observer holds) is given back
+            receiver = self._receiver()
+            guard = self.watchdog.watch(
+                context,
+                limit=self.max_call_seconds,
+                progress=lambda: receiver.bytes_received if receiver is not None else 0,
+                min_rate=self.min_link_rate,
+                stall=self.stall_seconds,
+            )
             yield from self._exchange(request_iterator, context, receiver, guard, proven)
         finally:
-            receiver.release_observer()
-            self._leave(ticket, guard)
+            if receiver is not None:
+                receiver.release_observer()
+            if guard is not None:
+                self._leave(ticket, guard)
+            else:
+                self.admission.leave(ticket)
 
     def _exchange(
         self,

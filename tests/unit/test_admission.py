@@ -57,3 +57,40 @@ def test_remote_hosts_and_the_connection_budget() -> None:
     assert remote_host("ipv4:127.0.0.2:5555") == "127.0.0.2"
     assert remote_host("ipv6:[::1]:5555") == "::1"
     assert connection_budget(1024) == 384 and connection_budget(100) == 16 and connection_budget(10**7) == 4096
+
+
+def test_a_call_whose_receiver_cannot_be_built_gives_its_slot_back() -> None:
+    """The exchange slot was taken before the receiver was built; a node whose payload kinds raised there kept the
+    slot for ever (eight such calls and it served no exchange again)."""
+    from noloco_node.rpc.metrics import ExchangeMetrics
+    from noloco_node.rpc.service import PeerService
+
+    class Broken:
+        run_fingerprint, peer_id, receive_buffers = "run", "server", None
+        closed = 0
+
+        def payload_kinds(self) -> list:
+            raise RuntimeError("the node is shutting down")
+
+        def max_payload_bytes(self) -> int:
+            return 1 << 20
+
+        def value_observer(self) -> Broken:
+            return self
+
+        def close(self) -> None:
+            self.closed += 1
+
+    class Context:
+        def invocation_metadata(self) -> list:
+            return []
+
+        def peer(self) -> str:
+            return "ipv4:127.0.0.1:5555"
+
+    node = Broken()
+    service = PeerService(node, ExchangeMetrics())  # type: ignore[arg-type]
+    for _ in range(10):
+        with pytest.raises(RuntimeError):
+            next(service.Exchange(iter(()), Context()))  # type: ignore[arg-type]
+    assert service.admission.in_use().get(EXCHANGE, 0) == 0 and node.closed == 10
