@@ -11,7 +11,7 @@ from pathlib import Path
 from .swarm_harness import Bootstrap, NodeProcess, run_attacker, stop_all
 
 TRAIN = ["--model", "tiny", "--seq-len", "64", "--batch-size", "8", "--eval-batches", "2"]
-WINDOW = 20.0  # seconds of each window
+WINDOW = 15.0  # seconds of each window
 # A fresh key lives shorter than a peer takes to earn standing: it is a stranger for all its life. (A patient
 # attacker's keys that outlive it and win a stranger step join the established peers, where one address weighs as
 # one host: docs/threat-model.md.)
