@@ -29,7 +29,7 @@ from hivemind.dht.validation import DHTRecord
 from hivemind.utils.timed_storage import get_dht_time
 
 from noloco_node.bench.outsider import (
-    SourceBoundRelay,
+    Relays,
     Target,
     attacker_arguments,
     download_phi,
@@ -160,7 +160,7 @@ class EchoFlood:
         )
         self._weights: dict[str, tuple[int, list[torch.Tensor]]] = {}
         self._live: list[tuple[NodeIdentity, str, grpc.Server, EchoServer, float]] = []
-        self._relays: dict[str, SourceBoundRelay] = {}
+        self._relays = Relays()
         self._stop = threading.Event()
         self._lock = threading.Lock()
         self.report: Counter[str] = Counter()
@@ -242,7 +242,7 @@ class EchoFlood:
                     if known is None or self._stop.is_set():
                         break
                     source = address.rsplit(":", 1)[0]
-                    relay = self._relay(target, source)
+                    relay = self._relays.to(target, source)
                     # Its commit goes with its payload: it never looks at what it gets back.
                     frames = [
                         *payload_frames(target, self.model_cfg, known[1], peer_id=identity.peer_id),
@@ -251,13 +251,6 @@ class EchoFlood:
                     code, _ = send_exchange(relay, target, frames, identity, timeout=10)
                     self.report[f"called {code.name}"] += 1
             self._stop.wait(0.2)
-
-    def _relay(self, target: Target, source: str) -> str:
-        with self._lock:
-            relay = self._relays.get(f"{source}>{target.address}")
-            if relay is None:
-                relay = self._relays[f"{source}>{target.address}"] = SourceBoundRelay(target.address, source)
-            return relay.address
 
     def stop(self, grace: float = 10.0) -> dict[str, object]:
         self._stop.set()
@@ -269,8 +262,7 @@ class EchoFlood:
         for _, _, server, echo, _ in live:
             self.report.update(echo.served)
             server.stop(grace=0)
-        for relay in self._relays.values():
-            relay.close()
+        self._relays.close()
         self.dht.shutdown()
         return {"report": dict(self.report), "peer_ids": self.peer_ids}
 

@@ -133,6 +133,28 @@ class SourceBoundRelay:
         self._listener.close()
 
 
+class Relays:
+    """One SourceBoundRelay per (source address, target), made on first use; thread-safe; ``close`` stops all."""
+
+    def __init__(self) -> None:
+        self._relays: dict[tuple[str, str], SourceBoundRelay] = {}
+        self._lock = threading.Lock()
+
+    def to(self, target: Target, source: str) -> str:
+        """The local address that reaches ``target`` from ``source``."""
+        with self._lock:
+            relay = self._relays.get((source, target.address))
+            if relay is None:
+                relay = self._relays[(source, target.address)] = SourceBoundRelay(target.address, source)
+            return relay.address
+
+    def close(self) -> None:
+        with self._lock:
+            relays, self._relays = list(self._relays.values()), {}
+        for relay in relays:
+            relay.close()
+
+
 def _pump(source: socket.socket, sink: socket.socket) -> None:
     try:
         while data := source.recv(1 << 16):
@@ -480,18 +502,12 @@ class Outsider:
         self.report = OutsiderReport()
         self._stop = threading.Event()
         self._threads: list[threading.Thread] = []
-        self._relays: dict[str, SourceBoundRelay] = {}
+        self._relays = Relays()
         self._sockets: list[socket.socket] = []
-        self._lock = threading.Lock()
 
     def _relay(self, target: Target, source: str | None = None) -> str:
         """The relay to ``target`` from ``source`` (default: the outsider's main address)."""
-        source = source or self.source
-        with self._lock:
-            relay = self._relays.get(f"{source}>{target.address}")
-            if relay is None:
-                relay = self._relays[f"{source}>{target.address}"] = SourceBoundRelay(target.address, source)
-            return relay.address
+        return self._relays.to(target, source or self.source)
 
     def _current(self, peer_id: str) -> Target | None:
         return next((t for t in self.targets_now() if t.peer_id == peer_id), None)
@@ -561,8 +577,7 @@ class Outsider:
         deadline = time.monotonic() + grace
         for thread in self._threads:
             thread.join(max(0.0, deadline - time.monotonic()))
-        for relay in self._relays.values():
-            relay.close()
+        self._relays.close()
         return self.report
 
 

@@ -15,9 +15,9 @@ completes first, can have every round taken by one stranger minting keys and ech
   swarm, a joiner, a restart) admits strangers at every step: it has no one better to pair with.
 
 What K keys on M addresses can take is in docs/threat-model.md. Standing is remembered after a peer leaves the DHT
-(a partition, a restart), in a bounded table that evicts the longest-gone first: an eviction only ever takes
-standing away, so the table cannot be flooded into granting it. Standing is per node and not persisted: a
-restarted node starts with no established peers.
+(a partition, a restart), in a bounded table that evicts strangers first and then the longest-gone: an eviction
+only ever takes standing away, so the table cannot be flooded into granting it. Standing is per node and not
+persisted: a restarted node starts with no established peers.
 """
 
 from __future__ import annotations
@@ -30,7 +30,7 @@ from dataclasses import dataclass
 
 from noloco_node.discovery.dht import PeerRecord
 
-MAX_REMEMBERED = 4096  # peers whose standing is kept; past this the longest-gone are forgotten first
+MAX_REMEMBERED = 4096  # peers remembered; past this strangers are forgotten first, then the longest-gone
 
 
 @dataclass
@@ -106,19 +106,17 @@ class Standing:
 
     def steps_apart(self, peer_id: str) -> int | None:
         """Outer steps from this node's last blend with ``peer_id`` to its current step; None if it never blended
-        with it. Counted on this node's own steps: nothing the peer says moves it."""
+        with it or has no standing with it (a key that won one stranger step must not buy a looser norm bound by
+        staying away). Counted on this node's own steps: nothing the peer says moves it."""
         with self._lock:
             track = self._tracks.get(peer_id)
             if track is None or track.last_blend_step is None or self._step is None:
                 return None
+            if not self._established(peer_id, self._clock()):
+                return None
             return max(0, self._step - track.last_blend_step)
 
     # ------------------------------------------------------------------------------------------- decisions
-
-    def admits_strangers(self) -> bool:
-        """Whether this node's current outer step lets strangers in (as callers and as callees)."""
-        with self._lock:
-            return self._step_admits or not self._established_within_reach
 
     def may_serve(self, peer_id: str) -> bool:
         """Whether an incoming pairing call from ``peer_id`` may be taken now; a refusal says nothing of the peer."""
@@ -169,8 +167,12 @@ class Standing:
     def _forget_beyond_limit(self) -> None:
         if len(self._tracks) <= MAX_REMEMBERED:
             return
-        by_last_seen = sorted(self._tracks, key=lambda peer_id: self._tracks[peer_id].last_seen)
-        for peer_id in by_last_seen[: len(self._tracks) - MAX_REMEMBERED]:
+        # Strangers (never blended) go first, then the longest gone: a flood of fresh keys cannot push out the
+        # standing of an honest peer that is away for a while (a partition).
+        by_worth = sorted(
+            self._tracks, key=lambda peer_id: (self._tracks[peer_id].blends > 0, self._tracks[peer_id].last_seen)
+        )
+        for peer_id in by_worth[: len(self._tracks) - MAX_REMEMBERED]:
             del self._tracks[peer_id]
 
 

@@ -10,8 +10,8 @@ theta_j = phi_j + Delta_j, where only Delta_j, the phase's progress, waits for t
    swap *reserves* the pair for this phase on both sides; a node swaps with one peer at a time (its swap lock is
    only ever tried, so two nodes calling each other get a quick refusal and retry).
 2. At the outer step the node publishes its *progress* Delta = theta - phi in the run's wire dtype and exchanges it
-   with the reserved partner alone, in a pairing round like sync's (either side may call; the first complete
-   exchange settles both). The partner's theta is rebuilt as phi_j + Delta_j (:meth:`StreamPairing.
+   with the reserved partner alone, in a pairing round like sync's (either side may call; the first exchange both
+   sides commit settles the round on both). The partner's theta is rebuilt as phi_j + Delta_j (:meth:`StreamPairing.
    complete_payload`) and checked under the norm bound like any partner's weights.
 3. No reservation by the outer step, the partner gone or already past this step, or no progress within
    --pair-timeout: a solo step.

@@ -4,8 +4,8 @@ The node opens a :class:`PairingRound` and advertises itself ready. Incoming cal
 calls to ready peers (event loop) race for the round's exchange lock, which is only ever *tried*, never waited on:
 a node busy with one exchange refuses every other call at once (ABORTED), so two nodes calling each other
 simultaneously both get a fast refusal and retry after random jitter instead of deadlocking. The first exchange
-that completes settles the round with its partner; ``pair_timeout`` without one, or nobody within reach, settles
-it alone (a solo step).
+that both sides commit (rpc/client.py: the caller's verdict, the server's acknowledgement) settles the round with
+its partner; ``pair_timeout`` without one, or nobody within reach, settles it alone (a solo step).
 
 The round goes through explicit stages (:class:`Stage`), and the trainer waits on its future, not on a flag.
 Closing the round refuses new exchanges and lets one in flight finish, bounded by the exchange ceiling. The

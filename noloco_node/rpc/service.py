@@ -3,7 +3,9 @@
 ``Exchange`` is a bidirectional stream: each side sends its payload (wire.py frames) while it receives the other's.
 Both directions run at once; a side that only wrote before reading would deadlock against HTTP/2 flow control
 as soon as both payloads exceed the window. A side hands the partner's payload to its node (to blend) only once
-the payload is complete and verified; a stream cut at any byte leaves both nodes' state untouched.
+the payload is complete and verified and both sides have committed to the exchange (the caller's ``Verdict`` on
+the server's payload, then the server's acknowledgement); a stream cut at any byte leaves both nodes' state
+untouched.
 
 Refusals are fast and precise: a node that is busy or not ready answers ABORTED at once (the caller tries another
 peer); a peer of another run gets FAILED_PRECONDITION; a malformed payload gets INVALID_ARGUMENT (or

@@ -169,9 +169,10 @@ class NormGuard:
     def admit(self, distance: float, peer: str, steps_apart: int | None = None) -> None:
         """Accept the distance, or raise PayloadError naming it and the bound. Nothing is learnt from it.
 
-        ``steps_apart``: outer steps since this node last blended with the peer (None: never). Replicas that were
-        apart drift (a partition, a slow node): the bound widens by sqrt(1 + k), k at most MAX_DRIFT_STEPS, so that
-        a swarm split for a while merges again; a peer never blended with gets the bound of one phase."""
+        ``steps_apart``: outer steps since this node last blended with the peer (None: never, or the peer has no
+        standing: pairing/standing.py). Replicas that were apart drift (a partition, a slow node): the bound widens
+        by sqrt(1 + k), k at most MAX_DRIFT_STEPS, so that two that were apart for a while can blend again; any
+        other peer gets the bound of one phase."""
         bound = self.bound()
         if bound is not None and steps_apart:
             bound = min(CEILING, bound * math.sqrt(1 + min(steps_apart, MAX_DRIFT_STEPS)))

@@ -81,12 +81,12 @@ def test_without_established_peers_within_reach_strangers_are_let_in_at_every_st
     strangers = [record(f"s{i}", "10.0.0.9", 7000 + i) for i in range(3)]
     for step in range(10):
         standing.observe(strangers, step, 2)
-        assert standing.admits_strangers() and standing.may_serve("s0")
+        assert standing.may_serve("s0")
         assert len(standing.order(strangers, {})) == 3  # nobody better: every candidate, one host at a time
     established, honest = established_swarm(clock)
     far = [record(p.peer_id, p.address.split(":")[0], 7000, step=50) for p in honest]  # all beyond max_staleness
     established.observe([*far, *strangers], 10, 2)
-    assert established.admits_strangers()
+    assert established.may_serve("a-stranger")
 
 
 def test_a_thousand_keys_on_one_host_weigh_as_one_host() -> None:
@@ -121,6 +121,25 @@ def test_standing_survives_a_partition_and_steps_apart_count_this_nodes_own_step
         standing.observe(honest[1:], step, 2)
     assert standing.established("honest0") and standing.steps_apart("honest0") == 35
     assert standing.steps_apart("never-seen") is None
+
+
+def test_a_key_that_won_one_stranger_step_buys_no_looser_bound_and_a_flood_evicts_no_standing() -> None:
+    from noloco_node.pairing import standing as module
+
+    clock = Clock()
+    standing, honest = established_swarm(clock)
+    standing.observe([*honest, record("stranger", "192.0.2.9", 1)], 1, 2)
+    standing.blended("stranger", 1)  # in a stranger step
+    for step in range(2, 20):
+        standing.observe(honest, step, 2)
+    assert standing.steps_apart("stranger") is None  # no standing: the bound of one phase, however long away
+    assert standing.steps_apart("honest0") == 19
+    # honest0 leaves the DHT (a partition) while more fresh keys than the table holds pass through.
+    for batch in range(module.MAX_REMEMBERED // 500 + 2):
+        clock.now += 1.0
+        keys = [record(f"k{batch}-{i}", "192.0.2.1", 9000 + i, step=20) for i in range(500)]
+        standing.observe([*honest[1:], *keys], 20, 2)
+    assert standing.established("honest0")
 
 
 def test_the_norm_bound_allows_for_drift_since_the_last_blend_up_to_a_limit() -> None:
