@@ -20,7 +20,7 @@ import os
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 
@@ -74,6 +74,29 @@ class ShapedNetwork:
     @property
     def control_router_address(self) -> str:
         return "10.82.255.1"
+
+    @contextmanager
+    def partition(self, *groups: Sequence[int]) -> Iterator[None]:
+        """While inside: hosts of different ``groups`` cannot reach each other (the router drops what one sends
+        the other, silently, as a broken path does); every host still reaches the router's own addresses (the
+        bootstrap peer). Healed on exit. The control plane is not cut."""
+        rules = [
+            ("from", f"10.81.{a}.0/24", "to", f"10.81.{b}.0/24")
+            for one in groups
+            for other in groups
+            if one is not other
+            for a in one
+            for b in other
+        ]
+        added = []
+        try:
+            for rule in rules:
+                _run("ip", "-n", self.router, "rule", "add", "pref", "10", *rule, "blackhole")
+                added.append(rule)
+            yield
+        finally:
+            for rule in added:
+                _run("ip", "-n", self.router, "rule", "del", "pref", "10", *rule, "blackhole")
 
 
 def _run(*args: str) -> None:

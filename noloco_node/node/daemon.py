@@ -369,6 +369,19 @@ class Node:
         log.info("status endpoint: %s/ (JSON at /status, Prometheus at /metrics, /healthz)", self.status_url)
         await asyncio.to_thread(self.write_status)  # launchers find the status URL in status.json from the start
 
+    def _swarm_step(self, own_step: int) -> int | None:
+        """Trainer thread: the outer step to move this node's clock to when most peers with standing are beyond
+        reach ahead (pairing/standing.py), else None. Peers set aside for the norm bound are called again then:
+        the bound they failed did not yet count the steps the two were apart."""
+        recent = [h["train_seconds"] + h["wait_seconds"] for h in self.telemetry.history_list(8)]
+        seconds_per_step = sorted(recent)[len(recent) // 2] if recent else 1.0
+        target = self.standing.swarm_step(
+            own_step, self.telemetry.peer_steps(), self.cfg.max_staleness, seconds_per_step
+        )
+        if target is not None:
+            self.policy.lift(NORM_BOUND)
+        return target
+
     def _catch_up(self, catch_up: CatchUp, replica: Replica) -> bool:
         """Trainer thread, left behind: download and adopt a donor's state on the event loop. The trainer waits for
         it, so the replica still has one writer at a time; every call in it has a deadline."""
@@ -442,6 +455,8 @@ class Node:
                 # A multi-GPU member's ranks would all have to adopt the state in one collective: not done there.
                 catch_up=None if self.data_parallel else functools.partial(self._catch_up, catch_up, replica),
                 believe=self.standing.believable,
+                # As for the catch-up: a multi-GPU member's ranks would have to move their counters together.
+                swarm_step=None if self.data_parallel else self._swarm_step,
                 data_parallel=self.data_parallel,
             )
         )

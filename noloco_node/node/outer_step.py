@@ -87,6 +87,9 @@ class OuterStepDeps:
     # Adopt a live peer's state when this node fell out of every peer's reach (True: adopted); None: never.
     catch_up: Callable[[], bool] | None = None
     believe: Callable[[str], bool] = lambda _peer_id: True  # whose outer step counts (pairing/standing.py)
+    # The outer step the swarm's clock is at, given this node's, when most peers with standing are beyond reach
+    # ahead (pairing/standing.py); None: keep this node's. Not given: never moved.
+    swarm_step: Callable[[int], int | None] | None = None
     data_parallel: DataParallel | None = None
 
 
@@ -220,9 +223,10 @@ class OuterStep:
         if partner is not None:
             partner.release()  # blended: its buffers can take the next outer step's payload
             self._catch_up_backoff = 1
-        caught_up = partner is None and self._catch_up_if_left_behind()
-        if caught_up:
-            deps.strategy.start(replica)  # what it offers peers now comes from the adopted state
+        moved_from = self._join_the_swarms_clock()
+        caught_up = moved_from is None and partner is None and self._catch_up_if_left_behind()
+        if caught_up or moved_from is not None:
+            deps.strategy.start(replica)  # what it offers peers now comes from the adopted state, or step
         if deps.data_parallel is not None:
             deps.data_parallel.broadcast_params(replica.params)  # the other ranks adopt theta = phi
         val_loss = replica.evaluate(deps.validation)
@@ -237,6 +241,7 @@ class OuterStep:
             "phase_steps": len(phase.losses) + extra_steps,
             "steps_while_waiting": extra_steps,
             "caught_up": caught_up,
+            "clock_moved_from": moved_from,
             "wait_seconds": waited,
             "blend_seconds": blend_seconds,
             "upkeep_seconds": 0.0,
@@ -253,6 +258,31 @@ class OuterStep:
         deps.write_status()
         entry["upkeep_seconds"] = time.monotonic() - upkeep_started  # the same dict the history holds
         asyncio.run_coroutine_threadsafe(deps.publish_record(), deps.loop)
+
+    def _join_the_swarms_clock(self) -> int | None:
+        """Move this node's outer step forward, its weights kept, when at least half of the hosts it has standing
+        with are beyond --max-staleness ahead; returns the step it moved from. Two halves of a swarm that were
+        split train at their own paces and end many outer steps apart: each half still pairs within itself, so
+        nobody is ever left behind alone, and without this the halves never meet again. The outer step is a
+        logical clock (a Lamport clock, advanced to the majority's), and the weights of the half that was behind
+        carry its own training: the blends that follow merge them, with the norm bound widened for the steps the
+        two were apart (security/payload_guard.py). A node these peers never blended with has no standing with
+        them and downloads a state instead (_catch_up_if_left_behind)."""
+        deps, replica = self.deps, self.deps.replica
+        target = deps.swarm_step(replica.outer_step) if deps.swarm_step is not None else None
+        if target is None:
+            return None
+        moved_from = replica.outer_step
+        replica.advance_clock(target)
+        self._behind = 0
+        log.warning(
+            "most peers with standing are %d outer steps ahead, beyond reach: clock moved from outer step %d to %d, "
+            "weights kept",
+            target - moved_from,
+            moved_from,
+            target,
+        )
+        return moved_from
 
     def _catch_up_if_left_behind(self) -> bool:
         """After a solo step: when every live peer has been ahead beyond --max-staleness for BEHIND_STEPS outer

@@ -59,6 +59,11 @@ class OuterStepRecord(BaseModel):
         0, description="Inner steps taken while waiting for the partner (--train-while-waiting), in phase_steps too."
     )
     caught_up: bool = Field(False, description="This outer step ended by adopting a peer's state (a catch-up).")
+    clock_moved_from: int | None = Field(
+        None,
+        description="This outer step ended by moving the clock forward from this step to outer_step, weights kept: "
+        "at least half of the hosts the node has standing with were beyond reach ahead (a healed split).",
+    )
     wait_seconds: float = Field(description="Time the trainer waited for communication at this outer step.")
     blend_seconds: float = Field(0.0, description="Time the trainer spent computing the outer step (the blend).")
     upkeep_seconds: float = Field(

@@ -25,7 +25,7 @@ from __future__ import annotations
 import random
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
 from noloco_node.discovery.dht import PeerRecord
@@ -37,8 +37,10 @@ MAX_REMEMBERED = 4096  # peers remembered; past this strangers are forgotten fir
 class _Track:
     first_seen: float  # monotonic time this node first saw the peer's record
     last_seen: float
+    host: str = ""  # the address its record gave, last seen
     blends: int = 0  # blends with this node whose payload passed every check
     last_blend_step: int | None = None  # this node's outer step at the last of them
+    last_blend_time: float | None = None  # monotonic
 
 
 class Standing:
@@ -74,9 +76,9 @@ class Standing:
             for peer in peers:
                 track = self._tracks.get(peer.peer_id)
                 if track is None:
-                    self._tracks[peer.peer_id] = _Track(first_seen=now, last_seen=now)
+                    self._tracks[peer.peer_id] = _Track(first_seen=now, last_seen=now, host=peer.host)
                 else:
-                    track.last_seen = now
+                    track.last_seen, track.host = now, peer.host
             self._forget_beyond_limit()
             self._established_within_reach = any(
                 abs(p.outer_step - own_step) <= max_staleness and self._established(p.peer_id, now) for p in peers
@@ -89,7 +91,7 @@ class Standing:
         with self._lock:
             track = self._tracks.setdefault(peer_id, _Track(first_seen=now, last_seen=now))
             track.blends += 1
-            track.last_blend_step = own_step
+            track.last_blend_step, track.last_blend_time = own_step, now
 
     def established(self, peer_id: str) -> bool:
         with self._lock:
@@ -115,6 +117,41 @@ class Standing:
             if not self._established(peer_id, self._clock()):
                 return None
             return max(0, self._step - track.last_blend_step)
+
+    def swarm_step(
+        self, own_step: int, peer_steps: Mapping[str, int], max_staleness: int, seconds_per_step: float
+    ) -> int | None:
+        """The outer step to move this node's clock to, or None (pairing/standing.py's clock rule, used by
+        node/outer_step.py): when hosts beyond ``max_staleness`` ahead make up at least half of the hosts this
+        node knows, itself counted, and at least one of them has standing with it. A host is *known* once it has
+        standing, or its record has been seen for ``standing_seconds``; it counts once, at the lower median of its
+        keys' steps. The step is the lower median of the hosts ahead, and no further than a peer with standing
+        could plausibly have gone since this node last blended with it: twice this node's own pace
+        (``seconds_per_step``) for the time since, plus ``max_staleness``.
+
+        So one peer that runs ahead (or says so) moves nobody; strangers alone move nobody, and a peer with
+        standing at most doubles this node's clock rate. A node knows only the peers it blended with: before a
+        split it may have blended with only some of the far half, so known hosts count, not only established
+        ones."""
+        now = self._clock()
+        by_host: dict[str, list[int]] = {}
+        reach: list[float] = []  # for each established peer ahead: the furthest step it can plausibly be at
+        with self._lock:
+            for peer_id, step in peer_steps.items():
+                track = self._tracks.get(peer_id)
+                if track is None or now - track.first_seen < self.standing_seconds:
+                    continue
+                by_host.setdefault(track.host, []).append(step)
+                if step > own_step + max_staleness and self._established(peer_id, now):
+                    assert track.last_blend_step is not None and track.last_blend_time is not None
+                    pace = 2 * (now - track.last_blend_time) / max(seconds_per_step, 1e-3)
+                    reach.append(track.last_blend_step + max_staleness + pace)
+        host_steps = [_lower_median(steps) for steps in by_host.values()]
+        ahead = [step for step in host_steps if step > own_step + max_staleness]
+        if not reach or 2 * len(ahead) < len(host_steps) + 1:
+            return None
+        target = min(_lower_median(ahead), int(max(reach)))
+        return target if target > own_step + max_staleness else None
 
     # ------------------------------------------------------------------------------------------- decisions
 
@@ -174,6 +211,10 @@ class Standing:
         )
         for peer_id in by_worth[: len(self._tracks) - MAX_REMEMBERED]:
             del self._tracks[peer_id]
+
+
+def _lower_median(values: Sequence[int]) -> int:
+    return sorted(values)[(len(values) - 1) // 2]
 
 
 def _by_host(peers: Sequence[PeerRecord], last_paired: dict[str, int], rng: random.Random) -> list[PeerRecord]:

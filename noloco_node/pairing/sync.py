@@ -233,7 +233,11 @@ class SyncPairing(PairingStrategy):
         while current.open:
             try:
                 live = await ctx.discovery.live_peers()
-                self._known_peers = {p.peer_id for p in live}
+                # Only peers that may reach this step can be worth a grace: with the far side of a split (or a
+                # straggler) counted, a node paired with its one reachable partner waited half a phase every step.
+                self._known_peers = {
+                    p.peer_id for p in live if abs(p.outer_step - current.outer_step) <= ctx.max_staleness
+                }
                 ctx.telemetry.on_peers(live)
                 candidates = ctx.caller.choosable(live, current.outer_step)
             except (TimeoutError, OSError) as error:

@@ -182,6 +182,16 @@ class Replica:
         self.inner_step = inner_step
         self.outer_step = outer_step
 
+    def advance_clock(self, outer_step: int) -> None:
+        """Move the counters forward to ``outer_step`` and keep the weights: the swarm's clock, rejoined after this
+        node was apart from most of its peers (node/outer_step.py). The inner step moves as many whole phases, so
+        phases still end at multiples of H; never past the run's last step."""
+        if outer_step <= self.outer_step:
+            raise ValueError(f"the clock only moves forward: {outer_step} <= {self.outer_step}")
+        skipped = (outer_step - self.outer_step) * self.train_cfg.inner_steps
+        self.inner_step = min(self.train_cfg.total_steps, self.inner_step + skipped)
+        self.outer_step = outer_step
+
     # ------------------------------------------------------------------------------------------ evaluation
 
     @torch.no_grad()

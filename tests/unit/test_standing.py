@@ -209,3 +209,50 @@ def test_once_a_node_has_peers_with_standing_only_their_claims_count() -> None:
     assert standing.believable("liar")  # nobody has standing yet: a joiner believes whom it sees
     standing, _ = established_swarm(clock)
     assert standing.believable("honest0") and not standing.believable("liar")
+
+
+def test_the_clock_moves_when_half_the_known_hosts_are_ahead_one_with_standing_and_no_further_than_plausible() -> None:
+    """After a split heals, the half that is behind moves its clock to the other half's (pairing/standing.py):
+    only when at least half of the hosts it knows, itself counted, are beyond reach ahead and one of them has
+    standing; each host counts once, whatever its keys; strangers alone move nothing; and never further than twice
+    this node's own pace since it last blended with a peer with standing there."""
+    clock = Clock()
+    standing, honest = established_swarm(clock)  # three established hosts, blended at step 0, time 0; now 31 s
+    own = 10
+    steps = {p.peer_id: own for p in honest}
+    assert standing.swarm_step(own, steps, 2, 1.0) is None  # everyone within reach
+    steps[honest[0].peer_id] = 40
+    assert standing.swarm_step(own, steps, 2, 1.0) is None  # one of four hosts ahead: it is the one to wait
+    steps[honest[1].peer_id] = 30
+    assert standing.swarm_step(own, steps, 2, 1.0) == 30  # two of four: the lower median of those ahead
+    # At 4 s a step, 31 s since the last blend allow 2 * 31 / 4 = 15.5 steps, plus the staleness bound of 2.
+    assert standing.swarm_step(own, steps, 2, 4.0) == 17
+    assert standing.swarm_step(own, steps, 2, 20.0) is None  # no further than 5: within reach already
+
+    # A host seen long enough counts as known: a node that blended with only one node of the far half still moves.
+    partial = Standing(standing_seconds=30, stranger_share=0.1, clock=clock)
+    partial.observe(honest, own, 2)
+    for peer in (honest[0], honest[2]):
+        partial.blended(peer.peer_id, own)
+    clock.now += 31
+    far_half = {honest[0].peer_id: 40, honest[1].peer_id: 40, honest[2].peer_id: own}
+    assert partial.swarm_step(own, far_half, 2, 1.0) == 40
+    assert partial.swarm_step(own, {**far_half, honest[1].peer_id: own}, 2, 1.0) is None  # 1 of 4 ahead
+    # Strangers alone move nothing, however many keys and addresses claim to be far ahead.
+    strangers = [record(f"s{i}", f"10.9.9.{i}", 7000) for i in range(50)]
+    partial.observe(strangers, own, 2)
+    clock.now += 31
+    claims = {**{p.peer_id: 10**6 for p in strangers}, honest[0].peer_id: own, honest[2].peer_id: own}
+    assert partial.swarm_step(own, claims, 2, 1.0) is None
+    # Several keys on one host count as one host, at the lower median of their steps.
+    keys = [record(f"k{i}", "10.0.0.9", 7000 + i) for i in range(3)]
+    multi = Standing(standing_seconds=30, stranger_share=0.1, clock=clock)
+    multi.observe([*keys, honest[0]], own, 2)
+    for peer in [*keys, honest[0]]:
+        multi.blended(peer.peer_id, own)
+    clock.now += 31
+    claims = {"k0": 40, "k1": 40, "k2": 40, honest[0].peer_id: own}
+    # Counted per key, three of five would be ahead; per host it is one of three (this node counted): no move.
+    assert multi.swarm_step(own, claims, 2, 1.0) is None
+    claims[honest[0].peer_id] = 50
+    assert multi.swarm_step(own, claims, 2, 1.0) == 40  # both hosts ahead: the lower median of theirs

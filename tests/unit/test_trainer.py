@@ -199,3 +199,19 @@ def test_a_donors_state_gives_its_slow_weights_and_counters_and_nothing_else() -
         assert torch.equal(phi, poisoned[f"phi/{name}"]) and torch.equal(param, phi) and not delta.any()
     losses = train(joiner, 5)
     assert all(math.isfinite(loss) for loss in losses) and losses[-1] < 1.2 * train(donor, 1)[0]
+
+
+def test_moving_the_clock_forward_keeps_the_weights_and_the_phase_boundaries() -> None:
+    """A node that rejoins its swarm's clock after a split (node/outer_step.py) keeps everything it trained; its
+    counters move by whole phases, never past the run's end, and never backwards."""
+    replica = make_replica(inner_steps=10)
+    train(replica, 10)
+    replica.apply_outer_step([p.detach().clone() for p in replica.params], list(replica.delta))
+    weights = [p.detach().clone() for p in replica.params]
+    replica.advance_clock(4)
+    assert (replica.outer_step, replica.inner_step) == (4, 40)
+    assert all(torch.equal(p, w) for p, w in zip(replica.params, weights, strict=True))
+    replica.advance_clock(50)
+    assert (replica.outer_step, replica.inner_step) == (50, 100)  # total_steps is 100: the run ends there
+    with pytest.raises(ValueError, match="forward"):
+        replica.advance_clock(50)

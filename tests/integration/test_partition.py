@@ -1,0 +1,95 @@
+"""A swarm split in two and healed (docs/threat-model.md, "Drift is not hostility"): four real node processes, each
+in a network namespace of its own behind the shaped network's router (noloco_node/bench/shaped_network.py), the
+real DHT and gRPC. For a minute the router drops everything between the halves; then it stops. Replicas that were
+apart have drifted: they must pair again, not refuse and quarantine each other."""
+
+from __future__ import annotations
+
+import os
+import time
+from pathlib import Path
+
+import pytest
+
+from noloco_node.bench.shaped_network import shaped_network
+from noloco_node.launcher.local_swarm import LocalSwarm
+
+ARGS = [
+    *("--model", "tiny", "--seq-len", "64", "--batch-size", "8", "--eval-batches", "2"),
+    *("--steps", "100000", "--inner-steps", "40", "--warmup-steps", "10", "--log-every", "0"),
+    *("--standing-seconds", "5", "--avoid-seconds", "2", "--wait-for-peers", "3", "--record-ttl", "10"),
+]
+HALVES = ((0, 1), (2, 3))
+SPLIT_SECONDS = 60.0
+MERGE_STEPS = 5  # every node blends across the old split within this many of its outer steps after the heal
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="network namespaces need root")
+def test_a_swarm_split_for_a_minute_merges_again_and_nobody_is_quarantined(tmp_path: Path) -> None:
+    with shaped_network(4, rate_mbit=1000, rtt_ms=2, prefix="nlpart") as net:
+        swarm = LocalSwarm(tmp_path, 4, ARGS, network=net)
+        try:
+
+            def statuses() -> list[dict]:
+                return [swarm.status(slot) or {} for slot in swarm.slots]
+
+            deadline = time.monotonic() + 180
+            while not all(s.get("outer_step", 0) >= 6 and s.get("uptime_seconds", 0) > 8 for s in statuses()):
+                assert time.monotonic() < deadline, "the swarm did not get going"
+                time.sleep(0.5)
+            ids = [s["peer_id"] for s in statuses()]
+            half_of = {ids[i]: h for h, half in enumerate(HALVES) for i in half}
+            with net.partition(*HALVES):
+                split = time.time()
+                time.sleep(SPLIT_SECONDS)
+            healed = time.time()
+
+            def steps_to_merge(index: int) -> int | None:
+                """The node's outer steps after the heal up to its first blend across the old split (counted as
+                steps taken: a half that was behind moves its clock, and its step numbers jump)."""
+                after = [h for h in statuses()[index].get("history", []) if h["time"] > healed]
+                crossed = [
+                    taken
+                    for taken, h in enumerate(after, start=1)
+                    if h["partner"] and half_of.get(h["partner"]) != half_of[ids[index]]
+                ]
+                return crossed[0] if crossed else None
+
+            def seconds_to_merge(index: int) -> float | None:
+                after = [h for h in statuses()[index].get("history", []) if h["time"] > healed]
+                return next(
+                    (
+                        round(h["time"] - healed, 1)
+                        for h in after
+                        if h["partner"] and half_of.get(h["partner"]) != half_of[ids[index]]
+                    ),
+                    None,
+                )
+
+            deadline = time.monotonic() + 120
+            while not all(steps_to_merge(i) for i in range(4)) and time.monotonic() < deadline:
+                time.sleep(0.5)
+            final = statuses()
+            during = [[h for h in s.get("history", []) if split < h["time"] <= healed and h["partner"]] for s in final]
+            merged_after = [steps_to_merge(i) for i in range(4)]
+            refused = [s.get("rejected_payloads", {}).get("norm_bound", 0) for s in final]
+            moved = [
+                [(h["clock_moved_from"], h["outer_step"]) for h in s["history"] if h.get("clock_moved_from")]
+                for s in final
+            ]
+            print(
+                f"outer steps to the first blend across the split after the heal: {merged_after} "
+                f"({[seconds_to_merge(i) for i in range(4)]} s); "
+                f"blends during the split: {[len(d) for d in during]}; clocks moved (from, to): {moved}; "
+                f"refused for the norm bound: {refused}"
+            )
+            # The split was real: no blend crossed it while it lasted, and each half kept blending inside.
+            for index, blends in enumerate(during):
+                assert blends and all(half_of.get(h["partner"]) == half_of[ids[index]] for h in blends), blends
+            for index, steps in enumerate(merged_after):
+                assert steps is not None, f"node {index} never blended across the old split"
+                assert steps <= MERGE_STEPS, (index, merged_after)
+            for slot in swarm.slots:
+                assert "quarantined for" not in swarm.logs(slot)
+        finally:
+            swarm.stop()
