@@ -33,9 +33,10 @@ import asyncio
 import hashlib
 import json
 import logging
+import math
 import random
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
@@ -97,6 +98,55 @@ def donors_near(peers: Sequence[PeerRecord], front: int) -> list[PeerRecord]:
     return [p for p in peers if front - 1 <= p.outer_step <= front + 1]
 
 
+# A downloaded state is on probation for its first phase: if this node's validation loss after it is worse than the
+# donor's weights measured before adoption by more than this share (or not finite), the node goes back to its own
+# checkpoint (or the seed) and never asks that donor again. A fresh Adam on adopted weights bumps the loss a little
+# on its first steps; a state that was made to pass the check and fail in training bumps it a lot.
+PROBATION_MARGIN = 0.25
+
+
+@dataclass
+class Probation:
+    """A downloaded state's first phase, judged at its outer step (node/outer_step.py, trainer thread)."""
+
+    checkpoint: Path  # this node's own checkpoint, if it has one: where a bad state is rolled back to
+    refused_donors: set[str]  # shared with CatchUp: a donor whose state went bad is never asked again
+    donor: str | None = None  # the donor of the state on probation; None: no state on probation
+    adopted_loss: float = math.nan
+
+    def begin(self, donor: str, loss: float) -> None:
+        self.donor, self.adopted_loss = donor, loss
+
+    @property
+    def pending(self) -> bool:
+        return self.donor is not None
+
+    def judge(self, replica: Replica, val_loss: float) -> bool:
+        """After the first phase on a downloaded state: keep it, or roll it back (True). Rolling back loads this
+        node's own checkpoint (a member) or the seed (a joiner) and refuses the donor for good."""
+        donor, self.donor = self.donor, None
+        if donor is None or (math.isfinite(val_loss) and val_loss <= self.adopted_loss * (1 + PROBATION_MARGIN)):
+            return False
+        # Unbounded, and never evicted: each entry cost its donor a whole state upload that passed the loss check,
+        # from a peer this node believes (standing), so it cannot be flooded.
+        self.refused_donors.add(donor)
+        if self.checkpoint.exists():
+            replica.load_state_dict(load_checkpoint(self.checkpoint)["replica"])
+            back_to = f"its own checkpoint (outer step {replica.outer_step})"
+        else:
+            replica.reset_to_seed()
+            back_to = "the run's seed"
+        log.warning(
+            "the state downloaded from %s went bad in its first phase (validation loss %.4f, against %.4f when "
+            "adopted): rolled back to %s; that donor is not asked again",
+            donor,
+            val_loss,
+            self.adopted_loss,
+            back_to,
+        )
+        return True
+
+
 class NodeError(NolocoError):
     """A node that cannot start as configured (the message says why and what to change)."""
 
@@ -116,6 +166,11 @@ class CatchUp:
     # Whose claims of the swarm's front count (pairing/standing.py): once this node has peers with standing, theirs
     # alone, so that strangers' records cannot pull a running node onto a front of their making.
     believe: Callable[[str], bool] = lambda _peer_id: True
+    refused_donors: set[str] = field(default_factory=set)  # never asked again: their state went bad (Probation)
+    probation: Probation = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.probation = Probation(self.cfg.data_dir / CHECKPOINT_FILE, self.refused_donors)
 
     async def choose_shard(self) -> int:
         """This node's data shard (see the module docstring). Two nodes starting in the same second may still pick
@@ -219,7 +274,7 @@ class CatchUp:
         layout = snapshot_layout(replica.source)
         own_loss = await asyncio.to_thread(replica.evaluate, self.validation)
         needed = own_loss if has_own_state else own_loss * (1 - STATE_IMPROVEMENT)
-        refused: set[str] = set()
+        refused = set(self.refused_donors)  # and, for this download, those whose state measured worse
         download = StateDownload(layout, run_fingerprint=self.run_fingerprint, peer_id=self.peer_id)
         for attempt in range(rounds):
             peers = [p for p in await self._donor_candidates() if p.peer_id not in refused]
@@ -279,6 +334,7 @@ class CatchUp:
                     replica.adopt_donor_weights, tensors, int(got["outer_step"]), int(got["inner_step"])
                 )
                 self.metrics.outcome("state_downloaded")
+                self.probation.begin(donor.peer_id, loss)
                 log.info(
                     "%s: state of outer step %d from %s (validation loss %.4f, against %.4f)%s",
                     purpose,

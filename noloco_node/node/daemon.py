@@ -457,6 +457,7 @@ class Node:
                 believe=self.standing.believable,
                 # As for the catch-up: a multi-GPU member's ranks would have to move their counters together.
                 swarm_step=None if self.data_parallel else self._swarm_step,
+                probation=None if self.data_parallel else catch_up.probation,
                 data_parallel=self.data_parallel,
             )
         )

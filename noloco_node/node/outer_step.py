@@ -29,6 +29,7 @@ import torch
 
 from noloco_node import algorithm
 from noloco_node.config.models import OuterConfig, TrainConfig
+from noloco_node.node.catch_up import Probation
 from noloco_node.observability.report import ProgressLog
 from noloco_node.observability.telemetry import KEEP_OUTER_STEPS, Telemetry
 from noloco_node.pairing.strategy import PairingStrategy
@@ -90,6 +91,7 @@ class OuterStepDeps:
     # The outer step the swarm's clock is at, given this node's, when most peers with standing are beyond reach
     # ahead (pairing/standing.py); None: keep this node's. Not given: never moved.
     swarm_step: Callable[[int], int | None] | None = None
+    probation: Probation | None = None  # a downloaded state's first phase, judged here (node/catch_up.py)
     data_parallel: DataParallel | None = None
 
 
@@ -185,7 +187,9 @@ class OuterStep:
             outer_step=replica.outer_step,
             metadata_json=json.dumps(copy.metadata["counters"]),
         )
-        if replica.outer_step % deps.checkpoint_every == 0 and copy.hold():
+        # A downloaded state on probation is not checkpointed: the checkpoint is what a bad one rolls back to.
+        on_probation = deps.probation is not None and deps.probation.pending
+        if replica.outer_step % deps.checkpoint_every == 0 and not on_probation and copy.hold():
             history = deps.telemetry.history_list(KEEP_OUTER_STEPS)  # a copy of the list, as of this step
             deps.checkpoints.submit(
                 lambda: {**deps.checkpoint_extra(), "replica": replica_state_of(copy), "history": history},
@@ -230,6 +234,10 @@ class OuterStep:
         if deps.data_parallel is not None:
             deps.data_parallel.broadcast_params(replica.params)  # the other ranks adopt theta = phi
         val_loss = replica.evaluate(deps.validation)
+        # A state adopted at this very step has trained no phase yet: it is judged at the next one.
+        rolled_back = not caught_up and deps.probation is not None and deps.probation.judge(replica, val_loss)
+        if rolled_back:
+            deps.strategy.start(replica)  # what it offers peers comes from its own state again
         entry = {
             "outer_step": replica.outer_step,
             "inner_step": replica.inner_step,
@@ -242,6 +250,7 @@ class OuterStep:
             "steps_while_waiting": extra_steps,
             "caught_up": caught_up,
             "clock_moved_from": moved_from,
+            "rolled_back": rolled_back,
             "wait_seconds": waited,
             "blend_seconds": blend_seconds,
             "upkeep_seconds": 0.0,

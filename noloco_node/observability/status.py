@@ -59,6 +59,11 @@ class OuterStepRecord(BaseModel):
         0, description="Inner steps taken while waiting for the partner (--train-while-waiting), in phase_steps too."
     )
     caught_up: bool = Field(False, description="This outer step ended by adopting a peer's state (a catch-up).")
+    rolled_back: bool = Field(
+        False,
+        description="The state downloaded before this phase went bad in it: the node went back to its own "
+        "checkpoint (or the seed) and will not ask that donor again.",
+    )
     clock_moved_from: int | None = Field(
         None,
         description="This outer step ended by moving the clock forward from this step to outer_step, weights kept: "

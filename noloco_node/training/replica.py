@@ -182,6 +182,18 @@ class Replica:
         self.inner_step = inner_step
         self.outer_step = outer_step
 
+    @torch.no_grad()
+    def reset_to_seed(self) -> None:
+        """Back to the run's first weights and counters, momenta empty: where a fresh joiner whose downloaded
+        state went bad starts again (node/catch_up.py)."""
+        seed = dict(named_parameters_ordered(self.source.initial_model(torch.device("cpu"))))
+        for name, param, phi, delta in zip(self.names, self.params, self.phi, self.delta, strict=True):
+            phi.copy_(seed[name])
+            param.copy_(phi)
+            delta.zero_()
+        self.optimizer.state.clear()
+        self.inner_step = self.outer_step = 0
+
     def advance_clock(self, outer_step: int) -> None:
         """Move the counters forward to ``outer_step`` and keep the weights: the swarm's clock, rejoined after this
         node was apart from most of its peers (node/outer_step.py). The inner step moves as many whole phases, so

@@ -215,3 +215,41 @@ def test_moving_the_clock_forward_keeps_the_weights_and_the_phase_boundaries() -
     assert (replica.outer_step, replica.inner_step) == (50, 100)  # total_steps is 100: the run ends there
     with pytest.raises(ValueError, match="forward"):
         replica.advance_clock(50)
+
+
+def test_a_downloaded_state_that_goes_bad_in_its_first_phase_is_rolled_back_and_its_donor_refused(
+    tmp_path: Path,
+) -> None:
+    """node/catch_up.py Probation: after the first phase on a donor's weights, a validation loss far above the one
+    they measured before adoption sends a member back to its own checkpoint and a joiner back to the seed; the
+    donor goes on the list never asked again. A state that holds up is kept."""
+    from noloco_node.node.catch_up import PROBATION_MARGIN, Probation
+
+    member = make_replica(seed=0)
+    train(member, 10)
+    checkpoint = tmp_path / "checkpoint.pt"
+    save_checkpoint(checkpoint, {"replica": member.state_dict()})
+    own = [p.detach().clone() for p in member.params]
+    donor = make_replica(seed=1)
+    train(donor, 20)
+    donated = {f"phi/{n}": p.detach().clone() for n, p in zip(donor.names, donor.params, strict=True)}
+    member.adopt_donor_weights(donated, 3, 30)
+    refused: set[str] = set()
+    probation = Probation(checkpoint, refused)
+    probation.begin("good", 2.0)
+    assert probation.pending and not probation.judge(member, 2.0 * (1 + PROBATION_MARGIN))  # held up: kept
+    assert not probation.pending and member.outer_step == 3 and refused == set()
+    probation.begin("poisoner", 2.0)
+    assert probation.judge(member, float("nan"))
+    assert refused == {"poisoner"} and (member.outer_step, member.inner_step) == (0, 10)
+    assert all(torch.equal(p, o) for p, o in zip(member.params, own, strict=True))  # its own checkpoint again
+    joiner = make_replica(seed=0)
+    seed = [p.detach().clone() for p in joiner.params]
+    joiner.adopt_donor_weights(donated, 3, 30)
+    train(joiner, 2)
+    fresh = Probation(tmp_path / "none.pt", refused)
+    fresh.begin("poisoner2", 2.0)
+    assert fresh.judge(joiner, 9.0)
+    assert (joiner.outer_step, joiner.inner_step) == (0, 0) and joiner.optimizer.state == {}
+    assert all(torch.equal(p, s) and not d.any() for p, s, d in zip(joiner.params, seed, joiner.delta, strict=True))
+    assert refused == {"poisoner", "poisoner2"}
