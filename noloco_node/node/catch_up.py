@@ -266,7 +266,13 @@ class CatchUp:
             return []
 
     async def download_state(
-        self, replica: Replica, *, has_own_state: bool, rounds: int = 3, purpose: str = "joined a run in progress"
+        self,
+        replica: Replica,
+        *,
+        has_own_state: bool,
+        rounds: int = 3,
+        purpose: str = "joined a run in progress",
+        near: int | None = None,
     ) -> bool:
         """Adopt a fresh donor's snapshot that measures well (see the module docstring). Donors are drawn at
         random near the credible front, so joiners spread out; a busy or failing donor is followed by the next
@@ -278,7 +284,8 @@ class CatchUp:
         download = StateDownload(layout, run_fingerprint=self.run_fingerprint, peer_id=self.peer_id)
         for attempt in range(rounds):
             peers = [p for p in await self._donor_candidates() if p.peer_id not in refused]
-            front = credible_front(peers)
+            # ``near``: a front the caller corroborated itself (pairing/standing.py swarm_step).
+            front = credible_front(peers) if near is None else near
             if front is None:
                 return False
             donors = donors_near(peers, front)

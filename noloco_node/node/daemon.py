@@ -49,7 +49,7 @@ from noloco_node.observability.status import Health, NodeStatus
 from noloco_node.observability.status_file import write_status_file
 from noloco_node.observability.telemetry import KEEP_OUTER_STEPS, HealthInputs, Telemetry
 from noloco_node.pairing.peer_policy import PeerPolicy
-from noloco_node.pairing.standing import Standing
+from noloco_node.pairing.standing import Standing, SwarmStep
 from noloco_node.rpc import peer_pb2 as pb
 from noloco_node.rpc.metrics import ExchangeMetrics
 from noloco_node.rpc.service import start_server
@@ -369,7 +369,7 @@ class Node:
         log.info("status endpoint: %s/ (JSON at /status, Prometheus at /metrics, /healthz)", self.status_url)
         await asyncio.to_thread(self.write_status)  # launchers find the status URL in status.json from the start
 
-    def _swarm_step(self, own_step: int) -> int | None:
+    def _swarm_step(self, own_step: int) -> SwarmStep | None:
         """Trainer thread: the outer step to move this node's clock to when most peers with standing are beyond
         reach ahead (pairing/standing.py), else None. Peers set aside for the norm bound are called again then:
         the bound they failed did not yet count the steps the two were apart."""
@@ -382,11 +382,14 @@ class Node:
             self.policy.lift(NORM_BOUND)
         return target
 
-    def _catch_up(self, catch_up: CatchUp, replica: Replica) -> bool:
-        """Trainer thread, left behind: download and adopt a donor's state on the event loop. The trainer waits for
-        it, so the replica still has one writer at a time; every call in it has a deadline."""
+    def _catch_up(self, catch_up: CatchUp, replica: Replica, near: int | None) -> bool:
+        """Trainer thread, left behind: download and adopt a donor's state (of a donor near outer step ``near``,
+        else near the credible front) on the event loop. The trainer waits for it, so the replica still has one
+        writer at a time; every call in it has a deadline."""
         assert self.peering.context.loop is not None
-        download = catch_up.download_state(replica, has_own_state=True, rounds=1, purpose="caught up with the swarm")
+        download = catch_up.download_state(
+            replica, has_own_state=True, rounds=1, purpose="caught up with the swarm", near=near
+        )
         adopted = asyncio.run_coroutine_threadsafe(download, self.peering.context.loop).result()
         if adopted:
             # Their payloads were refused as too far from weights this node no longer has.

@@ -32,8 +32,9 @@ from noloco_node.config.models import OuterConfig, TrainConfig
 from noloco_node.node.catch_up import Probation
 from noloco_node.observability.report import ProgressLog
 from noloco_node.observability.telemetry import KEEP_OUTER_STEPS, Telemetry
+from noloco_node.pairing.standing import SwarmStep
 from noloco_node.pairing.strategy import PairingStrategy
-from noloco_node.security.payload_guard import NormGuard, relative_distance
+from noloco_node.security.payload_guard import MAX_DRIFT_STEPS, NormGuard, relative_distance
 from noloco_node.training.checkpoints import CheckpointWriter, OuterStateCopies, replica_state_of
 from noloco_node.training.data_parallel import DataParallel
 from noloco_node.training.loop import InnerLoop, InnerPhase, StepHook
@@ -86,11 +87,12 @@ class OuterStepDeps:
     judge: Callable[[Payload], bool]  # the norm bound, for a payload that arrived before this node had one
     train_while_waiting: bool = True  # --train-while-waiting: inner steps instead of idle time at the outer step
     # Adopt a live peer's state when this node fell out of every peer's reach (True: adopted); None: never.
-    catch_up: Callable[[], bool] | None = None
+    # front: the outer step to take a donor near (None: the credible front of every peer this node believes).
+    catch_up: Callable[[int | None], bool] | None = None
     believe: Callable[[str], bool] = lambda _peer_id: True  # whose outer step counts (pairing/standing.py)
     # The outer step the swarm's clock is at, given this node's, when most peers with standing are beyond reach
     # ahead (pairing/standing.py); None: keep this node's. Not given: never moved.
-    swarm_step: Callable[[int], int | None] | None = None
+    swarm_step: Callable[[int], SwarmStep | None] | None = None
     probation: Probation | None = None  # a downloaded state's first phase, judged here (node/catch_up.py)
     data_parallel: DataParallel | None = None
 
@@ -227,8 +229,9 @@ class OuterStep:
         if partner is not None:
             partner.release()  # blended: its buffers can take the next outer step's payload
             self._catch_up_backoff = 1
-        moved_from = self._join_the_swarms_clock()
-        caught_up = moved_from is None and partner is None and self._catch_up_if_left_behind()
+        moved_from, caught_up = self._rejoin_the_swarm()
+        if moved_from is None and not caught_up and partner is None:
+            caught_up = self._catch_up_if_left_behind()
         if caught_up or moved_from is not None:
             deps.strategy.start(replica)  # what it offers peers now comes from the adopted state, or step
         if deps.data_parallel is not None:
@@ -268,30 +271,44 @@ class OuterStep:
         entry["upkeep_seconds"] = time.monotonic() - upkeep_started  # the same dict the history holds
         asyncio.run_coroutine_threadsafe(deps.publish_record(), deps.loop)
 
-    def _join_the_swarms_clock(self) -> int | None:
-        """Move this node's outer step forward, its weights kept, when at least half of the hosts it has standing
-        with are beyond --max-staleness ahead; returns the step it moved from. Two halves of a swarm that were
-        split train at their own paces and end many outer steps apart: each half still pairs within itself, so
-        nobody is ever left behind alone, and without this the halves never meet again. The outer step is a
-        logical clock (a Lamport clock, advanced to the majority's), and the weights of the half that was behind
-        carry its own training: the blends that follow merge them, with the norm bound widened for the steps the
-        two were apart (security/payload_guard.py). A node these peers never blended with has no standing with
-        them and downloads a state instead (_catch_up_if_left_behind)."""
+    def _rejoin_the_swarm(self) -> tuple[int | None, bool]:
+        """When at least half of the hosts this node knows are beyond --max-staleness ahead (Standing.swarm_step):
+        move its outer step forward to theirs, weights kept, or download a peer's state; returns (the step the
+        clock moved from, whether a state was adopted).
+
+        Two halves of a swarm that were split train at their own paces and end many outer steps apart: each half
+        still pairs within itself, so nobody is ever left behind alone, and without this the halves never meet
+        again. The outer step is a logical clock (a Lamport clock, advanced to the majority's), and the weights of
+        the half that was behind carry its own training: the blends that follow merge them, with the norm bound
+        widened for the steps the two were apart (security/payload_guard.py). Further apart than that widening
+        allows (MAX_DRIFT_STEPS), the two sides' weights have drifted beyond any bound (seen: relative distances
+        of 0.93-1.12 after 40-67 outer steps apart), so the node downloads a state from the front instead, kept
+        only if it measures no worse than its own (node/catch_up.py); refused, it moves its clock all the same. A
+        node these peers never blended with has no standing with them and is left to _catch_up_if_left_behind."""
         deps, replica = self.deps, self.deps.replica
-        target = deps.swarm_step(replica.outer_step) if deps.swarm_step is not None else None
-        if target is None:
-            return None
-        moved_from = replica.outer_step
-        replica.advance_clock(target)
+        found = deps.swarm_step(replica.outer_step) if deps.swarm_step is not None else None
+        if found is None:
+            return None, False
         self._behind = 0
+        if found.steps_apart > MAX_DRIFT_STEPS and deps.catch_up is not None:
+            log.warning(
+                "most peers with standing are %d outer steps ahead, beyond reach, and this node last blended with "
+                "them %d of its outer steps ago: downloading a peer's state",
+                found.outer_step - replica.outer_step,
+                found.steps_apart,
+            )
+            if deps.catch_up(found.outer_step):
+                return None, True
+        moved_from = replica.outer_step
+        replica.advance_clock(found.outer_step)
         log.warning(
             "most peers with standing are %d outer steps ahead, beyond reach: clock moved from outer step %d to %d, "
             "weights kept",
-            target - moved_from,
+            found.outer_step - moved_from,
             moved_from,
-            target,
+            found.outer_step,
         )
-        return moved_from
+        return moved_from, False
 
     def _catch_up_if_left_behind(self) -> bool:
         """After a solo step: when every live peer has been ahead beyond --max-staleness for BEHIND_STEPS outer
@@ -321,7 +338,7 @@ class OuterStep:
             return False
         behind_by = min(ahead) - replica.outer_step
         log.warning("every live peer is %d+ outer steps ahead, beyond reach: downloading a peer's state", behind_by)
-        adopted = deps.catch_up()  # the trainer waits: the download adopts the state while nothing else writes it
+        adopted = deps.catch_up(None)  # the trainer waits: the download adopts the state while nothing else writes it
         if adopted:
             self._behind = 0
         self._catch_up_backoff = min(MAX_CATCH_UP_BACKOFF, self._catch_up_backoff * 2)

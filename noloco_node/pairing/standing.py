@@ -43,6 +43,16 @@ class _Track:
     last_blend_time: float | None = None  # monotonic
 
 
+@dataclass(frozen=True)
+class SwarmStep:
+    """Where the swarm's clock is, seen from a node that most of it is ahead of (Standing.swarm_step)."""
+
+    outer_step: int
+    # This node's outer steps since it last blended with the furthest apart of those peers with standing: one of
+    # them may have just come over (a download) while the rest drifted.
+    steps_apart: int
+
+
 class Standing:
     """Thread-safe: read by gRPC threads (incoming sessions) and the event loop (calls), written by both."""
 
@@ -120,9 +130,9 @@ class Standing:
 
     def swarm_step(
         self, own_step: int, peer_steps: Mapping[str, int], max_staleness: int, seconds_per_step: float
-    ) -> int | None:
-        """The outer step to move this node's clock to, or None (pairing/standing.py's clock rule, used by
-        node/outer_step.py): when hosts beyond ``max_staleness`` ahead make up at least half of the hosts this
+    ) -> SwarmStep | None:
+        """The outer step to move this node's clock to (and how far apart it is from those peers), or None (used
+        by node/outer_step.py): when hosts beyond ``max_staleness`` ahead make up at least half of the hosts this
         node knows, itself counted, and at least one of them has standing with it. A host is *known* once it has
         standing, or its record has been seen for ``standing_seconds``; it counts once, at the lower median of its
         keys' steps. The step is the lower median of the hosts ahead, and no further than a peer with standing
@@ -136,6 +146,7 @@ class Standing:
         now = self._clock()
         by_host: dict[str, list[int]] = {}
         reach: list[float] = []  # for each established peer ahead: the furthest step it can plausibly be at
+        apart: list[int] = []  # for each established peer ahead: this node's outer steps since it blended with it
         with self._lock:
             for peer_id, step in peer_steps.items():
                 track = self._tracks.get(peer_id)
@@ -146,12 +157,13 @@ class Standing:
                     assert track.last_blend_step is not None and track.last_blend_time is not None
                     pace = 2 * (now - track.last_blend_time) / max(seconds_per_step, 1e-3)
                     reach.append(track.last_blend_step + max_staleness + pace)
+                    apart.append(max(0, own_step - track.last_blend_step))
         host_steps = [_lower_median(steps) for steps in by_host.values()]
         ahead = [step for step in host_steps if step > own_step + max_staleness]
         if not reach or 2 * len(ahead) < len(host_steps) + 1:
             return None
         target = min(_lower_median(ahead), int(max(reach)))
-        return target if target > own_step + max_staleness else None
+        return SwarmStep(target, max(apart)) if target > own_step + max_staleness else None
 
     # ------------------------------------------------------------------------------------------- decisions
 

@@ -243,7 +243,15 @@ class SyncPairing(PairingStrategy):
             except (TimeoutError, OSError) as error:
                 log.warning("DHT lookup failed: %s", error)
                 live, candidates = [], []
-            within_reach = [p for p in live if abs(p.outer_step - current.outer_step) <= ctx.max_staleness]
+            # Peers this node set aside (a failure, the norm bound) do not count: their payload would be refused
+            # again, and waiting the whole pair_timeout for them at every step left two such nodes idle most of the
+            # time while the rest of the swarm ran away from them.
+            within_reach = [
+                p
+                for p in live
+                if abs(p.outer_step - current.outer_step) <= ctx.max_staleness
+                and not ctx.caller.policy.avoided(p.peer_id)
+            ]
             all_ahead = bool(live) and all(p.outer_step > current.outer_step + ctx.max_staleness for p in live)
             if not within_reach and (all_ahead or time.monotonic() >= alone_until):
                 # Nobody else in the run within the staleness bound (alone, or every other node far ahead or far

@@ -34,7 +34,7 @@ def test_a_swarm_split_for_a_minute_merges_again_and_nobody_is_quarantined(tmp_p
                 return [swarm.status(slot) or {} for slot in swarm.slots]
 
             deadline = time.monotonic() + 180
-            while not all(s.get("outer_step", 0) >= 6 and s.get("uptime_seconds", 0) > 8 for s in statuses()):
+            while not all(s.get("outer_step", 0) >= 10 and s.get("uptime_seconds", 0) > 8 for s in statuses()):
                 assert time.monotonic() < deadline, "the swarm did not get going"
                 time.sleep(0.5)
             ids = [s["peer_id"] for s in statuses()]

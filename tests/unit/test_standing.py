@@ -10,7 +10,7 @@ import pytest
 
 from noloco_node.discovery.dht import PeerRecord
 from noloco_node.pairing.peer_policy import PeerPolicy
-from noloco_node.pairing.standing import Standing
+from noloco_node.pairing.standing import Standing, SwarmStep
 from noloco_node.security.payload_guard import CEILING, NormGuard
 from noloco_node.wire.frames import PayloadError
 
@@ -224,9 +224,9 @@ def test_the_clock_moves_when_half_the_known_hosts_are_ahead_one_with_standing_a
     steps[honest[0].peer_id] = 40
     assert standing.swarm_step(own, steps, 2, 1.0) is None  # one of four hosts ahead: it is the one to wait
     steps[honest[1].peer_id] = 30
-    assert standing.swarm_step(own, steps, 2, 1.0) == 30  # two of four: the lower median of those ahead
+    assert standing.swarm_step(own, steps, 2, 1.0) == SwarmStep(30, 10)  # two of four: the lower median; 10 steps apart
     # At 4 s a step, 31 s since the last blend allow 2 * 31 / 4 = 15.5 steps, plus the staleness bound of 2.
-    assert standing.swarm_step(own, steps, 2, 4.0) == 17
+    assert standing.swarm_step(own, steps, 2, 4.0) == SwarmStep(17, 10)
     assert standing.swarm_step(own, steps, 2, 20.0) is None  # no further than 5: within reach already
 
     # A host seen long enough counts as known: a node that blended with only one node of the far half still moves.
@@ -236,7 +236,7 @@ def test_the_clock_moves_when_half_the_known_hosts_are_ahead_one_with_standing_a
         partial.blended(peer.peer_id, own)
     clock.now += 31
     far_half = {honest[0].peer_id: 40, honest[1].peer_id: 40, honest[2].peer_id: own}
-    assert partial.swarm_step(own, far_half, 2, 1.0) == 40
+    assert partial.swarm_step(own, far_half, 2, 1.0) == SwarmStep(40, 0)
     assert partial.swarm_step(own, {**far_half, honest[1].peer_id: own}, 2, 1.0) is None  # 1 of 4 ahead
     # Strangers alone move nothing, however many keys and addresses claim to be far ahead.
     strangers = [record(f"s{i}", f"10.9.9.{i}", 7000) for i in range(50)]
@@ -255,4 +255,4 @@ def test_the_clock_moves_when_half_the_known_hosts_are_ahead_one_with_standing_a
     # Counted per key, three of five would be ahead; per host it is one of three (this node counted): no move.
     assert multi.swarm_step(own, claims, 2, 1.0) is None
     claims[honest[0].peer_id] = 50
-    assert multi.swarm_step(own, claims, 2, 1.0) == 40  # both hosts ahead: the lower median of theirs
+    assert multi.swarm_step(own, claims, 2, 1.0) == SwarmStep(40, 0)  # both hosts ahead: the lower median of theirs
