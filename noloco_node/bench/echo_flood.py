@@ -167,11 +167,25 @@ class EchoFlood:
         self.peer_ids: list[str] = []
         self._threads: list[threading.Thread] = []
 
-    def start(self) -> None:
-        for loop in (self._read_weights, self._mint_keys, self._publish_records, self._call_in):
-            thread = threading.Thread(target=loop, daemon=True, name=f"flood-{loop.__name__}")
-            thread.start()
-            self._threads.append(thread)
+    def start(self, ready_within: float = 60.0) -> float:
+        """Read every target's weights first (at most ``ready_within`` s), then flood; returns when the flood began
+        (Unix time). Keys minted before the flood can echo anything would only fail their calls: under a full test
+        suite's load, at the lowest priority, the first reads took longer than a whole window once."""
+        self._start(self._read_weights)
+        deadline = time.monotonic() + ready_within
+        while time.monotonic() < deadline and not self._stop.is_set():
+            with self._lock:
+                if {t.peer_id for t in self.targets_now()} <= set(self._weights):
+                    break
+            time.sleep(0.2)
+        for loop in (self._mint_keys, self._publish_records, self._call_in):
+            self._start(loop)
+        return time.time()
+
+    def _start(self, loop: Callable[[], None]) -> None:
+        thread = threading.Thread(target=loop, daemon=True, name=f"flood-{loop.__name__}")
+        thread.start()
+        self._threads.append(thread)
 
     def _echo(self, peer_id: str) -> tuple[int, list[torch.Tensor]] | None:
         with self._lock:
@@ -291,9 +305,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     done = threading.Event()
     for signum in (signal.SIGINT, signal.SIGTERM):
         signal.signal(signum, lambda *_: done.set())
-    flood.start()
+    began = flood.start()
     done.wait(args.seconds)
-    print(json.dumps(flood.stop()))
+    print(json.dumps({**flood.stop(), "began": began}))
     return 0
 
 

@@ -26,9 +26,9 @@ def _steps(nodes: list[NodeProcess], start: float, end: float) -> list[dict]:
 
 def _flood(nodes: list[NodeProcess], hosts: str) -> tuple[list[dict], dict]:
     args = ("--hosts", hosts, "--key-life", str(KEY_LIFE))
-    started, seen = run_attacker("noloco_node.bench.echo_flood", nodes, WINDOW, *args)
+    _, seen = run_attacker("noloco_node.bench.echo_flood", nodes, WINDOW, *args)
     time.sleep(2.0)  # a step the flood held may end after it exits
-    return _steps(nodes, started, time.time()), seen
+    return _steps(nodes, seen["began"], time.time()), seen  # from when it had weights to echo
 
 
 def _shares(steps: list[dict], honest: set[str]) -> tuple[float, float, str]:
