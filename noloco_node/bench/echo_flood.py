@@ -156,6 +156,9 @@ class EchoFlood:
             initial_peers=list(initial_peers),
             host_maddrs=["/ip4/127.0.0.1/tcp/0"],
             record_validators=[ManyKeysSigner(self._keys)],
+            # Its p2pd runs at nice 19 like the flood: on a machine busy with a test suite, hivemind's default 15 s
+            # for the daemon to come up ran out once.
+            startup_timeout=60,
             start=True,
         )
         self._weights: dict[str, tuple[int, list[torch.Tensor]]] = {}
@@ -288,6 +291,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--key-every", type=float, default=3.0, help="a new key this often (s)")
     parser.add_argument("--key-life", type=float, default=30.0, help="each key serves this long (s)")
     parser.add_argument("--no-call-in", action="store_true", help="only answer, never call the honest nodes")
+    parser.add_argument(
+        "--ready-within", type=float, default=60.0, help="at most this long (s) to read the weights it echoes"
+    )
     args = parser.parse_args(argv)
     os.nice(19)
     model_cfg = model_config_for(args.model, vocab_size=args.vocab_size, max_seq_len=args.seq_len)
@@ -305,9 +311,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     done = threading.Event()
     for signum in (signal.SIGINT, signal.SIGTERM):
         signal.signal(signum, lambda *_: done.set())
-    began = flood.start()
+    launched = time.time()
+    began = flood.start(ready_within=args.ready_within)
     done.wait(args.seconds)
-    print(json.dumps({**flood.stop(), "began": began}))
+    print(json.dumps({**flood.stop(), "began": began, "ready_seconds": round(began - launched, 1)}))
     return 0
 
 

@@ -23,6 +23,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import functools
 import json
 import math
 import os
@@ -172,9 +173,25 @@ def _pump(source: socket.socket, sink: socket.socket) -> None:
 
 
 def theta_names(model_cfg: ModelConfig) -> list[tuple[str, tuple[int, ...]]]:
+    return list(_theta_names(model_cfg.model_dump_json()))
+
+
+def _layout(model_cfg: ModelConfig) -> list[tuple[str, tuple[int, ...]]]:
+    return list(_snapshot_layout(model_cfg.model_dump_json()))
+
+
+# Built once per model: a meta-device model costs seconds of CPU at nice 19 (its first one imports torch._dynamo),
+# and an attacker reads weights every half second.
+@functools.cache
+def _theta_names(model_json: str) -> tuple[tuple[str, tuple[int, ...]], ...]:
     with torch.device("meta"):
-        model = LlamaDecoder(model_cfg)
-    return [(f"theta/{name}", tuple(p.shape)) for name, p in named_parameters_ordered(model)]
+        model = LlamaDecoder(ModelConfig.model_validate_json(model_json))
+    return tuple((f"theta/{name}", tuple(p.shape)) for name, p in named_parameters_ordered(model))
+
+
+@functools.cache
+def _snapshot_layout(model_json: str) -> tuple[tuple[str, tuple[int, ...]], ...]:
+    return tuple(snapshot_layout(SeededDecoder(ModelConfig.model_validate_json(model_json), seed=0)))
 
 
 def download_phi(
@@ -183,7 +200,7 @@ def download_phi(
     """The target's slow weights, as GetState hands them to anyone (the distance of a crafted payload from them
     is then exact)."""
     download = StateDownload(
-        snapshot_layout(SeededDecoder(model_cfg, seed=0)),
+        _layout(model_cfg),
         run_fingerprint=target.run_fingerprint,
         peer_id=identity.peer_id,
     )

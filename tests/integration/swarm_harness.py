@@ -100,9 +100,13 @@ def stop_all(nodes: Iterable[NodeProcess]) -> None:
     stop_together([node.process for node in nodes], 30)
 
 
-def run_attacker(module: str, nodes: list[NodeProcess], seconds: float, *args: str) -> tuple[float, dict]:
-    """Run ``python -m module`` (an attacking process of noloco_node/bench) against ``nodes`` for ``seconds``;
-    returns when it started (Unix time) and the JSON report it printed last."""
+def run_attacker(
+    module: str, nodes: list[NodeProcess], seconds: float, *args: str, preparation: float = 0.0
+) -> tuple[float, dict]:
+    """Run ``python -m module`` (an attacking process of noloco_node/bench) against ``nodes`` for ``seconds``,
+    after at most ``preparation`` seconds of its own (reading the weights it will use); returns when it started
+    (Unix time) and the JSON report it printed last. The deadline adds 120 s for starting (torch and hivemind
+    imports, the DHT, at nice 19 on a loaded machine) and stopping."""
     started = time.time()
     attacker = subprocess.run(
         [
@@ -114,7 +118,7 @@ def run_attacker(module: str, nodes: list[NodeProcess], seconds: float, *args: s
         ],
         capture_output=True,
         text=True,
-        timeout=seconds + 120,
+        timeout=preparation + seconds + 120,
     )
     assert attacker.returncode == 0, attacker.stderr[-3000:]
     return started, json.loads(attacker.stdout.strip().splitlines()[-1])

@@ -17,6 +17,7 @@ WINDOW = 15.0  # seconds of each window
 # one host: docs/threat-model.md.)
 STANDING_SECONDS = 15.0
 KEY_LIFE = 12.0
+READY_WITHIN = 60.0  # the flood reads every node's weights before it begins: at most this long
 
 
 def _steps(nodes: list[NodeProcess], start: float, end: float) -> list[dict]:
@@ -25,8 +26,8 @@ def _steps(nodes: list[NodeProcess], start: float, end: float) -> list[dict]:
 
 
 def _flood(nodes: list[NodeProcess], hosts: str) -> tuple[list[dict], dict]:
-    args = ("--hosts", hosts, "--key-life", str(KEY_LIFE))
-    _, seen = run_attacker("noloco_node.bench.echo_flood", nodes, WINDOW, *args)
+    args = ("--hosts", hosts, "--key-life", str(KEY_LIFE), "--ready-within", str(READY_WITHIN))
+    _, seen = run_attacker("noloco_node.bench.echo_flood", nodes, WINDOW, *args, preparation=READY_WITHIN)
     time.sleep(2.0)  # a step the flood held may end after it exits
     return _steps(nodes, seen["began"], time.time()), seen  # from when it had weights to echo
 
