@@ -126,29 +126,38 @@ def noloco_pair_step(
     beta: float,
     gamma: float,
     blend_momenta: bool = False,
+    sent_theta: TensorList | None = None,
 ) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
     """One replica's outer step with at most one partner, as a node takes it; returns ``(new_phi, new_delta)``.
 
     ``partner``: its (theta, phi, delta) as received; phi may be empty on the fast path (gamma == beta) and delta
-    is read only with ``blend_momenta``. None: a solo step.
+    is read only with ``blend_momenta``. None: a solo step. ``sent_theta``: the fast weights this replica sent the
+    partner, when ``theta`` has moved on since (inner steps taken while waiting); default ``theta``.
 
-    With ``blend_momenta`` ("blend weights and momenta") the pair also averages its new outer momenta: this
-    replica's phi moves by its own new delta (eq. 4-5 as above), and the delta it keeps is the mean of its own and
-    the partner's new one, which it computes as the partner does, from the same two states (eq. 4 from the
-    partner's side). Both sides of a pair then hold the same momentum, up to the wire's rounding.
+    phi moves by this replica's own new delta, from its freshest ``theta`` (eq. 3-5). With ``blend_momenta``
+    ("blend weights and momenta") the delta it keeps is the mean of both sides' new deltas computed from what
+    the two sides *sent* each other (eq. 4 from each side), the only thetas both know: the partner computes the
+    same two from the same tensors, so both keep the same momentum, up to the wire's rounding, however many steps
+    either took while waiting.
     """
     if partner is None:
         return noloco_outer_step(theta, phi, delta, [], [], alpha=alpha, beta=beta, gamma=gamma)
     partner_theta, partner_phi, partner_delta = partner
     if blend_momenta and not (partner_phi and partner_delta):
         raise ValueError("blending momenta needs the partner's phi and delta")
+    peer_phis = [partner_phi] if partner_phi else []
     new_phi, new_delta = noloco_outer_step(
-        theta, phi, delta, [partner_theta], [partner_phi] if partner_phi else [], alpha=alpha, beta=beta, gamma=gamma
+        theta, phi, delta, [partner_theta], peer_phis, alpha=alpha, beta=beta, gamma=gamma
     )
     if not blend_momenta:
         return new_phi, new_delta
+    sent = theta if sent_theta is None else sent_theta
+    if sent is not theta:
+        _, new_delta = noloco_outer_step(
+            sent, phi, delta, [partner_theta], peer_phis, alpha=alpha, beta=beta, gamma=gamma
+        )
     _, theirs = noloco_outer_step(
-        partner_theta, partner_phi, partner_delta, [theta], [phi], alpha=alpha, beta=beta, gamma=gamma
+        partner_theta, partner_phi, partner_delta, [sent], [phi], alpha=alpha, beta=beta, gamma=gamma
     )
     return new_phi, mean_weights([new_delta, theirs])
 

@@ -160,7 +160,7 @@ def run_export(args: argparse.Namespace, resolve: Any) -> int:
     from noloco_node.node.run_layout import run_identity
 
     corpus = load_run_corpus(settings.data, settings.train)
-    source, fingerprint = run_identity(settings.node, settings.train, corpus)
+    source, fingerprint = run_identity(settings.node, settings.train, settings.outer, corpus)
     node_cfg = settings.node
     if args.url:
         from noloco_node.observability.status_client import fetch_status
@@ -170,7 +170,7 @@ def run_export(args: argparse.Namespace, resolve: Any) -> int:
             raise SystemExit(
                 f"noloco-node export: the node at {args.url} trains run {status.run_fingerprint}, these settings "
                 f"give run {fingerprint}: pass the run's --config (or its --model, --seq-len, --seed, --run-name, "
-                "--data/--tokenizer)"
+                "--data/--tokenizer and its run-wide training settings: --steps, --inner-steps, --lr, ...)"
             )
         node_cfg = node_cfg.model_copy(update={"bootstrap": list(node_cfg.bootstrap) or list(status.dht_maddrs)})
     print(f"run {fingerprint}: model {source.name}, {corpus.description}", flush=True)

@@ -77,6 +77,8 @@ DHT_SILENCE_SECONDS = 5.0  # a DHT peer that did not answer is skipped by lookup
 # page and catch-up each asked for one several times a second: 65-70 KB/s of upload per node of an 8-node swarm
 # between outer steps, which filled a slow link before any weights moved (measured while building bench race).
 LOOKUP_SHARING_SECONDS = 1.0
+MAX_START_ENTRIES = 32  # what a start record may say: the model's few entries and the run-wide settings
+MODEL_START_KEYS = frozenset({"model", "config", "weights", "tokenizer", "seed"})
 
 
 @dataclass(frozen=True)
@@ -150,17 +152,14 @@ class RunStart:
     start: dict[str, str]
 
     def refusal(self, run_name: str, own: dict[str, str]) -> str:
-        """Why this node and that peer never pair, in the words of what differs between their starts."""
-        differences = [
-            f"{key} {self.start.get(key, '?')} (this node: {own.get(key, '?')})"
-            for key in sorted(set(own) | set(self.start))
-            if self.start.get(key) != own.get(key)
-        ]
-        what = "; ".join(differences) or f"run fingerprint {self.run_fingerprint}"
-        return (
-            f"peer {self.peer_id} of run {run_name!r} started from a different model, so it and this node refuse to "
-            f"pair: {what}"
-        )
+        """Why this node and that peer never pair, in the words of what differs between their starts: the model
+        (model, config, weights, tokenizer, seed) or a run-wide setting (node/run_layout.py), each by its name."""
+        differing = [key for key in sorted(set(own) | set(self.start)) if self.start.get(key) != own.get(key)]
+        what = "; ".join(f"{key} {self.start.get(key, '?')} (this node: {own.get(key, '?')})" for key in differing)
+        model_differs = not differing or any(key in MODEL_START_KEYS for key in differing)
+        how = "started from a different model" if model_differs else "trains with other run-wide settings"
+        what = what or f"run fingerprint {self.run_fingerprint}"
+        return f"peer {self.peer_id} of run {run_name!r} {how}, so it and this node refuse to pair: {what}"
 
 
 _OWNER_SUBKEY = re.compile(r"^\[owner:(ssh-rsa [A-Za-z0-9+/=]+)\]$")
@@ -308,7 +307,7 @@ class Discovery:
             if not isinstance(fingerprint, str) or fingerprint == self.run_fingerprint:
                 continue
             start = {str(k): str(v)[:128] for k, v in value.items() if k not in ("run_fingerprint", "mac")}
-            others.append(RunStart(peer_id, fingerprint, dict(list(start.items())[:16])))
+            others.append(RunStart(peer_id, fingerprint, dict(list(start.items())[:MAX_START_ENTRIES])))
         return others
 
     async def withdraw(self, record: PeerRecord) -> bool:

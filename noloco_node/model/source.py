@@ -19,7 +19,7 @@ from __future__ import annotations
 import hashlib
 import json
 from abc import ABC, abstractmethod
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -237,16 +237,25 @@ def run_model(data_cfg: DataConfig, train_cfg: TrainConfig) -> tuple[Corpus, Mod
     return corpus, model_source(train_cfg, corpus.vocab_size)
 
 
-def run_fingerprint(source: ModelSource, *, run_name: str, seed: int, tokenizer: str = "bytes") -> str:
+def run_fingerprint(
+    source: ModelSource,
+    *,
+    run_name: str,
+    seed: int,
+    tokenizer: str = "bytes",
+    settings: Mapping[str, str] | None = None,
+) -> str:
     """The identity of a run: the model source's identity (its config, and for a pretrained start the digest of
-    its weights), every parameter's name and shape, the run's name and seed, and the tokenizer (by its
-    fingerprint; the byte-level default adds nothing, so those runs keep their identity).
+    its weights), every parameter's name and shape, the run's name and seed, the tokenizer (by its fingerprint;
+    the byte-level default adds nothing) and the run-wide training settings (node/run_layout.py).
 
     Peers pair only within one fingerprint, so two nodes can never blend weights of different shapes, different
-    initialisations or different vocabularies of the same size.
+    initialisations, different vocabularies of the same size, or trained on different schedules.
     """
     shapes = [[name, list(shape)] for name, shape in source.layout()]
-    identity = {**source.identity(), "shapes": shapes, "run": run_name, "seed": seed}
+    identity: dict[str, object] = {**source.identity(), "shapes": shapes, "run": run_name, "seed": seed}
     if tokenizer != "bytes":
         identity["tokenizer"] = tokenizer
+    if settings:
+        identity["settings"] = dict(settings)
     return hashlib.sha256(json.dumps(identity, sort_keys=True).encode()).hexdigest()[:16]

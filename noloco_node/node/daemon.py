@@ -428,7 +428,7 @@ class Node:
             [
                 (h["movement"], h["phase_lr"], h["partner_lr"])
                 for h in self.telemetry.history_list(16)
-                if "phase_lr" in h
+                if "phase_lr" in h and h.get("movement") is not None
             ]
         )
         outer_step = OuterStep(

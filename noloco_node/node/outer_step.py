@@ -203,20 +203,19 @@ class OuterStep:
         deps, replica = self.deps, self.deps.replica
         # This phase's own movement, before pairing: the norm bound a partner is checked against comes from it
         # (payload_guard.py), so the first exchange is already bounded and no payload can widen the bound.
-        # Scaled to a whole phase of H steps: after steps borrowed while waiting (StepsWhileWaiting) this phase had
-        # fewer, and a bound from its shorter movement refused honest partners that trained a whole phase (seen: a
-        # node that had borrowed 19 of 20 steps quarantined its partner at 0.0405 against a bound of 0.0378).
         steps = max(1, len(phase.losses))
-        movement = relative_distance(replica.fast_weights(), replica.phi) * replica.train_cfg.inner_steps / steps
         phase_lr, partner_lr = phase_learning_rates(
             replica.train_cfg, replica.inner_step, deps.max_staleness, phase_steps=steps
         )
-        deps.norm_guard.observe_own_movement(movement, phase_lr, partner_lr)
+        distance = relative_distance(replica.fast_weights(), replica.phi)
+        movement = deps.norm_guard.observe_phase(distance, steps, replica.train_cfg.inner_steps, phase_lr, partner_lr)
         wait_started = time.monotonic()
-        extra = None
+        extra, sent = None, None
         if deps.train_while_waiting and deps.data_parallel is None and self._train_cfg is not None:
             # Not in a multi-GPU member: its other ranks take their steps in lockstep with rank 0's phases.
             extra = StepsWhileWaiting(replica, self._train_cfg, self._hooks, self._stop_requested)
+            if deps.send_delta:  # the theta the partner gets: both sides blend momenta from what was sent
+                sent = [t.clone() for t in replica.fast_weights()]
         partner = deps.strategy.partner(replica, phase.seconds, extra)
         if partner is not None and partner.unjudged and not deps.judge(partner):
             partner.release()  # it came before this node had a bound, and fails it now: never blended
@@ -224,7 +223,7 @@ class OuterStep:
         extra_seconds, extra_steps = (extra.seconds, len(extra.losses)) if extra is not None else (0.0, 0)
         waited = time.monotonic() - wait_started - extra_seconds
         blend_started = time.monotonic()
-        self._blend(partner)
+        self._blend(partner, sent if extra is not None and extra.losses else None)
         blend_seconds = time.monotonic() - blend_started
         if partner is not None:
             partner.release()  # blended: its buffers can take the next outer step's payload
@@ -351,8 +350,9 @@ class OuterStep:
         own_since, front_since = self._behind_since
         return (self.deps.replica.outer_step - own_since) * 2 < front - front_since
 
-    def _blend(self, partner: Payload | None) -> None:
-        """The outer step over the group that answered: this node plus the partner, or this node alone."""
+    def _blend(self, partner: Payload | None, sent_theta: list[torch.Tensor] | None = None) -> None:
+        """The outer step over the group that answered: this node plus the partner, or this node alone.
+        ``sent_theta``: the fast weights the partner got, when this node trained on while waiting."""
         deps, replica = self.deps, self.deps.replica
         received = None
         if partner is not None:
@@ -367,6 +367,7 @@ class OuterStep:
             beta=deps.outer_cfg.beta,
             gamma=deps.outer_cfg.effective_gamma,
             blend_momenta=deps.send_delta,
+            sent_theta=sent_theta,
         )
         deps.strategy.after_blend(new_phi, new_delta, fast, replica.phi, replica.outer_step + 1)
         replica.apply_outer_step(new_phi, new_delta)

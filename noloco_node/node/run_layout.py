@@ -1,6 +1,12 @@
 """What a node of a run is, derived from its settings alone: the model, the run's fingerprint, the tensors on the
 wire, and the limits that follow from their size (how long an exchange or a state download may take).
 
+Settings are run-wide or local. Run-wide ones (:func:`run_wide_settings`: H, the inner schedule, NoLoCo's alpha,
+beta and gamma of Eq. 2-4, the pairing mode, the wire dtype, blended momenta) must be equal on every node, so they
+are part of the fingerprint: nodes that differ in one live under different DHT keys and never pair, and each names
+the setting in its log and /status (discovery/dht.py's start records). Everything else (batch size, timeouts, the
+data shard, limits) is a node's own business.
+
 Known before the node trains a step, so that a call arriving while the node starts is refused cleanly, and so that
 ``export --from swarm`` finds the run by the same fingerprint.
 """
@@ -17,11 +23,37 @@ from noloco_node.wire import quantize
 from noloco_node.wire.frames import DEFAULT_CHUNK_BYTES, PayloadKind, TensorLayout
 
 
-def run_identity(node_cfg: NodeConfig, train_cfg: TrainConfig, corpus: Corpus) -> tuple[ModelSource, str]:
+def run_wide_settings(node_cfg: NodeConfig, train_cfg: TrainConfig, outer_cfg: OuterConfig) -> dict[str, str]:
+    """The settings every node of a run must share, by their settings-file names: two nodes that differ in one
+    would blend models on different schedules or payloads of different meaning."""
+    return {
+        "inner_steps": str(train_cfg.inner_steps),
+        "total_steps": str(train_cfg.total_steps),
+        "lr": repr(train_cfg.lr),
+        "warmup_steps": str(train_cfg.effective_warmup_steps),
+        "min_lr_ratio": repr(train_cfg.min_lr_ratio),
+        "adam_beta1": repr(train_cfg.adam_beta1),
+        "adam_beta2": repr(train_cfg.adam_beta2),
+        "alpha": repr(outer_cfg.alpha),
+        "beta": repr(outer_cfg.beta),
+        "gamma": repr(outer_cfg.effective_gamma),
+        "mode": node_cfg.mode,
+        "wire_dtype": node_cfg.wire_dtype,
+        "blend_momenta": str(node_cfg.blend_momenta).lower(),
+    }
+
+
+def run_identity(
+    node_cfg: NodeConfig, train_cfg: TrainConfig, outer_cfg: OuterConfig, corpus: Corpus
+) -> tuple[ModelSource, str]:
     """The model a node of these settings trains and its run's fingerprint (the DHT namespace and pairing key)."""
     source = model_source(train_cfg, corpus.vocab_size)
     fingerprint = run_fingerprint(
-        source, run_name=node_cfg.run_name, seed=train_cfg.seed, tokenizer=corpus.tokenizer.fingerprint
+        source,
+        run_name=node_cfg.run_name,
+        seed=train_cfg.seed,
+        tokenizer=corpus.tokenizer.fingerprint,
+        settings=run_wide_settings(node_cfg, train_cfg, outer_cfg),
     )
     return source, fingerprint
 
@@ -42,12 +74,17 @@ class RunLayout:
 
     @classmethod
     def of(cls, node_cfg: NodeConfig, train_cfg: TrainConfig, outer_cfg: OuterConfig, corpus: Corpus) -> RunLayout:
-        source, fingerprint = run_identity(node_cfg, train_cfg, corpus)
+        source, fingerprint = run_identity(node_cfg, train_cfg, outer_cfg, corpus)
         named = source.layout()
         return cls(
             source=source,
             run_fingerprint=fingerprint,
-            start={**source.start_summary(), "tokenizer": corpus.tokenizer.fingerprint, "seed": str(train_cfg.seed)},
+            start={
+                **source.start_summary(),
+                "tokenizer": corpus.tokenizer.fingerprint,
+                "seed": str(train_cfg.seed),
+                **run_wide_settings(node_cfg, train_cfg, outer_cfg),
+            },
             names=tuple(n for n, _ in named),
             shapes=tuple(s for _, s in named),
             send_phi=outer_cfg.effective_gamma != outer_cfg.beta or node_cfg.blend_momenta or node_cfg.mode == "stream",

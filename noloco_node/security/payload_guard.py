@@ -143,6 +143,23 @@ class NormGuard:
                 self._per_lr.append(movement / phase_lr)
                 self._partner_lr = partner_lr
 
+    def observe_phase(
+        self, distance: float, steps: int, inner_steps: int, phase_lr: float, partner_lr: float
+    ) -> float | None:
+        """A phase of ``steps`` inner steps moved theta ``distance`` (relative L2) from phi: its movement scaled to
+        a whole phase of ``inner_steps`` (H) is observed and returned, or None when it is not measured.
+
+        A phase under half of H (the run's last, or one whose steps were borrowed while waiting) is not measured
+        once there is a bound: a few steps' movement scaled to H overstates a phase's (their noise adds up by the
+        square root, not linearly), and the bound follows the largest movement it saw, so it would be the run's
+        loosest. Scaled at all because a phase shortened by borrowed steps, measured as it was, refused honest
+        partners that trained a whole phase."""
+        if 2 * steps < inner_steps and self.bound() is not None:
+            return None
+        movement = distance * inner_steps / max(1, steps)
+        self.observe_own_movement(movement, phase_lr, partner_lr)
+        return movement
+
     def restore(self, phases: Sequence[tuple[float, float, float]]) -> None:
         """(movement, phase_lr, partner_lr) of the phases a checkpoint recorded, oldest first, so that a restarted
         node is bounded at once."""

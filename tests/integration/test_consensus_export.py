@@ -72,7 +72,7 @@ def test_consensus_of_three_live_nodes_is_no_worse_than_its_members(bootstrap: B
         out = tmp_path / "consensus"
         done = _cli(
             "export", "--from", "swarm", "--peers", "3", "--eval", "--out", str(out), "--data", str(prepared),
-            *TRAIN, *bootstrap.run_args(), "--bootstrap", *bootstrap.maddrs,
+            *TRAIN, "--steps", "100000", *bootstrap.run_args(), "--bootstrap", *bootstrap.maddrs,
         )  # fmt: skip
         assert done.returncode == 0, done.stdout + done.stderr
         print(done.stdout)

@@ -99,7 +99,9 @@ def test_the_norm_bound_is_not_ratcheted_from_a_cold_start_nor_after_a_restart(
     def own_bound(status: dict) -> float:
         """3 x the largest movement per unit of learning rate of the last 8 phases, at the partners' largest rate."""
         last = status["history"][-8:]
-        return min(0.9, 3.0 * max(h["movement"] / h["phase_lr"] for h in last) * last[-1]["partner_lr"])
+        return min(
+            0.9, 3.0 * max(h["movement"] / h["phase_lr"] for h in last if h["movement"]) * last[-1]["partner_lr"]
+        )
 
     def live_bound_and_own(status: dict) -> tuple[float, float]:
         """The live bound and the one its own history gives. The node takes a phase's movement into its bound

@@ -81,6 +81,22 @@ def test_both_sides_of_a_pair_keep_the_same_momentum_and_their_own_phi() -> None
         algorithm.noloco_pair_step(*mine, (theirs[0], [], []), **cfg)
 
 
+def test_replicas_that_trained_while_waiting_still_keep_the_same_momentum() -> None:
+    """Each side took inner steps after it sent its theta (--train-while-waiting): its phi moves with its fresh
+    theta, but the momentum both keep comes from the thetas they sent each other, the only ones both know."""
+    sent_a, sent_b = random_params(1), random_params(4)
+    fresh_a, fresh_b = random_params(7), random_params(8)
+    a_rest, b_rest = (random_params(2), random_params(3)), (random_params(5), random_params(6))
+    cfg = {"alpha": 0.5, "beta": 0.7, "gamma": 0.4, "blend_momenta": True}
+    phi_a, delta_a = algorithm.noloco_pair_step(fresh_a, *a_rest, (sent_b, *b_rest), sent_theta=sent_a, **cfg)
+    _, delta_b = algorithm.noloco_pair_step(fresh_b, *b_rest, (sent_a, *a_rest), sent_theta=sent_b, **cfg)
+    for a, b in zip(delta_a, delta_b, strict=True):
+        assert torch.equal(a, b)
+    plain_phi, _ = algorithm.noloco_pair_step(fresh_a, *a_rest, (sent_b, *b_rest), **{**cfg, "blend_momenta": False})
+    for blended, plain in zip(phi_a, plain_phi, strict=True):
+        assert torch.equal(blended, plain)  # phi still moves by the replica's own delta from its fresh theta
+
+
 def test_group_of_three_matches_hand_worked_value() -> None:
     # Deltas 1, 1, 4 -> mean 2; phis 1, 3, 2 -> mean 2. delta = 0.25 + 0.7*2 - 0.3*(1 - 2) = 1.95.
     new_phi, new_delta = noloco_outer_step(

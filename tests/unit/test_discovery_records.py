@@ -43,3 +43,38 @@ def test_fingerprint_separates_runs_and_is_stable() -> None:
     assert base != run_fingerprint(
         SeededDecoder(model_config_for("small", vocab_size=256, max_seq_len=128), 0), run_name="r", seed=0
     )
+
+
+def test_run_wide_settings_are_in_the_fingerprint_and_a_mismatch_is_named() -> None:
+    """Nodes that differ in H (or any run-wide setting) live in different runs, and each names the setting; a
+    local setting (the batch size) changes nothing."""
+    from noloco_node.config.models import DataConfig, NodeConfig, OuterConfig, TrainConfig
+    from noloco_node.data.corpus import load_corpus
+    from noloco_node.discovery.dht import RunStart
+    from noloco_node.node.run_layout import RunLayout
+
+    corpus = load_corpus(DataConfig(max_bytes=200_000))
+    node, outer = NodeConfig(), OuterConfig()
+    base = RunLayout.of(node, TrainConfig(inner_steps=20), outer, corpus)
+    assert (
+        base.run_fingerprint
+        == RunLayout.of(node, TrainConfig(inner_steps=20, batch_size=3), outer, corpus).run_fingerprint
+    )
+    for differs in (
+        {"train": TrainConfig(inner_steps=30)},
+        {"train": TrainConfig(inner_steps=20, lr=1e-3)},
+        {"outer": OuterConfig(alpha=0.3)},
+        {"node": NodeConfig(wire_dtype="int8")},
+        {"node": NodeConfig(blend_momenta=True)},
+    ):
+        other = RunLayout.of(
+            differs.get("node", node),
+            differs.get("train", TrainConfig(inner_steps=20)),
+            differs.get("outer", outer),
+            corpus,
+        )
+        assert other.run_fingerprint != base.run_fingerprint, differs
+    other = RunLayout.of(node, TrainConfig(inner_steps=30), outer, corpus)
+    refusal = RunStart("peer-b", other.run_fingerprint, other.start).refusal("r", base.start)
+    assert "trains with other run-wide settings" in refusal
+    assert "inner_steps 30 (this node: 20)" in refusal and "model" not in refusal.split(":", 1)[1], refusal

@@ -58,6 +58,21 @@ def test_the_bound_follows_the_nodes_own_movement_and_no_payload_widens_it() -> 
     assert early.bound() == pytest.approx(0.9)  # weights at zero (distance 1.0) are refused all the same
 
 
+def test_a_phase_under_half_of_h_does_not_move_the_bound_once_there_is_one() -> None:
+    """The run's last phase may be one step long: one step's movement scaled to H is a noisy guess, and the bound
+    takes the largest movement of its window, so such a phase is left out (the first phase counts whatever its
+    length: a node needs a bound)."""
+    first = NormGuard(factor=3.0)
+    assert first.observe_phase(0.002, steps=2, inner_steps=20, phase_lr=1e-3, partner_lr=1e-3) == pytest.approx(0.02)
+    assert first.bound() == pytest.approx(0.06)  # a run whose first phase is short still gets a bound
+    guard = NormGuard(factor=3.0)
+    assert guard.observe_phase(0.01, steps=20, inner_steps=20, phase_lr=1e-3, partner_lr=1e-3) == pytest.approx(0.01)
+    assert guard.observe_phase(0.004, steps=10, inner_steps=20, phase_lr=1e-3, partner_lr=1e-3) == pytest.approx(0.008)
+    assert guard.bound() == pytest.approx(0.03)
+    assert guard.observe_phase(0.003, steps=1, inner_steps=20, phase_lr=1e-3, partner_lr=1e-3) is None  # 0.06 scaled
+    assert guard.bound() == pytest.approx(0.03)
+
+
 def test_in_the_warmup_a_partner_further_along_is_allowed_its_larger_learning_rate() -> None:
     """Seen in a 3-node swarm with a 10,000-step warmup: a partner one phase ahead was 0.00086 away, this node's own
     movement allowed 0.00062, and every partner was quarantined. Movement scales with the learning rate."""
