@@ -24,21 +24,26 @@ checkpoint believe itself 999,924 steps behind and throw it away. So:
   state that fails is dropped whole, its donor is not asked again, and the node keeps what it had.
 
 Everything here runs on the event loop and awaits the DHT and the donors under deadlines; loading a checkpoint and
-adopting a downloaded state run in threads.
+adopting a downloaded state run in threads. One download, over every donor it tries, has a deadline of its own
+(``DOWNLOAD_BUDGET`` times one donor's); it beats the health clock while bytes arrive (a node downloading is alive),
+and a stop request cancels it at once: a joiner stopped in the middle starts nothing, writes nothing, and exits.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import hashlib
 import json
 import logging
 import math
 import random
+import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import grpc
 import numpy as np
 
 from noloco_node.atomic_files import write_atomically
@@ -60,6 +65,10 @@ log = logging.getLogger(__name__)
 
 CHECKPOINT_FILE = "checkpoint.pt"
 STATE_IMPROVEMENT = 0.01  # a joiner adopts a donor's state only if its validation loss is 1% below the seed's
+# A download, over all the donors it tries, lasts at most this many times one donor's deadline: a download resumes
+# where the last donor stopped, so two deadlines hold a whole state at --min-link-rate with one donor failing.
+DOWNLOAD_BUDGET = 2.0
+WATCH_SECONDS = 1.0  # how often a download in progress is checked for a stop request and for progress
 
 
 def credible_front(peers: Sequence[PeerRecord]) -> int | None:
@@ -151,6 +160,10 @@ class NodeError(NolocoError):
     """A node that cannot start as configured (the message says why and what to change)."""
 
 
+class StoppedBeforeTrainingError(Exception):
+    """The node was asked to stop before it had a state to train: it leaves without training or writing one."""
+
+
 @dataclass
 class CatchUp:
     cfg: NodeConfig
@@ -167,6 +180,8 @@ class CatchUp:
     # alone, so that strangers' records cannot pull a running node onto a front of their making.
     believe: Callable[[str], bool] = lambda _peer_id: True
     refused_donors: set[str] = field(default_factory=set)  # never asked again: their state went bad (Probation)
+    run_start: dict[str, str] = field(default_factory=dict)  # the run's model and settings (node/run_layout.py)
+    stopping: Callable[[], bool] = lambda: False  # SIGTERM or SIGINT: a download in progress is cancelled
     probation: Probation = field(init=False)
 
     def __post_init__(self) -> None:
@@ -241,14 +256,23 @@ class CatchUp:
             return
         if self.cfg.download_state and await self.download_state(replica, has_own_state=False):
             return
+        if self.stopping():  # not the seed: a restart would resume from a seed checkpoint instead of downloading
+            raise StoppedBeforeTrainingError("asked to stop while downloading the swarm's state")
         log.info("starting run %s from its seed (%d)", self.run_fingerprint, self.train_cfg.seed)
 
     async def _resume(self, replica: Replica, checkpoint: Path) -> None:
         payload = await asyncio.to_thread(load_checkpoint, checkpoint)  # torch.load: never on the event loop
         if payload.get("run_fingerprint") != self.run_fingerprint:
+            theirs = payload.get("run_start") or {}
+            differing = [
+                f"{key} {theirs.get(key, '?')} (now: {self.run_start.get(key, '?')})"
+                for key in sorted(set(theirs) | set(self.run_start))
+                if theirs and theirs.get(key) != self.run_start.get(key)
+            ]
             raise NodeError(
-                f"{checkpoint} belongs to run {payload.get('run_fingerprint')}, not {self.run_fingerprint}; use "
-                "another --data-dir"
+                f"{checkpoint} belongs to run {payload.get('run_fingerprint')}, not {self.run_fingerprint}"
+                + (f" ({'; '.join(differing)})" if differing else "")
+                + ": give the run's settings again, or use another --data-dir"
             )
         await asyncio.to_thread(replica.load_state_dict, payload["replica"])
         self.telemetry.restore_history(payload.get("history", []))
@@ -282,7 +306,10 @@ class CatchUp:
         needed = own_loss if has_own_state else own_loss * (1 - STATE_IMPROVEMENT)
         refused = set(self.refused_donors)  # and, for this download, those whose state measured worse
         download = StateDownload(layout, run_fingerprint=self.run_fingerprint, peer_id=self.peer_id)
+        deadline = time.monotonic() + DOWNLOAD_BUDGET * self.download_timeout
         for attempt in range(rounds):
+            if self.stopping() or time.monotonic() >= deadline:
+                break
             peers = [p for p in await self._donor_candidates() if p.peer_id not in refused]
             # ``near``: a front the caller corroborated itself (pairing/standing.py swarm_step).
             front = credible_front(peers) if near is None else near
@@ -294,19 +321,12 @@ class CatchUp:
             if counters is not None:  # a partial download resumes best at its own outer step
                 donors.sort(key=lambda p: p.outer_step != counters["outer_step"])
             for donor in donors:
+                if self.stopping() or time.monotonic() >= deadline:
+                    break
                 self.telemetry.phase = f"downloading state of outer step {donor.outer_step} from {donor.peer_id[-8:]}"
                 try:
-                    tensors, got = await asyncio.wait_for(
-                        asyncio.to_thread(
-                            download.fetch,
-                            donor.address,
-                            timeout=self.download_timeout,
-                            transport=self.transport,
-                            donor_peer_id=donor.peer_id,
-                        ),
-                        timeout=self.download_timeout + 5,  # the call has its own deadline; this bounds the hand-off
-                    )
-                except (ExchangeError, asyncio.TimeoutError) as error:
+                    tensors, got = await self._fetch(download, donor, deadline)
+                except ExchangeError as error:
                     log.warning(
                         "state download from %s failed (%s); %d tensors kept for the next donor",
                         donor.peer_id[-8:],
@@ -354,4 +374,34 @@ class CatchUp:
                 return True
             if attempt + 1 < rounds:
                 await asyncio.sleep(2.0)
+        if time.monotonic() >= deadline:
+            log.warning("gave up downloading a state after %.0f s", DOWNLOAD_BUDGET * self.download_timeout)
         return False
+
+    async def _fetch(self, download: StateDownload, donor: PeerRecord, deadline: float) -> tuple[dict, dict[str, int]]:
+        """One donor's share of the download, in a thread, within what is left of the download's deadline. Bytes
+        arriving beat the health clock (a 1.3B state at the default minimum link rate takes longer than
+        --stall-after); a stop request cancels the call."""
+        fetching = asyncio.ensure_future(
+            asyncio.to_thread(
+                download.fetch,
+                donor.address,
+                timeout=min(self.download_timeout, max(0.0, deadline - time.monotonic())),
+                transport=self.transport,
+                donor_peer_id=donor.peer_id,
+            )
+        )
+        seen = download.bytes_received
+        while True:
+            # The call has its own deadline; the watch bounds the hand-off back from the thread.
+            done, _ = await asyncio.wait({fetching}, timeout=WATCH_SECONDS)
+            if done:
+                return fetching.result()
+            if download.bytes_received != seen:
+                seen = download.bytes_received
+                self.telemetry.beat()
+            if self.stopping() or time.monotonic() > deadline + 5:
+                download.cancel()
+                with contextlib.suppress(ExchangeError, asyncio.TimeoutError):
+                    await asyncio.wait_for(fetching, timeout=10)
+                raise ExchangeError(grpc.StatusCode.CANCELLED, "stopped", "the download was cancelled")

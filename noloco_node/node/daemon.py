@@ -35,7 +35,7 @@ from noloco_node.discovery.bootstrap import expand_bootstrap
 from noloco_node.discovery.dht import Discovery, PeerRecord
 from noloco_node.discovery.reachability import announce_host, check_reachable
 from noloco_node.model.source import load_run_corpus
-from noloco_node.node.catch_up import CHECKPOINT_FILE, CatchUp, NodeError
+from noloco_node.node.catch_up import CHECKPOINT_FILE, CatchUp, NodeError, StoppedBeforeTrainingError
 from noloco_node.node.descriptors import connection_budget, raise_descriptor_limit
 from noloco_node.node.fault_injection import fault_hooks
 from noloco_node.node.memory import warn_if_memory_short
@@ -122,6 +122,7 @@ class Node:
         self.standing = Standing(standing_seconds=node_cfg.standing_seconds, stranger_share=node_cfg.stranger_share)
         self.supervisor = Supervisor()
         self.stop_event = threading.Event()  # a stop was asked for, or the trainer ended
+        self.stop_requested = asyncio.Event()  # SIGINT or SIGTERM (replaced in run(), on its event loop)
         self.trainer: threading.Thread | None = None
         self.trainer_error: BaseException | None = None
         self.data_parallel: DataParallel | None = None  # rank 0 of a multi-process member
@@ -266,6 +267,7 @@ class Node:
     def _checkpoint_identity(self) -> dict[str, object]:
         return {
             "run_fingerprint": self.run_fingerprint,
+            "run_start": self.layout.start,  # names what differs when a node of other settings finds it
             "model_source": self.source.record(),
             "tokenizer_json": self.corpus.tokenizer.json_text,  # export, eval and generate need it
         }
@@ -276,7 +278,7 @@ class Node:
         """Serve until training ends or SIGINT/SIGTERM; returns the exit code."""
         loop = asyncio.get_running_loop()
         self.peering.context.loop = loop
-        stop_requested = asyncio.Event()
+        stop_requested = self.stop_requested = asyncio.Event()
         for signum in (signal.SIGINT, signal.SIGTERM):
             loop.add_signal_handler(signum, stop_requested.set)
         if self.cfg.torch_threads:
@@ -298,7 +300,11 @@ class Node:
                     transport=self.security.transport,
                 ),
             )
-            outer_step = await self._prepare_replica()
+            try:
+                outer_step = await self._prepare_replica()
+            except StoppedBeforeTrainingError as stopped:
+                log.info("stopping: %s; nothing was trained or written", stopped)
+                return 0
             await asyncio.to_thread(self.write_status)  # the resumed state (its history, its norm bound) at once
             components.push_async_callback(self._withdraw)
             await self._publish()
@@ -420,6 +426,8 @@ class Node:
             download_timeout=self.layout.download_timeout(),
             validation=validation,
             believe=self.standing.believable,
+            run_start=self.layout.start,
+            stopping=lambda: self.stop_requested.is_set() or self.stop_event.is_set(),
         )
         self.shard = await catch_up.choose_shard()
         self.replica = replica = await catch_up.replica(self.shard, self.corpus, self.source, self.data_parallel)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import threading
 from collections.abc import Sequence
 
 import grpc
@@ -33,6 +34,19 @@ class StateDownload:
         self.partial_bytes = 0
         self.counters: dict[str, int] | None = None  # of the snapshot being downloaded
         self.resumed = 0  # downloads that continued where another donor stopped
+        self.bytes_received = 0  # over every fetch: what a watcher reads as progress
+        self._lock = threading.Lock()
+        self._call: grpc.Call | None = None
+        self._cancelled = False
+
+    def cancel(self) -> None:
+        """From any thread: end the fetch in progress (it raises ExchangeError CANCELLED, what arrived kept) and
+        refuse any later one. A node that is asked to stop must not wait out a download's deadline."""
+        with self._lock:
+            self._cancelled = True
+            call = self._call
+        if call is not None:
+            call.cancel()
 
     def fetch(
         self, address: str, *, timeout: float, transport: Transport = PLAIN, donor_peer_id: str = ""
@@ -61,6 +75,10 @@ class StateDownload:
                 get_state = channel.unary_stream(GET_STATE_METHOD, request_serializer=pb.StateRequest.SerializeToString)
                 metadata, nonce = transport.sign(GET_STATE_METHOD, donor_peer_id)
                 call = get_state(request, timeout=timeout, metadata=metadata)
+                with self._lock:
+                    self._call = call
+                    if self._cancelled:
+                        call.cancel()
                 if transport.authenticates:
                     problem = server_problem(transport, GET_STATE_METHOD, nonce, call, address)
                     if problem is not None:
@@ -68,6 +86,7 @@ class StateDownload:
                 for frame in call:
                     had_manifest = receiver.manifest is not None
                     receiver.feed(frame)
+                    self.bytes_received += len(frame)
                     if not had_manifest and receiver.manifest is not None:
                         self._check_counters(receiver.manifest, address, resuming)
                 payload = receiver.finish()
@@ -78,14 +97,16 @@ class StateDownload:
                 self._keep(receiver)
             raise ExchangeError(error.code, error.reason, f"bad state from {address}: {error.message}") from None
         except grpc.RpcError as error:
+            self._keep(receiver)
             code = error.code() if hasattr(error, "code") else grpc.StatusCode.UNKNOWN
             if resuming and code == grpc.StatusCode.FAILED_PRECONDITION:  # its snapshot is of another step
                 self.done, self.partial_bytes, self.counters = [], 0, None
-            else:
-                self._keep(receiver)
             reason = "busy" if code == grpc.StatusCode.RESOURCE_EXHAUSTED else code.name.lower()
             details = error.details() if hasattr(error, "details") else str(error)
             raise ExchangeError(code, reason, f"{address}: {details}") from None
+        finally:
+            with self._lock:
+                self._call = None
         self.resumed += resuming
         assert self.counters is not None
         return payload.tensors, self.counters

@@ -453,6 +453,25 @@ def test_a_data_dir_of_another_run_is_refused_by_name(tmp_path: Path) -> None:
     assert done.returncode == 2, done.stderr[-2000:]
     assert "checkpoint.pt belongs to run" in done.stderr and "use another --data-dir" in done.stderr
 
+    # A node's own checkpoint, resumed with a run-wide setting changed: the message names the setting.
+    def join(data_dir: Path, steps: str) -> subprocess.CompletedProcess[str]:
+        return subprocess.run(
+            [
+                *(sys.executable, "-m", "noloco_node", "--log-level", "ERROR", "join", "--data-dir", str(data_dir)),
+                *("--steps", steps, "--inner-steps", "5", "--warmup-steps", "2", "--seq-len", "64"),
+                *("--status-port", "0"),
+            ],
+            capture_output=True,
+            text=True,
+            timeout=120,
+            check=False,
+        )
+
+    assert join(tmp_path / "joined", "10").returncode == 0
+    done = join(tmp_path / "joined", "20")
+    assert done.returncode == 2, done.stderr[-2000:]
+    assert "(total_steps 10 (now: 20))" in done.stderr, done.stderr[-2000:]
+
 
 def test_a_node_left_out_of_reach_catches_up_and_blends_again(bootstrap: Bootstrap, tmp_path: Path) -> None:
     """A node that starts from the seed while the others are beyond --max-staleness ahead (here: told not to
