@@ -4,7 +4,7 @@ memory a node takes next to the bare model and optimizer.
 For each pairing mode a local swarm of ``nodes`` real node processes trains the same ``steps`` inner steps. The
 idle fraction of a node is the share of its trainer's wall time spent waiting for communication at outer steps
 (``comm_wait_fraction`` of its status: waiting for a partner and for the exchange in sync mode; taking the
-freshest offer in overlap mode), read from its final status.json. Memory is each node's peak resident set
+nearest offer in overlap mode), read from its final status.json. Memory is each node's peak resident set
 (VmHWM, sampled while it runs) against a reference measured in the same run: a process that imports torch,
 builds the same model with Adam and takes one training step (weights, gradients and both moments allocated), so
 the difference is what being a swarm member costs (DHT, gRPC, buffers, outer state, snapshot).

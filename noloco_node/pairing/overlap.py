@@ -3,8 +3,8 @@
 Right after its outer step a node publishes an *offer*: its projected fast weights phi_new + (theta - phi_old)
 (``algorithm.projected_fast_weights``) with its new phi when the run needs it. During the next inner phase a
 background task swaps offers with one random peer, and peers that call in swap theirs too. At the next outer step
-the node blends with the freshest offer it holds within ``max_staleness`` outer steps, one phase old at best: the
-price of never waiting (docs/architecture.md, "Pairing modes").
+the node blends with the offer nearest its own outer step within ``max_staleness`` either way, one phase old at
+best: the price of never waiting (docs/architecture.md, "Pairing modes").
 
 An offer is a published copy (wire/published.py): a partner may still be streaming the previous one while the
 trainer applies its outer step, and it streams exactly what was offered. The :class:`OfferBook` keeps at most
@@ -86,12 +86,14 @@ class OfferBook:
             old.release()
         return payload not in dropped
 
-    def take_freshest(self, own_outer_step: int, max_staleness: int) -> Payload | None:
-        """The freshest offer within the staleness bound; every other held offer is dropped (each is used once)."""
+    def take_nearest(self, own_outer_step: int, max_staleness: int) -> Payload | None:
+        """The offer nearest this node's outer step within the staleness bound, on either side (the fresher of two
+        as near); every other held offer is dropped (each is used once). A peer far ahead is as far from this
+        replica as one far behind: the bound is the same both ways, as in sync mode."""
         with self._guard:
             received, self._received = self._received, {}
-        fresh = [p for p in received.values() if own_outer_step - p.outer_step <= max_staleness]
-        chosen = max(fresh, key=lambda p: p.outer_step) if fresh else None
+        within = [p for p in received.values() if abs(own_outer_step - p.outer_step) <= max_staleness]
+        chosen = min(within, key=lambda p: (abs(own_outer_step - p.outer_step), -p.outer_step)) if within else None
         for payload in received.values():
             if payload is not chosen:
                 payload.release()
@@ -150,7 +152,7 @@ class OverlapPairing(PairingStrategy):
     def partner(
         self, replica: Replica, phase_seconds: float, train_step: Callable[[], bool] | None = None
     ) -> Payload | None:
-        partner = self.book.take_freshest(replica.outer_step, self.ctx.max_staleness)
+        partner = self.book.take_nearest(replica.outer_step, self.ctx.max_staleness)
         if partner is not None:
             self.ctx.caller.paired(partner.peer_id, replica.outer_step)
         return partner

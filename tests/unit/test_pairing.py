@@ -121,7 +121,7 @@ def test_the_last_partner_waits_its_turn_while_others_may_come() -> None:
     assert current.try_session("old", 5, max_staleness=0) is not None
 
 
-def test_offer_book_keeps_the_freshest_offer_within_the_staleness_bound() -> None:
+def test_offer_book_keeps_the_nearest_offer_within_the_staleness_bound_both_ways() -> None:
     book = OfferBook()
     assert book.try_session("x") is None  # nothing to offer yet
     book.set_offer(offer())
@@ -134,10 +134,15 @@ def test_offer_book_keeps_the_freshest_offer_within_the_staleness_bound() -> Non
     assert older.released == 1
     book.store("b", payload("b", 6))
     book.store("c", payload("c", 1))
-    assert book.take_freshest(own_outer_step=7, max_staleness=2).peer_id == "b"
-    assert book.take_freshest(own_outer_step=7, max_staleness=2) is None  # each offer is used once
+    assert book.take_nearest(own_outer_step=7, max_staleness=2).peer_id == "b"
+    assert book.take_nearest(own_outer_step=7, max_staleness=2) is None  # each offer is used once
     book.store("d", payload("d", 1))
-    assert book.take_freshest(own_outer_step=7, max_staleness=2) is None  # too stale
+    assert book.take_nearest(own_outer_step=7, max_staleness=2) is None  # too stale
+    book.store("e", payload("e", 12))
+    assert book.take_nearest(own_outer_step=7, max_staleness=2) is None  # too far ahead: the bound holds both ways
+    for peer, step in (("f", 9), ("g", 6), ("h", 8)):
+        book.store(peer, payload(peer, step))
+    assert book.take_nearest(own_outer_step=7, max_staleness=2).peer_id == "h"  # the nearest, the fresher of two
 
 
 def test_offer_book_stays_bounded_under_many_callers() -> None:
