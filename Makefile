@@ -39,6 +39,7 @@ lint: $(STAMP)
 	$(BIN)/ruff check noloco_node tests
 	$(BIN)/ruff format --check noloco_node tests
 	$(BIN)/mypy noloco_node
+	$(BIN)/lint-imports
 
 format: $(STAMP)
 	$(BIN)/ruff format noloco_node tests

@@ -39,7 +39,7 @@ from noloco_node import algorithm
 from noloco_node.bench.hivemind_rendezvous import rendezvous_dht
 from noloco_node.config.models import DataConfig, OuterConfig, TrainConfig
 from noloco_node.data.corpus import ReplicaShard, validation_batches
-from noloco_node.model.source import load_run_corpus, model_source
+from noloco_node.model.run_model import load_run_corpus, model_source
 from noloco_node.node.fault_injection import emulated_step_factor
 from noloco_node.training.replica import Replica
 

@@ -42,12 +42,12 @@ from noloco_node.bench.outsider import (
 from noloco_node.config.models import ModelConfig, model_config_for
 from noloco_node.discovery.dht import PeerRecord, owner_subkey, peers_key
 from noloco_node.observability.status_file import read_status_document
-from noloco_node.rpc import peer_pb2 as pb
 from noloco_node.rpc.client import ExchangeError, Outgoing
 from noloco_node.rpc.contracts import AdmitsEverything
 from noloco_node.rpc.metrics import ExchangeMetrics
 from noloco_node.rpc.service import start_server
 from noloco_node.security.identity import NodeIdentity
+from noloco_node.wire import peer_pb2 as pb
 from noloco_node.wire.frames import TensorLayout, build_manifest, verdict_frame
 from noloco_node.wire.payload import Payload, ReceiveBuffers
 

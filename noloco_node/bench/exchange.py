@@ -24,13 +24,13 @@ import torch
 from noloco_node.bench.exchange_references import Where, bare_grpc_seconds, enter, raw_tcp_seconds
 from noloco_node.config.models import model_config_for
 from noloco_node.model.decoder import LlamaDecoder, named_parameters_ordered
-from noloco_node.rpc import peer_pb2 as pb
 from noloco_node.rpc.client import Outgoing, exchange_with
 from noloco_node.rpc.contracts import AdmitsEverything
 from noloco_node.rpc.metrics import ExchangeMetrics
 from noloco_node.rpc.service import start_server
 from noloco_node.rpc.state_download import download_state
 from noloco_node.security.payload_guard import RunningGap, relative_distance
+from noloco_node.wire import peer_pb2 as pb
 from noloco_node.wire import quantize
 from noloco_node.wire.frames import WIRE_DTYPES, TensorLayout, build_manifest, layout_of, wire_num_bytes
 from noloco_node.wire.payload import Payload, ReceiveBuffers

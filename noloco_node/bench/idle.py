@@ -34,7 +34,7 @@ optimizer = torch.optim.Adam(model.parameters())
 tokens = torch.randint(0, 256, (int(sys.argv[3]), int(sys.argv[2])))
 model.loss(tokens, tokens).backward()
 optimizer.step()
-from noloco_node.observability.report import peak_rss_mb
+from noloco_node.node.report import peak_rss_mb
 print(peak_rss_mb())
 """
 

@@ -46,7 +46,6 @@ from noloco_node.discovery.dht import Discovery, PeerRecord
 from noloco_node.model.decoder import LlamaDecoder, named_parameters_ordered
 from noloco_node.model.source import SeededDecoder
 from noloco_node.observability.status_file import read_status_document
-from noloco_node.rpc import peer_pb2 as pb
 from noloco_node.rpc.client import ExchangeError, Outgoing, fetch_info
 from noloco_node.rpc.service import EXCHANGE_METHOD, GET_STATE_METHOD, SERVICE
 from noloco_node.rpc.state_download import StateDownload
@@ -54,6 +53,7 @@ from noloco_node.rpc.transport import CHANNEL_OPTIONS, Transport
 from noloco_node.security.caller_proof import prove
 from noloco_node.security.identity import NodeIdentity, _wrap
 from noloco_node.training.checkpoints import snapshot_layout
+from noloco_node.wire import peer_pb2 as pb
 from noloco_node.wire.frames import build_manifest, iter_frames
 
 CLAIMED_STEP = 1_000_000

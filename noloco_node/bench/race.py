@@ -155,7 +155,7 @@ class Emulation:
 
 @functools.cache
 def _run_vocab_size() -> int:
-    from noloco_node.model.source import load_run_corpus
+    from noloco_node.model.run_model import load_run_corpus
 
     return load_run_corpus(DataConfig(), TrainConfig()).vocab_size
 

@@ -19,8 +19,8 @@ import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from noloco_node.discovery.bootstrap import start_bootstrap_process
 from noloco_node.launcher.local_swarm import join_command
+from noloco_node.node.bootstrap import start_bootstrap_process
 from noloco_node.observability.status_file import read_status_document
 
 

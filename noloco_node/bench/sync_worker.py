@@ -39,12 +39,12 @@ import torch
 import torch.distributed as dist
 
 from noloco_node.bench.hivemind_rendezvous import rendezvous_dht
-from noloco_node.rpc import peer_pb2 as pb
 from noloco_node.rpc.client import Outgoing, exchange_with
 from noloco_node.rpc.contracts import AdmitsEverything
 from noloco_node.rpc.metrics import ExchangeMetrics
 from noloco_node.rpc.service import start_server
 from noloco_node.rpc.transport import Transport
+from noloco_node.wire import peer_pb2 as pb
 from noloco_node.wire.frames import TensorLayout, build_manifest, layout_of
 from noloco_node.wire.payload import Payload, ReceiveBuffers
 

@@ -1,7 +1,7 @@
 """The ``noloco-node`` command line: ``swarm``, ``join``, ``bootstrap``, ``simulate``, ``train``, ``sizes`` and the
-rest (cli_models.py adds ``data``, ``export``, ``eval`` and ``generate``).
+rest (model_commands.py adds ``data``, ``export``, ``eval`` and ``generate``).
 
-Flags only override settings; every default and bound lives in config.py, so a bad value is reported by the
+Flags only override settings; every default and bound lives in config/models.py, so a bad value is reported by the
 pydantic model with the field's name and nothing runs.
 """
 
@@ -34,7 +34,7 @@ from noloco_node.config.models import (
 )
 from noloco_node.config.settings import SettingsError
 from noloco_node.data.corpus import DataError
-from noloco_node.observability.logs import configure_logging
+from noloco_node.logs import configure_logging
 from noloco_node.observability.status_client import StatusClientError
 from noloco_node.security.auth import SecretError, load_secret
 
@@ -270,7 +270,7 @@ def _tls(args: argparse.Namespace) -> int:
 
 
 def _bootstrap(args: argparse.Namespace) -> int:
-    from noloco_node.discovery.bootstrap import run_bootstrap_peer
+    from noloco_node.node.bootstrap import run_bootstrap_peer
 
     http_bind = (args.http_host, args.http_port) if args.http_port is not None else None
     run_bootstrap_peer(args.host_maddrs, args.announce_maddrs, initial_peers=args.initial_peers, http_bind=http_bind)

@@ -1,5 +1,5 @@
 """The ``noloco-node`` commands for data in and models out: ``data prepare``, ``data tokenizer``, ``export``,
-``eval`` and ``generate`` (cli.py holds the swarm commands and the shared flag tables)."""
+``eval`` and ``generate`` (main.py holds the node commands and the shared flag tables)."""
 
 from __future__ import annotations
 
@@ -155,8 +155,8 @@ def run_export(args: argparse.Namespace, resolve: Any) -> int:
             f"(outer step {weights.provenance['outer_step']}, inner step {weights.provenance['inner_step']})"
         )
         return 0
-    from noloco_node.model.consensus import ConsensusError, fetch_consensus
-    from noloco_node.model.source import load_run_corpus
+    from noloco_node.model.run_model import load_run_corpus
+    from noloco_node.node.consensus import ConsensusError, fetch_consensus
     from noloco_node.node.run_layout import run_identity
 
     corpus = load_run_corpus(settings.data, settings.train)

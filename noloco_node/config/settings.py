@@ -1,6 +1,6 @@
 """The effective settings of a node: a TOML or YAML file, then ``NOLOCO_*`` variables, then command-line flags.
 
-One pydantic tree, :class:`Settings`, holds every section of config.py: ``node`` (pairing, network, status, paths,
+One pydantic tree, :class:`Settings`, holds every section of models.py: ``node`` (pairing, network, status, paths,
 with ``node.security``), ``train`` (model size and the inner phase), ``outer`` and ``data``. Layers are applied
 in that order, later ones winning, and :func:`resolve` remembers where every value came from, so that
 ``noloco-node config show`` can say it. A variable is named by its path: ``NOLOCO_TRAIN__LR``,
@@ -31,7 +31,10 @@ from noloco_node.config.models import (
     TrainConfig,
 )
 from noloco_node.errors import NolocoError
-from noloco_node.security.auth import SECRET_ENV, SECRET_FILE_ENV
+
+# Where the swarm secret comes from (security/auth.py reads it): never a setting, so never in a settings file.
+SECRET_ENV = "NOLOCO_SWARM_SECRET"
+SECRET_FILE_ENV = "NOLOCO_SWARM_SECRET_FILE"
 
 if sys.version_info >= (3, 11):
     import tomllib

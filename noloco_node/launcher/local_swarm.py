@@ -20,13 +20,31 @@ from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
-from noloco_node.discovery.bootstrap import start_bootstrap_process
+from noloco_node.node.bootstrap import start_bootstrap_process
 from noloco_node.observability.status_file import read_status_document
 
-if TYPE_CHECKING:  # the launcher only calls its methods; the benchmark that builds it imports the launcher
-    from noloco_node.bench.shaped_network import ShapedNetwork
+
+class HostNetwork(Protocol):
+    """Hosts in network namespaces behind emulated links (bench/shaped_network.py builds one): where each node and
+    the bootstrap peer run and which addresses they use. The launcher only calls these."""
+
+    @property
+    def control_plane(self) -> bool: ...
+
+    def address(self, host: int) -> str: ...
+
+    def control_address(self, host: int) -> str: ...
+
+    def exec_prefix(self, host: int) -> list[str]: ...
+
+    def router_address(self, host: int) -> str: ...
+
+    def router_exec_prefix(self) -> list[str]: ...
+
+    @property
+    def control_router_address(self) -> str: ...
 
 
 def join_command(maddrs: Sequence[str], data_dir: Path, *args: str, log_format: str = "text") -> list[str]:
@@ -139,7 +157,7 @@ class LocalSwarm:
         node_args: Sequence[str],
         per_node_args: Sequence[Sequence[str]] | None = None,
         *,
-        network: ShapedNetwork | None = None,
+        network: HostNetwork | None = None,
     ) -> None:
         self.base = base
         self.network = network

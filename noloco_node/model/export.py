@@ -35,43 +35,14 @@ import torch
 from noloco_node.config.models import ModelConfig
 from noloco_node.data.tokenizer import ByteTokenizer, HFTokenizer, Tokenizer
 from noloco_node.errors import DataError
+from noloco_node.model.checkpoint_file import load_checkpoint
 from noloco_node.model.decoder import CausalLM, named_parameters_ordered
-from noloco_node.model.source import ModelSource, SeededDecoder, source_from_record
+from noloco_node.model.pretrained import open_pretrained
+from noloco_node.model.run_model import source_from_record
+from noloco_node.model.source import ModelSource, SeededDecoder
 
 EXPORT_FORMAT = 2
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
-
-
-def llama_config(cfg: ModelConfig, tokenizer: Tokenizer, dtype: str = "fp32") -> dict[str, Any]:
-    """The config.json of a LlamaForCausalLM with exactly this model's shape."""
-    eos = getattr(tokenizer, "eos_id", None)
-    return {
-        "architectures": ["LlamaForCausalLM"],
-        "model_type": "llama",
-        "vocab_size": cfg.vocab_size,
-        "hidden_size": cfg.hidden_size,
-        "intermediate_size": cfg.intermediate_size,
-        "num_hidden_layers": cfg.num_layers,
-        "num_attention_heads": cfg.num_heads,
-        "num_key_value_heads": cfg.kv_heads,
-        "head_dim": cfg.head_dim,
-        "hidden_act": "silu",
-        "max_position_embeddings": cfg.max_seq_len,
-        "rms_norm_eps": cfg.norm_eps,
-        # transformers 4.x reads rope_theta; 5.x reads rope_parameters (and still accepts the former)
-        "rope_theta": cfg.rope_theta,
-        "rope_parameters": {"rope_type": "default", "rope_theta": cfg.rope_theta},
-        "tie_word_embeddings": cfg.tie_embeddings,
-        "attention_bias": False,
-        "mlp_bias": False,
-        "attention_dropout": 0.0,
-        "initializer_range": cfg.init_std,
-        "bos_token_id": None,
-        "eos_token_id": eos,
-        "pad_token_id": None,
-        "torch_dtype": {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}[dtype],
-        "use_cache": True,
-    }
 
 
 @dataclass
@@ -139,8 +110,6 @@ def write_export(out: Path, weights: ExportedWeights, *, dtype: str = "fp32") ->
 
 def checkpoint_weights(path: Path, *, weights: str = "slow") -> ExportedWeights:
     """One replica's weights from a node's or ``train``'s checkpoint.pt (or the folder holding one)."""
-    from noloco_node.training.checkpoints import load_checkpoint
-
     path = Path(path).expanduser()
     if path.is_dir():
         path = path / "checkpoint.pt"
@@ -176,8 +145,6 @@ def checkpoint_weights(path: Path, *, weights: str = "slow") -> ExportedWeights:
 
 def exported_weights(folder: Path) -> ExportedWeights:
     """An exported folder, or any Hugging Face causal LM folder ``--init-from`` reads (model/pretrained.py)."""
-    from noloco_node.model.pretrained import open_pretrained
-
     folder = Path(folder).expanduser()
     try:
         noloco = json.loads((folder / "noloco.json").read_text()) if (folder / "noloco.json").is_file() else {}

@@ -20,19 +20,18 @@ import hashlib
 import json
 from abc import ABC, abstractmethod
 from collections.abc import Mapping, Sequence
-from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
 
-from noloco_node.config.models import DataConfig, ModelConfig, TrainConfig, model_config_for
+from noloco_node.config.models import ModelConfig
 from noloco_node.data.tokenizer import Tokenizer
 from noloco_node.errors import DataError
 from noloco_node.model.decoder import CausalLM, LlamaDecoder, named_parameters_ordered, rotary_tables
 
 if TYPE_CHECKING:
-    from noloco_node.data.corpus import Corpus
+    pass
 
 Layout = list[tuple[str, tuple[int, ...]]]
 
@@ -89,6 +88,38 @@ def _digest(value: object) -> str:
     return hashlib.sha256(json.dumps(value, sort_keys=True).encode()).hexdigest()[:16]
 
 
+def llama_config(cfg: ModelConfig, tokenizer: Tokenizer, dtype: str = "fp32") -> dict[str, Any]:
+    """The config.json of a LlamaForCausalLM with exactly this model's shape."""
+    eos = getattr(tokenizer, "eos_id", None)
+    return {
+        "architectures": ["LlamaForCausalLM"],
+        "model_type": "llama",
+        "vocab_size": cfg.vocab_size,
+        "hidden_size": cfg.hidden_size,
+        "intermediate_size": cfg.intermediate_size,
+        "num_hidden_layers": cfg.num_layers,
+        "num_attention_heads": cfg.num_heads,
+        "num_key_value_heads": cfg.kv_heads,
+        "head_dim": cfg.head_dim,
+        "hidden_act": "silu",
+        "max_position_embeddings": cfg.max_seq_len,
+        "rms_norm_eps": cfg.norm_eps,
+        # transformers 4.x reads rope_theta; 5.x reads rope_parameters (and still accepts the former)
+        "rope_theta": cfg.rope_theta,
+        "rope_parameters": {"rope_type": "default", "rope_theta": cfg.rope_theta},
+        "tie_word_embeddings": cfg.tie_embeddings,
+        "attention_bias": False,
+        "mlp_bias": False,
+        "attention_dropout": 0.0,
+        "initializer_range": cfg.init_std,
+        "bos_token_id": None,
+        "eos_token_id": eos,
+        "pad_token_id": None,
+        "torch_dtype": {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}[dtype],
+        "use_cache": True,
+    }
+
+
 @torch.no_grad()
 def copy_weights(model: nn.Module, names: Sequence[str], tensors: Sequence[torch.Tensor], *, origin: str) -> None:
     """Copy named tensors into ``model``'s distinct parameters; every name and shape is checked before anything is
@@ -136,8 +167,6 @@ class DecoderSource(ModelSource):
         return model
 
     def export_config(self, tokenizer: Tokenizer, dtype: str) -> dict[str, Any]:
-        from noloco_node.model.export import llama_config
-
         return llama_config(self.model_config, tokenizer, dtype)
 
     def hf_name(self, name: str) -> str:
@@ -170,71 +199,6 @@ class SeededDecoder(DecoderSource):
 
     def record(self) -> dict[str, Any]:
         return {"kind": "seeded", "model_config": self.model_config.identity(), "seed": self.seed, "size": self.size}
-
-
-def source_from_record(record: dict[str, Any]) -> ModelSource:
-    """The source a checkpoint or an export was made from (the inverse of :meth:`ModelSource.record`)."""
-    kind = record.get("kind")
-    if kind == "seeded":
-        return SeededDecoder(ModelConfig(**record["model_config"]), int(record["seed"]), str(record.get("size")))
-    if kind in ("pretrained-decoder", "transformers"):
-        from noloco_node.model.pretrained import pretrained_from_record
-
-        return pretrained_from_record(record)
-    raise DataError(f"unknown model source {kind!r}")
-
-
-def model_source(train_cfg: TrainConfig, vocab_size: int) -> ModelSource:
-    """The model a run of these settings trains on data of ``vocab_size`` token ids: a named size from the seed, or
-    ``--init-from``'s folder."""
-    if train_cfg.init_from is None:
-        cfg = model_config_for(train_cfg.model_size, vocab_size=vocab_size, max_seq_len=train_cfg.seq_len)
-        return SeededDecoder(cfg, train_cfg.seed, train_cfg.model_size)
-    from noloco_node.model.pretrained import open_pretrained
-
-    source = open_pretrained(train_cfg.init_from)
-    if vocab_size > source.vocab_size:
-        raise DataError(
-            f"the data has {vocab_size} token ids, the model in {str(train_cfg.init_from)!r} embeds "
-            f"{source.vocab_size}: use the model's own tokenizer (leave data.tokenizer unset)"
-        )
-    if train_cfg.seq_len > source.max_seq_len:
-        raise DataError(
-            f"train.seq_len ({train_cfg.seq_len}) exceeds what the model in {str(train_cfg.init_from)!r} takes "
-            f"({source.max_seq_len} positions)"
-        )
-    return source
-
-
-def load_run_corpus(data_cfg: DataConfig, train_cfg: TrainConfig) -> Corpus:
-    """The run's corpus, tokenized with ``data.tokenizer``, or with the tokenizer of ``--init-from``'s folder."""
-    from noloco_node.data.corpus import load_corpus
-    from noloco_node.data.tokenizer import load_tokenizer
-
-    if train_cfg.init_from is not None and data_cfg.tokenizer is None:
-        folder = train_cfg.init_from.expanduser()
-        if not folder.is_dir():
-            raise DataError(f"--init-from {str(folder)!r}: no such folder")
-        if (folder / "tokenizer.json").is_file():
-            return load_corpus(data_cfg, tokenizer=load_tokenizer(folder / "tokenizer.json"))
-        if not _exported_with_bytes(folder):  # a byte-level run's export has no tokenizer file: bytes need none
-            raise DataError(
-                f"{str(folder)!r} has no tokenizer.json: give the model's tokenizer with data.tokenizer (--tokenizer)"
-            )
-    return load_corpus(data_cfg)
-
-
-def _exported_with_bytes(folder: Path) -> bool:
-    try:
-        return json.loads((folder / "noloco.json").read_text()).get("tokenizer") == "bytes"
-    except (OSError, ValueError, AttributeError):
-        return False
-
-
-def run_model(data_cfg: DataConfig, train_cfg: TrainConfig) -> tuple[Corpus, ModelSource]:
-    """The corpus and the model of a run, the one way every command derives them from its settings."""
-    corpus = load_run_corpus(data_cfg, train_cfg)
-    return corpus, model_source(train_cfg, corpus.vocab_size)
 
 
 def run_fingerprint(

@@ -51,13 +51,14 @@ from noloco_node.config.models import NodeConfig, TrainConfig
 from noloco_node.data.corpus import Corpus, ReplicaShard
 from noloco_node.discovery.dht import Discovery, PeerRecord
 from noloco_node.errors import NolocoError
+from noloco_node.model.checkpoint_file import load_checkpoint
 from noloco_node.model.source import ModelSource
 from noloco_node.observability.telemetry import Telemetry
 from noloco_node.rpc.client import ExchangeError
 from noloco_node.rpc.metrics import ExchangeMetrics
 from noloco_node.rpc.state_download import StateDownload
 from noloco_node.rpc.transport import Transport
-from noloco_node.training.checkpoints import load_checkpoint, snapshot_layout
+from noloco_node.training.checkpoints import snapshot_layout
 from noloco_node.training.data_parallel import DataParallel
 from noloco_node.training.replica import Batch, Replica
 

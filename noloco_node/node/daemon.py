@@ -31,10 +31,11 @@ import torch
 from noloco_node import algorithm
 from noloco_node.config.models import DataConfig, NodeConfig, OuterConfig, TrainConfig
 from noloco_node.data.corpus import validation_batches
-from noloco_node.discovery.bootstrap import expand_bootstrap
 from noloco_node.discovery.dht import Discovery, PeerRecord
 from noloco_node.discovery.reachability import announce_host, check_reachable
-from noloco_node.model.source import load_run_corpus
+from noloco_node.model.run_model import load_run_corpus
+from noloco_node.node import report
+from noloco_node.node.bootstrap import expand_bootstrap
 from noloco_node.node.catch_up import CHECKPOINT_FILE, CatchUp, NodeError, StoppedBeforeTrainingError
 from noloco_node.node.descriptors import connection_budget, raise_descriptor_limit
 from noloco_node.node.fault_injection import fault_hooks
@@ -42,24 +43,23 @@ from noloco_node.node.memory import warn_if_memory_short
 from noloco_node.node.outer_step import OuterStep, OuterStepDeps
 from noloco_node.node.peering import Peering
 from noloco_node.node.run_layout import RunLayout
+from noloco_node.node.security import NodeSecurity, SecuritySetupError
 from noloco_node.node.supervisor import Supervisor
-from noloco_node.observability import report
 from noloco_node.observability.http_server import StatusServer, node_routes
 from noloco_node.observability.status import Health, NodeStatus
 from noloco_node.observability.status_file import write_status_file
 from noloco_node.observability.telemetry import KEEP_OUTER_STEPS, HealthInputs, Telemetry
 from noloco_node.pairing.peer_policy import PeerPolicy
 from noloco_node.pairing.standing import Standing, SwarmStep
-from noloco_node.rpc import peer_pb2 as pb
 from noloco_node.rpc.metrics import ExchangeMetrics
 from noloco_node.rpc.service import start_server
 from noloco_node.security.caller_proof import CallerVerifier
-from noloco_node.security.node_security import NodeSecurity, SecuritySetupError
 from noloco_node.security.payload_guard import NORM_BOUND
 from noloco_node.training.checkpoints import CheckpointWriter, OuterStateCopies
 from noloco_node.training.data_parallel import DataParallel, weights_digest
 from noloco_node.training.follower import run_follower
 from noloco_node.training.replica import Replica, resolve_device
+from noloco_node.wire import peer_pb2 as pb
 from noloco_node.wire.published import Latest
 
 log = logging.getLogger(__name__)
@@ -158,7 +158,7 @@ class Node:
         return report.info_reply(self)
 
     def status(self) -> NodeStatus:
-        """What GET /status serves and status.json holds (observability/report.py builds it)."""
+        """What GET /status serves and status.json holds (node/report.py builds it)."""
         return report.node_status(self)
 
     def health(self) -> Health:

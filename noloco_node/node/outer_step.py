@@ -30,7 +30,7 @@ import torch
 from noloco_node import algorithm
 from noloco_node.config.models import OuterConfig, TrainConfig
 from noloco_node.node.catch_up import Probation
-from noloco_node.observability.report import ProgressLog
+from noloco_node.node.report import ProgressLog
 from noloco_node.observability.telemetry import KEEP_OUTER_STEPS, Telemetry
 from noloco_node.pairing.standing import SwarmStep
 from noloco_node.pairing.strategy import PairingStrategy

@@ -21,6 +21,7 @@ from typing import Any
 from noloco_node.config.models import NodeConfig
 from noloco_node.discovery.dht import Discovery
 from noloco_node.node.run_layout import RunLayout
+from noloco_node.node.security import NodeSecurity
 from noloco_node.node.served import ServedNode
 from noloco_node.observability.telemetry import Telemetry
 from noloco_node.pairing.caller import CallSettings, PeerCaller
@@ -30,9 +31,8 @@ from noloco_node.pairing.standing import Standing
 from noloco_node.pairing.strategy import OfferPublisher, PairingContext, PairingStrategy
 from noloco_node.pairing.stream import StreamPairing
 from noloco_node.pairing.sync import SyncPairing
-from noloco_node.rpc import peer_pb2 as pb
 from noloco_node.rpc.metrics import ExchangeMetrics
-from noloco_node.security.node_security import NodeSecurity
+from noloco_node.wire import peer_pb2 as pb
 from noloco_node.wire.payload import ReceiveBuffers
 from noloco_node.wire.published import Latest
 

@@ -18,7 +18,8 @@ from dataclasses import dataclass
 
 from noloco_node.config.models import NodeConfig, OuterConfig, TrainConfig
 from noloco_node.data.corpus import Corpus
-from noloco_node.model.source import ModelSource, model_source, run_fingerprint
+from noloco_node.model.run_model import model_source
+from noloco_node.model.source import ModelSource, run_fingerprint
 from noloco_node.wire import quantize
 from noloco_node.wire.frames import DEFAULT_CHUNK_BYTES, PayloadKind, TensorLayout
 

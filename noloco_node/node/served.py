@@ -14,13 +14,13 @@ import torch
 
 from noloco_node.node.outer_step import held_outer_state, partner_tensors
 from noloco_node.node.run_layout import RunLayout
+from noloco_node.node.security import NodeSecurity
 from noloco_node.pairing.peer_policy import PeerPolicy
 from noloco_node.pairing.standing import Standing
 from noloco_node.pairing.strategy import PairingStrategy
-from noloco_node.rpc import peer_pb2 as pb
 from noloco_node.rpc.contracts import ExchangeSession, OutOfReachError
-from noloco_node.security.node_security import NodeSecurity
 from noloco_node.security.payload_guard import RunningGap
+from noloco_node.wire import peer_pb2 as pb
 from noloco_node.wire.frames import PayloadError, PayloadKind
 from noloco_node.wire.payload import Payload, ReceiveBuffers
 from noloco_node.wire.published import Latest, Published

@@ -17,7 +17,7 @@ from typing import Any
 
 from noloco_node.discovery.dht import PeerRecord, RunStart
 from noloco_node.observability.status import Health, KnownPeer, LossPoint
-from noloco_node.rpc import peer_pb2 as pb
+from noloco_node.wire import peer_pb2 as pb
 
 log = logging.getLogger(__name__)
 

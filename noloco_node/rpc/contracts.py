@@ -8,7 +8,7 @@ from collections.abc import Callable, Sequence
 from typing import Any, Protocol
 
 from noloco_node.errors import NolocoError
-from noloco_node.rpc import peer_pb2 as pb
+from noloco_node.wire import peer_pb2 as pb
 from noloco_node.wire.frames import PayloadError, PayloadKind, TensorLayout
 from noloco_node.wire.payload import Payload, ReceiveBuffers, ValueObserver
 

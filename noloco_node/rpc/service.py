@@ -1,6 +1,6 @@
 """The gRPC service a node serves to its peers: weight exchange, state download, peer info (client: client.py).
 
-``Exchange`` is a bidirectional stream: each side sends its payload (wire.py frames) while it receives the other's.
+``Exchange`` is a bidirectional stream: each side sends its payload (wire/frames.py) while it receives the other's.
 Both directions run at once; a side that only wrote before reading would deadlock against HTTP/2 flow control
 as soon as both payloads exceed the window. A side hands the partner's payload to its node (to blend) only once
 the payload is complete and verified and both sides have committed to the exchange (the caller's ``Verdict`` on
@@ -32,21 +32,21 @@ from typing import Any, NoReturn
 import grpc
 from google.protobuf.message import DecodeError
 
-from noloco_node.rpc import peer_pb2 as pb
 from noloco_node.rpc.admission import DOWNLOAD, EXCHANGE, INFO, Admission, Refused, Ticket, remote_host
 from noloco_node.rpc.contracts import OUTER_STEP_HEADER, HeldPayload, OutOfReachError, PeerNode
 from noloco_node.rpc.metrics import ExchangeMetrics
 from noloco_node.rpc.transport import CHANNEL_OPTIONS, PLAIN, GuardedCall, Transport, Watchdog
 from noloco_node.security.caller_proof import KEY_HEADER, CallerProofError, CallerVerifier
 from noloco_node.security.payload_guard import Complaints
+from noloco_node.wire import peer_pb2 as pb
 from noloco_node.wire.frames import DEFAULT_CHUNK_BYTES, PayloadError, iter_frames, read_verdict, verdict_frame
 from noloco_node.wire.payload import Payload, PayloadReceiver
 
 log = logging.getLogger(__name__)
 
-# The service of proto/noloco/v1/peer.proto. Frames cross gRPC as encoded bytes (wire.py writes and reads them),
-# so the streaming methods are registered and called without protobuf (de)serializers; a client built from the
-# generated stubs still interoperates, since the bytes are the proto's own encoding.
+# The service of proto/noloco/v1/peer.proto. Frames cross gRPC as encoded bytes (wire/frames.py writes them,
+# wire/payload.py reads them), so the streaming methods are registered and called without protobuf
+# (de)serializers; a client built from the generated stubs still interoperates: the bytes are the proto's own.
 SERVICE = "noloco.v1.Peer"
 EXCHANGE_METHOD = f"/{SERVICE}/Exchange"
 GET_STATE_METHOD = f"/{SERVICE}/GetState"

@@ -15,7 +15,7 @@ purpose, and what travels is a MAC.
 - The server answers with ``x-noloco-server-mac`` over the client's nonce and its own peer id in its initial
   metadata, and the client checks it before sending a byte of its model: a stranger listening at a peer's address
   learns nothing either.
-- A DHT record carries a MAC over its canonical content (discovery.py); readers drop records without a valid one.
+- A DHT record carries a MAC over its canonical content (discovery/dht.py); readers drop records without a valid one.
 
 This authenticates membership, not individual members: anyone holding the secret is a member. Per-member identity
 is the node key of identity.py.
@@ -38,11 +38,10 @@ from typing import Any
 
 import grpc
 
+from noloco_node import logs
+from noloco_node.config.settings import SECRET_ENV, SECRET_FILE_ENV
 from noloco_node.errors import NolocoError
-from noloco_node.observability import logs
 
-SECRET_ENV = "NOLOCO_SWARM_SECRET"
-SECRET_FILE_ENV = "NOLOCO_SWARM_SECRET_FILE"
 MIN_SECRET_BYTES = 16
 MAX_REMEMBERED_NONCES = 200_000  # a member flooding calls cannot grow the cache without bound
 

@@ -3,7 +3,7 @@
 The key is created on first start as ``<data dir>/node_key.pem`` (PKCS#8, file mode 0600, written atomically so a
 crash never leaves half a key) and reused on every restart, so a node keeps its peer id, its data shard and its
 place in other peers' bookkeeping across restarts. The peer id is a digest of the public key: nobody can claim a
-peer id without holding its key, and discovery.py's DHT records are signed with that key (hivemind's
+peer id without holding its key, and discovery/dht.py's DHT records are signed with that key (hivemind's
 ``RSASignatureValidator``), so nobody can overwrite another peer's address or readiness.
 """
 

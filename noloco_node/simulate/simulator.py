@@ -1,6 +1,6 @@
 """N replicas in one process: NoLoCo against its baselines on the same seeds, data and compute budget.
 
-Methods (outer updates from algorithm.py, inner loop from trainer.py):
+Methods (outer updates from algorithm.py, inner loop from training/loop.py):
 
 - ``noloco``: every outer step the replicas are paired at random (pairs re-drawn each time); each replica blends
   with its partner with ``algorithm.noloco_outer_step`` (arXiv 2506.10911, eq. 3-5). With an odd count one
@@ -46,7 +46,7 @@ import torch
 from noloco_node import algorithm
 from noloco_node.config.models import WIRE_METHODS, SimulateConfig
 from noloco_node.data.corpus import Corpus, ReplicaShard, validation_batches
-from noloco_node.model.source import load_run_corpus, model_source
+from noloco_node.model.run_model import load_run_corpus, model_source
 from noloco_node.training.loop import InnerLoop
 from noloco_node.training.replica import Replica, resolve_device
 from noloco_node.wire import quantize

@@ -10,7 +10,7 @@ from pathlib import Path
 import numpy as np
 
 from noloco_node.config.models import SimulateConfig
-from noloco_node.model.source import load_run_corpus
+from noloco_node.model.run_model import load_run_corpus
 from noloco_node.simulate.simulator import (
     Comparison,
     MethodResult,

@@ -5,7 +5,7 @@ At an outer step (theta == phi there) the trainer copies the outer state once in
 That one :class:`~noloco_node.wire.published.Published` copy then serves both readers, neither of which touches
 the live replica:
 
-- a joiner's ``GetState`` streams it (rpc/exchange.py), for as long as the stream takes;
+- a joiner's ``GetState`` streams it (rpc/service.py), for as long as the stream takes;
 - the :class:`CheckpointWriter` thread turns it into a checkpoint and writes it (``torch.save``, fsync, rename)
   while the trainer is already in its next inner phase.
 
@@ -23,14 +23,13 @@ from typing import Any
 
 import torch
 
-from noloco_node.atomic_files import write_atomically
+from noloco_node.model.checkpoint_file import save_checkpoint
 from noloco_node.model.source import ModelSource
 from noloco_node.training.replica import Replica
 from noloco_node.wire.published import BufferPool, Published
 
 log = logging.getLogger(__name__)
 
-CHECKPOINT_FORMAT = 1
 # The joiner snapshot's tensors, in the order GetState serves them: each prefix over every parameter.
 SNAPSHOT_PREFIXES = ("phi", "delta", "adam.exp_avg", "adam.exp_avg_sq")
 
@@ -98,20 +97,6 @@ def replica_state_of(copy: Published) -> dict[str, Any]:
         "rng_cpu": meta["rng_cpu"],
         "rng_cuda": meta["rng_cuda"],
     }
-
-
-def save_checkpoint(path: Path, payload: dict[str, Any]) -> None:
-    """Write atomically (atomic_files.py): a crash leaves the previous checkpoint or the new one, never a torn file."""
-    write_atomically(path, lambda handle: torch.save({"format": CHECKPOINT_FORMAT, **payload}, handle))
-
-
-def load_checkpoint(path: Path) -> dict[str, Any]:
-    if not path.is_file():
-        raise FileNotFoundError(f"no checkpoint at {path}")
-    payload = torch.load(path, map_location="cpu", weights_only=True)
-    if payload.get("format") != CHECKPOINT_FORMAT:
-        raise ValueError(f"{path}: unknown checkpoint format {payload.get('format')!r}")
-    return payload
 
 
 class CheckpointWriter:

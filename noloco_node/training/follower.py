@@ -16,7 +16,7 @@ import torch
 
 from noloco_node.config.models import DataConfig, NodeConfig, TrainConfig
 from noloco_node.data.corpus import ReplicaShard
-from noloco_node.model.source import run_model
+from noloco_node.model.run_model import run_model
 from noloco_node.training.data_parallel import DataParallel, weights_digest
 from noloco_node.training.loop import InnerLoop
 from noloco_node.training.replica import Replica

@@ -16,8 +16,8 @@ from pathlib import Path
 from noloco_node import algorithm
 from noloco_node.config.models import DataConfig, OuterConfig, TrainConfig
 from noloco_node.data.corpus import ReplicaShard, validation_batches
-from noloco_node.model.source import run_model
-from noloco_node.training.checkpoints import load_checkpoint, save_checkpoint
+from noloco_node.model.checkpoint_file import load_checkpoint, save_checkpoint
+from noloco_node.model.run_model import run_model
 from noloco_node.training.loop import InnerLoop
 from noloco_node.training.replica import Replica
 

@@ -24,7 +24,7 @@ import torch
 import xxhash
 
 from noloco_node.errors import NolocoError
-from noloco_node.rpc import peer_pb2 as pb
+from noloco_node.wire import peer_pb2 as pb
 from noloco_node.wire import quantize
 
 MAX_MESSAGE_BYTES = 4 * 2**20  # gRPC message limit on both ends: a chunk plus framing, never a whole model

@@ -29,7 +29,7 @@ import grpc
 import numpy as np
 import torch
 
-from noloco_node.rpc import peer_pb2 as pb
+from noloco_node.wire import peer_pb2 as pb
 from noloco_node.wire import quantize
 from noloco_node.wire.frames import (
     _TORCH_DTYPE_OF_WIRE,

@@ -21,7 +21,7 @@ from typing import Any
 
 import torch
 
-from noloco_node.rpc import peer_pb2 as pb
+from noloco_node.wire import peer_pb2 as pb
 
 
 class Published:

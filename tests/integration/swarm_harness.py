@@ -11,8 +11,8 @@ import time
 from collections.abc import Iterable
 from pathlib import Path
 
-from noloco_node.discovery.bootstrap import start_bootstrap_process
 from noloco_node.launcher.local_swarm import launch_node, stop_gracefully, stop_together
+from noloco_node.node.bootstrap import start_bootstrap_process
 from noloco_node.observability.status_file import read_status_document
 
 

@@ -11,8 +11,8 @@ import hivemind
 import pytest
 from hivemind.utils.timed_storage import get_dht_time
 
-from noloco_node.discovery.bootstrap import start_bootstrap_process
 from noloco_node.discovery.dht import Discovery, PeerRecord, peers_key
+from noloco_node.node.bootstrap import start_bootstrap_process
 from noloco_node.security.auth import SwarmSecret, record_mac
 from noloco_node.security.identity import NodeIdentity
 

@@ -1,7 +1,7 @@
 """The gRPC exchange over real sockets on 127.0.0.1: exact payloads both ways, fast refusals, bad payloads and cut
 streams that change nothing.
 
-The served side is a small holder of real tensors that records what it would blend with (the daemon in node.py
+The served side is a small holder of real tensors that records what it would blend with (the daemon in node/daemon.py
 plays that role in a swarm); everything between the two sides is the real server, client and wire format.
 """
 
@@ -16,13 +16,13 @@ import pytest
 import torch
 
 from noloco_node.algorithm import noloco_outer_step
-from noloco_node.rpc import peer_pb2 as pb
-from noloco_node.rpc import peer_pb2_grpc as pb_grpc
 from noloco_node.rpc.client import ExchangeError, Outgoing, exchange_with, fetch_info
 from noloco_node.rpc.contracts import AdmitsEverything
 from noloco_node.rpc.metrics import ExchangeMetrics
 from noloco_node.rpc.service import EXCHANGE_METHOD, start_server
 from noloco_node.rpc.transport import CHANNEL_OPTIONS
+from noloco_node.wire import peer_pb2 as pb
+from noloco_node.wire import peer_pb2_grpc as pb_grpc
 from noloco_node.wire.frames import build_manifest, iter_frames, layout_of
 from noloco_node.wire.payload import Payload, ReceiveBuffers
 

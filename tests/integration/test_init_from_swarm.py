@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from noloco_node.config.models import DataConfig, TrainConfig
-from noloco_node.model.source import load_run_corpus
+from noloco_node.model.run_model import load_run_corpus
 
 from ..hf_models import TEXT, save_model
 from .swarm_harness import Bootstrap, NodeProcess, stop_all

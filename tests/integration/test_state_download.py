@@ -10,12 +10,12 @@ import grpc
 import pytest
 import torch
 
-from noloco_node.rpc import peer_pb2 as pb
 from noloco_node.rpc.client import ExchangeError, Outgoing
 from noloco_node.rpc.contracts import AdmitsEverything
 from noloco_node.rpc.metrics import ExchangeMetrics
 from noloco_node.rpc.service import start_server
 from noloco_node.rpc.state_download import StateDownload
+from noloco_node.wire import peer_pb2 as pb
 from noloco_node.wire.frames import build_manifest
 from noloco_node.wire.payload import ReceiveBuffers
 
@@ -26,7 +26,7 @@ SHAPES = [("phi/a", (300, 100)), ("phi/b", (200,)), ("delta/a", (300, 100)), ("d
 
 
 class Donor(AdmitsEverything):
-    """A PeerNode that serves a fixed snapshot (the role node.py's outer-step snapshot plays)."""
+    """A PeerNode that serves a fixed snapshot (the role node/outer_step.py's published state plays)."""
 
     def __init__(self, seed: int, outer_step: int, *, slow: threading.Event | None = None) -> None:
         g = torch.Generator().manual_seed(seed)

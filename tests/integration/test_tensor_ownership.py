@@ -18,13 +18,13 @@ from noloco_node.data.corpus import ReplicaShard
 from noloco_node.model.source import SeededDecoder
 from noloco_node.pairing.strategy import OfferPublisher
 from noloco_node.pairing.sync import PairingRound
-from noloco_node.rpc import peer_pb2 as pb
 from noloco_node.rpc.client import Outgoing
 from noloco_node.rpc.contracts import AdmitsEverything
 from noloco_node.rpc.metrics import ExchangeMetrics
 from noloco_node.rpc.service import EXCHANGE_METHOD, start_server
 from noloco_node.rpc.transport import CHANNEL_OPTIONS
 from noloco_node.training.replica import Replica
+from noloco_node.wire import peer_pb2 as pb
 from noloco_node.wire.frames import PayloadKind, TensorLayout, build_manifest, iter_frames, read_verdict, verdict_frame
 from noloco_node.wire.payload import PayloadReceiver, ReceiveBuffers
 

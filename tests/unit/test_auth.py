@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from noloco_node.observability import logs
+from noloco_node import logs
 from noloco_node.security.auth import (
     CallAuthenticator,
     SecretError,

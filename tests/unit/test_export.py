@@ -14,11 +14,11 @@ from noloco_node.cli.main import main
 from noloco_node.config.models import DataConfig, OuterConfig, TrainConfig, model_config_for
 from noloco_node.data.tokenizer import ByteTokenizer, train_bpe_tokenizer
 from noloco_node.errors import DataError
+from noloco_node.model.checkpoint_file import load_checkpoint, save_checkpoint
 from noloco_node.model.decoder import LlamaDecoder, named_parameters_ordered
 from noloco_node.model.export import ExportedWeights, checkpoint_weights, load_any, write_export
 from noloco_node.model.inference import generate
 from noloco_node.model.source import SeededDecoder
-from noloco_node.training.checkpoints import load_checkpoint, save_checkpoint
 from noloco_node.training.solo import run_training
 
 transformers = pytest.importorskip("transformers")  # a dev dependency: CI installs it, so this runs there

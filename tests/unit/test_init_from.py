@@ -17,7 +17,8 @@ from noloco_node.data.corpus import ReplicaShard
 from noloco_node.errors import DataError
 from noloco_node.model.export import checkpoint_weights
 from noloco_node.model.pretrained import PretrainedDecoder, TransformersModel, open_pretrained
-from noloco_node.model.source import model_source, run_fingerprint, run_model
+from noloco_node.model.run_model import model_source, run_model
+from noloco_node.model.source import run_fingerprint
 from noloco_node.training.replica import Replica
 from noloco_node.training.solo import run_training
 

@@ -8,7 +8,7 @@ import logging
 
 from prometheus_client.parser import text_string_to_metric_families
 
-from noloco_node.observability.logs import configure_logging
+from noloco_node.logs import configure_logging
 from noloco_node.observability.metrics import register_status, render_metrics
 from noloco_node.observability.status import Health, NodeStatus, SecurityStatus
 from noloco_node.rpc.metrics import ExchangeMetrics

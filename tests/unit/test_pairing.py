@@ -15,7 +15,7 @@ from noloco_node.pairing.overlap import OfferBook
 from noloco_node.pairing.strategy import OfferPublisher
 from noloco_node.pairing.stream import StreamPairing
 from noloco_node.pairing.sync import PairingRound, Stage
-from noloco_node.rpc import peer_pb2 as pb
+from noloco_node.wire import peer_pb2 as pb
 from noloco_node.wire.frames import PayloadError, PayloadKind, TensorLayout
 from noloco_node.wire.payload import Payload, ReceiveBuffers
 from noloco_node.wire.published import BufferPool, Latest, Published

@@ -10,7 +10,7 @@ import grpc
 import pytest
 import torch
 
-from noloco_node.rpc import peer_pb2 as pb
+from noloco_node.wire import peer_pb2 as pb
 from noloco_node.wire import quantize
 from noloco_node.wire.frames import (
     PayloadError,

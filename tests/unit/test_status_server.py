@@ -1,4 +1,4 @@
-"""status_server.py over real sockets: routes, status codes, HEAD, and clients that are slow or oversized."""
+"""observability/http_server.py over real sockets: routes, status codes, HEAD, and slow or oversized clients."""
 
 from __future__ import annotations
 

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from noloco_node.rpc import generate
+from noloco_node.wire import generate
 
 
 def test_committed_stubs_match_the_proto_files() -> None:
@@ -10,4 +10,4 @@ def test_committed_stubs_match_the_proto_files() -> None:
     assert set(generated) == {"peer_pb2.py", "peer_pb2.pyi", "peer_pb2_grpc.py"}
     for name, content in generated.items():
         committed = (generate.PACKAGE_DIR / name).read_text()
-        assert committed == content, f"{name} is out of date: run python -m noloco_node.rpc.generate"
+        assert committed == content, f"{name} is out of date: run python -m noloco_node.wire.generate"

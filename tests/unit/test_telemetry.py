@@ -10,7 +10,7 @@ import pytest
 
 from noloco_node.discovery.dht import PeerRecord
 from noloco_node.observability.telemetry import HealthInputs, Telemetry
-from noloco_node.rpc import peer_pb2 as pb
+from noloco_node.wire import peer_pb2 as pb
 
 HEALTHY = HealthInputs(
     trainer_started=True, trainer_alive=True, trainer_error=None, stopping=False, finished=False, dht_alive=True
@@ -97,7 +97,7 @@ class _EnoughError(Exception):
 def test_other_starts_are_looked_up_often_at_first_then_every_30_s(monkeypatch: pytest.MonkeyPatch) -> None:
     """A run's members mostly start together: a node started from another model must be named within seconds, and
     a long-lived node must not ask the DHT every 3 s for what changes only when someone starts anew."""
-    from noloco_node.observability import report
+    from noloco_node.node import report
 
     clock = [0.0]
     real_sleep = asyncio.sleep

@@ -14,14 +14,9 @@ import torch
 from noloco_node import algorithm
 from noloco_node.config.models import TrainConfig, model_config_for
 from noloco_node.data.corpus import ReplicaShard
+from noloco_node.model.checkpoint_file import load_checkpoint, save_checkpoint
 from noloco_node.model.source import SeededDecoder
-from noloco_node.training.checkpoints import (
-    CheckpointWriter,
-    OuterStateCopies,
-    load_checkpoint,
-    replica_state_of,
-    save_checkpoint,
-)
+from noloco_node.training.checkpoints import CheckpointWriter, OuterStateCopies, replica_state_of
 from noloco_node.training.replica import Replica, learning_rate
 
 TOKENS = (np.arange(200_000) * 7919 % 251).astype(np.uint8)  # deterministic, learnable-ish stream

@@ -1,4 +1,5 @@
-"""wire.py: payloads survive the round trip, and every kind of bad payload is refused with a precise status."""
+"""wire/frames.py and wire/payload.py: payloads survive the round trip, and every kind of bad payload is refused
+with a precise status."""
 
 from __future__ import annotations
 
@@ -6,7 +7,7 @@ import grpc
 import pytest
 import torch
 
-from noloco_node.rpc import peer_pb2 as pb
+from noloco_node.wire import peer_pb2 as pb
 from noloco_node.wire.frames import (
     MAX_CHUNK_BYTES,
     PayloadError,

@@ -20,6 +20,7 @@ from noloco_node import __version__
 from noloco_node.config.models import NodeConfig, TrainConfig
 from noloco_node.discovery.dht import Discovery
 from noloco_node.model.source import ModelSource
+from noloco_node.node.security import NodeSecurity
 from noloco_node.observability.status import (
     ExchangeRecord,
     Health,
@@ -29,12 +30,11 @@ from noloco_node.observability.status import (
     TaskStatus,
 )
 from noloco_node.observability.telemetry import Telemetry
-from noloco_node.rpc import peer_pb2 as pb
 from noloco_node.rpc.client import fetch_info
 from noloco_node.rpc.metrics import ExchangeMetrics
 from noloco_node.rpc.transport import PLAIN, Transport
-from noloco_node.security.node_security import NodeSecurity
 from noloco_node.training.replica import Replica
+from noloco_node.wire import peer_pb2 as pb
 from noloco_node.wire.payload import Payload
 
 if TYPE_CHECKING:  # the protocol's type only: what a node reports on, not an import of the pairing package

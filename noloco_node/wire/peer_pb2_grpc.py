@@ -3,7 +3,7 @@
 import grpc
 import warnings
 
-from noloco_node.rpc import peer_pb2 as noloco_dot_v1_dot_peer__pb2
+from noloco_node.wire import peer_pb2 as noloco_dot_v1_dot_peer__pb2
 
 GRPC_GENERATED_VERSION = '1.85.1'
 GRPC_VERSION = grpc.__version__

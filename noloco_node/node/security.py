@@ -1,6 +1,6 @@
 """A node's security, assembled from its SecurityConfig: identity, membership, transport and payload admission.
 
-node.py holds one :class:`NodeSecurity` and asks it three things: which transport its calls and server use
+daemon.py holds one :class:`NodeSecurity` and asks it three things: which transport its calls and server use
 (plain or TLS, signed or not: transport.py), whether a verified payload may be blended (the norm bound:
 payload_guard.py), and whether a peer is refused. Every refusal of a payload's content is counted by reason and
 logged once per peer with rate limiting; weights beyond the norm bound set the peer aside for now (drift is not

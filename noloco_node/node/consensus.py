@@ -30,13 +30,13 @@ import torch
 
 from noloco_node import algorithm
 from noloco_node.config.models import NodeConfig
-from noloco_node.discovery.bootstrap import expand_bootstrap
 from noloco_node.discovery.dht import Discovery, PeerRecord
 from noloco_node.errors import NolocoError
 from noloco_node.model.source import ModelSource
+from noloco_node.node.bootstrap import expand_bootstrap
+from noloco_node.node.security import NodeSecurity
 from noloco_node.rpc.client import ExchangeError
 from noloco_node.rpc.state_download import StateDownload
-from noloco_node.security.node_security import NodeSecurity
 from noloco_node.security.payload_guard import relative_distance
 from noloco_node.training.checkpoints import snapshot_layout
 

@@ -1,8 +1,9 @@
 """Regenerates the Python stubs in this package from proto/noloco/v1/*.proto, reproducibly.
 
-``python -m noloco_node.rpc.generate`` rewrites the committed stubs; ``--check`` exits 1 if they differ from
+``python -m noloco_node.wire.generate`` rewrites the committed stubs; ``--check`` exits 1 if they differ from
 what the .proto files generate now (CI runs that through a test). protoc emits ``from noloco.v1 import ...``; the
-stubs live in ``noloco_node.rpc``, so that import is rewritten, and nothing else is touched.
+stubs live in ``noloco_node.wire`` (the messages are the wire format), so that import is rewritten, and nothing
+else is touched.
 """
 
 from __future__ import annotations
@@ -27,7 +28,7 @@ def generate() -> dict[str, str]:
             raise RuntimeError("protoc failed")
         generated = {}
         for path in sorted(Path(out, "noloco", "v1").iterdir()):
-            text = path.read_text().replace("from noloco.v1 import", "from noloco_node.rpc import")
+            text = path.read_text().replace("from noloco.v1 import", "from noloco_node.wire import")
             generated[path.name] = text
     return generated
 
@@ -44,7 +45,7 @@ def main(argv: list[str] | None = None) -> int:
             if not args.check:
                 target.write_text(content)
     if args.check and stale:
-        print(f"stubs out of date: {', '.join(stale)}; run python -m noloco_node.rpc.generate", file=sys.stderr)
+        print(f"stubs out of date: {', '.join(stale)}; run python -m noloco_node.wire.generate", file=sys.stderr)
         return 1
     print("stubs " + ("up to date" if not stale else f"regenerated: {', '.join(stale)}"))
     return 0
