@@ -193,7 +193,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _join(args: argparse.Namespace) -> int:
-    from noloco_node.node.daemon import run_node
+    from noloco_node.node.launch import run_node
 
     settings, _ = _resolve(args, {**_TRAIN_FLAGS, **_NODE_FLAGS})
     return run_node(settings.node, settings.train, settings.outer, settings.data)
@@ -317,7 +317,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"noloco-node {args.command}: {error}", file=sys.stderr)
         return 2
     except Exception as error:
-        from noloco_node.node.daemon import NodeError
+        from noloco_node.node.catch_up import NodeError
 
         if not isinstance(error, NodeError):
             raise

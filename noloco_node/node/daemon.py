@@ -28,14 +28,12 @@ import time
 
 import torch
 
-from noloco_node import algorithm
 from noloco_node.config.models import DataConfig, NodeConfig, OuterConfig, TrainConfig
 from noloco_node.data.corpus import validation_batches
 from noloco_node.discovery.dht import Discovery, PeerRecord
 from noloco_node.discovery.reachability import announce_host, check_reachable
 from noloco_node.model.run_model import load_run_corpus
 from noloco_node.node import report
-from noloco_node.node.bootstrap import expand_bootstrap
 from noloco_node.node.catch_up import CHECKPOINT_FILE, CatchUp, NodeError, StoppedBeforeTrainingError
 from noloco_node.node.descriptors import connection_budget, raise_descriptor_limit
 from noloco_node.node.fault_injection import fault_hooks
@@ -57,7 +55,6 @@ from noloco_node.security.caller_proof import CallerVerifier
 from noloco_node.security.payload_guard import NORM_BOUND
 from noloco_node.training.checkpoints import CheckpointWriter, OuterStateCopies
 from noloco_node.training.data_parallel import DataParallel, weights_digest
-from noloco_node.training.follower import run_follower
 from noloco_node.training.replica import Replica, resolve_device
 from noloco_node.wire import peer_pb2 as pb
 from noloco_node.wire.published import Latest
@@ -65,7 +62,7 @@ from noloco_node.wire.published import Latest
 log = logging.getLogger(__name__)
 
 
-__all__ = ["Node", "NodeError", "run_node"]
+__all__ = ["Node", "NodeError"]
 
 
 class Node:
@@ -522,57 +519,3 @@ class Node:
                 weights_digest(self.replica.params),
             )
             self.data_parallel.close()
-
-
-def run_node(node_cfg: NodeConfig, train_cfg: TrainConfig, outer_cfg: OuterConfig, data_cfg: DataConfig) -> int:
-    """Build the node and run it on uvloop (plain asyncio where uvloop is unavailable); a rank of a multi-process
-    member (torchrun) runs its part and leaves the process itself (DataParallel.exit_process says why)."""
-    algorithm.warn_on_unstable_hyperparameters(outer_cfg.alpha, outer_cfg.beta, outer_cfg.effective_gamma)
-    data_parallel = DataParallel.from_environment()
-    if data_parallel is None:
-        return _run_node(node_cfg, train_cfg, outer_cfg, data_cfg, None)
-    train_cfg = train_cfg.model_copy(update={"device": data_parallel.device(train_cfg.device)})
-    try:
-        if data_parallel.leader:
-            code = _run_node(node_cfg, train_cfg, outer_cfg, data_cfg, data_parallel)
-        else:  # another GPU of this member: no DHT, no gRPC, it follows rank 0
-            code = run_follower(node_cfg, train_cfg, data_cfg, data_parallel)
-    except NodeError as error:
-        log.error("rank %d of the member: %s", data_parallel.rank, error)
-        code = 2
-    except BaseException:
-        log.exception("rank %d of the member failed", data_parallel.rank)
-        code = 1
-    data_parallel.exit_process(code)
-
-
-def _run_node(
-    node_cfg: NodeConfig,
-    train_cfg: TrainConfig,
-    outer_cfg: OuterConfig,
-    data_cfg: DataConfig,
-    data_parallel: DataParallel | None,
-) -> int:
-    if any(entry.startswith(("http://", "https://")) for entry in node_cfg.bootstrap):
-        try:
-            maddrs = expand_bootstrap(node_cfg.bootstrap, wait=node_cfg.bootstrap_wait)
-        except OSError as error:
-            raise NodeError(str(error)) from None
-        node_cfg = node_cfg.model_copy(update={"bootstrap": maddrs})
-    node = Node(node_cfg, train_cfg, outer_cfg, data_cfg)
-    # The DHT forks a helper process: start it while this process has a single thread (the start order above).
-    node.discovery.start()
-    if data_parallel is not None:
-        data_parallel.start()
-        node.data_parallel = data_parallel
-    try:
-        import uvloop
-    except ImportError:
-        code = asyncio.run(node.run())
-    else:
-        code = uvloop.run(node.run())
-    # The loop has finished (and with it the node's handlers): a stop signal sent again now, by a launcher or an
-    # orchestrator that repeats itself, would kill a node that is already leaving cleanly.
-    for signum in (signal.SIGINT, signal.SIGTERM):
-        signal.signal(signum, signal.SIG_IGN)
-    return code

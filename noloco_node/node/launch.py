@@ -1,0 +1,76 @@
+"""The node's process: ``noloco-node join`` builds a :class:`~noloco_node.node.daemon.Node` and runs it on uvloop.
+
+Before the node exists, bootstrap URLs are expanded to the multiaddresses they list; the DHT is started while the
+process still has one thread (it forks a helper). A rank of a multi-GPU member (torchrun) other than rank 0 runs
+no node at all: it follows rank 0 (training/follower.py).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import signal
+
+from noloco_node import algorithm
+from noloco_node.config.models import DataConfig, NodeConfig, OuterConfig, TrainConfig
+from noloco_node.node.bootstrap import expand_bootstrap
+from noloco_node.node.catch_up import NodeError
+from noloco_node.node.daemon import Node
+from noloco_node.training.data_parallel import DataParallel
+from noloco_node.training.follower import run_follower
+
+log = logging.getLogger("noloco_node.node.daemon")  # the node's own lines, whichever module says them
+
+
+def run_node(node_cfg: NodeConfig, train_cfg: TrainConfig, outer_cfg: OuterConfig, data_cfg: DataConfig) -> int:
+    """Build the node and run it on uvloop (plain asyncio where uvloop is unavailable); a rank of a multi-process
+    member (torchrun) runs its part and leaves the process itself (DataParallel.exit_process says why)."""
+    algorithm.warn_on_unstable_hyperparameters(outer_cfg.alpha, outer_cfg.beta, outer_cfg.effective_gamma)
+    data_parallel = DataParallel.from_environment()
+    if data_parallel is None:
+        return _run_node(node_cfg, train_cfg, outer_cfg, data_cfg, None)
+    train_cfg = train_cfg.model_copy(update={"device": data_parallel.device(train_cfg.device)})
+    try:
+        if data_parallel.leader:
+            code = _run_node(node_cfg, train_cfg, outer_cfg, data_cfg, data_parallel)
+        else:  # another GPU of this member: no DHT, no gRPC, it follows rank 0
+            code = run_follower(node_cfg, train_cfg, data_cfg, data_parallel)
+    except NodeError as error:
+        log.error("rank %d of the member: %s", data_parallel.rank, error)
+        code = 2
+    except BaseException:
+        log.exception("rank %d of the member failed", data_parallel.rank)
+        code = 1
+    data_parallel.exit_process(code)
+
+
+def _run_node(
+    node_cfg: NodeConfig,
+    train_cfg: TrainConfig,
+    outer_cfg: OuterConfig,
+    data_cfg: DataConfig,
+    data_parallel: DataParallel | None,
+) -> int:
+    if any(entry.startswith(("http://", "https://")) for entry in node_cfg.bootstrap):
+        try:
+            maddrs = expand_bootstrap(node_cfg.bootstrap, wait=node_cfg.bootstrap_wait)
+        except OSError as error:
+            raise NodeError(str(error)) from None
+        node_cfg = node_cfg.model_copy(update={"bootstrap": maddrs})
+    node = Node(node_cfg, train_cfg, outer_cfg, data_cfg)
+    # The DHT forks a helper process: start it while this process has a single thread (the start order above).
+    node.discovery.start()
+    if data_parallel is not None:
+        data_parallel.start()
+        node.data_parallel = data_parallel
+    try:
+        import uvloop
+    except ImportError:
+        code = asyncio.run(node.run())
+    else:
+        code = uvloop.run(node.run())
+    # The loop has finished (and with it the node's handlers): a stop signal sent again now, by a launcher or an
+    # orchestrator that repeats itself, would kill a node that is already leaving cleanly.
+    for signum in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(signum, signal.SIG_IGN)
+    return code
