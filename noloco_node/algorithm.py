@@ -307,8 +307,9 @@ def projected_fast_weights(new_phi: TensorList, theta: TensorList, old_phi: Tens
 
 
 @torch.no_grad()
-def pseudo_gradient(theta: TensorList, phi: TensorList) -> list[torch.Tensor]:
-    """A phase's progress Delta = theta - phi in fp32: what stream mode sends at the outer step."""
+def phase_progress(theta: TensorList, phi: TensorList) -> list[torch.Tensor]:
+    """A phase's progress Delta = theta - phi in fp32: what stream mode sends at the outer step. (DiLoCo's
+    pseudo-gradient is its negative, phi - mean(theta): this project says progress for theta - phi throughout.)"""
     _check_same_shapes(theta, phi, "phi")
     return [t.to(torch.float32) - p.to(torch.float32) for t, p in zip(theta, phi, strict=True)]
 

@@ -2,7 +2,7 @@
 
 N of these processes train the same model on their own shards (the nodes' shards: same seed, same dealing) with
 the same emulated log-normal step times as the swarm's nodes (node.fault_injection.emulated_step_factor). Every H
-inner steps all of them run DiLoCo's outer step behind a global barrier: the pseudo-gradient theta - phi is
+inner steps all of them run DiLoCo's outer step behind a global barrier: the progress theta - phi (the pseudo-gradient, up to sign) is
 all-reduced over gloo (its ring algorithm) in bf16, the wire dtype of a NoLoCo node's default payload, and every
 replica applies the heavy-ball outer step on the mean (algorithm.diloco_heavy_ball_step, the simulator's
 ``diloco``): nobody passes it before the slowest replica arrives.
@@ -104,7 +104,7 @@ def outer_step(replica: Replica, world: int, outer: OuterConfig, mean: MeanFunct
     """DiLoCo's outer step: the all-replica mean of theta - phi, then heavy-ball on the mean's fast weights; every
     replica ends with the same phi."""
     theta, phi = replica.fast_weights(), replica.phi
-    progress = algorithm.pseudo_gradient(theta, phi)
+    progress = algorithm.phase_progress(theta, phi)
     mean_theta = algorithm.fast_weights_from(phi, mean(progress, world))
     new_phi, new_delta = algorithm.diloco_heavy_ball_step(
         phi, replica.delta, [mean_theta], alpha=outer.diloco_alpha, beta=outer.diloco_beta

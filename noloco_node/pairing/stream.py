@@ -194,7 +194,7 @@ class StreamPairing(PairingStrategy):
             reserved = phase.partner
         if reserved is None:
             return None  # nobody swapped phase payloads with this node: a solo step
-        progress = algorithm.pseudo_gradient(replica.fast_weights(), replica.phi)
+        progress = algorithm.phase_progress(replica.fast_weights(), replica.phi)
         offer = ctx.offers["progress"].publish({"progress": progress}, replica.outer_step)
         del progress
         current = PairingRound(replica.outer_step, offer, only_partner=reserved.peer_id)

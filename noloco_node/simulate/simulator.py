@@ -128,7 +128,7 @@ def partner_view(
     if stream_wire is None:
         return _through_wire(list(theta), sync_wire), _through_wire(list(phi), sync_wire)
     seen_phi = _through_wire(list(phi), "bf16")
-    seen_delta = _through_wire(algorithm.pseudo_gradient(theta, phi), stream_wire)
+    seen_delta = _through_wire(algorithm.phase_progress(theta, phi), stream_wire)
     return algorithm.fast_weights_from(seen_phi, seen_delta), seen_phi
 
 
