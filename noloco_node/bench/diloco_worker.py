@@ -2,8 +2,9 @@
 
 N of these processes train the same model on their own shards (the nodes' shards: same seed, same dealing) with
 the same emulated log-normal step times as the swarm's nodes (node.fault_injection.emulated_step_factor). Every H
-inner steps all of them run DiLoCo's outer step behind a global barrier: the progress theta - phi (the pseudo-gradient, up to sign) is
-all-reduced over gloo (its ring algorithm) in bf16, the wire dtype of a NoLoCo node's default payload, and every
+inner steps all of them run DiLoCo's outer step behind a global barrier: the progress theta - phi (the
+pseudo-gradient, up to sign) is all-reduced over gloo (its ring algorithm) in bf16, the wire dtype of a NoLoCo
+node's default payload, and every
 replica applies the heavy-ball outer step on the mean (algorithm.diloco_heavy_ball_step, the simulator's
 ``diloco``): nobody passes it before the slowest replica arrives.
 
