@@ -29,7 +29,7 @@ import torch
 
 from noloco_node import algorithm
 from noloco_node.config.models import OuterConfig, TrainConfig
-from noloco_node.node.catch_up import Probation
+from noloco_node.node.probation import Probation
 from noloco_node.node.report import ProgressLog
 from noloco_node.observability.telemetry import KEEP_OUTER_STEPS, Telemetry
 from noloco_node.pairing.standing import SwarmStep
@@ -93,7 +93,7 @@ class OuterStepDeps:
     # The outer step the swarm's clock is at, given this node's, when most peers with standing are beyond reach
     # ahead (pairing/standing.py); None: keep this node's. Not given: never moved.
     swarm_step: Callable[[int], SwarmStep | None] | None = None
-    probation: Probation | None = None  # a downloaded state's first phase, judged here (node/catch_up.py)
+    probation: Probation | None = None  # a downloaded state's first phase, judged here (node/probation.py)
     data_parallel: DataParallel | None = None
 
 
@@ -282,7 +282,7 @@ class OuterStep:
         widened for the steps the two were apart (security/payload_guard.py). Further apart than that widening
         allows (MAX_DRIFT_STEPS), the two sides' weights have drifted beyond any bound (seen: relative distances
         of 0.93-1.12 after 40-67 outer steps apart), so the node downloads a state from the front instead, kept
-        only if it measures no worse than its own (node/catch_up.py); refused, it moves its clock all the same. A
+        only if it measures no worse than its own (node/probation.py); refused, it moves its clock all the same. A
         node these peers never blended with has no standing with them and is left to _catch_up_if_left_behind."""
         deps, replica = self.deps, self.deps.replica
         found = deps.swarm_step(replica.outer_step) if deps.swarm_step is not None else None

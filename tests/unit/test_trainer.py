@@ -215,10 +215,10 @@ def test_moving_the_clock_forward_keeps_the_weights_and_the_phase_boundaries() -
 def test_a_downloaded_state_that_goes_bad_in_its_first_phase_is_rolled_back_and_its_donor_refused(
     tmp_path: Path,
 ) -> None:
-    """node/catch_up.py Probation: after the first phase on a donor's weights, a validation loss far above the one
+    """node/probation.py: after the first phase on a donor's weights, a validation loss far above the one
     they measured before adoption sends a member back to its own checkpoint and a joiner back to the seed; the
     donor goes on the list never asked again. A state that holds up is kept."""
-    from noloco_node.node.catch_up import PROBATION_MARGIN, Probation
+    from noloco_node.node.probation import PROBATION_MARGIN, Probation
 
     member = make_replica(seed=0)
     train(member, 10)
