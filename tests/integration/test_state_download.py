@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import threading
+import time
 
 import grpc
 import pytest
@@ -166,3 +167,41 @@ def test_a_donor_serving_its_maximum_of_downloads_answers_busy(serve) -> None:
         holder.join(30)
     tensors, _ = StateDownload(SHAPES, run_fingerprint=RUN, peer_id="third").fetch(address, timeout=20)
     assert torch.equal(tensors["phi/a"], donor.named[0][1])  # the slot is free again
+
+
+def test_a_cancelled_download_ends_at_once_keeps_what_arrived_and_counts_its_bytes(serve) -> None:
+    """A node asked to stop cancels its download (node/catch_up.py): the fetch, reading a donor behind a slow link,
+    ends within a second instead of at its deadline, with what arrived kept for a later donor of the same step."""
+    first, second = Donor(1, outer_step=6), Donor(2, outer_step=6)
+    _, first_port = serve(first, chunk_bytes=16384)
+    second_address, _ = serve(second, chunk_bytes=16384)
+    slow = ThrottlingProxy(first_port, bytes_per_second=40_000)  # 481 kB: about 12 s
+    download = StateDownload(SHAPES, run_fingerprint=RUN, peer_id="joiner")
+    outcome: list[BaseException] = []
+
+    def fetch() -> None:
+        try:
+            download.fetch(f"127.0.0.1:{slow.port}", timeout=60)
+        except ExchangeError as error:
+            outcome.append(error)
+
+    fetching = threading.Thread(target=fetch)
+    try:
+        fetching.start()
+        deadline = time.monotonic() + 30
+        while download.bytes_received < 100_000:
+            assert time.monotonic() < deadline and fetching.is_alive(), "no bytes arrived"
+            time.sleep(0.05)
+        cancelled = time.monotonic()
+        download.cancel()
+        fetching.join(10)
+        assert not fetching.is_alive() and time.monotonic() - cancelled < 2.0
+    finally:
+        slow.close()
+    (error,) = outcome
+    assert error.code == grpc.StatusCode.CANCELLED
+    assert len(download.done) >= 1  # what arrived is kept
+    fresh = StateDownload(SHAPES, run_fingerprint=RUN, peer_id="joiner")
+    fresh.done, fresh.partial_bytes, fresh.counters = download.done, download.partial_bytes, download.counters
+    tensors, counters = fresh.fetch(second_address, timeout=20)  # a later download of the same step resumes it
+    assert fresh.resumed == 1 and counters["outer_step"] == 6 and set(tensors) == {name for name, _ in SHAPES}

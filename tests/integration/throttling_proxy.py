@@ -84,6 +84,16 @@ class ThrottlingProxy:
         )
 
     def close(self) -> None:
-        self._loop.call_soon_threadsafe(self._server.close)
+        """Stop listening and end every relayed connection on the proxy's loop before stopping it: a loop stopped
+        with relays still pending left their coroutines to be closed later, on a closed loop."""
+
+        async def shut_down() -> None:
+            self._server.close()
+            relays = [task for task in asyncio.all_tasks() if task is not asyncio.current_task()]
+            for task in relays:
+                task.cancel()
+            await asyncio.gather(*relays, return_exceptions=True)
+
+        asyncio.run_coroutine_threadsafe(shut_down(), self._loop).result(timeout=5)
         self._loop.call_soon_threadsafe(self._loop.stop)
         self._thread.join(timeout=5)
