@@ -13,7 +13,7 @@ PYTEST_ARGS ?=
 
 venv: $(STAMP)
 
-$(STAMP): pyproject.toml
+$(STAMP): pyproject.toml benchmarks/pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install --quiet --upgrade pip
 	@if command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi >/dev/null 2>&1; then \
@@ -23,6 +23,7 @@ $(STAMP): pyproject.toml
 		$(BIN)/python -m pip install --quiet "$(TORCH_SPEC)"; \
 	fi
 	$(BIN)/python -m pip install --quiet -e '.[dev]'
+	$(BIN)/python -m pip install --quiet -e ./benchmarks  # `noloco-node bench` and the tests' hostile clients
 	touch $(STAMP)
 
 # The main job on the embedded default: a bootstrap peer and 4 node processes on 127.0.0.1 training the tiny model
@@ -36,14 +37,14 @@ compare: $(STAMP)
 	$(BIN)/noloco-node simulate --compare --replicas 8 --model tiny --diloco-inner-steps 50 --out runs/compare
 
 lint: $(STAMP)
-	$(BIN)/ruff check noloco_node tests
-	$(BIN)/ruff format --check noloco_node tests
-	$(BIN)/mypy noloco_node
+	$(BIN)/ruff check noloco_node benchmarks tests
+	$(BIN)/ruff format --check noloco_node benchmarks tests
+	$(BIN)/mypy noloco_node benchmarks/noloco_bench
 	$(BIN)/lint-imports
 
 format: $(STAMP)
-	$(BIN)/ruff format noloco_node tests
-	$(BIN)/ruff check --fix noloco_node tests
+	$(BIN)/ruff format noloco_node benchmarks tests
+	$(BIN)/ruff check --fix noloco_node benchmarks tests
 
 # The fast tier: unit tests plus integration tests that start real processes. pytest exits 5 when it collects no
 # tests, which fails this target like any other error.
@@ -57,4 +58,4 @@ test-all: lint
 	$(BIN)/python -m pytest $(PYTEST_ARGS)
 
 clean:
-	rm -rf $(VENV) runs .pytest_cache .ruff_cache *.egg-info
+	rm -rf $(VENV) runs .pytest_cache .ruff_cache *.egg-info benchmarks/*.egg-info

@@ -17,7 +17,6 @@ from typing import Any
 from pydantic import ValidationError
 
 from noloco_node import __version__
-from noloco_node.cli.bench_commands import add_bench_parsers, run_bench
 from noloco_node.cli.training_commands import add_training_parsers, run_simulate, run_sizes, run_train
 from noloco_node.config.flags import (
     NODE_FLAGS,
@@ -77,6 +76,15 @@ def _resolve(args: argparse.Namespace, flags: Mapping[str, Flag]) -> tuple[Any, 
     return resolve(getattr(args, "config", None), os.environ, given_settings(args, flags), flag_names=flag_names(flags))
 
 
+def plugin_commands() -> list[Any]:
+    """Commands that other installed distributions add, through the entry points of group ``noloco_node.commands``:
+    the benchmarks (benchmarks/, the ``noloco-bench`` distribution) add ``bench``. Each entry point is an object
+    with ``name``, ``add_parser(commands)`` and ``run(args) -> int``; without them installed the node has none."""
+    from importlib.metadata import entry_points
+
+    return [entry.load() for entry in entry_points(group="noloco_node.commands")]
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="noloco-node", description=__doc__.splitlines()[0])
     parser.add_argument("--version", action="version", version=f"noloco-node {__version__}")
@@ -110,7 +118,8 @@ def build_parser() -> argparse.ArgumentParser:
     add_flags(swarm, _SWARM_NODE_FLAGS)
     add_flags(swarm, _TRAIN_FLAGS)
     _add_secret_refusal(swarm)
-    add_bench_parsers(commands)
+    for plugin in plugin_commands():
+        plugin.add_parser(commands)
 
     status = commands.add_parser(
         "status",
@@ -298,7 +307,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         "bootstrap": _bootstrap,
         "join": _join,
         "swarm": _swarm,
-        "bench": run_bench,
+        **{plugin.name: plugin.run for plugin in plugin_commands()},
         "status": _status,
         "peers": _peers,
         "tls": _tls,

@@ -4,8 +4,8 @@ Nodes are real processes with their own DHT peer, gRPC server and status endpoin
 gracefully, killed, restarted on its data directory, or replaced by a newcomer with an empty one. The user's
 ``noloco-node swarm`` (launcher/swarm.py), the benchmarks (bench idle, chaos, straggler, stragglers) and the test
 harness all start nodes through :func:`launch_node` and :class:`LocalSwarm`, and stop them through
-:func:`stop_gracefully`. Given a shaped network (bench/shaped_network.py, for `bench race`), each node runs in its
-own network namespace behind an emulated internet link, and the bootstrap peer in the router's namespace.
+:func:`stop_gracefully`. Given a shaped network (noloco_bench/shaped_network.py, for `bench race`), each node runs
+in its own network namespace behind an emulated internet link, and the bootstrap peer in the router's namespace.
 """
 
 from __future__ import annotations
@@ -27,8 +27,8 @@ from noloco_node.observability.status_file import read_status_document
 
 
 class HostNetwork(Protocol):
-    """Hosts in network namespaces behind emulated links (bench/shaped_network.py builds one): where each node and
-    the bootstrap peer run and which addresses they use. The launcher only calls these."""
+    """Hosts in network namespaces behind emulated links (noloco_bench/shaped_network.py builds one): where each
+    node and the bootstrap peer run and which addresses they use. The launcher only calls these."""
 
     @property
     def control_plane(self) -> bool: ...

@@ -1,5 +1,5 @@
 """What a stranger (or a hostile member) can send to a node: its exact payload layout, and raw signed calls. The
-raw exchange calls and the stranger's keys are the package's outsider's (noloco_node/bench/outsider.py)."""
+raw exchange calls and the stranger's keys are the package's outsider's (noloco_bench/outsider.py)."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ from collections.abc import Sequence
 import grpc
 import torch
 
-from noloco_node.bench.outsider import call_exchange, exchange_status, fresh_identity
+from noloco_bench.outsider import call_exchange, exchange_status, fresh_identity
 from noloco_node.config.models import model_config_for
 from noloco_node.model.decoder import LlamaDecoder, named_parameters_ordered
 from noloco_node.rpc.client import Outgoing

@@ -84,7 +84,7 @@ def test_bench_exchange_compares_wire_dtypes_in_one_run() -> None:
         for m in re.finditer(r"\| (\w+) \| ([\d.]+) MB \| ([\d.]+) s \| ([\d.]+) s \| ([\d.]+)x \|", out)
     }
     assert set(rows) == {"bf16", "int8"}, out
-    from noloco_node.bench.exchange import _payload_bytes
+    from noloco_bench.exchange import _payload_bytes
 
     for dtype, (megabytes, exchange, total, ratio) in rows.items():
         assert megabytes == round(_payload_bytes("tiny", 256, dtype) / 1e6, 3), out

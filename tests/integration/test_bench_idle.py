@@ -3,7 +3,7 @@ runs the same code with another --mode)."""
 
 from __future__ import annotations
 
-from noloco_node.bench.idle import run_idle_bench
+from noloco_bench.idle import run_idle_bench
 
 
 def test_bench_idle_measures_each_mode_and_a_bare_reference() -> None:

@@ -7,8 +7,8 @@ import statistics
 
 import pytest
 
-from noloco_node.bench.chaos import run_chaos_bench
-from noloco_node.bench.straggler import run_straggler_bench
+from noloco_bench.chaos import run_chaos_bench
+from noloco_bench.straggler import run_straggler_bench
 
 
 @pytest.mark.slow

@@ -1,5 +1,5 @@
 """An open swarm against identities that cost nothing (docs/threat-model.md, "Partner capture"): real node
-processes, the real DHT and gRPC, and the fresh-key flood of noloco_node/bench/echo_flood.py as a process of its
+processes, the real DHT and gRPC, and the fresh-key flood of noloco_bench/echo_flood.py as a process of its
 own. Each of its keys has a server on an outsider's address and a signed ready record, answers every exchange
 with the caller's own weights and calls the honest nodes with theirs: every payload passes every check."""
 
@@ -27,7 +27,7 @@ def _steps(nodes: list[NodeProcess], start: float, end: float) -> list[dict]:
 
 def _flood(nodes: list[NodeProcess], hosts: str) -> tuple[list[dict], dict]:
     args = ("--hosts", hosts, "--key-life", str(KEY_LIFE), "--ready-within", str(READY_WITHIN))
-    _, seen = run_attacker("noloco_node.bench.echo_flood", nodes, WINDOW, *args, preparation=READY_WITHIN)
+    _, seen = run_attacker("noloco_bench.echo_flood", nodes, WINDOW, *args, preparation=READY_WITHIN)
     time.sleep(2.0)  # a step the flood held may end after it exits
     return _steps(nodes, seen["began"], time.time()), seen  # from when it had weights to echo
 

@@ -1,5 +1,5 @@
 """One outsider against real node processes: each attack that once stopped a swarm's learning, poisoned a member or
-crashed a node, and what the node does about it now (docs/threat-model.md). The outsider (noloco_node/bench/
+crashed a node, and what the node does about it now (docs/threat-model.md). The outsider (noloco_bench/
 outsider.py) holds no secret and no honest key; it comes from 127.0.0.2 where it holds connections, as an
 outsider on the internet comes from an address of its own. The replayed membership proof (attack 6) is in
 test_security.py, with the private run it needs."""
@@ -17,7 +17,7 @@ from pathlib import Path
 import grpc
 import pytest
 
-from noloco_node.bench.outsider import (
+from noloco_bench.outsider import (
     FakeDonor,
     Target,
     download_phi,
@@ -286,7 +286,7 @@ def test_a_lock_hog_and_slot_exhaustion_leave_honest_nodes_blending_and_answerin
 
         def attack(attacks: str, source: str) -> tuple[list[dict], dict]:
             started, seen = run_attacker(
-                "noloco_node.bench.outsider", nodes, window, "--attacks", attacks, "--source", source
+                "noloco_bench.outsider", nodes, window, "--attacks", attacks, "--source", source
             )
             # Its window starts after its own start-up, and a step it held may end after it exits: every outer step
             # that ended from its start until a moment after its exit is counted.
@@ -332,7 +332,7 @@ def test_a_lock_hog_and_slot_exhaustion_leave_honest_nodes_blending_and_answerin
 
 HOLD_IDLE_CONNECTIONS = """
 import sys, time
-from noloco_node.bench.outsider import idle_connections
+from noloco_bench.outsider import idle_connections
 held = idle_connections(sys.argv[1], int(sys.argv[2]))
 print(len(held), flush=True)
 sys.stdin.read()  # until the test closes our stdin

@@ -1,5 +1,5 @@
 """A swarm split in two and healed (docs/threat-model.md, "Drift is not hostility"): four real node processes, each
-in a network namespace of its own behind the shaped network's router (noloco_node/bench/shaped_network.py), the
+in a network namespace of its own behind the shaped network's router (noloco_bench/shaped_network.py), the
 real DHT and gRPC. For a minute the router drops everything between the halves; then it stops. Replicas that were
 apart have drifted: they must pair again, not refuse and quarantine each other."""
 
@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from noloco_node.bench.shaped_network import shaped_network
+from noloco_bench.shaped_network import shaped_network
 from noloco_node.launcher.local_swarm import LocalSwarm
 
 ARGS = [

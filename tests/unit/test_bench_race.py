@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from noloco_node.bench.race import Deployment, Emulation, MethodRun, RaceResult, swarm_curve
+from noloco_bench.race import Deployment, Emulation, MethodRun, RaceResult, swarm_curve
 
 
 def test_the_emulation_keeps_the_deployments_exchange_to_phase_ratio() -> None:

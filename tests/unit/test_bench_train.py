@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from noloco_node.bench.train import flops_per_token, run_train_bench
+from noloco_bench.train import flops_per_token, run_train_bench
 from noloco_node.config.models import model_config_for
 from noloco_node.model.decoder import parameter_count
 

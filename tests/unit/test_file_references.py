@@ -7,7 +7,7 @@ import re
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
-SOURCES = ("noloco_node", "tests", "docs", "deploy")
+SOURCES = ("noloco_node", "benchmarks", "tests", "docs", "deploy")
 NAMED_FILE = re.compile(r"(?<![\w/.-])([\w/]+\.py)\b")
 
 

@@ -1,5 +1,6 @@
 """``noloco-node bench ...``: the benchmarks, each printing its figure next to a reference measured in the same run
-(docs/benchmarks.md has the reports)."""
+(docs/benchmarks.md has the reports). The node's command line finds this through the ``noloco_node.commands``
+entry point of the ``noloco-bench`` distribution (benchmarks/pyproject.toml): :data:`BENCH`."""
 
 from __future__ import annotations
 
@@ -159,7 +160,7 @@ def add_bench_parsers(commands: Any) -> None:
 
 def run_bench(args: argparse.Namespace) -> int:
     if args.bench == "chaos":
-        from noloco_node.bench.chaos import run_chaos_bench
+        from noloco_bench.chaos import run_chaos_bench
 
         print(f"noloco-node bench chaos: {args.nodes} nodes, model {args.model}, {os.cpu_count()} CPUs", flush=True)
         if args.out:
@@ -178,7 +179,7 @@ def run_bench(args: argparse.Namespace) -> int:
     if args.bench == "outsider":
         import tempfile
 
-        from noloco_node.bench.outsider_swarm import run_outsider_bench
+        from noloco_bench.outsider_swarm import run_outsider_bench
 
         print(
             f"noloco-node bench outsider: {args.nodes} honest nodes, model {args.model}, {args.steps} inner steps, "
@@ -194,13 +195,13 @@ def run_bench(args: argparse.Namespace) -> int:
             )
         return 0
     if args.bench == "straggler":
-        from noloco_node.bench.straggler import run_straggler_bench
+        from noloco_bench.straggler import run_straggler_bench
 
         print(f"noloco-node bench straggler: {args.nodes} nodes + 1 at {args.slow_factor:g}x slower", flush=True)
         print(run_straggler_bench(args.nodes, args.slow_factor, args.steps, args.model).report())
         return 0
     if args.bench == "stragglers":
-        from noloco_node.bench.stragglers import run_stragglers_bench
+        from noloco_bench.stragglers import run_stragglers_bench
 
         print(f"noloco-node bench stragglers: {os.cpu_count()} CPUs", flush=True)
         stragglers_result = run_stragglers_bench(
@@ -215,7 +216,7 @@ def run_bench(args: argparse.Namespace) -> int:
         print(stragglers_result.report())
         return 0
     if args.bench == "idle":
-        from noloco_node.bench.idle import run_idle_bench
+        from noloco_bench.idle import run_idle_bench
 
         print(f"noloco-node bench idle: {os.cpu_count()} CPUs", flush=True)
         modes = tuple(m for m in args.modes.split(",") if m)
@@ -228,7 +229,7 @@ def run_bench(args: argparse.Namespace) -> int:
         print(run_idle_bench(args.nodes, args.steps, args.model, modes=modes).report())
         return 0
     if args.bench == "sync":
-        from noloco_node.bench.sync import run_sync_bench
+        from noloco_bench.sync import run_sync_bench
 
         print(
             f"noloco-node bench sync: {os.cpu_count()} CPUs, hosts {args.nodes}, tensors {args.sizes_mb} MB", flush=True
@@ -246,7 +247,7 @@ def run_bench(args: argparse.Namespace) -> int:
         print(sync_result.report())
         return 0
     if args.bench == "race":
-        from noloco_node.bench.race import METHODS, Deployment, run_race
+        from noloco_bench.race import METHODS, Deployment, run_race
 
         deployment = Deployment(
             model=args.target_model,
@@ -285,7 +286,7 @@ def run_bench(args: argparse.Namespace) -> int:
             print(f"curves: {args.out / f'race-{count}.png'}", flush=True)
         return 0
     if args.bench == "train":
-        from noloco_node.bench.train import run_train_bench
+        from noloco_bench.train import run_train_bench
 
         print(f"noloco-node bench train: {os.cpu_count()} CPUs, torch {__import__('torch').__version__}", flush=True)
         train_result = run_train_bench(
@@ -294,14 +295,14 @@ def run_bench(args: argparse.Namespace) -> int:
         print(train_result.report())
         return 0
     if args.bench == "status":
-        from noloco_node.bench.status import run_status_bench
+        from noloco_bench.status import run_status_bench
 
         print(f"noloco-node bench status: model {args.model}, {os.cpu_count()} CPUs")
         status_result = run_status_bench(args.model, window=args.window, rounds=args.rounds, poll_hz=args.poll_hz)
         print(status_result.report())
         return 0
     if len(args.wire_dtype) > 1 or args.rtt_ms is not None:
-        from noloco_node.bench.exchange import run_wire_dtype_comparison
+        from noloco_bench.exchange import run_wire_dtype_comparison
 
         print(f"noloco-node bench exchange, {os.cpu_count()} CPUs")
         comparison = run_wire_dtype_comparison(
@@ -315,7 +316,7 @@ def run_bench(args: argparse.Namespace) -> int:
         )
         print(comparison.report())
         return 0
-    from noloco_node.bench.exchange import run_exchange_bench
+    from noloco_bench.exchange import run_exchange_bench
 
     result = run_exchange_bench(
         args.model,
@@ -340,3 +341,20 @@ def _wire_dtypes(text: str) -> list[str]:
             f"unknown wire dtype {', '.join(unknown) or text!r}: use bf16, fp32, int8, int4"
         )
     return chosen
+
+
+class _BenchCommand:
+    """What ``noloco-node`` asks of a command another distribution adds (noloco_node/cli/main.py)."""
+
+    name = "bench"
+
+    @staticmethod
+    def add_parser(commands: Any) -> None:
+        add_bench_parsers(commands)
+
+    @staticmethod
+    def run(args: argparse.Namespace) -> int:
+        return run_bench(args)
+
+
+BENCH = _BenchCommand()

@@ -8,7 +8,7 @@ construction (it *is* the caller's model), and a blend with it is a wasted round
 
 All the keys are made before the clock starts (on a machine shared with the swarm the outsider must not spend the
 nodes' CPU on keys) and sign their records through one DHT peer (:class:`ManyKeysSigner`). Run as
-``python -m noloco_node.bench.echo_flood``; prints what it did as JSON.
+``python -m noloco_bench.echo_flood``; prints what it did as JSON.
 """
 
 from __future__ import annotations
@@ -28,7 +28,7 @@ from hivemind.dht.crypto import RSASignatureValidator
 from hivemind.dht.validation import DHTRecord
 from hivemind.utils.timed_storage import get_dht_time
 
-from noloco_node.bench.outsider import (
+from noloco_bench.outsider import (
     Relays,
     Target,
     attacker_arguments,
@@ -285,7 +285,7 @@ class EchoFlood:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """``python -m noloco_node.bench.echo_flood``: the flood as a process of its own, at the lowest CPU priority."""
+    """``python -m noloco_bench.echo_flood``: the flood as a process of its own, at the lowest CPU priority."""
     parser = attacker_arguments(main.__doc__)
     parser.add_argument("--hosts", default="127.0.0.2", help="comma-separated loopback addresses of the outsider")
     parser.add_argument("--key-every", type=float, default=3.0, help="a new key this often (s)")

@@ -30,7 +30,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from noloco_node.bench.outsider import FakeDonor, targets_from_status_files
+from noloco_bench.outsider import FakeDonor, targets_from_status_files
 from noloco_node.config.models import model_config_for
 from noloco_node.launcher.local_swarm import LocalSwarm
 
@@ -129,7 +129,7 @@ def _run(base: Path, label: str, nodes: int, model: str, steps: int, inner_steps
             flood = subprocess.Popen(
                 [
                     sys.executable,
-                    *("-m", "noloco_node.bench.echo_flood", "--model", model, "--seconds", "600"),
+                    *("-m", "noloco_bench.echo_flood", "--model", model, "--seconds", "600"),
                     *("--hosts", "127.0.0.4,127.0.0.5", "--key-life", "12"),
                     *(item for s in swarm.slots for item in ("--data-dir", str(s.data_dir))),
                 ],
@@ -140,7 +140,7 @@ def _run(base: Path, label: str, nodes: int, model: str, steps: int, inner_steps
             outsider = subprocess.Popen(
                 [
                     sys.executable,
-                    *("-m", "noloco_node.bench.outsider", "--model", model, "--seconds", "100000"),
+                    *("-m", "noloco_bench.outsider", "--model", model, "--seconds", "100000"),
                     *(item for s in swarm.slots for item in ("--data-dir", str(s.data_dir))),
                 ],
                 stdout=subprocess.PIPE,

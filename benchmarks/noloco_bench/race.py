@@ -54,8 +54,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from noloco_node.bench.shaped_network import ShapedNetwork, shaped_network
-from noloco_node.bench.sync import measure_rounds
+from noloco_bench.shaped_network import ShapedNetwork, shaped_network
+from noloco_bench.sync import measure_rounds
 from noloco_node.config.models import DataConfig, TrainConfig, model_config_for
 from noloco_node.launcher.local_swarm import LocalSwarm
 from noloco_node.model.decoder import parameter_count
@@ -368,7 +368,7 @@ def _diloco_run(
     workers: list[subprocess.Popen] = []
     try:
         for rank in range(result.nodes):
-            command = [*net.exec_prefix(rank), sys.executable, "-m", "noloco_node.bench.diloco_worker"]
+            command = [*net.exec_prefix(rank), sys.executable, "-m", "noloco_bench.diloco_worker"]
             command += ["--rank", str(rank), "--iface", net.device(rank), "--host", net.address(rank), *common]
             stdout = result_path.open("w") if rank == 0 else logs[rank]
             # a session of its own: hivemind's DHT and averager are child processes, and none may outlive the run

@@ -21,7 +21,7 @@ from typing import Any
 
 import torch
 
-from noloco_node.bench.exchange_references import Where, bare_grpc_seconds, enter, raw_tcp_seconds
+from noloco_bench.exchange_references import Where, bare_grpc_seconds, enter, raw_tcp_seconds
 from noloco_node.config.models import model_config_for
 from noloco_node.model.decoder import LlamaDecoder, named_parameters_ordered
 from noloco_node.rpc.client import Outgoing, exchange_with
@@ -271,7 +271,7 @@ def run_exchange_bench(
     """Loopback by default; with ``link_rate`` (e.g. "1gbit") over a veth pair shaped to that rate."""
     if link_rate is None:
         return _run(size, vocab, wire_dtype, chunk_bytes, repeats, ((None, "127.0.0.1"), (None, "127.0.0.1")))
-    from noloco_node.bench.netns import shaped_link
+    from noloco_bench.netns import shaped_link
 
     with shaped_link(link_rate) as link:
         where = ((link.namespaces[0], link.addresses[0]), (link.namespaces[1], link.addresses[1]))
@@ -467,14 +467,14 @@ def _path(link_rate: str | None, rtt_ms: float | None) -> Iterator[tuple[Where, 
     if rtt_ms is not None:
         if link_rate is None:
             raise ValueError("--rtt-ms needs --link-rate (the bandwidth of each host's link)")
-        from noloco_node.bench.shaped_network import shaped_network
+        from noloco_bench.shaped_network import shaped_network
 
         rate_mbit = _bits_per_second(link_rate) / 1e6
         with shaped_network(2, rate_mbit=rate_mbit, rtt_ms=rtt_ms, prefix="nlx") as net:
             where = ((net.namespace(0), net.address(0)), (net.namespace(1), net.address(1)))
             yield where, f"two hosts on {link_rate} links (up and down) with a {rtt_ms:g} ms round trip"
     elif link_rate is not None:
-        from noloco_node.bench.netns import shaped_link
+        from noloco_bench.netns import shaped_link
 
         with shaped_link(link_rate) as link:
             yield (

@@ -19,7 +19,7 @@ Where = tuple[tuple[str | None, str], tuple[str | None, str]]
 
 def enter(namespace: str | None) -> None:
     if namespace:
-        from noloco_node.bench.netns import enter_namespace
+        from noloco_bench.netns import enter_namespace
 
         enter_namespace(namespace)
 

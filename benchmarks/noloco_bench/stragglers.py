@@ -100,7 +100,7 @@ def _barrier_run(result: StragglersResult, model: str) -> tuple[list[float], flo
         "--inner-steps", str(result.inner_steps), "--step-time-seconds", str(result.step_seconds),
         "--step-time-sigma", str(result.sigma),
     ]  # fmt: skip
-    command = [sys.executable, "-m", "noloco_node.bench.diloco_worker", *common]
+    command = [sys.executable, "-m", "noloco_bench.diloco_worker", *common]
     workers = [
         subprocess.Popen([*command, "--rank", str(rank)], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
         for rank in range(result.nodes)

@@ -29,7 +29,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from noloco_node.bench.shaped_network import ShapedNetwork, shaped_network
+from noloco_bench.shaped_network import ShapedNetwork, shaped_network
 
 
 @dataclass
@@ -132,7 +132,7 @@ def measure_rounds(
         logs = [(Path(tmp) / f"rank{i}.log").open("w") for i in range(count)]
         workers = [
             subprocess.Popen(
-                [*net.exec_prefix(i), sys.executable, "-m", "noloco_node.bench.sync_worker", "--rank", str(i),
+                [*net.exec_prefix(i), sys.executable, "-m", "noloco_bench.sync_worker", "--rank", str(i),
                  "--iface", net.device(i), *worker_args],
                 stdout=logs[i],
                 stderr=subprocess.STDOUT,

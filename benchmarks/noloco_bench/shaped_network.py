@@ -184,7 +184,7 @@ def shaped_network(
         if control_plane:
             _control_plane(net)
         delayer = subprocess.Popen(
-            ["ip", "netns", "exec", router, sys.executable, "-m", "noloco_node.bench.delay_router", TUN,
+            ["ip", "netns", "exec", router, sys.executable, "-m", "noloco_bench.delay_router", TUN,
              str(rtt_ms / 2), "--jitter-ms", str(jitter_ms)],
             stdout=subprocess.PIPE, text=True,
         )  # fmt: skip

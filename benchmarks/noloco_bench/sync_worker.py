@@ -38,7 +38,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from noloco_node.bench.hivemind_rendezvous import rendezvous_dht
+from noloco_bench.hivemind_rendezvous import rendezvous_dht
 from noloco_node.rpc.client import Outgoing, exchange_with
 from noloco_node.rpc.contracts import AdmitsEverything
 from noloco_node.rpc.metrics import ExchangeMetrics

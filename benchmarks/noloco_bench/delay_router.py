@@ -10,7 +10,7 @@ Packets leave in arrival order (a jittered packet never overtakes an earlier one
 which netem's jitter would also cause but a real path rarely does). Links use a 64 KB MTU so that the packet rate
 through this Python loop stays in the thousands per second at the bandwidths benchmarked.
 
-Run inside the router namespace: ``ip netns exec ROUTER python -m noloco_node.bench.delay_router TUN DELAY_MS``.
+Run inside the router namespace: ``ip netns exec ROUTER python -m noloco_bench.delay_router TUN DELAY_MS``.
 """
 
 from __future__ import annotations

@@ -627,7 +627,7 @@ def attacker_arguments(description: str | None) -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """``python -m noloco_node.bench.outsider``: the outsider as a process of its own, at the lowest CPU priority
+    """``python -m noloco_bench.outsider``: the outsider as a process of its own, at the lowest CPU priority
     (on a machine it shares with the swarm it stands for a host of its own, so it must not take the nodes' CPU).
     Prints its report as JSON."""
     parser = attacker_arguments(main.__doc__)

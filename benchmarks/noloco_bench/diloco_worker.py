@@ -36,8 +36,8 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from noloco_bench.hivemind_rendezvous import rendezvous_dht
 from noloco_node import algorithm
-from noloco_node.bench.hivemind_rendezvous import rendezvous_dht
 from noloco_node.config.models import DataConfig, OuterConfig, TrainConfig
 from noloco_node.data.corpus import ReplicaShard, validation_batches
 from noloco_node.model.run_model import load_run_corpus, model_source
