@@ -59,6 +59,7 @@ from noloco_bench.sync import measure_rounds
 from noloco_node.config.models import DataConfig, TrainConfig, model_config_for
 from noloco_node.launcher.local_swarm import LocalSwarm
 from noloco_node.model.decoder import parameter_count
+from noloco_node.node.fault_injection import Drill
 
 METHODS = ("noloco-sync", "noloco-stream", "diloco-H", "diloco-2H", "hivemind-H")
 DILOCO_PORT = 29600
@@ -301,8 +302,7 @@ def _node_args(result: RaceResult, mode: str) -> list[str]:
     link_bytes_per_second = emulation.rate_mbit * 1e6 / 8
     args = [
         "--model", emulation.model, "--steps", str(result.steps), "--inner-steps", str(emulation.inner_steps),
-        "--log-every", "100000", "--step-time-seconds", str(emulation.step_seconds),
-        "--step-time-sigma", str(result.sigma), "--wait-for-peers", str(result.nodes - 1), "--mode", mode,
+        "--log-every", "100000", "--wait-for-peers", str(result.nodes - 1), "--mode", mode,
         # deadlines: a transfer may run at a quarter of the link's rate before it counts as stalled; a partner is
         # waited for as long as a few exchanges take on this link
         "--min-link-rate", f"{link_bytes_per_second / 4:.0f}",
@@ -314,7 +314,8 @@ def _node_args(result: RaceResult, mode: str) -> list[str]:
 
 
 def _noloco_run(net: ShapedNetwork, base: Path, result: RaceResult, mode: str, deadline: float) -> MethodRun:
-    swarm = LocalSwarm(base, result.nodes, _node_args(result, mode), network=net)
+    drill = Drill(step_time_seconds=result.emulation.step_seconds, step_time_sigma=result.sigma).environment()
+    swarm = LocalSwarm(base, result.nodes, _node_args(result, mode), network=net, per_node_env=[drill] * result.nodes)
     try:
         while time.monotonic() < deadline and swarm.running():
             time.sleep(1.0)

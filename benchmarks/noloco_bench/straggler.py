@@ -1,10 +1,10 @@
 """`noloco-node bench straggler`: does one slow node slow the others down?
 
 Two runs of a local swarm, the same N normal nodes training the same S inner steps: alone, and joined by one node
-whose every inner step takes ``slow_factor`` times longer (--slow-factor, a straggler). The figure is the normal
-nodes' inner-step throughput with the straggler over without it. With no barrier, a straggler should cost the
-others at most the exchanges it cannot answer in time (they pair with each other instead), plus whatever CPU it
-takes on a shared machine.
+whose every inner step takes ``slow_factor`` times longer (a straggler: its drill, node/fault_injection.py). The
+figure is the normal nodes' inner-step throughput with the straggler over without it. With no barrier, a straggler
+should cost the others at most the exchanges it cannot answer in time (they pair with each other instead), plus
+whatever CPU it takes on a shared machine.
 """
 
 from __future__ import annotations
@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from noloco_node.launcher.local_swarm import LocalSwarm, steps_per_second
+from noloco_node.node.fault_injection import Drill
 
 
 @dataclass
@@ -55,10 +56,10 @@ def _rates(values: list[float]) -> str:
 
 def _run(base: Path, nodes: int, steps: int, model: str, straggler: float | None) -> tuple[list[dict], dict | None]:
     args = ["--model", model, "--steps", str(steps), "--inner-steps", "20", "--eval-batches", "2", "--log-every", "30"]
-    per_node: list[list[str]] = [[] for _ in range(nodes)]
+    drills = [Drill() for _ in range(nodes)]
     if straggler is not None:
-        per_node.append(["--slow-factor", str(straggler)])
-    swarm = LocalSwarm(base, len(per_node), args, per_node)
+        drills.append(Drill(slow_factor=straggler))
+    swarm = LocalSwarm(base, len(drills), args, per_node_env=[drill.environment() for drill in drills])
     normal = swarm.slots[:nodes]
     try:
         deadline = time.monotonic() + 1800

@@ -29,6 +29,7 @@ from pathlib import Path
 import numpy as np
 
 from noloco_node.launcher.local_swarm import LocalSwarm, steps_per_second
+from noloco_node.node.fault_injection import Drill
 
 
 @dataclass
@@ -78,9 +79,9 @@ def _free_port() -> int:
 
 def _swarm_run(base: Path, mode: str, result: StragglersResult, model: str) -> tuple[list[float], float]:
     args = ["--model", model, "--steps", str(result.steps), "--inner-steps", str(result.inner_steps),
-            "--eval-batches", "1", "--log-every", "30", "--mode", mode, "--pair-timeout", "30",
-            "--step-time-seconds", str(result.step_seconds), "--step-time-sigma", str(result.sigma)]  # fmt: skip
-    swarm = LocalSwarm(base, result.nodes, args)
+            "--eval-batches", "1", "--log-every", "30", "--mode", mode, "--pair-timeout", "30"]  # fmt: skip
+    drill = Drill(step_time_seconds=result.step_seconds, step_time_sigma=result.sigma).environment()
+    swarm = LocalSwarm(base, result.nodes, args, per_node_env=[drill] * result.nodes)
     try:
         deadline = time.monotonic() + 3600
         while time.monotonic() < deadline and swarm.running():

@@ -269,6 +269,7 @@ KNOWN_ENVIRONMENT = {
     "NOLOCO_SWARM_SECRET_FILE": "a file holding the swarm secret of a private run",
     "NOLOCO_REQUIRE_BROWSER": "tests: fail, rather than skip, the browser test when Chromium is missing (CI)",
     "NOLOCO_SCREENSHOT": "tests: where the browser test copies its status-page screenshot",
+    "NOLOCO_DRILL": "tests, drills and benchmarks: the faults a node simulates, as JSON (node/fault_injection.py)",
 }
 
 
@@ -412,16 +413,6 @@ class NodeConfig(_Settings):
         "more than max_staleness: a node further behind could pair with nobody).",
     )
     max_state_downloads: int = Field(2, ge=1, description="Joiners served at once; more are told busy.")
-    slow_factor: float = Field(
-        1.0, ge=1.0, description="Fault injection for tests and drills: every inner step takes this many times longer."
-    )
-    step_time_seconds: float | None = Field(
-        None,
-        gt=0.0,
-        description="Benchmarks: every inner step is stretched to this mean duration times a log-normal factor of "
-        "spread step_time_sigma (mean 1), the straggler model of the paper's simulation (bench stragglers).",
-    )
-    step_time_sigma: float = Field(0.0, ge=0.0, le=3.0, description="Sigma of the log-normal step-time factor.")
     max_staleness: int = Field(2, ge=0, description="Largest outer-step difference with a partner.")
     wire_dtype: Literal["bf16", "fp32", "int8", "int4"] = Field(
         "bf16",
@@ -470,9 +461,6 @@ class NodeConfig(_Settings):
     stall_after: float = Field(600.0, gt=0, description="Seconds without trainer progress before /healthz answers 503.")
     failure_linger: float = Field(
         60.0, ge=0, description="After the trainer dies, seconds to keep serving status (the reason) before exit."
-    )
-    fail_at_inner_step: int | None = Field(
-        None, ge=1, description="Fault injection for tests and drills: the trainer raises at this inner step."
     )
     security: SecurityConfig = Field(default_factory=SecurityConfig)
 

@@ -17,7 +17,7 @@ import signal
 import subprocess
 import sys
 from collections import Counter
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
@@ -142,6 +142,7 @@ class NodeSlot:
     index: int
     data_dir: Path
     args: list[str]
+    env: dict[str, str] = field(default_factory=dict)  # added to the environment of each of its processes
     process: subprocess.Popen[bytes] | None = None
     lives: int = 0
     killed_by_us: bool = False
@@ -158,7 +159,9 @@ class LocalSwarm:
         per_node_args: Sequence[Sequence[str]] | None = None,
         *,
         network: HostNetwork | None = None,
+        per_node_env: Sequence[Mapping[str, str]] | None = None,
     ) -> None:
+        """``per_node_env``: variables added to each node's environment (a drill: node/fault_injection.py)."""
         self.base = base
         self.network = network
         base.mkdir(parents=True, exist_ok=True)
@@ -170,10 +173,11 @@ class LocalSwarm:
                 base / "bootstrap.log", host=host, exec_prefix=network.router_exec_prefix()
             )
         extra = per_node_args or [[] for _ in range(num_nodes)]
+        envs = per_node_env or [{} for _ in range(num_nodes)]
         self.slots = []
         for i in range(num_nodes):
             args = ["--shard-index", str(i), "--num-shards", str(num_nodes), *self._network_args(i)]
-            self.slots.append(NodeSlot(i, base / f"node{i}", [*args, *node_args, *extra[i]]))
+            self.slots.append(NodeSlot(i, base / f"node{i}", [*args, *node_args, *extra[i]], dict(envs[i])))
         for slot in self.slots:
             self.start(slot)
 
@@ -194,6 +198,7 @@ class LocalSwarm:
             slot.data_dir,
             slot.args,
             self.base / f"node{slot.index}.life{slot.lives}.log",
+            env=slot.env,
             exec_prefix=self.network.exec_prefix(slot.index) if self.network is not None else (),
         )
 

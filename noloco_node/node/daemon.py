@@ -22,6 +22,7 @@ import contextlib
 import functools
 import logging
 import math
+import os
 import signal
 import threading
 import time
@@ -36,7 +37,7 @@ from noloco_node.model.run_model import load_run_corpus
 from noloco_node.node import report
 from noloco_node.node.catch_up import CHECKPOINT_FILE, CatchUp, NodeError, StoppedBeforeTrainingError
 from noloco_node.node.descriptors import connection_budget, raise_descriptor_limit
-from noloco_node.node.fault_injection import fault_hooks
+from noloco_node.node.fault_injection import Drill, fault_hooks
 from noloco_node.node.memory import warn_if_memory_short
 from noloco_node.node.outer_step import OuterStep, OuterStepDeps
 from noloco_node.node.peering import Peering
@@ -70,6 +71,7 @@ class Node:
 
     def __init__(self, node_cfg: NodeConfig, train_cfg: TrainConfig, outer_cfg: OuterConfig, data_cfg: DataConfig):
         self.cfg = node_cfg
+        self.drill = Drill.from_environment(os.environ)  # faults to simulate (tests, drills): before any work
         self.descriptor_limit = raise_descriptor_limit()  # before anything opens a file or a socket
         self.train_cfg = train_cfg
         self.outer_cfg = outer_cfg
@@ -243,7 +245,7 @@ class Node:
     def _train(self, outer_step: OuterStep, finished: asyncio.Future[None], loop: asyncio.AbstractEventLoop) -> None:
         try:
             outer_step.train(
-                self.train_cfg, stop_requested=self.stop_event.is_set, hooks=fault_hooks(self.cfg, self.peer_id)
+                self.train_cfg, stop_requested=self.stop_event.is_set, hooks=fault_hooks(self.drill, self.peer_id)
             )
         except BaseException as error:  # a dead trainer must be visible, not silent
             self.trainer_error = error

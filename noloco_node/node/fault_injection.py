@@ -1,18 +1,58 @@
 """Faults a node can be told to simulate, for tests, drills and benchmarks: slower steps, emulated step times,
-a crash at a given step. Each is a step hook of the inner loop (training/loop.py), composed in only when its
-setting is given, so a production node runs none of this code.
+a crash at a given step.
+
+They are not settings (no flag, no settings-file field, nothing in ``join --help``): a node reads them from the
+``NOLOCO_DRILL`` environment variable, a JSON object such as ``{"slow_factor": 5}``, checked like any setting (a
+bad one stops the node with the field named). Each is a step hook of the inner loop (training/loop.py), composed in
+only when asked for, so a production node runs none of this code.
 """
 
 from __future__ import annotations
 
 import hashlib
 import time
+from collections.abc import Mapping
 
 import numpy as np
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from noloco_node.config.models import NodeConfig
+from noloco_node.node.catch_up import NodeError
 from noloco_node.training.loop import StepHook
 from noloco_node.training.replica import Replica
+
+DRILL_ENV = "NOLOCO_DRILL"
+
+
+class Drill(BaseModel):
+    """The faults one node simulates."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    slow_factor: float = Field(1.0, ge=1.0, description="Every inner step takes this many times longer.")
+    step_time_seconds: float | None = Field(
+        None,
+        gt=0.0,
+        description="Every inner step is stretched to this mean duration times a log-normal factor of spread "
+        "step_time_sigma (mean 1), the straggler model of the paper's simulation (bench stragglers).",
+    )
+    step_time_sigma: float = Field(0.0, ge=0.0, le=3.0, description="Sigma of the log-normal step-time factor.")
+    fail_at_inner_step: int | None = Field(None, ge=1, description="The trainer raises at this inner step.")
+
+    @classmethod
+    def from_environment(cls, environ: Mapping[str, str]) -> Drill:
+        """The drill ``NOLOCO_DRILL`` asks for (none when unset); NodeError naming the field when it is bad."""
+        text = environ.get(DRILL_ENV, "").strip()
+        if not text:
+            return cls()
+        try:
+            return cls.model_validate_json(text)
+        except ValidationError as error:
+            problems = "; ".join(f"{'.'.join(map(str, e['loc'])) or 'the value'}: {e['msg']}" for e in error.errors())
+            raise NodeError(f"${DRILL_ENV} {text!r}: {problems}") from None
+
+    def environment(self) -> dict[str, str]:
+        """The variable that gives a node process this drill."""
+        return {DRILL_ENV: self.model_dump_json(exclude_defaults=True)}
 
 
 def emulated_step_factor(rng: np.random.Generator, sigma: float) -> float:
@@ -21,26 +61,26 @@ def emulated_step_factor(rng: np.random.Generator, sigma: float) -> float:
     return float(rng.lognormal(-sigma * sigma / 2, sigma)) if sigma > 0 else 1.0
 
 
-def fault_hooks(cfg: NodeConfig, peer_id: str) -> list[StepHook]:
-    """The step hooks these settings ask for (none by default)."""
+def fault_hooks(drill: Drill, peer_id: str) -> list[StepHook]:
+    """The step hooks this drill asks for (none by default)."""
     hooks: list[StepHook] = []
-    if cfg.slow_factor > 1.0:  # a straggler: a slower GPU, a busy machine
-        factor = cfg.slow_factor
+    if drill.slow_factor > 1.0:  # a straggler: a slower GPU, a busy machine
+        factor = drill.slow_factor
 
         def slow(_replica: Replica, _loss: float, seconds: float) -> None:
             time.sleep((factor - 1.0) * seconds)
 
         hooks.append(slow)
-    if cfg.step_time_seconds is not None:  # bench stragglers: log-normal step times around a mean
-        mean, sigma = cfg.step_time_seconds, cfg.step_time_sigma
+    if drill.step_time_seconds is not None:  # bench stragglers: log-normal step times around a mean
+        mean, sigma = drill.step_time_seconds, drill.step_time_sigma
         rng = np.random.default_rng(list(hashlib.sha256(peer_id.encode()).digest()[:8]))
 
         def paced(_replica: Replica, _loss: float, seconds: float) -> None:
             time.sleep(max(0.0, mean * emulated_step_factor(rng, sigma) - seconds))
 
         hooks.append(paced)
-    if cfg.fail_at_inner_step is not None:
-        fail_at = cfg.fail_at_inner_step
+    if drill.fail_at_inner_step is not None:
+        fail_at = drill.fail_at_inner_step
 
         def crash(replica: Replica, _loss: float, _seconds: float) -> None:
             if replica.inner_step >= fail_at:

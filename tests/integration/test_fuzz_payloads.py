@@ -29,6 +29,7 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from noloco_node.node.fault_injection import Drill
 from noloco_node.rpc.service import EXCHANGE_METHOD, GET_STATE_METHOD, INFO_METHOD
 from noloco_node.rpc.transport import CHANNEL_OPTIONS
 from noloco_node.security.caller_proof import prove
@@ -49,12 +50,11 @@ from .swarm_harness import Bootstrap, NodeProcess, stop_all
 TWIN = [
     *("--model", "tiny", "--seq-len", "64", "--batch-size", "8", "--eval-batches", "2"),
     *("--steps", "350", "--inner-steps", "50", "--shard-index", "0", "--mode", "overlap", "--wire-dtype", "int8"),
-    # Steps of 0.15 s (the emulated step time sleeps; the maths is untouched), and the sleeping twins leave the CPU
-    # to the attacker. The attack starts once the first outer step is done (inner step 50: the norm bound has a
-    # phase to measure) and took 9-10 s here, 61-68 inner steps (it prints them): 350 steps leave it 34 s, 3.5 times
-    # that.
-    *("--step-time-seconds", "0.15"),
 ]
+# Steps of 0.15 s (the emulated step time sleeps; the maths is untouched), and the sleeping twins leave the CPU to
+# the attacker. The attack starts once the first outer step is done (inner step 50: the norm bound has a phase to
+# measure) and took 9-10 s here, 61-68 inner steps (it prints them): 350 steps leave it 34 s, 3.5 times that.
+PACED = Drill(step_time_seconds=0.15).environment()
 WIRE = "int8"
 # What a refused input may be answered with: each names what was wrong (the tests check the message too).
 PRECISE = {
@@ -246,7 +246,7 @@ def twins(tmp_path: Path):
     for i in range(2):
         (tmp_path / f"dht{i}").mkdir()
         peers.append(Bootstrap(tmp_path / f"dht{i}"))
-    nodes = [NodeProcess(name, peers[i], tmp_path, *TWIN) for i, name in enumerate(("attacked", "twin"))]
+    nodes = [NodeProcess(name, peers[i], tmp_path, *TWIN, env=PACED) for i, name in enumerate(("attacked", "twin"))]
     yield nodes
     stop_all(nodes)
     for peer in peers:

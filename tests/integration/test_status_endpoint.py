@@ -16,6 +16,7 @@ from typing import Any
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
+from noloco_node.node.fault_injection import Drill
 from noloco_node.observability.status import NodeStatus
 
 from .swarm_harness import Bootstrap, NodeProcess, stop_all
@@ -130,8 +131,19 @@ def test_status_metrics_and_commands_on_a_live_two_node_swarm(bootstrap: Bootstr
 def test_healthz_turns_503_with_the_reason_when_the_trainer_thread_dies(bootstrap: Bootstrap, tmp_path: Path) -> None:
     # Alone, a sync node waits out --alone-grace (1 s) at each outer step: dying at step 120 (6 outer steps) leaves
     # seconds of health to see first, not half a minute.
-    dies_at = ["--fail-at-inner-step", "120", "--failure-linger", "60"]
-    node = NodeProcess("node0", bootstrap, tmp_path, *TRAIN, "--steps", "100000", *dies_at, log_format="json")
+    dies_at = Drill(fail_at_inner_step=120).environment()
+    node = NodeProcess(
+        "node0",
+        bootstrap,
+        tmp_path,
+        *TRAIN,
+        "--steps",
+        "100000",
+        "--failure-linger",
+        "60",
+        log_format="json",
+        env=dies_at,
+    )
     try:
         url = wait_for(lambda: status_url(node), 60, "the status URL")
         wait_for(lambda: get(url + "/healthz")[0] == 200, 60, "a healthy trainer")

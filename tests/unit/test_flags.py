@@ -118,3 +118,23 @@ def test_swarm_passes_its_flags_on_unchanged() -> None:
     again = parser.parse_args(["join", *as_arguments(args, flags)])
     assert given_settings(again, flags) == given_settings(args, flags)
     assert isinstance(args, argparse.Namespace)
+
+
+def test_drills_are_no_setting_and_a_bad_one_is_named() -> None:
+    """Fault injection (tests, drills, benchmarks) comes from NOLOCO_DRILL, never from a flag or a settings file."""
+    from noloco_node.cli.main import build_parser
+    from noloco_node.config.settings import env_layer
+    from noloco_node.node.catch_up import NodeError
+    from noloco_node.node.fault_injection import DRILL_ENV, Drill, fault_hooks
+
+    join_help = build_parser()._subparsers._group_actions[0].choices["join"].format_help()  # type: ignore[union-attr]
+    for drill_flag in ("--slow-factor", "--fail-at-inner-step", "--step-time-seconds", "--step-time-sigma"):
+        assert drill_flag not in join_help
+    env_layer({DRILL_ENV: '{"slow_factor": 3}'})  # a known variable, not a typo
+    assert Drill.from_environment({}) == Drill() and fault_hooks(Drill(), "peer") == []
+    drill = Drill.from_environment(Drill(slow_factor=3, fail_at_inner_step=7).environment())
+    assert drill.slow_factor == 3 and drill.fail_at_inner_step == 7 and len(fault_hooks(drill, "peer")) == 2
+    for bad, named in (('{"slow_factor": 0.5}', "slow_factor"), ('{"slow_facter": 2}', "slow_facter"), ("{", "")):
+        with pytest.raises(NodeError, match=DRILL_ENV) as refused:
+            Drill.from_environment({DRILL_ENV: bad})
+        assert named in str(refused.value)
