@@ -10,7 +10,8 @@ import sys
 from pathlib import Path
 from typing import Any, get_args
 
-from noloco_node.config.models import MODEL_SIZES, PairingMode
+from noloco_node.config.models import MODEL_SIZES
+from noloco_node.config.node_config import PairingMode
 
 RACE_METHODS = (
     "noloco-sync",

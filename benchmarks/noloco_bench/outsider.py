@@ -47,7 +47,7 @@ from noloco_node.model.decoder import LlamaDecoder, named_parameters_ordered
 from noloco_node.model.source import SeededDecoder
 from noloco_node.observability.status_file import read_status_document
 from noloco_node.rpc.client import ExchangeError, Outgoing, fetch_info
-from noloco_node.rpc.service import EXCHANGE_METHOD, GET_STATE_METHOD, SERVICE
+from noloco_node.rpc.contracts import EXCHANGE_METHOD, GET_STATE_METHOD, SERVICE
 from noloco_node.rpc.state_download import StateDownload
 from noloco_node.rpc.transport import CHANNEL_OPTIONS, Transport
 from noloco_node.security.caller_proof import prove

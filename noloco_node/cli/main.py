@@ -1,8 +1,8 @@
 """The ``noloco-node`` command line: ``swarm``, ``join``, ``bootstrap``, ``simulate``, ``train``, ``sizes`` and the
 rest (model_commands.py adds ``data``, ``export``, ``eval`` and ``generate``).
 
-Flags only override settings; every default and bound lives in config/models.py, so a bad value is reported by the
-pydantic model with the field's name and nothing runs.
+Flags only override settings; every default and bound lives in config/models.py and config/node_config.py, so a
+bad value is reported by the pydantic model with the field's name and nothing runs.
 """
 
 from __future__ import annotations
@@ -28,9 +28,7 @@ from noloco_node.config.flags import (
     given_settings,
     subset,
 )
-from noloco_node.config.models import (
-    format_validation_error,
-)
+from noloco_node.config.models import format_validation_error
 from noloco_node.config.settings import SettingsError
 from noloco_node.data.corpus import DataError
 from noloco_node.logs import configure_logging

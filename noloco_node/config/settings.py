@@ -22,14 +22,8 @@ from typing import Any
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from noloco_node.config.models import (
-    _SENSITIVE_WORDS,
-    KNOWN_ENVIRONMENT,
-    DataConfig,
-    NodeConfig,
-    OuterConfig,
-    TrainConfig,
-)
+from noloco_node.config.models import _SENSITIVE_WORDS, DataConfig, OuterConfig, TrainConfig
+from noloco_node.config.node_config import KNOWN_ENVIRONMENT, NodeConfig
 from noloco_node.errors import NolocoError
 
 # Where the swarm secret comes from (security/auth.py reads it): never a setting, so never in a settings file.

@@ -46,7 +46,8 @@ import grpc
 import numpy as np
 
 from noloco_node.atomic_files import write_atomically
-from noloco_node.config.models import NodeConfig, TrainConfig
+from noloco_node.config.models import TrainConfig
+from noloco_node.config.node_config import NodeConfig
 from noloco_node.data.corpus import Corpus, ReplicaShard
 from noloco_node.discovery.dht import Discovery, PeerRecord
 from noloco_node.errors import NolocoError

@@ -29,7 +29,7 @@ from typing import Any
 import torch
 
 from noloco_node import algorithm
-from noloco_node.config.models import NodeConfig
+from noloco_node.config.node_config import NodeConfig
 from noloco_node.discovery.dht import Discovery, PeerRecord
 from noloco_node.errors import NolocoError
 from noloco_node.model.source import ModelSource

@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import functools
 import logging
 import math
 import os
@@ -29,33 +28,31 @@ import time
 
 import torch
 
-from noloco_node.config.models import DataConfig, NodeConfig, OuterConfig, TrainConfig
-from noloco_node.data.corpus import validation_batches
+from noloco_node.config.models import DataConfig, OuterConfig, TrainConfig
+from noloco_node.config.node_config import NodeConfig
 from noloco_node.discovery.dht import Discovery, PeerRecord
 from noloco_node.discovery.reachability import announce_host, check_reachable
 from noloco_node.model.run_model import load_run_corpus
 from noloco_node.node import report
-from noloco_node.node.catch_up import CHECKPOINT_FILE, CatchUp, NodeError, StoppedBeforeTrainingError
+from noloco_node.node.catch_up import NodeError, StoppedBeforeTrainingError
 from noloco_node.node.descriptors import connection_budget, raise_descriptor_limit
-from noloco_node.node.fault_injection import Drill, fault_hooks
+from noloco_node.node.fault_injection import Drill
 from noloco_node.node.memory import warn_if_memory_short
-from noloco_node.node.outer_step import OuterStep, OuterStepDeps
 from noloco_node.node.peering import Peering
 from noloco_node.node.run_layout import RunLayout
 from noloco_node.node.security import NodeSecurity, SecuritySetupError
 from noloco_node.node.supervisor import Supervisor
+from noloco_node.node.trainer import Trainer
 from noloco_node.observability.http_server import StatusServer, node_routes
 from noloco_node.observability.status import Health, NodeStatus
 from noloco_node.observability.status_file import write_status_file
-from noloco_node.observability.telemetry import KEEP_OUTER_STEPS, HealthInputs, Telemetry
+from noloco_node.observability.telemetry import HealthInputs, Telemetry
 from noloco_node.pairing.peer_policy import PeerPolicy
-from noloco_node.pairing.standing import Standing, SwarmStep
+from noloco_node.pairing.standing import Standing
 from noloco_node.rpc.metrics import ExchangeMetrics
 from noloco_node.rpc.service import start_server
 from noloco_node.security.caller_proof import CallerVerifier
-from noloco_node.security.payload_guard import NORM_BOUND
-from noloco_node.training.checkpoints import CheckpointWriter, OuterStateCopies
-from noloco_node.training.data_parallel import DataParallel, weights_digest
+from noloco_node.training.data_parallel import weights_digest
 from noloco_node.training.replica import Replica, resolve_device
 from noloco_node.wire import peer_pb2 as pb
 from noloco_node.wire.published import Latest
@@ -105,8 +102,6 @@ class Node:
         self.reachable = True  # until the self-check says otherwise
         self.status_url = ""
         self.dht_maddrs: list[str] = []
-        self.shard: int | None = None
-        self.replica: Replica | None = None
         self.metrics = ExchangeMetrics()
         self.telemetry = Telemetry(
             tokens_per_step=train_cfg.batch_size * train_cfg.seq_len,
@@ -122,13 +117,7 @@ class Node:
         self.supervisor = Supervisor()
         self.stop_event = threading.Event()  # a stop was asked for, or the trainer ended
         self.stop_requested = asyncio.Event()  # SIGINT or SIGTERM (replaced in run(), on its event loop)
-        self.trainer: threading.Thread | None = None
-        self.trainer_error: BaseException | None = None
-        self.data_parallel: DataParallel | None = None  # rank 0 of a multi-process member
         self.snapshot = Latest()  # the joiner snapshot (GetState), one outer-state copy per outer step
-        self.checkpoints = CheckpointWriter(
-            node_cfg.data_dir / CHECKPOINT_FILE, on_written=self.telemetry.on_checkpoint
-        )
         self.peering = Peering.build(
             node_cfg,
             self.layout,
@@ -146,7 +135,29 @@ class Node:
             outer_step=lambda: None if self.replica is None else self.replica.outer_step,
         )
         self.strategy = self.peering.strategy
-        self._progress = report.ProgressLog(every=node_cfg.log_every, total_steps=train_cfg.total_steps)
+        self.trainer = Trainer(
+            cfg=node_cfg,
+            train_cfg=train_cfg,
+            outer_cfg=outer_cfg,
+            layout=self.layout,
+            corpus=self.corpus,
+            security=self.security,
+            discovery=self.discovery,
+            telemetry=self.telemetry,
+            metrics=self.metrics,
+            standing=self.standing,
+            policy=self.policy,
+            peering=self.peering,
+            snapshot=self.snapshot,
+            write_status=self.write_status,
+            publish_record=self._publish,
+            stop_event=self.stop_event,
+            stop_requested=lambda: self.stop_requested.is_set(),
+        )
+
+    @property
+    def replica(self) -> Replica | None:
+        return self.trainer.replica
 
     # ------------------------------------------------------------------------------------------ what it says
 
@@ -164,9 +175,9 @@ class Node:
         replica, dht = self.replica, self.discovery.dht
         return self.telemetry.health(
             HealthInputs(
-                trainer_started=self.trainer is not None,
-                trainer_alive=self.trainer is not None and self.trainer.is_alive(),
-                trainer_error=self.trainer_error,
+                trainer_started=self.trainer.thread is not None,
+                trainer_alive=self.trainer.alive,
+                trainer_error=self.trainer.error,
                 stopping=self.stop_event.is_set(),
                 finished=replica is not None and replica.inner_step >= self.train_cfg.total_steps,
                 dht_alive=dht is not None and dht.is_alive(),
@@ -184,7 +195,7 @@ class Node:
             inner_step=replica.inner_step if replica else 0,
             ready=self.ready_to_pair(),
             reachable=self.reachable,
-            shard=-1 if self.shard is None else self.shard,
+            shard=-1 if self.trainer.shard is None else self.trainer.shard,
         )
 
     def write_status(self) -> None:
@@ -204,72 +215,10 @@ class Node:
         except Exception as error:  # the DHT failing must not end the refresh loop; the next attempt may work
             log.warning("could not publish the DHT record: %r", error)
 
-    async def _wait_for_peers(self, stop_requested: asyncio.Event) -> None:
-        """Hold the first inner step until --wait-for-peers other nodes are live (or the timeout passes, or a stop
-        is asked). Each node publishes its record only after deciding whether to download a donor's state, so
-        nodes launched together all start from step 0: none finds another already ahead."""
-        wanted = self.cfg.wait_for_peers
-        if wanted == 0:
-            return
-        self.telemetry.phase = f"waiting for {wanted} peer(s) to start"
-        loop = asyncio.get_running_loop()
-        started = loop.time()
-        seen = 0
-        while not stop_requested.is_set():
-            try:
-                seen = len(await self.discovery.live_peers())
-            except Exception as error:  # a DHT lookup that fails is retried until the deadline
-                log.debug("looking for peers to start with: %r", error)
-            if seen >= wanted:
-                log.info("%d peer(s) live after %.1f s: starting", seen, loop.time() - started)
-                break
-            if loop.time() - started > self.cfg.wait_for_peers_timeout:
-                log.warning(
-                    "only %d of %d peer(s) live after %.0f s (--wait-for-peers-timeout): starting anyway",
-                    seen,
-                    wanted,
-                    self.cfg.wait_for_peers_timeout,
-                )
-                break
-            with contextlib.suppress(asyncio.TimeoutError):
-                await asyncio.wait_for(stop_requested.wait(), timeout=0.25)
-        self.telemetry.phase = "training"
-
     async def _refresh_record(self) -> None:
         while True:
             await asyncio.sleep(self.cfg.record_ttl / 3)
             await self._publish()
-
-    # ------------------------------------------------------------------------------------------ trainer thread
-
-    def _train(self, outer_step: OuterStep, finished: asyncio.Future[None], loop: asyncio.AbstractEventLoop) -> None:
-        try:
-            outer_step.train(
-                self.train_cfg, stop_requested=self.stop_event.is_set, hooks=fault_hooks(self.drill, self.peer_id)
-            )
-        except BaseException as error:  # a dead trainer must be visible, not silent
-            self.trainer_error = error
-            log.exception("trainer thread failed")
-        finally:
-            self.stop_event.set()
-            loop.call_soon_threadsafe(finished.set_result, None)
-
-    def _final_checkpoint(self) -> None:
-        """The live state as the stopped trainer left it (mid-phase too), so a restart resumes bit-exactly."""
-        replica = self.replica
-        assert replica is not None and (self.trainer is None or not self.trainer.is_alive())
-        state = replica.state_dict()
-        history = self.telemetry.history_list(KEEP_OUTER_STEPS)
-        self.checkpoints.submit(lambda: {**self._checkpoint_identity(), "replica": state, "history": history})
-        self.checkpoints.flush()
-
-    def _checkpoint_identity(self) -> dict[str, object]:
-        return {
-            "run_fingerprint": self.run_fingerprint,
-            "run_start": self.layout.start,  # names what differs when a node of other settings finds it
-            "model_source": self.source.record(),
-            "tokenizer_json": self.corpus.tokenizer.json_text,  # export, eval and generate need it
-        }
 
     # ------------------------------------------------------------------------------------------ lifecycle
 
@@ -300,7 +249,7 @@ class Node:
                 ),
             )
             try:
-                outer_step = await self._prepare_replica()
+                outer_step = await self.trainer.prepare(self.peer_id)
             except StoppedBeforeTrainingError as stopped:
                 log.info("stopping: %s; nothing was trained or written", stopped)
                 return 0
@@ -308,19 +257,24 @@ class Node:
             components.push_async_callback(self._withdraw)
             await self._publish()
             self.supervisor.spawn("dht-record", self._refresh_record)
-            await self._wait_for_peers(stop_requested)
+            await self.trainer.wait_for_peers(stop_requested)
             self.supervisor.spawn(f"{self.strategy.mode}-pairing", self.strategy.run)
-            finished: asyncio.Future[None] = loop.create_future()
-            self.trainer = threading.Thread(
-                target=self._train, args=(outer_step, finished, loop), name="trainer", daemon=True
+            log.info(
+                "node %s up: run %s, gRPC %s, mode %s, shard %d/%d",
+                self.peer_id,
+                self.run_fingerprint,
+                self.address,
+                self.cfg.mode,
+                self.trainer.shard,
+                self.cfg.num_shards,
             )
             self.telemetry.training_started = time.time()
-            self.trainer.start()
+            finished = self.trainer.start(outer_step, self.drill, self.peer_id)
             await self._until_stopped(finished, stop_requested)
-            if self.trainer_error is None:  # a trainer that died mid-step may leave half-updated state: keep the last
-                await asyncio.to_thread(self._final_checkpoint)
+            if self.trainer.error is None:  # a trainer that died mid-step may leave half-updated state: keep the last
+                await asyncio.to_thread(self.trainer.final_checkpoint)
             await asyncio.to_thread(self.write_status)
-        return 1 if self.trainer_error is not None else 0
+        return 1 if self.trainer.error is not None else 0
 
     async def _start_dht(self, components: contextlib.AsyncExitStack) -> None:
         if self.discovery.dht is None:  # run_node starts it before the loop exists; this is for direct callers
@@ -374,122 +328,13 @@ class Node:
         log.info("status endpoint: %s/ (JSON at /status, Prometheus at /metrics, /healthz)", self.status_url)
         await asyncio.to_thread(self.write_status)  # launchers find the status URL in status.json from the start
 
-    def _swarm_step(self, own_step: int) -> SwarmStep | None:
-        """Trainer thread: the outer step to move this node's clock to when most peers with standing are beyond
-        reach ahead (pairing/standing.py), else None. Peers set aside for the norm bound are called again then:
-        the bound they failed did not yet count the steps the two were apart."""
-        recent = [h["train_seconds"] + h["wait_seconds"] for h in self.telemetry.history_list(8)]
-        seconds_per_step = sorted(recent)[len(recent) // 2] if recent else 1.0
-        target = self.standing.swarm_step(
-            own_step, self.telemetry.peer_steps(), self.cfg.max_staleness, seconds_per_step
-        )
-        if target is not None:
-            self.policy.lift(NORM_BOUND)
-        return target
-
-    def _catch_up(self, catch_up: CatchUp, replica: Replica, near: int | None) -> bool:
-        """Trainer thread, left behind: download and adopt a donor's state (of a donor near outer step ``near``,
-        else near the credible front) on the event loop. The trainer waits for it, so the replica still has one
-        writer at a time; every call in it has a deadline."""
-        assert self.peering.context.loop is not None
-        download = catch_up.download_state(
-            replica, has_own_state=True, rounds=1, purpose="caught up with the swarm", near=near
-        )
-        adopted = asyncio.run_coroutine_threadsafe(download, self.peering.context.loop).result()
-        if adopted:
-            # Their payloads were refused as too far from weights this node no longer has.
-            lifted = self.policy.lift(NORM_BOUND)
-            if lifted:
-                log.info("called again %d peer(s) set aside for the norm bound, after catching up", len(lifted))
-        self.telemetry.phase = "training"
-        return adopted
-
-    async def _prepare_replica(self) -> OuterStep:
-        """The replica on its shard, resumed or downloaded, and its first published state."""
-        self.checkpoints.start()
-        validation = validation_batches(
-            self.corpus.validation,
-            seq_len=self.train_cfg.seq_len,
-            batch_size=self.train_cfg.batch_size,
-            num_batches=self.train_cfg.eval_batches,
-        )
-        catch_up = CatchUp(
-            cfg=self.cfg,
-            train_cfg=self.train_cfg,
-            run_fingerprint=self.run_fingerprint,
-            peer_id=self.peer_id,
-            discovery=self.discovery,
-            transport=self.security.transport,
-            telemetry=self.telemetry,
-            metrics=self.metrics,
-            download_timeout=self.layout.download_timeout(),
-            validation=validation,
-            believe=self.standing.believable,
-            run_start=self.layout.start,
-            stopping=lambda: self.stop_requested.is_set() or self.stop_event.is_set(),
-        )
-        self.shard = await catch_up.choose_shard()
-        self.replica = replica = await catch_up.replica(self.shard, self.corpus, self.source, self.data_parallel)
-        # A resumed node is bounded at once by the movements its checkpoint recorded (payload_guard.py).
-        self.security.norm_guard.restore(
-            [
-                (h["movement"], h["phase_lr"], h["partner_lr"])
-                for h in self.telemetry.history_list(16)
-                if "phase_lr" in h and h.get("movement") is not None
-            ]
-        )
-        outer_step = OuterStep(
-            OuterStepDeps(
-                replica=replica,
-                strategy=self.strategy,
-                outer_cfg=self.outer_cfg,
-                send_phi=self.layout.send_phi,
-                send_delta=self.layout.send_delta,
-                run_fingerprint=self.run_fingerprint,
-                peer_id=lambda: self.peer_id,
-                telemetry=self.telemetry,
-                progress=self._progress,
-                validation=validation,
-                state_copies=await asyncio.to_thread(OuterStateCopies, replica),
-                snapshot=self.snapshot,
-                checkpoints=self.checkpoints,
-                checkpoint_extra=self._checkpoint_identity,
-                checkpoint_every=self.cfg.checkpoint_every,
-                write_status=self.write_status,
-                loop=asyncio.get_running_loop(),
-                publish_record=self._publish,
-                norm_guard=self.security.norm_guard,
-                max_staleness=self.cfg.max_staleness,
-                judge=self.peering.served.judge,
-                train_while_waiting=self.cfg.train_while_waiting,
-                # A multi-GPU member's ranks would all have to adopt the state in one collective: not done there.
-                catch_up=None if self.data_parallel else functools.partial(self._catch_up, catch_up, replica),
-                believe=self.standing.believable,
-                # As for the catch-up: a multi-GPU member's ranks would have to move their counters together.
-                swarm_step=None if self.data_parallel else self._swarm_step,
-                probation=None if self.data_parallel else catch_up.probation,
-                data_parallel=self.data_parallel,
-            )
-        )
-        await asyncio.to_thread(outer_step.publish_state)
-        log.info(
-            "node %s up: run %s, gRPC %s, mode %s, shard %d/%d",
-            self.peer_id,
-            self.run_fingerprint,
-            self.address,
-            self.cfg.mode,
-            self.shard,
-            self.cfg.num_shards,
-        )
-        return outer_step
-
     async def _until_stopped(self, finished: asyncio.Future[None], stop_requested: asyncio.Event) -> None:
         async def stop_asked() -> None:
             await stop_requested.wait()
 
         stop_wait = asyncio.ensure_future(stop_asked())
         await asyncio.wait([finished, stop_wait], return_when=asyncio.FIRST_COMPLETED)
-        if self.trainer_error is not None and not stop_requested.is_set():
+        if self.trainer.error is not None and not stop_requested.is_set():
             # Keep answering: /healthz says 503 and /status says why, so an operator or a probe can see it.
             log.error("trainer failed; serving status for %.0f s before exiting", self.cfg.failure_linger)
             with contextlib.suppress(asyncio.TimeoutError):
@@ -512,12 +357,13 @@ class Node:
             log.exception("replacing the DHT record with a tombstone failed; it expires by itself")
         self.strategy.close()
         self.snapshot.clear()
-        await asyncio.to_thread(self.checkpoints.close, 60.0)
-        if self.data_parallel is not None and self.replica is not None:
+        await asyncio.to_thread(self.trainer.checkpoints.close, 60.0)
+        data_parallel, replica = self.trainer.data_parallel, self.replica
+        if data_parallel is not None and replica is not None:
             log.info(
                 "rank 0 of %d stopped at inner step %d, weights digest %s",
-                self.data_parallel.world_size,
-                self.replica.inner_step,
-                weights_digest(self.replica.params),
+                data_parallel.world_size,
+                replica.inner_step,
+                weights_digest(replica.params),
             )
-            self.data_parallel.close()
+            data_parallel.close()

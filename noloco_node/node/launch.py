@@ -12,7 +12,8 @@ import logging
 import signal
 
 from noloco_node import algorithm
-from noloco_node.config.models import DataConfig, NodeConfig, OuterConfig, TrainConfig
+from noloco_node.config.models import DataConfig, OuterConfig, TrainConfig
+from noloco_node.config.node_config import NodeConfig
 from noloco_node.node.bootstrap import expand_bootstrap
 from noloco_node.node.catch_up import NodeError
 from noloco_node.node.daemon import Node
@@ -62,7 +63,7 @@ def _run_node(
     node.discovery.start()
     if data_parallel is not None:
         data_parallel.start()
-        node.data_parallel = data_parallel
+        node.trainer.data_parallel = data_parallel
     try:
         import uvloop
     except ImportError:

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from threading import Event
 from typing import Any
 
-from noloco_node.config.models import NodeConfig
+from noloco_node.config.node_config import NodeConfig
 from noloco_node.discovery.dht import Discovery
 from noloco_node.node.run_layout import RunLayout
 from noloco_node.node.security import NodeSecurity

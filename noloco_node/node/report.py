@@ -17,7 +17,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
 
 from noloco_node import __version__
-from noloco_node.config.models import NodeConfig, TrainConfig
+from noloco_node.config.models import TrainConfig
+from noloco_node.config.node_config import NodeConfig
 from noloco_node.discovery.dht import Discovery
 from noloco_node.model.source import ModelSource
 from noloco_node.node.security import NodeSecurity
@@ -82,7 +83,8 @@ class ReportedNode(Protocol):
     @property
     def supervisor(self) -> Supervised: ...
 
-    replica: Replica | None
+    @property
+    def replica(self) -> Replica | None: ...
 
     def ready_to_pair(self) -> bool: ...
 

@@ -16,7 +16,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from noloco_node.config.models import NodeConfig, OuterConfig, TrainConfig
+from noloco_node.config.models import OuterConfig, TrainConfig
+from noloco_node.config.node_config import NodeConfig
 from noloco_node.data.corpus import Corpus
 from noloco_node.model.run_model import model_source
 from noloco_node.model.source import ModelSource, run_fingerprint

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import torch
 
-from noloco_node.config.models import SecurityConfig
+from noloco_node.config.node_config import SecurityConfig
 from noloco_node.errors import NolocoError
 from noloco_node.pairing.peer_policy import PeerPolicy
 from noloco_node.rpc.transport import Transport

@@ -17,9 +17,8 @@ from typing import Any
 import grpc
 
 from noloco_node.errors import NolocoError
-from noloco_node.rpc.contracts import OUTER_STEP_HEADER, OutgoingPayload
+from noloco_node.rpc.contracts import EXCHANGE_METHOD, INFO_METHOD, OUTER_STEP_HEADER, OutgoingPayload
 from noloco_node.rpc.metrics import ExchangeMetrics
-from noloco_node.rpc.service import EXCHANGE_METHOD, INFO_METHOD
 from noloco_node.rpc.transport import PLAIN, Transport
 from noloco_node.wire import peer_pb2 as pb
 from noloco_node.wire import peer_pb2_grpc as pb_grpc

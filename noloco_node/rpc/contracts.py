@@ -1,5 +1,6 @@
-"""What the peer service (rpc/service.py) and its client need from the node: the payloads it sends, the session
-of one exchange, and the node it serves. Protocols only, so that the rpc layer depends on no node.
+"""What the peer service (rpc/service.py) and its client need from the node: the service's method names, the
+payloads it sends, the session of one exchange, and the node it serves. Protocols only, so that the rpc layer
+depends on no node.
 """
 
 from __future__ import annotations
@@ -12,6 +13,13 @@ from noloco_node.wire import peer_pb2 as pb
 from noloco_node.wire.frames import PayloadError, PayloadKind, TensorLayout
 from noloco_node.wire.payload import Payload, ReceiveBuffers, ValueObserver
 
+# The service of proto/noloco/v1/peer.proto. Frames cross gRPC as encoded bytes (wire/frames.py writes them,
+# wire/payload.py reads them), so the streaming methods are registered and called without protobuf
+# (de)serializers; a client built from the generated stubs still interoperates: the bytes are the proto's own.
+SERVICE = "noloco.v1.Peer"
+EXCHANGE_METHOD = f"/{SERVICE}/Exchange"
+GET_STATE_METHOD = f"/{SERVICE}/GetState"
+INFO_METHOD = f"/{SERVICE}/Info"
 OUTER_STEP_HEADER = "noloco-outer-step"  # trailing metadata of an out-of-reach refusal: the server's outer step
 
 

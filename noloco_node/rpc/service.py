@@ -27,30 +27,30 @@ import threading
 import time
 from collections.abc import Iterator
 from concurrent import futures
-from typing import Any, NoReturn
+from typing import NoReturn
 
 import grpc
-from google.protobuf.message import DecodeError
 
-from noloco_node.rpc.admission import DOWNLOAD, EXCHANGE, INFO, Admission, Refused, Ticket, remote_host
-from noloco_node.rpc.contracts import OUTER_STEP_HEADER, HeldPayload, OutOfReachError, PeerNode
+from noloco_node.rpc.admission import DOWNLOAD, EXCHANGE, INFO, Admission
+from noloco_node.rpc.call_gate import CallGate, abort, parse
+from noloco_node.rpc.contracts import (
+    EXCHANGE_METHOD,
+    INFO_METHOD,
+    OUTER_STEP_HEADER,
+    SERVICE,
+    OutOfReachError,
+    PeerNode,
+)
 from noloco_node.rpc.metrics import ExchangeMetrics
+from noloco_node.rpc.state_serving import StateServing
 from noloco_node.rpc.transport import CHANNEL_OPTIONS, PLAIN, GuardedCall, Transport, Watchdog
-from noloco_node.security.caller_proof import KEY_HEADER, CallerProofError, CallerVerifier
-from noloco_node.security.payload_guard import Complaints
+from noloco_node.security.caller_proof import CallerVerifier
 from noloco_node.wire import peer_pb2 as pb
 from noloco_node.wire.frames import DEFAULT_CHUNK_BYTES, PayloadError, iter_frames, read_verdict, verdict_frame
 from noloco_node.wire.payload import Payload, PayloadReceiver
 
 log = logging.getLogger(__name__)
 
-# The service of proto/noloco/v1/peer.proto. Frames cross gRPC as encoded bytes (wire/frames.py writes them,
-# wire/payload.py reads them), so the streaming methods are registered and called without protobuf
-# (de)serializers; a client built from the generated stubs still interoperates: the bytes are the proto's own.
-SERVICE = "noloco.v1.Peer"
-EXCHANGE_METHOD = f"/{SERVICE}/Exchange"
-GET_STATE_METHOD = f"/{SERVICE}/GetState"
-INFO_METHOD = f"/{SERVICE}/Info"
 INFO_SLOTS = 4  # Info answers in milliseconds: a few slots keep it answerable whatever else is going on
 REFUSAL_THREADS = 8
 HANDSHAKE_SECONDS = 5.0  # a TCP connection that says nothing is closed after this
@@ -77,22 +77,19 @@ class PeerService:
         admission: Admission | None = None,
     ) -> None:
         self.node = node
-        # Who is calling: the peer id the caller proved (caller_proof.py). Without a verifier (benchmarks' bare
-        # services) the manifest's word is taken, and nothing is decided about peers there.
-        self.verifier = verifier
-        self.admission = admission or Admission(
-            slots={EXCHANGE: 8, DOWNLOAD: max_state_downloads, INFO: 4}, per_address=8
-        )
-        self.stall_seconds = stall_seconds
-        self.complaints = Complaints()
         self.metrics = metrics
+        self.gate = CallGate(
+            metrics,
+            admission or Admission(slots={EXCHANGE: 8, DOWNLOAD: max_state_downloads, INFO: INFO_SLOTS}, per_address=8),
+            verifier=verifier,
+            watchdog=watchdog,
+            min_link_rate=min_link_rate,
+            stall_seconds=stall_seconds,
+        )
+        self.admission = self.gate.admission
         self.chunk_bytes = chunk_bytes
-        # A caller that sets no deadline (or a huge one), or trickles its bytes, must not hold a worker thread and
-        # the pairing lock for long: the watchdog cuts it at these limits, whatever the caller's deadline says.
         self.max_call_seconds = max_call_seconds
-        self.max_download_seconds = max_download_seconds
-        self.min_link_rate = min_link_rate
-        self.watchdog = watchdog or Watchdog()
+        self.state = StateServing(node, self.gate, chunk_bytes=chunk_bytes, max_download_seconds=max_download_seconds)
 
     def _receiver(self) -> PayloadReceiver:
         observer = self.node.value_observer()  # holds the latest published state until closed
@@ -113,66 +110,28 @@ class PeerService:
     def _refuse(self, context: grpc.ServicerContext, error: PayloadError) -> NoReturn:
         self.metrics.rejection(error.reason)
         self.metrics.outcome("refused_payload")
-        _abort(context, error.code, error.message)
-
-    def _caller(self, method: str, context: grpc.ServicerContext, *, required: bool) -> str | None:
-        """The caller's proven peer id (None when this service verifies none, or for an optional proof that was
-        not given); aborts a call with a bad or missing required proof (UNAUTHENTICATED) before its handler reads
-        a byte."""
-        metadata = context.invocation_metadata()
-        if self.verifier is None or (not required and not any(key == KEY_HEADER for key, _ in metadata or ())):
-            return None
-        try:
-            return self.verifier.verify(method, metadata)
-        except CallerProofError as error:
-            self.metrics.rejection(f"identity_{error.reason}")
-            self.metrics.outcome("unproven_caller")
-            _abort(context, grpc.StatusCode.UNAUTHENTICATED, str(error))
-
-    def _admit(self, kind: str, context: grpc.ServicerContext, caller: str | None) -> Ticket:
-        """A slot for this call (admission.py), or RESOURCE_EXHAUSTED at once, before any work."""
-        try:
-            return self.admission.enter(kind, peer=caller, address=remote_host(context.peer()))
-        except Refused as refused:
-            self.metrics.rejection(f"admission_{refused.reason}")
-            self.metrics.outcome("download_busy" if kind == DOWNLOAD else f"refused_{refused.reason}")
-            _abort(context, grpc.StatusCode.RESOURCE_EXHAUSTED, str(refused))
-
-    def _leave(self, ticket: Ticket, guard: GuardedCall) -> None:
-        """Give the slot back; a call the watchdog cut for stalling bars its peer and its address (admission.py)."""
-        self.watchdog.release(guard)
-        self.admission.leave(ticket)
-        if guard.cut_reason == "stalled" and ticket.kind == EXCHANGE:
-            barred = self.admission.stalled(ticket)
-            self.complaints.complain(
-                ticket.address,
-                "stalled",
-                f"an exchange from {ticket.peer or 'an unproven caller'} moved no byte for {self.stall_seconds:.0f}s; "
-                f"its address and peer are served no exchange for {barred:.0f}s",
-            )
+        abort(context, error.code, error.message)
 
     def Exchange(self, request_iterator: Iterator[bytes], context: grpc.ServicerContext) -> Iterator[bytes]:  # noqa: N802
-        proven = self._caller(EXCHANGE_METHOD, context, required=True)
-        ticket = self._admit(EXCHANGE, context, proven)
+        proven = self.gate.caller(EXCHANGE_METHOD, context, required=True)
+        ticket = self.gate.admit(EXCHANGE, context, proven)
         receiver: PayloadReceiver | None = None
         guard: GuardedCall | None = None
         try:  # whatever raises from here on, the slot (and what the observer holds) is given back
             receiver = self._receiver()
-            guard = self.watchdog.watch(
+            guard = self.gate.watch(
                 context,
                 limit=self.max_call_seconds,
                 progress=lambda: receiver.bytes_received if receiver is not None else 0,
-                min_rate=self.min_link_rate,
-                stall=self.stall_seconds,
             )
             yield from self._exchange(request_iterator, context, receiver, guard, proven)
         finally:
             if receiver is not None:
                 receiver.release_observer()
             if guard is not None:
-                self._leave(ticket, guard)
+                self.gate.leave(ticket, guard)
             else:
-                self.admission.leave(ticket)
+                self.gate.admission.leave(ticket)
 
     def _exchange(
         self,
@@ -190,7 +149,7 @@ class PeerService:
             # ended or broken, depending on timing. Only a caller that closed without sending is malformed.
             receiver.discard()
             if guard.cut_reason is None and isinstance(ended, StopIteration) and context.is_active():
-                _abort(context, grpc.StatusCode.INVALID_ARGUMENT, "empty exchange stream")
+                abort(context, grpc.StatusCode.INVALID_ARGUMENT, "empty exchange stream")
             self.metrics.outcome(f"cut_{guard.cut_reason}" if guard.cut_reason else "aborted")
             return
         except PayloadError as error:
@@ -211,7 +170,7 @@ class PeerService:
         if self.node.refused_peer(partner):
             receiver.discard()
             self.metrics.outcome("refused_peer")
-            _abort(context, grpc.StatusCode.PERMISSION_DENIED, "refused: a recent payload from this peer was bad")
+            abort(context, grpc.StatusCode.PERMISSION_DENIED, "refused: a recent payload from this peer was bad")
         started = time.monotonic()
         sent = 0
 
@@ -238,11 +197,11 @@ class PeerService:
             receiver.discard()
             finish("out_of_reach")
             context.set_trailing_metadata(((OUTER_STEP_HEADER, str(far.outer_step)),))
-            _abort(context, grpc.StatusCode.OUT_OF_RANGE, str(far))
+            abort(context, grpc.StatusCode.OUT_OF_RANGE, str(far))
         if session is None:
             receiver.discard()
             finish("busy")
-            _abort(context, grpc.StatusCode.ABORTED, f"{self.node.peer_id} is busy or not ready to pair")
+            abort(context, grpc.StatusCode.ABORTED, f"{self.node.peer_id} is busy or not ready to pair")
         reader: threading.Thread | None = None
         try:
             outcome: dict[str, object] = {}
@@ -294,7 +253,7 @@ class PeerService:
                     partner,
                     guard.cut_reason or outcome.get("broken", "deadline"),
                 )
-                _abort(
+                abort(
                     context,
                     grpc.StatusCode.DEADLINE_EXCEEDED if not payload_heard.is_set() else grpc.StatusCode.CANCELLED,
                     "the partner's payload did not arrive whole",
@@ -316,7 +275,7 @@ class PeerService:
                 else:
                     self.node.bad_payload(partner, problem)
                     finish("refused_payload")
-                _abort(context, problem.code, problem.message)
+                abort(context, problem.code, problem.message)
             assert isinstance(received, Payload)
             # Both payloads have crossed and this side admits the caller's: the caller's verdict on ours decides.
             # It needs no more than the caller's own check of our payload; a caller that keeps us waiting longer
@@ -328,7 +287,7 @@ class PeerService:
                 received.release()
                 why = verdict.reason if isinstance(verdict, pb.Verdict) else "no verdict in time"
                 finish("not_committed")
-                _abort(context, grpc.StatusCode.ABORTED, f"the caller did not commit: {why}"[:300])
+                abort(context, grpc.StatusCode.ABORTED, f"the caller did not commit: {why}"[:300])
             if not session.complete(received):  # the round closed meanwhile: the payload was let go
                 finish("not_committed")
                 yield verdict_frame(commit=False, reason="this node's round closed before the commit")
@@ -340,106 +299,16 @@ class PeerService:
             if reader is None or not reader.is_alive():  # a reader still running owns the buffers until it stops
                 receiver.discard()  # a no-op once the payload was handed over
 
-    def GetState(self, raw: bytes, context: grpc.ServicerContext) -> Iterator[bytes]:  # noqa: N802
-        caller = self._caller(GET_STATE_METHOD, context, required=True)
-        request = _parse(pb.StateRequest, raw, context)
-        if request.run_fingerprint != self.node.run_fingerprint:
-            _abort(context, grpc.StatusCode.FAILED_PRECONDITION, f"this peer trains run {self.node.run_fingerprint}")
-        # Downloads are served from a snapshot (never blocking training) but cost CPU and bandwidth: a few at a
-        # time, one per proven peer, in slots of their own (an exchange flood cannot take them).
-        ticket = self._admit(DOWNLOAD, context, caller)
-        sent = [0]
-        # A joiner that stops reading must not hold a download slot (and a worker thread) until its own deadline.
-        guard = self.watchdog.watch(
-            context,
-            limit=self.max_download_seconds,
-            progress=lambda: sent[0],
-            min_rate=self.min_link_rate,
-            stall=self.stall_seconds,
-        )
-        try:
-            snapshot = self.node.state_snapshot()
-            if snapshot is None:
-                _abort(context, grpc.StatusCode.UNAVAILABLE, "no outer-step snapshot to serve yet")
-            try:
-                yield from self._serve_state(request, snapshot, context, guard, sent)
-            finally:
-                snapshot.release()  # the copy's buffers may be reused once no joiner reads them
-        finally:
-            self._leave(ticket, guard)
-
-    def _serve_state(
-        self,
-        request: pb.StateRequest,
-        snapshot: HeldPayload,
-        context: grpc.ServicerContext,
-        guard: GuardedCall,
-        sent: list[int],
-    ) -> Iterator[bytes]:
-        if request.from_tensor and request.outer_step != snapshot.manifest.outer_step:
-            _abort(
-                context,
-                grpc.StatusCode.FAILED_PRECONDITION,
-                f"cannot resume a download of outer step {request.outer_step}: this snapshot is of outer step "
-                f"{snapshot.manifest.outer_step}",
-            )
-        if request.from_tensor > len(snapshot.manifest.tensors) or (
-            request.from_offset
-            and (
-                request.from_tensor >= len(snapshot.manifest.tensors)
-                or request.from_offset % 4
-                or request.from_offset >= snapshot.manifest.tensors[request.from_tensor].num_bytes
-            )
-        ):
-            _abort(
-                context,
-                grpc.StatusCode.INVALID_ARGUMENT,
-                f"cannot resume at tensor {request.from_tensor}, byte {request.from_offset}",
-            )
-
-        def count_sent(n: int) -> None:
-            sent[0] += n
-            self.metrics.add_bytes(sent=n)
-
-        try:
-            yield from iter_frames(
-                snapshot.manifest,
-                snapshot.tensors,
-                chunk_bytes=self.chunk_bytes,
-                on_chunk=count_sent,
-                from_tensor=request.from_tensor,
-                from_offset=request.from_offset,
-            )
-            self.metrics.outcome("download_served")
-        except GeneratorExit:
-            self.metrics.outcome(f"download_cut_{guard.cut_reason}" if guard.cut_reason else "download_aborted")
-            raise
-
     def Info(self, raw: bytes, context: grpc.ServicerContext) -> pb.InfoReply:  # noqa: N802
         # Info tells what the node's DHT record already says publicly: a caller may prove who it is, or not. Its
         # slots are its own, so that a flood of exchanges or downloads never makes a node unanswerable.
-        caller = self._caller(INFO_METHOD, context, required=False)
-        ticket = self._admit(INFO, context, caller)
+        caller = self.gate.caller(INFO_METHOD, context, required=False)
+        ticket = self.gate.admit(INFO, context, caller)
         try:
-            _parse(pb.InfoRequest, raw, context)
+            parse(pb.InfoRequest, raw, context)
             return self.node.info()
         finally:
-            self.admission.leave(ticket)
-
-
-def _abort(context: grpc.ServicerContext, code: grpc.StatusCode, message: str) -> NoReturn:
-    """End the call with ``code``: grpc's ``abort`` raises, and saying so keeps the handlers' types honest."""
-    context.abort(code, message)
-    raise AssertionError("grpc's ServicerContext.abort returned")
-
-
-def _parse(message: Any, raw: bytes, context: grpc.ServicerContext) -> Any:
-    """Requests are parsed here, not by grpc, so that garbage gets INVALID_ARGUMENT (grpc's own deserializer
-    failing answers INTERNAL, which says nothing useful to the caller)."""
-    try:
-        return message.FromString(raw)
-    except DecodeError:
-        _abort(context, grpc.StatusCode.INVALID_ARGUMENT, f"malformed {message.DESCRIPTOR.name}")
+            self.gate.admission.leave(ticket)
 
 
 def _handlers(service: PeerService) -> grpc.GenericRpcHandler:
@@ -447,7 +316,7 @@ def _handlers(service: PeerService) -> grpc.GenericRpcHandler:
         SERVICE,
         {
             "Exchange": grpc.stream_stream_rpc_method_handler(service.Exchange),  # encoded frames both ways
-            "GetState": grpc.unary_stream_rpc_method_handler(service.GetState),  # parsed by the handler
+            "GetState": grpc.unary_stream_rpc_method_handler(service.state.GetState),  # parsed by the handler
             "Info": grpc.unary_unary_rpc_method_handler(
                 service.Info, response_serializer=pb.InfoReply.SerializeToString
             ),

@@ -9,7 +9,7 @@ from collections.abc import Sequence
 import grpc
 
 from noloco_node.rpc.client import ExchangeError, server_problem
-from noloco_node.rpc.service import GET_STATE_METHOD
+from noloco_node.rpc.contracts import GET_STATE_METHOD
 from noloco_node.rpc.transport import PLAIN, Transport
 from noloco_node.wire import peer_pb2 as pb
 from noloco_node.wire.frames import PayloadError, TensorLayout

@@ -5,7 +5,7 @@ At an outer step (theta == phi there) the trainer copies the outer state once in
 That one :class:`~noloco_node.wire.published.Published` copy then serves both readers, neither of which touches
 the live replica:
 
-- a joiner's ``GetState`` streams it (rpc/service.py), for as long as the stream takes;
+- a joiner's ``GetState`` streams it (rpc/state_serving.py), for as long as the stream takes;
 - the :class:`CheckpointWriter` thread turns it into a checkpoint and writes it (``torch.save``, fsync, rename)
   while the trainer is already in its next inner phase.
 

@@ -14,7 +14,8 @@ import threading
 
 import torch
 
-from noloco_node.config.models import DataConfig, NodeConfig, TrainConfig
+from noloco_node.config.models import DataConfig, TrainConfig
+from noloco_node.config.node_config import NodeConfig
 from noloco_node.data.corpus import ReplicaShard
 from noloco_node.model.run_model import run_model
 from noloco_node.training.data_parallel import DataParallel, weights_digest

@@ -13,7 +13,7 @@ from noloco_bench.outsider import call_exchange, exchange_status, fresh_identity
 from noloco_node.config.models import model_config_for
 from noloco_node.model.decoder import LlamaDecoder, named_parameters_ordered
 from noloco_node.rpc.client import Outgoing
-from noloco_node.rpc.service import INFO_METHOD
+from noloco_node.rpc.contracts import INFO_METHOD
 from noloco_node.rpc.transport import CHANNEL_OPTIONS
 from noloco_node.security.auth import MAC_HEADER, NONCE_HEADER, PEER_HEADER, TIME_HEADER, SwarmSecret, _mac
 from noloco_node.wire import peer_pb2 as pb

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import grpc
 
-from noloco_node.rpc.service import EXCHANGE_METHOD
+from noloco_node.rpc.contracts import EXCHANGE_METHOD
 from noloco_node.security.caller_proof import prove
 
 from .attacker import exchange_status, frames_of, fresh_identity, node_weights, payload

@@ -17,9 +17,9 @@ import torch
 
 from noloco_node.algorithm import noloco_outer_step
 from noloco_node.rpc.client import ExchangeError, Outgoing, exchange_with, fetch_info
-from noloco_node.rpc.contracts import AdmitsEverything
+from noloco_node.rpc.contracts import EXCHANGE_METHOD, AdmitsEverything
 from noloco_node.rpc.metrics import ExchangeMetrics
-from noloco_node.rpc.service import EXCHANGE_METHOD, start_server
+from noloco_node.rpc.service import start_server
 from noloco_node.rpc.transport import CHANNEL_OPTIONS
 from noloco_node.wire import peer_pb2 as pb
 from noloco_node.wire import peer_pb2_grpc as pb_grpc

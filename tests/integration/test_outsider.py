@@ -25,7 +25,8 @@ from noloco_bench.outsider import (
     fresh_identity,
     ratchet,
 )
-from noloco_node.config.models import SecurityConfig, model_config_for
+from noloco_node.config.models import model_config_for
+from noloco_node.config.node_config import SecurityConfig
 from noloco_node.rpc.client import fetch_info
 from noloco_node.rpc.transport import Transport
 

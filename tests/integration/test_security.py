@@ -20,9 +20,9 @@ import grpc
 import pytest
 
 from noloco_node.rpc.client import ExchangeError, exchange_with, fetch_info
-from noloco_node.rpc.contracts import AdmitsEverything
+from noloco_node.rpc.contracts import EXCHANGE_METHOD, INFO_METHOD, AdmitsEverything
 from noloco_node.rpc.metrics import ExchangeMetrics
-from noloco_node.rpc.service import EXCHANGE_METHOD, INFO_METHOD, start_server
+from noloco_node.rpc.service import start_server
 from noloco_node.rpc.state_download import StateDownload
 from noloco_node.rpc.transport import CHANNEL_OPTIONS, Transport
 from noloco_node.security.auth import CallAuthenticator, SwarmSecret

@@ -19,9 +19,9 @@ from noloco_node.model.source import SeededDecoder
 from noloco_node.pairing.strategy import OfferPublisher
 from noloco_node.pairing.sync import PairingRound
 from noloco_node.rpc.client import Outgoing
-from noloco_node.rpc.contracts import AdmitsEverything
+from noloco_node.rpc.contracts import EXCHANGE_METHOD, AdmitsEverything
 from noloco_node.rpc.metrics import ExchangeMetrics
-from noloco_node.rpc.service import EXCHANGE_METHOD, start_server
+from noloco_node.rpc.service import start_server
 from noloco_node.rpc.transport import CHANNEL_OPTIONS
 from noloco_node.training.replica import Replica
 from noloco_node.wire import peer_pb2 as pb

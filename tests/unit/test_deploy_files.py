@@ -14,7 +14,7 @@ import yaml
 from compose_spec import PyCompose
 
 from noloco_node.cli.main import build_parser
-from noloco_node.config.models import KNOWN_ENVIRONMENT
+from noloco_node.config.node_config import KNOWN_ENVIRONMENT
 from noloco_node.config.settings import env_layer, file_layer, resolve
 
 ROOT = Path(__file__).resolve().parents[2]

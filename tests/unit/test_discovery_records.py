@@ -48,7 +48,8 @@ def test_fingerprint_separates_runs_and_is_stable() -> None:
 def test_run_wide_settings_are_in_the_fingerprint_and_a_mismatch_is_named() -> None:
     """Nodes that differ in H (or any run-wide setting) live in different runs, and each names the setting; a
     local setting (the batch size) changes nothing."""
-    from noloco_node.config.models import DataConfig, NodeConfig, OuterConfig, TrainConfig
+    from noloco_node.config.models import DataConfig, OuterConfig, TrainConfig
+    from noloco_node.config.node_config import NodeConfig
     from noloco_node.data.corpus import load_corpus
     from noloco_node.discovery.dht import RunStart
     from noloco_node.node.run_layout import RunLayout

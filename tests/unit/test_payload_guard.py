@@ -10,7 +10,8 @@ import pytest
 import torch
 from pydantic import ValidationError
 
-from noloco_node.config.models import NodeConfig, SecurityConfig, TrainConfig, format_validation_error
+from noloco_node.config.models import TrainConfig, format_validation_error
+from noloco_node.config.node_config import NodeConfig, SecurityConfig
 from noloco_node.config.settings import SettingsError, env_layer
 from noloco_node.node.outer_step import phase_learning_rates
 from noloco_node.pairing.peer_policy import PeerPolicy

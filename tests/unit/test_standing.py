@@ -156,7 +156,7 @@ def test_the_norm_bound_allows_for_drift_since_the_last_blend_up_to_a_limit() ->
 
 
 def test_drift_sets_a_peer_aside_for_now_while_a_bad_payload_quarantines_it(tmp_path) -> None:
-    from noloco_node.config.models import SecurityConfig
+    from noloco_node.config.node_config import SecurityConfig
     from noloco_node.node.security import NodeSecurity
 
     security = NodeSecurity(SecurityConfig(), tmp_path)

@@ -1,0 +1,258 @@
+"""The node's trainer: its one replica, how it is prepared, and the thread that trains it.
+
+The node (daemon.py) owns the network side and the order components start and stop in; this owns the replica. It
+prepares it (catch_up.py: the node's own checkpoint, a donor's state, or the run's seed), wires the outer step
+(outer_step.py) to the node's pairing, standing and catch-up, runs the inner loop on a thread of its own (torch never
+runs on the event loop), and writes the final checkpoint once that thread has stopped.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import functools
+import logging
+import threading
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+from noloco_node.config.models import OuterConfig, TrainConfig
+from noloco_node.config.node_config import NodeConfig
+from noloco_node.data.corpus import Corpus, validation_batches
+from noloco_node.discovery.dht import Discovery
+from noloco_node.node import report
+from noloco_node.node.catch_up import CHECKPOINT_FILE, CatchUp
+from noloco_node.node.fault_injection import Drill, fault_hooks
+from noloco_node.node.outer_step import OuterStep, OuterStepDeps
+from noloco_node.node.peering import Peering
+from noloco_node.node.run_layout import RunLayout
+from noloco_node.node.security import NodeSecurity
+from noloco_node.observability.telemetry import KEEP_OUTER_STEPS, Telemetry
+from noloco_node.pairing.peer_policy import PeerPolicy
+from noloco_node.pairing.standing import Standing, SwarmStep
+from noloco_node.rpc.metrics import ExchangeMetrics
+from noloco_node.security.payload_guard import NORM_BOUND
+from noloco_node.training.checkpoints import CheckpointWriter, OuterStateCopies
+from noloco_node.training.data_parallel import DataParallel
+from noloco_node.training.replica import Replica
+from noloco_node.wire.published import Latest
+
+log = logging.getLogger(__name__)
+
+
+class Trainer:
+    """One replica: prepared on the event loop, trained on the trainer thread, checkpointed when it stops."""
+
+    def __init__(
+        self,
+        *,
+        cfg: NodeConfig,
+        train_cfg: TrainConfig,
+        outer_cfg: OuterConfig,
+        layout: RunLayout,
+        corpus: Corpus,
+        security: NodeSecurity,
+        discovery: Discovery,
+        telemetry: Telemetry,
+        metrics: ExchangeMetrics,
+        standing: Standing,
+        policy: PeerPolicy,
+        peering: Peering,
+        snapshot: Latest,
+        write_status: Callable[[], None],
+        publish_record: Callable[[], Awaitable[None]],
+        stop_event: threading.Event,
+        stop_requested: Callable[[], bool],
+    ) -> None:
+        self.cfg, self.train_cfg, self.outer_cfg = cfg, train_cfg, outer_cfg
+        self.layout, self.corpus, self.security, self.discovery = layout, corpus, security, discovery
+        self.telemetry, self.metrics, self.standing, self.policy = telemetry, metrics, standing, policy
+        self.peering, self.snapshot = peering, snapshot
+        self.write_status, self.publish_record = write_status, publish_record
+        self.stop_event, self.stop_requested = stop_event, stop_requested
+        self.replica: Replica | None = None
+        self.shard: int | None = None
+        self.data_parallel: DataParallel | None = None  # rank 0 of a multi-process member
+        self.thread: threading.Thread | None = None
+        self.error: BaseException | None = None
+        self.checkpoints = CheckpointWriter(cfg.data_dir / CHECKPOINT_FILE, on_written=telemetry.on_checkpoint)
+        self.progress = report.ProgressLog(every=cfg.log_every, total_steps=train_cfg.total_steps)
+
+    @property
+    def alive(self) -> bool:
+        return self.thread is not None and self.thread.is_alive()
+
+    # ------------------------------------------------------------------------------------------ before training
+
+    async def prepare(self, peer_id: str) -> OuterStep:
+        """The replica on its shard, resumed or downloaded, and its first published state."""
+        self.checkpoints.start()
+        validation = validation_batches(
+            self.corpus.validation,
+            seq_len=self.train_cfg.seq_len,
+            batch_size=self.train_cfg.batch_size,
+            num_batches=self.train_cfg.eval_batches,
+        )
+        catch_up = CatchUp(
+            cfg=self.cfg,
+            train_cfg=self.train_cfg,
+            run_fingerprint=self.layout.run_fingerprint,
+            peer_id=peer_id,
+            discovery=self.discovery,
+            transport=self.security.transport,
+            telemetry=self.telemetry,
+            metrics=self.metrics,
+            download_timeout=self.layout.download_timeout(),
+            validation=validation,
+            believe=self.standing.believable,
+            run_start=self.layout.start,
+            stopping=lambda: self.stop_requested() or self.stop_event.is_set(),
+        )
+        self.shard = await catch_up.choose_shard()
+        self.replica = replica = await catch_up.replica(self.shard, self.corpus, self.layout.source, self.data_parallel)
+        # A resumed node is bounded at once by the movements its checkpoint recorded (payload_guard.py).
+        self.security.norm_guard.restore(
+            [
+                (h["movement"], h["phase_lr"], h["partner_lr"])
+                for h in self.telemetry.history_list(16)
+                if "phase_lr" in h and h.get("movement") is not None
+            ]
+        )
+        # A multi-GPU member's ranks would all have to adopt a state, or move their counters, in one collective:
+        # neither is done there.
+        single = self.data_parallel is None
+        outer_step = OuterStep(
+            OuterStepDeps(
+                replica=replica,
+                strategy=self.peering.strategy,
+                outer_cfg=self.outer_cfg,
+                send_phi=self.layout.send_phi,
+                send_delta=self.layout.send_delta,
+                run_fingerprint=self.layout.run_fingerprint,
+                peer_id=lambda: peer_id,
+                telemetry=self.telemetry,
+                progress=self.progress,
+                validation=validation,
+                state_copies=await asyncio.to_thread(OuterStateCopies, replica),
+                snapshot=self.snapshot,
+                checkpoints=self.checkpoints,
+                checkpoint_extra=self.checkpoint_identity,
+                checkpoint_every=self.cfg.checkpoint_every,
+                write_status=self.write_status,
+                loop=asyncio.get_running_loop(),
+                publish_record=self.publish_record,
+                norm_guard=self.security.norm_guard,
+                max_staleness=self.cfg.max_staleness,
+                judge=self.peering.served.judge,
+                train_while_waiting=self.cfg.train_while_waiting,
+                catch_up=functools.partial(self._catch_up, catch_up, replica) if single else None,
+                believe=self.standing.believable,
+                swarm_step=self._swarm_step if single else None,
+                probation=catch_up.probation if single else None,
+                data_parallel=self.data_parallel,
+            )
+        )
+        await asyncio.to_thread(outer_step.publish_state)
+        return outer_step
+
+    async def wait_for_peers(self, stop_requested: asyncio.Event) -> None:
+        """Hold the first inner step until --wait-for-peers other nodes are live (or the timeout passes, or a stop
+        is asked). Each node publishes its record only after deciding whether to download a donor's state, so
+        nodes launched together all start from step 0: none finds another already ahead."""
+        wanted = self.cfg.wait_for_peers
+        if wanted == 0:
+            return
+        self.telemetry.phase = f"waiting for {wanted} peer(s) to start"
+        loop = asyncio.get_running_loop()
+        started = loop.time()
+        seen = 0
+        while not stop_requested.is_set():
+            try:
+                seen = len(await self.discovery.live_peers())
+            except Exception as error:  # a DHT lookup that fails is retried until the deadline
+                log.debug("looking for peers to start with: %r", error)
+            if seen >= wanted:
+                log.info("%d peer(s) live after %.1f s: starting", seen, loop.time() - started)
+                break
+            if loop.time() - started > self.cfg.wait_for_peers_timeout:
+                log.warning(
+                    "only %d of %d peer(s) live after %.0f s (--wait-for-peers-timeout): starting anyway",
+                    seen,
+                    wanted,
+                    self.cfg.wait_for_peers_timeout,
+                )
+                break
+            with contextlib.suppress(asyncio.TimeoutError):
+                await asyncio.wait_for(stop_requested.wait(), timeout=0.25)
+        self.telemetry.phase = "training"
+
+    # ------------------------------------------------------------------------------------------ the thread
+
+    def start(self, outer_step: OuterStep, drill: Drill, peer_id: str) -> asyncio.Future[None]:
+        """Start the trainer thread; the future resolves on the event loop when it has ended, however it ended."""
+        loop = asyncio.get_running_loop()
+        finished: asyncio.Future[None] = loop.create_future()
+
+        def train() -> None:
+            try:
+                hooks = fault_hooks(drill, peer_id)
+                outer_step.train(self.train_cfg, stop_requested=self.stop_event.is_set, hooks=hooks)
+            except BaseException as error:  # a dead trainer must be visible, not silent
+                self.error = error
+                log.exception("trainer thread failed")
+            finally:
+                self.stop_event.set()
+                loop.call_soon_threadsafe(finished.set_result, None)
+
+        self.thread = threading.Thread(target=train, name="trainer", daemon=True)
+        self.thread.start()
+        return finished
+
+    def final_checkpoint(self) -> None:
+        """The live state as the stopped trainer left it (mid-phase too), so a restart resumes bit-exactly."""
+        replica = self.replica
+        assert replica is not None and not self.alive
+        state = replica.state_dict()
+        history = self.telemetry.history_list(KEEP_OUTER_STEPS)
+        self.checkpoints.submit(lambda: {**self.checkpoint_identity(), "replica": state, "history": history})
+        self.checkpoints.flush()
+
+    def checkpoint_identity(self) -> dict[str, Any]:
+        return {
+            "run_fingerprint": self.layout.run_fingerprint,
+            "run_start": self.layout.start,  # names what differs when a node of other settings finds it
+            "model_source": self.layout.source.record(),
+            "tokenizer_json": self.corpus.tokenizer.json_text,  # export, eval and generate need it
+        }
+
+    # ------------------------------------------------------------------------------------------ called by the thread
+
+    def _swarm_step(self, own_step: int) -> SwarmStep | None:
+        """The outer step to move this node's clock to when most peers with standing are beyond reach ahead
+        (pairing/standing.py), else None. Peers set aside for the norm bound are called again then: the bound they
+        failed did not yet count the steps the two were apart."""
+        recent = [h["train_seconds"] + h["wait_seconds"] for h in self.telemetry.history_list(8)]
+        seconds_per_step = sorted(recent)[len(recent) // 2] if recent else 1.0
+        target = self.standing.swarm_step(
+            own_step, self.telemetry.peer_steps(), self.cfg.max_staleness, seconds_per_step
+        )
+        if target is not None:
+            self.policy.lift(NORM_BOUND)
+        return target
+
+    def _catch_up(self, catch_up: CatchUp, replica: Replica, near: int | None) -> bool:
+        """Left behind: download and adopt a donor's state (of a donor near outer step ``near``, else near the
+        credible front) on the event loop. The thread waits for it, so the replica still has one writer at a time;
+        every call in it has a deadline."""
+        assert self.peering.context.loop is not None
+        download = catch_up.download_state(
+            replica, has_own_state=True, rounds=1, purpose="caught up with the swarm", near=near
+        )
+        adopted = asyncio.run_coroutine_threadsafe(download, self.peering.context.loop).result()
+        if adopted:
+            # Their payloads were refused as too far from weights this node no longer has.
+            lifted = self.policy.lift(NORM_BOUND)
+            if lifted:
+                log.info("called again %d peer(s) set aside for the norm bound, after catching up", len(lifted))
+        self.telemetry.phase = "training"
+        return adopted
