@@ -49,7 +49,8 @@ from noloco_node.rpc.service import start_server
 from noloco_node.security.identity import NodeIdentity
 from noloco_node.wire import peer_pb2 as pb
 from noloco_node.wire.frames import TensorLayout, build_manifest, verdict_frame
-from noloco_node.wire.payload import Payload, ReceiveBuffers
+from noloco_node.wire.payload import Payload
+from noloco_node.wire.receive_buffers import ReceiveBuffers
 
 
 class ManyKeysSigner(RSASignatureValidator):

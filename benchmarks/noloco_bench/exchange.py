@@ -33,7 +33,8 @@ from noloco_node.security.payload_guard import RunningGap, relative_distance
 from noloco_node.wire import peer_pb2 as pb
 from noloco_node.wire import quantize
 from noloco_node.wire.frames import WIRE_DTYPES, TensorLayout, build_manifest, layout_of, wire_num_bytes
-from noloco_node.wire.payload import Payload, ReceiveBuffers
+from noloco_node.wire.payload import Payload
+from noloco_node.wire.receive_buffers import ReceiveBuffers
 
 RUN = "bench-exchange"
 

@@ -46,7 +46,8 @@ from noloco_node.rpc.service import start_server
 from noloco_node.rpc.transport import Transport
 from noloco_node.wire import peer_pb2 as pb
 from noloco_node.wire.frames import TensorLayout, build_manifest, layout_of
-from noloco_node.wire.payload import Payload, ReceiveBuffers
+from noloco_node.wire.payload import Payload
+from noloco_node.wire.receive_buffers import ReceiveBuffers
 
 RUN = "bench-sync"
 PORT = 7100

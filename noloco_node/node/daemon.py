@@ -55,7 +55,7 @@ from noloco_node.security.caller_proof import CallerVerifier
 from noloco_node.training.data_parallel import weights_digest
 from noloco_node.training.replica import Replica, resolve_device
 from noloco_node.wire import peer_pb2 as pb
-from noloco_node.wire.published import Latest
+from noloco_node.wire.published import LatestSnapshot
 
 log = logging.getLogger(__name__)
 
@@ -117,7 +117,7 @@ class Node:
         self.supervisor = Supervisor()
         self.stop_event = threading.Event()  # a stop was asked for, or the trainer ended
         self.stop_requested = asyncio.Event()  # SIGINT or SIGTERM (replaced in run(), on its event loop)
-        self.snapshot = Latest()  # the joiner snapshot (GetState), one outer-state copy per outer step
+        self.snapshot = LatestSnapshot()  # the joiner snapshot (GetState), one per outer step
         self.peering = Peering.build(
             node_cfg,
             self.layout,

@@ -21,14 +21,14 @@ log = logging.getLogger(__name__)
 GIB = 2**30
 DEVICE_BYTES = 16  # theta, gradients, Adam's two moments
 OUTER_BYTES = 8  # phi, delta
-STATE_COPY_BYTES = 2 * 16  # two outer-state copies in flight at most
+SNAPSHOT_BYTES = 2 * 16  # two snapshots in flight at most
 EXCHANGE_BYTES = 4  # offer and receive buffers (bf16 each way)
 
 
 def host_bytes_per_parameter(on_gpu: bool) -> int:
     """Host bytes per parameter of a node whose model trains on the CPU, or on a GPU (theta gathered on the host)."""
     trained_here = 4 if on_gpu else DEVICE_BYTES  # on a GPU only a host copy of theta for the exchange
-    return trained_here + OUTER_BYTES + STATE_COPY_BYTES + EXCHANGE_BYTES
+    return trained_here + OUTER_BYTES + SNAPSHOT_BYTES + EXCHANGE_BYTES
 
 
 def available_memory() -> int | None:

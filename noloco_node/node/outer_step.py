@@ -35,13 +35,13 @@ from noloco_node.observability.telemetry import KEEP_OUTER_STEPS, Telemetry
 from noloco_node.pairing.standing import SwarmStep
 from noloco_node.pairing.strategy import PairingStrategy
 from noloco_node.security.payload_guard import MAX_DRIFT_STEPS, NormGuard, relative_distance
-from noloco_node.training.checkpoints import CheckpointWriter, OuterStateCopies, replica_state_of
+from noloco_node.training.checkpoints import CheckpointWriter, Snapshots, replica_state_of
 from noloco_node.training.data_parallel import DataParallel
 from noloco_node.training.loop import InnerLoop, InnerPhase, StepHook
 from noloco_node.training.replica import Batch, Replica, learning_rate
 from noloco_node.wire.frames import build_manifest
 from noloco_node.wire.payload import Payload
-from noloco_node.wire.published import Latest, Published
+from noloco_node.wire.published import LatestSnapshot, Published
 
 log = logging.getLogger(__name__)
 
@@ -74,8 +74,8 @@ class OuterStepDeps:
     telemetry: Telemetry
     progress: ProgressLog
     validation: Sequence[Batch]
-    state_copies: OuterStateCopies
-    snapshot: Latest  # the joiner snapshot that GetState serves
+    snapshots: Snapshots
+    snapshot: LatestSnapshot  # the joiner snapshot that GetState serves
     checkpoints: CheckpointWriter
     checkpoint_extra: Callable[[], dict[str, Any]]  # run identity and model config, for every checkpoint
     checkpoint_every: int
@@ -180,9 +180,9 @@ class OuterStep:
         """Copy the outer state (theta == phi here) into reused buffers; it becomes the joiner snapshot, and the
         checkpoint when one is due. Trainer thread, at an outer step (and once at start)."""
         deps, replica = self.deps, self.deps.replica
-        copy = deps.state_copies.take(replica)
+        copy = deps.snapshots.take(replica)
         copy.manifest = build_manifest(
-            deps.state_copies.named(copy),
+            deps.snapshots.named(copy),
             wire_dtype="fp32",
             run_fingerprint=deps.run_fingerprint,
             peer_id=deps.peer_id(),
@@ -262,7 +262,7 @@ class OuterStep:
             "partner_lr": partner_lr,
             "time": time.time(),
         }
-        deps.telemetry.on_outer_step(entry)  # before the state copy: the checkpoint's history includes this step
+        deps.telemetry.on_outer_step(entry)  # before the snapshot: the checkpoint's history includes this step
         deps.progress.outer_step(entry, partner, deps.telemetry.tokens_per_second())
         upkeep_started = time.monotonic()
         self.publish_state()
@@ -390,6 +390,6 @@ def phase_learning_rates(
 
 
 def held_outer_state(copy: Published, count: int) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
-    """The slow weights and outer momentum of a published state copy (training/checkpoints.py's order), for checks
+    """The slow weights and outer momentum of a published snapshot (training/checkpoints.py's order), for checks
     made off the trainer while the copy is held."""
     return list(copy.tensors[:count]), list(copy.tensors[count : 2 * count])

@@ -4,7 +4,9 @@
 - the pairing strategy (sync, overlap or stream, :data:`STRATEGIES`) decides when, and offers published copies of the
   weights (:class:`~noloco_node.pairing.strategy.OfferPublisher`);
 - :class:`~noloco_node.node.served.ServedNode` answers the peers' calls from the strategy and the latest
-  published state.
+  published state;
+- :class:`~noloco_node.node.payload_admission.PayloadAdmission` decides, on both sides of an exchange, whether a
+  partner's payload may be blended.
 
 They share the node's identity, security, per-peer policy, metrics and receive buffers; nothing here starts a
 thread or a task (the daemon does, in its start order).
@@ -20,6 +22,7 @@ from typing import Any
 
 from noloco_node.config.node_config import NodeConfig
 from noloco_node.discovery.dht import Discovery
+from noloco_node.node.payload_admission import PayloadAdmission
 from noloco_node.node.run_layout import RunLayout
 from noloco_node.node.security import NodeSecurity
 from noloco_node.node.served import ServedNode
@@ -33,8 +36,8 @@ from noloco_node.pairing.stream import StreamPairing
 from noloco_node.pairing.sync import SyncPairing
 from noloco_node.rpc.metrics import ExchangeMetrics
 from noloco_node.wire import peer_pb2 as pb
-from noloco_node.wire.payload import ReceiveBuffers
-from noloco_node.wire.published import Latest
+from noloco_node.wire.published import LatestSnapshot
+from noloco_node.wire.receive_buffers import ReceiveBuffers
 
 STRATEGIES: dict[str, type[PairingStrategy]] = {"sync": SyncPairing, "overlap": OverlapPairing, "stream": StreamPairing}
 EXCHANGE_THREADS = 4  # exchanges a node can have in flight at once (one per strategy today, and room)
@@ -46,6 +49,7 @@ class Peering:
     context: PairingContext
     strategy: PairingStrategy
     served: ServedNode
+    admission: PayloadAdmission
     exchanges: ThreadPoolExecutor
     receive_buffers: ReceiveBuffers
 
@@ -62,7 +66,7 @@ class Peering:
         metrics: ExchangeMetrics,
         discovery: Discovery,
         telemetry: Telemetry,
-        snapshot: Latest,
+        snapshot: LatestSnapshot,
         publish_record: Callable[[], Coroutine[Any, Any, None]],
         stopping: Event,
         info: Callable[[], pb.InfoReply],
@@ -70,7 +74,7 @@ class Peering:
     ) -> Peering:
         exchanges = ThreadPoolExecutor(EXCHANGE_THREADS, thread_name_prefix="exchange")  # threads start on use
         receive_buffers = ReceiveBuffers(max_idle_bytes=layout.receive_pool_bytes())
-        served: list[ServedNode] = []  # the caller admits payloads through the served node, built below
+        admission = PayloadAdmission(layout, snapshot=snapshot, security=security, policy=policy, standing=standing)
         caller = PeerCaller(
             CallSettings(
                 run_fingerprint=layout.run_fingerprint,
@@ -83,9 +87,9 @@ class Peering:
             ),
             policy,
             standing,
-            admit=lambda payload: served[0].admit(payload),
-            bad_payload=lambda peer, error: served[0].bad_payload(peer, error),
-            observer=lambda: served[0].value_observer(),
+            admit=admission.admit,
+            bad_payload=admission.bad_payload,
+            observer=admission.value_observer,
             on_peer_step=telemetry.on_live_step,
             executor=exchanges,
         )
@@ -106,19 +110,16 @@ class Peering:
             exchange_ceiling=layout.exchange_ceiling(),
         )
         strategy = STRATEGIES[cfg.mode](context)
-        served.append(
-            ServedNode(
-                layout,
-                peer_id=peer_id,
-                strategy=strategy,
-                snapshot=snapshot,
-                security=security,
-                policy=policy,
-                standing=standing,
-                receive_buffers=receive_buffers,
-                info=info,
-                outer_step=outer_step,
-                max_staleness=cfg.max_staleness,
-            )
+        served = ServedNode(
+            layout,
+            peer_id=peer_id,
+            strategy=strategy,
+            snapshot=snapshot,
+            admission=admission,
+            standing=standing,
+            receive_buffers=receive_buffers,
+            info=info,
+            outer_step=outer_step,
+            max_staleness=cfg.max_staleness,
         )
-        return cls(caller, context, strategy, served[0], exchanges, receive_buffers)
+        return cls(caller, context, strategy, served, admission, exchanges, receive_buffers)

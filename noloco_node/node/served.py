@@ -1,29 +1,24 @@
 """The node as its gRPC service sees it (rpc/service.PeerNode): sessions from the pairing strategy, the joiner
-snapshot, and the admission of a partner's payload.
+snapshot, and a partner's payload made whole by the strategy and then admitted (payload_admission.py).
 
-Every answer here comes from a published copy or from thread-safe tables, never from the live replica: the norm
-check compares a partner's tensors with the slow weights of the latest published state (held while it reads), so
-it can run in any thread while the trainer applies its outer step.
+Every answer here comes from a published copy or from thread-safe tables, never from the live replica.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
 
-import torch
-
-from noloco_node.node.outer_step import held_outer_state, partner_tensors
+from noloco_node.node.payload_admission import PayloadAdmission
 from noloco_node.node.run_layout import RunLayout
-from noloco_node.node.security import NodeSecurity
-from noloco_node.pairing.peer_policy import PeerPolicy
 from noloco_node.pairing.standing import Standing
 from noloco_node.pairing.strategy import PairingStrategy
 from noloco_node.rpc.contracts import ExchangeSession, OutOfReachError
 from noloco_node.security.payload_guard import RunningGap
 from noloco_node.wire import peer_pb2 as pb
 from noloco_node.wire.frames import PayloadError, PayloadKind
-from noloco_node.wire.payload import Payload, ReceiveBuffers
-from noloco_node.wire.published import Latest, Published
+from noloco_node.wire.payload import Payload
+from noloco_node.wire.published import LatestSnapshot, Published
+from noloco_node.wire.receive_buffers import ReceiveBuffers
 
 # The payload kinds whose exchange makes the caller a partner (sync's and overlap's weights, a stream run's phase
 # swap); a stream run's progress goes only to the partner its phase swap chose.
@@ -37,9 +32,8 @@ class ServedNode:
         *,
         peer_id: Callable[[], str],
         strategy: PairingStrategy,
-        snapshot: Latest,
-        security: NodeSecurity,
-        policy: PeerPolicy,
+        snapshot: LatestSnapshot,
+        admission: PayloadAdmission,
         standing: Standing,
         receive_buffers: ReceiveBuffers,
         info: Callable[[], pb.InfoReply],
@@ -51,8 +45,7 @@ class ServedNode:
         self._peer_id = peer_id
         self.strategy = strategy
         self.snapshot = snapshot
-        self.security = security
-        self.policy = policy
+        self.admission = admission
         self.standing = standing
         self.receive_buffers = receive_buffers
         self._info = info
@@ -89,86 +82,15 @@ class ServedNode:
         return self.snapshot.hold()
 
     def admit(self, payload: Payload) -> Payload:
-        """The payload to blend: completed by the strategy (a stream run's progress rebuilt into the partner's
-        theta), then under the norm bound (payload_guard.py): the partner's tensors against this node's latest
-        slow weights. A payload that arrives before this node has a bound (an overlap offer during its first phase)
-        is accepted unjudged, and judged by the trainer before it is blended (:meth:`judge`)."""
-        payload = self.strategy.complete_payload(payload)
-        if self.security.norm_guard.bound() is None:
-            payload.unjudged = True
-            return payload
-        try:
-            self._check(payload)
-        except PayloadError:
-            payload.release()
-            raise
-        return payload
-
-    def judge(self, payload: Payload) -> bool:
-        """Trainer thread: whether an unjudged payload passes the norm bound now; one that fails is held against
-        its sender like any refused payload."""
-        try:
-            self._check(payload)
-        except PayloadError as refused:
-            self.bad_payload(payload.peer_id, refused)
-            return False
-        payload.unjudged = False
-        return True
+        """The payload to blend: made whole by the strategy (a stream run's progress rebuilt into the partner's
+        theta), then admitted under the norm bound."""
+        return self.admission.admit(self.strategy.complete_payload(payload))
 
     def value_observer(self) -> RunningGap | None:
-        """For one incoming payload: the norm bound's distances measured as its chunks arrive, against the latest
-        published state (held until the payload is complete or dropped)."""
-        copy = self.snapshot.hold()
-        if copy is None:
-            return None
-        phi, delta = held_outer_state(copy, len(self.layout.names))
-        references: dict[str, torch.Tensor] = {}
-        for name, own_phi, own_delta in zip(self.layout.names, phi, delta, strict=True):
-            references[f"theta/{name}"] = references[f"phi/{name}"] = own_phi.reshape(-1)
-            references[f"delta/{name}"] = own_delta.reshape(-1)
-        return RunningGap(references, copy.release)
-
-    def _check(self, payload: Payload) -> None:
-        # Since when the two replicas last shared weights: the norm bound allows for their drift meanwhile.
-        steps_apart = self.standing.steps_apart(payload.peer_id)
-        measured = self._measured_distances(payload)
-        if measured is not None:  # measured chunk by chunk while it arrived: nothing left to compute
-            self.security.admit_distances(payload, measured, steps_apart)
-            return
-        count = len(self.layout.names)
-        copy = self.snapshot.hold()
-        if copy is None:
-            return  # still starting: nothing to compare with, and nothing will be blended before there is
-        try:
-            phi, delta = held_outer_state(copy, count)
-            parts = payload.parts
-            theta, partner_phi, partner_delta = partner_tensors(
-                payload,
-                self.layout.names,
-                send_theta="theta" in parts,
-                send_phi="phi" in parts,
-                send_delta="delta" in parts,
-            )
-            comparisons = [(theirs, phi, phi) for theirs in (theta, partner_phi) if theirs]
-            if partner_delta:
-                comparisons.append((partner_delta, delta, phi))
-            self.security.admit(payload, comparisons, steps_apart)
-        finally:
-            copy.release()
-
-    @staticmethod
-    def _measured_distances(payload: Payload) -> list[float] | None:
-        if not isinstance(payload.observer, RunningGap):
-            return None
-        numel: dict[str, int] = {}
-        for name, tensor in payload.tensors.items():
-            part = name.split("/", 1)[0]
-            numel[part] = numel.get(part, 0) + tensor.numel()
-        distances = payload.observer.distances(numel)
-        return None if distances is None else list(distances.values())
+        return self.admission.value_observer()
 
     def refused_peer(self, partner_id: str) -> bool:
-        return self.policy.quarantined(partner_id)
+        return self.admission.policy.quarantined(partner_id)
 
     def bad_payload(self, partner_id: str, error: PayloadError) -> None:
-        self.security.bad_payload(partner_id, error, self.policy)
+        self.admission.bad_payload(partner_id, error)

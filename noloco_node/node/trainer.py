@@ -32,10 +32,10 @@ from noloco_node.pairing.peer_policy import PeerPolicy
 from noloco_node.pairing.standing import Standing, SwarmStep
 from noloco_node.rpc.metrics import ExchangeMetrics
 from noloco_node.security.payload_guard import NORM_BOUND
-from noloco_node.training.checkpoints import CheckpointWriter, OuterStateCopies
+from noloco_node.training.checkpoints import CheckpointWriter, Snapshots
 from noloco_node.training.data_parallel import DataParallel
 from noloco_node.training.replica import Replica
-from noloco_node.wire.published import Latest
+from noloco_node.wire.published import LatestSnapshot
 
 log = logging.getLogger(__name__)
 
@@ -58,7 +58,7 @@ class Trainer:
         standing: Standing,
         policy: PeerPolicy,
         peering: Peering,
-        snapshot: Latest,
+        snapshot: LatestSnapshot,
         write_status: Callable[[], None],
         publish_record: Callable[[], Awaitable[None]],
         stop_event: threading.Event,
@@ -133,7 +133,7 @@ class Trainer:
                 telemetry=self.telemetry,
                 progress=self.progress,
                 validation=validation,
-                state_copies=await asyncio.to_thread(OuterStateCopies, replica),
+                snapshots=await asyncio.to_thread(Snapshots, replica),
                 snapshot=self.snapshot,
                 checkpoints=self.checkpoints,
                 checkpoint_extra=self.checkpoint_identity,
@@ -143,7 +143,7 @@ class Trainer:
                 publish_record=self.publish_record,
                 norm_guard=self.security.norm_guard,
                 max_staleness=self.cfg.max_staleness,
-                judge=self.peering.served.judge,
+                judge=self.peering.admission.judge,
                 train_while_waiting=self.cfg.train_while_waiting,
                 catch_up=functools.partial(self._catch_up, catch_up, replica) if single else None,
                 believe=self.standing.believable,

@@ -31,8 +31,9 @@ from noloco_node.rpc.contracts import OutgoingPayload
 from noloco_node.rpc.metrics import ExchangeMetrics
 from noloco_node.rpc.transport import Transport
 from noloco_node.wire.frames import PayloadError, PayloadKind
-from noloco_node.wire.payload import Payload, ReceiveBuffers, ValueObserver
+from noloco_node.wire.payload import Payload, ValueObserver
 from noloco_node.wire.published import Published
+from noloco_node.wire.receive_buffers import ReceiveBuffers
 
 log = logging.getLogger(__name__)
 
@@ -100,9 +101,16 @@ class PeerCaller:
         self.last_paired[peer_id] = outer_step
         self.standing.blended(peer_id, outer_step)
 
-    async def call(self, peer: PeerRecord, outgoing: OutgoingPayload, kind: str = "weights") -> Payload | None:
+    async def call(
+        self,
+        peer: PeerRecord,
+        outgoing: OutgoingPayload,
+        kind: str = "weights",
+        complete: Callable[[Payload], Payload] | None = None,
+    ) -> Payload | None:
         """One exchange of payloads of ``kind`` with ``peer``; its admitted payload, or None (busy, failed, refused:
-        recorded)."""
+        recorded). ``complete`` makes the partner's payload whole before it is admitted (a stream run's progress,
+        pairing/stream.py)."""
         deadline = self.policy.deadline(peer.peer_id)
         started = time.monotonic()
         loop = asyncio.get_running_loop()
@@ -110,7 +118,7 @@ class PeerCaller:
             # The call is bounded by its own gRPC deadline; the outer bound only covers the hand-off to a thread,
             # which is immediate: the executor has a thread for every exchange a node can have in flight.
             payload = await asyncio.wait_for(
-                loop.run_in_executor(self.executor, self._exchange, peer, outgoing, kind, deadline),
+                loop.run_in_executor(self.executor, self._exchange, peer, outgoing, kind, deadline, complete),
                 timeout=deadline + 5,
             )
         except (ExchangeError, asyncio.TimeoutError) as error:
@@ -119,20 +127,35 @@ class PeerCaller:
         self.policy.succeeded(peer.peer_id, time.monotonic() - started)
         return payload
 
-    def _exchange(self, peer: PeerRecord, outgoing: OutgoingPayload, kind: str, deadline: float) -> Payload:
+    def _exchange(
+        self,
+        peer: PeerRecord,
+        outgoing: OutgoingPayload,
+        kind: str,
+        deadline: float,
+        complete: Callable[[Payload], Payload] | None,
+    ) -> Payload:
         """Exchange thread: the call, holding the published copy it streams; the partner's payload is admitted
         (the norm bound) before this side commits to it (rpc/client.py)."""
         if isinstance(outgoing, Published):
             if not outgoing.hold():
                 raise ExchangeError(grpc.StatusCode.ABORTED, "busy", "the offer was withdrawn before the call")
             try:
-                return self._stream(peer, outgoing, self.settings.kinds[kind], deadline)
+                return self._stream(peer, outgoing, self.settings.kinds[kind], deadline, complete)
             finally:
                 outgoing.release()
-        return self._stream(peer, outgoing, self.settings.kinds[kind], deadline)
+        return self._stream(peer, outgoing, self.settings.kinds[kind], deadline, complete)
 
-    def _stream(self, peer: PeerRecord, outgoing: OutgoingPayload, kind: PayloadKind, deadline: float) -> Payload:
+    def _stream(
+        self,
+        peer: PeerRecord,
+        outgoing: OutgoingPayload,
+        kind: PayloadKind,
+        deadline: float,
+        complete: Callable[[Payload], Payload] | None,
+    ) -> Payload:
         settings = self.settings
+        admit = self.admit if complete is None else (lambda payload: self.admit(complete(payload)))
         return exchange_with(
             peer.address,
             outgoing,
@@ -146,7 +169,7 @@ class PeerCaller:
             peer=peer.peer_id,
             transport=settings.transport,
             observer=self.observer(),
-            admit=self.admit,
+            admit=admit,
         )
 
     def _failed(self, peer: PeerRecord, deadline: float, error: BaseException) -> None:

@@ -284,7 +284,9 @@ class StreamPairing(PairingStrategy):
                 try:
                     if not current.open:
                         return
-                    payload = await ctx.caller.call(record, current.offer, kind="progress")
+                    payload = await ctx.caller.call(
+                        record, current.offer, kind="progress", complete=self.complete_payload
+                    )
                 finally:
                     current.lock.release()
                 if payload is not None:

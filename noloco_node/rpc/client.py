@@ -30,7 +30,8 @@ from noloco_node.wire.frames import (
     read_verdict,
     verdict_frame,
 )
-from noloco_node.wire.payload import Payload, PayloadReceiver, ReceiveBuffers, ValueObserver
+from noloco_node.wire.payload import Payload, PayloadReceiver, ValueObserver
+from noloco_node.wire.receive_buffers import ReceiveBuffers
 
 log = logging.getLogger(__name__)
 

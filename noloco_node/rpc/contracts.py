@@ -11,7 +11,8 @@ from typing import Any, Protocol
 from noloco_node.errors import NolocoError
 from noloco_node.wire import peer_pb2 as pb
 from noloco_node.wire.frames import PayloadError, PayloadKind, TensorLayout
-from noloco_node.wire.payload import Payload, ReceiveBuffers, ValueObserver
+from noloco_node.wire.payload import Payload, ValueObserver
+from noloco_node.wire.receive_buffers import ReceiveBuffers
 
 # The service of proto/noloco/v1/peer.proto. Frames cross gRPC as encoded bytes (wire/frames.py writes them,
 # wire/payload.py reads them), so the streaming methods are registered and called without protobuf

@@ -11,18 +11,20 @@ import numpy as np
 
 from noloco_node.config.models import SimulateConfig
 from noloco_node.model.run_model import load_run_corpus
-from noloco_node.simulate.simulator import (
+from noloco_node.simulate.results import (
     Comparison,
     MethodResult,
-    ProgressFn,
     curve_summary,
     model_label,
     plot_relative_metric,
-    print_progress,
     relative_metric_curves,
     relative_metrics,
-    run_method,
     spread_lr_correlation,
+)
+from noloco_node.simulate.simulator import (
+    ProgressFn,
+    print_progress,
+    run_method,
 )
 
 

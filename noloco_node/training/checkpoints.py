@@ -1,16 +1,18 @@
-"""Checkpoints and the joiner snapshot, both from one copy of the replica's state per outer step, off the trainer.
+"""The snapshot and the checkpoints made from it, off the trainer.
 
-At an outer step (theta == phi there) the trainer copies the outer state once into reused buffers
-(:class:`OuterStateCopies`): phi, delta and Adam's two moments, with the counters, the data positions and the RNG.
-That one :class:`~noloco_node.wire.published.Published` copy then serves both readers, neither of which touches
+The *snapshot* is the node's outer state at its last outer step (theta == phi there), copied once into reused
+buffers (:class:`Snapshots`): phi, delta and Adam's two moments, with the counters, the data positions and the RNG.
+It is the one name for that copy (wire/published.py holds it as ``LatestSnapshot``). That one
+:class:`~noloco_node.wire.published.Published` copy serves every reader, none of which touches
 the live replica:
 
 - a joiner's ``GetState`` streams it (rpc/state_serving.py), for as long as the stream takes;
+- the norm check measures a partner's payload against its phi and delta (node/payload_admission.py);
 - the :class:`CheckpointWriter` thread turns it into a checkpoint and writes it (``torch.save``, fsync, rename)
   while the trainer is already in its next inner phase.
 
 A checkpoint is the replica's full state (Replica.state_dict's format), so a node resumes bit-exactly: from an
-outer-step copy, or, when the node stops mid-phase, from the live state the stopped trainer leaves behind.
+outer step's snapshot, or, when the node stops mid-phase, from the live state the stopped trainer leaves behind.
 """
 
 from __future__ import annotations
@@ -40,8 +42,8 @@ def snapshot_layout(source: ModelSource) -> list[tuple[str, tuple[int, ...]]]:
     return [(f"{prefix}/{name}", shape) for prefix in SNAPSHOT_PREFIXES for name, shape in named]
 
 
-class OuterStateCopies:
-    """The replica's outer-step state, copied by the trainer into reused buffers (one copy per outer step)."""
+class Snapshots:
+    """Takes the replica's snapshot into reused buffers (one per outer step), by the trainer."""
 
     def __init__(self, replica: Replica) -> None:
         shapes = [tuple(p.shape) for p in replica.params] * len(SNAPSHOT_PREFIXES)
@@ -77,7 +79,7 @@ class OuterStateCopies:
 
 
 def replica_state_of(copy: Published) -> dict[str, Any]:
-    """A state copy in Replica.state_dict's format (theta == phi at an outer step), for a checkpoint."""
+    """A snapshot in Replica.state_dict's format (theta == phi at an outer step), for a checkpoint."""
     meta = copy.metadata
     count = len(meta["param_names"])
     phi, delta, exp_avg, exp_avg_sq = (copy.tensors[i * count : (i + 1) * count] for i in range(4))
@@ -105,7 +107,7 @@ class CheckpointWriter:
     One write at a time, and at most one waiting: a checkpoint submitted while another waits replaces it (the
     newest state wins, and a slow disk costs skipped checkpoints, never a slower trainer). ``submit`` takes a
     function that builds the payload on the writer thread and one that runs when the write is done (it releases
-    the state copy the payload was built from).
+    the snapshot the payload was built from).
     """
 
     def __init__(self, path: Path, *, on_written: Callable[[], None] = lambda: None) -> None:

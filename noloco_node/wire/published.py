@@ -125,8 +125,9 @@ class BufferPool:
                 self._idle.append(buffers)
 
 
-class Latest:
-    """The latest published copy of something (the joiner snapshot), replaced by its publisher and held by readers."""
+class LatestSnapshot:
+    """The latest published snapshot (training/checkpoints.py), replaced by its publisher at every outer step and
+    held by its readers: a joiner's download, the norm check, the checkpoint writer."""
 
     def __init__(self) -> None:
         self._lock = threading.Lock()

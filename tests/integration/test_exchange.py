@@ -24,7 +24,8 @@ from noloco_node.rpc.transport import CHANNEL_OPTIONS
 from noloco_node.wire import peer_pb2 as pb
 from noloco_node.wire import peer_pb2_grpc as pb_grpc
 from noloco_node.wire.frames import build_manifest, iter_frames, layout_of
-from noloco_node.wire.payload import Payload, ReceiveBuffers
+from noloco_node.wire.payload import Payload
+from noloco_node.wire.receive_buffers import ReceiveBuffers
 
 RUN = "run-exchange-test"
 

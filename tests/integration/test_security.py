@@ -29,7 +29,7 @@ from noloco_node.security.auth import CallAuthenticator, SwarmSecret
 from noloco_node.security.caller_proof import prove
 from noloco_node.security.tls import TlsFiles, write_ca, write_node_cert
 from noloco_node.wire.frames import iter_frames, layout_of
-from noloco_node.wire.payload import ReceiveBuffers
+from noloco_node.wire.receive_buffers import ReceiveBuffers
 
 from .attacker import exchange_status, fresh_identity, node_weights, now_ms, payload, raw_info, signed_metadata
 from .swarm_harness import Bootstrap, NodeProcess, stop_all

@@ -18,7 +18,7 @@ from noloco_node.rpc.service import start_server
 from noloco_node.rpc.state_download import StateDownload
 from noloco_node.wire import peer_pb2 as pb
 from noloco_node.wire.frames import build_manifest
-from noloco_node.wire.payload import ReceiveBuffers
+from noloco_node.wire.receive_buffers import ReceiveBuffers
 
 from .throttling_proxy import ThrottlingProxy
 

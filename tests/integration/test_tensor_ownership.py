@@ -26,7 +26,8 @@ from noloco_node.rpc.transport import CHANNEL_OPTIONS
 from noloco_node.training.replica import Replica
 from noloco_node.wire import peer_pb2 as pb
 from noloco_node.wire.frames import PayloadKind, TensorLayout, build_manifest, iter_frames, read_verdict, verdict_frame
-from noloco_node.wire.payload import PayloadReceiver, ReceiveBuffers
+from noloco_node.wire.payload import PayloadReceiver
+from noloco_node.wire.receive_buffers import ReceiveBuffers
 
 RUN = "ownership-test"
 TOKENS = torch.randint(0, 256, (50_000,), generator=torch.Generator().manual_seed(0))

@@ -17,8 +17,9 @@ from noloco_node.pairing.stream import StreamPairing
 from noloco_node.pairing.sync import PairingRound, Stage
 from noloco_node.wire import peer_pb2 as pb
 from noloco_node.wire.frames import PayloadError, PayloadKind, TensorLayout
-from noloco_node.wire.payload import Payload, ReceiveBuffers
-from noloco_node.wire.published import BufferPool, Latest, Published
+from noloco_node.wire.payload import Payload
+from noloco_node.wire.published import BufferPool, LatestSnapshot, Published
+from noloco_node.wire.receive_buffers import ReceiveBuffers
 
 
 class Released(Payload):
@@ -181,7 +182,7 @@ def test_the_pool_never_hands_out_buffers_a_reader_still_holds() -> None:
 
 def test_latest_hands_out_held_copies_and_releases_the_superseded_one() -> None:
     pool = BufferPool([(1,)], torch.float32)
-    latest = Latest()
+    latest = LatestSnapshot()
     assert latest.hold() is None
     one = pool.publish([torch.ones(1)])
     latest.replace(one)

@@ -22,8 +22,9 @@ from noloco_node.wire.frames import (
     layout_of,
     wire_num_bytes,
 )
-from noloco_node.wire.payload import PayloadReceiver, ReceiveBuffers
+from noloco_node.wire.payload import PayloadReceiver
 from noloco_node.wire.published import BufferPool
+from noloco_node.wire.receive_buffers import ReceiveBuffers
 
 RUN = "run-q"
 

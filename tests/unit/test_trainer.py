@@ -16,7 +16,7 @@ from noloco_node.config.models import TrainConfig, model_config_for
 from noloco_node.data.corpus import ReplicaShard
 from noloco_node.model.checkpoint_file import load_checkpoint, save_checkpoint
 from noloco_node.model.source import SeededDecoder
-from noloco_node.training.checkpoints import CheckpointWriter, OuterStateCopies, replica_state_of
+from noloco_node.training.checkpoints import CheckpointWriter, Snapshots, replica_state_of
 from noloco_node.training.replica import Replica, learning_rate
 
 TOKENS = (np.arange(200_000) * 7919 % 251).astype(np.uint8)  # deterministic, learnable-ish stream
@@ -85,7 +85,7 @@ def test_a_checkpoint_from_the_outer_state_copy_resumes_bit_exactly(tmp_path: Pa
     a.apply_outer_step(
         *algorithm.noloco_outer_step(a.fast_weights(), a.phi, a.delta, [], [], alpha=0.5, beta=0.7, gamma=0.7)
     )
-    copies = OuterStateCopies(a)
+    copies = Snapshots(a)
     copy = copies.take(a)
     live = make_replica(seed=3)
     live.load_state_dict(copy_module.deepcopy(a.state_dict()))  # torch keeps references to Adam's tensors

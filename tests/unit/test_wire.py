@@ -18,7 +18,8 @@ from noloco_node.wire.frames import (
     iter_frames,
     layout_of,
 )
-from noloco_node.wire.payload import PayloadReceiver, ReceiveBuffers
+from noloco_node.wire.payload import PayloadReceiver
+from noloco_node.wire.receive_buffers import ReceiveBuffers
 
 RUN = "run-abc"
 

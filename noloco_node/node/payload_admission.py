@@ -1,0 +1,119 @@
+"""Whether a partner's payload may be blended: the norm bound (security/payload_guard.py) measured against this
+node's latest published slow weights, on whichever side of the exchange the payload arrived (the caller's,
+pairing/caller.py, or the server's, served.py), and what a refused one costs its sender.
+
+Everything here reads a published copy or thread-safe tables, never the live replica: the copy is held while it is
+read, so a check can run in any thread while the trainer applies its outer step.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from noloco_node.node.outer_step import held_outer_state, partner_tensors
+from noloco_node.node.run_layout import RunLayout
+from noloco_node.node.security import NodeSecurity
+from noloco_node.pairing.peer_policy import PeerPolicy
+from noloco_node.pairing.standing import Standing
+from noloco_node.security.payload_guard import RunningGap
+from noloco_node.wire.frames import PayloadError
+from noloco_node.wire.payload import Payload
+from noloco_node.wire.published import LatestSnapshot
+
+
+class PayloadAdmission:
+    def __init__(
+        self,
+        layout: RunLayout,
+        *,
+        snapshot: LatestSnapshot,
+        security: NodeSecurity,
+        policy: PeerPolicy,
+        standing: Standing,
+    ) -> None:
+        self.layout = layout
+        self.snapshot = snapshot
+        self.security = security
+        self.policy = policy
+        self.standing = standing
+
+    def admit(self, payload: Payload) -> Payload:
+        """A whole payload (completed by the strategy where it needs to be) under the norm bound
+        (payload_guard.py): the partner's tensors against this node's latest slow weights. A payload that arrives
+        before this node has a bound (an overlap offer during its first phase) is accepted unjudged, and judged by
+        the trainer before it is blended (:meth:`judge`)."""
+        if self.security.norm_guard.bound() is None:
+            payload.unjudged = True
+            return payload
+        try:
+            self._check(payload)
+        except PayloadError:
+            payload.release()
+            raise
+        return payload
+
+    def judge(self, payload: Payload) -> bool:
+        """Trainer thread: whether an unjudged payload passes the norm bound now; one that fails is held against
+        its sender like any refused payload."""
+        try:
+            self._check(payload)
+        except PayloadError as refused:
+            self.bad_payload(payload.peer_id, refused)
+            return False
+        payload.unjudged = False
+        return True
+
+    def value_observer(self) -> RunningGap | None:
+        """For one incoming payload: the norm bound's distances measured as its chunks arrive, against the latest
+        published state (held until the payload is complete or dropped)."""
+        copy = self.snapshot.hold()
+        if copy is None:
+            return None
+        phi, delta = held_outer_state(copy, len(self.layout.names))
+        references: dict[str, torch.Tensor] = {}
+        for name, own_phi, own_delta in zip(self.layout.names, phi, delta, strict=True):
+            references[f"theta/{name}"] = references[f"phi/{name}"] = own_phi.reshape(-1)
+            references[f"delta/{name}"] = own_delta.reshape(-1)
+        return RunningGap(references, copy.release)
+
+    def _check(self, payload: Payload) -> None:
+        # Since when the two replicas last shared weights: the norm bound allows for their drift meanwhile.
+        steps_apart = self.standing.steps_apart(payload.peer_id)
+        measured = self._measured_distances(payload)
+        if measured is not None:  # measured chunk by chunk while it arrived: nothing left to compute
+            self.security.admit_distances(payload, measured, steps_apart)
+            return
+        count = len(self.layout.names)
+        copy = self.snapshot.hold()
+        if copy is None:
+            return  # still starting: nothing to compare with, and nothing will be blended before there is
+        try:
+            phi, delta = held_outer_state(copy, count)
+            parts = payload.parts
+            theta, partner_phi, partner_delta = partner_tensors(
+                payload,
+                self.layout.names,
+                send_theta="theta" in parts,
+                send_phi="phi" in parts,
+                send_delta="delta" in parts,
+            )
+            comparisons = [(theirs, phi, phi) for theirs in (theta, partner_phi) if theirs]
+            if partner_delta:
+                comparisons.append((partner_delta, delta, phi))
+            self.security.admit(payload, comparisons, steps_apart)
+        finally:
+            copy.release()
+
+    @staticmethod
+    def _measured_distances(payload: Payload) -> list[float] | None:
+        if not isinstance(payload.observer, RunningGap):
+            return None
+        numel: dict[str, int] = {}
+        for name, tensor in payload.tensors.items():
+            part = name.split("/", 1)[0]
+            numel[part] = numel.get(part, 0) + tensor.numel()
+        distances = payload.observer.distances(numel)
+        return None if distances is None else list(distances.values())
+
+    def bad_payload(self, partner_id: str, error: PayloadError) -> None:
+        self.security.bad_payload(partner_id, error, self.policy)
