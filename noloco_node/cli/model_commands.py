@@ -157,10 +157,11 @@ def run_export(args: argparse.Namespace, resolve: Any) -> int:
         return 0
     from noloco_node.model.run_model import load_run_corpus
     from noloco_node.node.consensus import ConsensusError, fetch_consensus
-    from noloco_node.node.run_layout import run_identity
+    from noloco_node.node.run_layout import RunLayout
 
     corpus = load_run_corpus(settings.data, settings.train)
-    source, fingerprint = run_identity(settings.node, settings.train, settings.outer, corpus)
+    layout = RunLayout.of(settings.node, settings.train, settings.outer, corpus)
+    source, fingerprint = layout.source, layout.run_fingerprint
     node_cfg = settings.node
     if args.url:
         from noloco_node.observability.status_client import fetch_status
@@ -176,7 +177,13 @@ def run_export(args: argparse.Namespace, resolve: Any) -> int:
     print(f"run {fingerprint}: model {source.name}, {corpus.description}", flush=True)
     try:
         consensus = fetch_consensus(
-            node_cfg, source, fingerprint, peers=args.peers, wait=args.wait, progress=_flushed_print
+            node_cfg,
+            source,
+            fingerprint,
+            start=layout.start,
+            peers=args.peers,
+            wait=args.wait,
+            progress=_flushed_print,
         )
     except ConsensusError as error:
         raise SystemExit(f"noloco-node export: {error}") from None

@@ -72,10 +72,9 @@ DEFAULT_RECORD_TTL = 30.0
 MAX_LIVE_PEERS = 1024  # records a node considers at once: a flood of fake ones cannot grow its tables
 DEFAULT_DHT_TIMEOUT = 10.0
 DHT_SILENCE_SECONDS = 5.0  # a DHT peer that did not answer is skipped by lookups for this long (no doubling)
-# live_peers() callers within this long of a lookup's start share its answer. A lookup fetches every peer's record
-# from several DHT peers (about 100 KB at 8 nodes: it grows with the swarm), and a node's pairing loops, status
-# page and catch-up each asked for one several times a second: 65-70 KB/s of upload per node of an 8-node swarm
-# between outer steps, which filled a slow link before any weights moved (measured while building bench race).
+# live_peers() callers within this long of a lookup's start share its answer: a lookup fetches every record from
+# several DHT peers, and unshared lookups from the pairing loops, status page and catch-up filled slow links
+# (docs/benchmarks.md, bench race, "Scaling").
 LOOKUP_SHARING_SECONDS = 1.0
 MAX_START_ENTRIES = 32  # what a start record may say: the model's few entries and the run-wide settings
 MODEL_START_KEYS = frozenset({"model", "config", "weights", "tokenizer", "seed"})
@@ -223,9 +222,8 @@ class Discovery:
             "host_maddrs": list(host_maddrs),
             "client_mode": client_mode,  # a reader only (`noloco-node peers`): dials out, accepts nothing
             "record_validators": [RSASignatureValidator(self.identity.private_key)],
-            # A DHT peer that did not answer is left out of lookups for 5 s; hivemind doubles that after every
-            # further silence, without a cap, so the far side of a one-minute partition stayed out of every lookup
-            # for about 30 s after it healed (80 s after a longer one). A dead peer's record expires anyway.
+            # A silent DHT peer is skipped for 5 s flat: hivemind's default doubles it without a cap, which kept
+            # the far side of a healed partition out of lookups for long after (docs/threat-model.md, 8).
             "blacklist_time": DHT_SILENCE_SECONDS,
             "backoff_rate": 1.0,
         }

@@ -30,7 +30,7 @@ import torch
 
 from noloco_node import algorithm
 from noloco_node.config.node_config import NodeConfig
-from noloco_node.discovery.dht import Discovery, PeerRecord
+from noloco_node.discovery.dht import Discovery, PeerRecord, RunStart
 from noloco_node.errors import NolocoError
 from noloco_node.model.source import ModelSource
 from noloco_node.node.bootstrap import expand_bootstrap
@@ -98,16 +98,19 @@ class Consensus:
         }
 
 
-def _candidates(discovery: Discovery, peers: int, wait: float) -> list[PeerRecord]:
+def _candidates(discovery: Discovery, peers: int, wait: float) -> tuple[list[PeerRecord], list[RunStart]]:
     """Live, reachable peers with a snapshot (past their first outer step), highest outer step first; waits up to
-    ``wait`` s for at least ``peers`` of them."""
+    ``wait`` s for at least ``peers`` of them. With fewer: the nodes of this run name that train under another
+    fingerprint, so that the error can say which setting differs."""
 
-    async def look() -> list[PeerRecord]:
+    async def look() -> tuple[list[PeerRecord], list[RunStart]]:
         deadline = time.monotonic() + wait
         while True:
             records = [p for p in await discovery.live_peers() if p.outer_step > 0 and p.address and p.reachable]
-            if len(records) >= peers or time.monotonic() > deadline:
-                return sorted(records, key=lambda p: (-p.outer_step, p.peer_id))
+            if len(records) >= peers:
+                return sorted(records, key=lambda p: (-p.outer_step, p.peer_id)), []
+            if time.monotonic() > deadline:
+                return sorted(records, key=lambda p: (-p.outer_step, p.peer_id)), await discovery.other_starts()
             await asyncio.sleep(1.0)
 
     return asyncio.run(look())
@@ -118,6 +121,7 @@ def fetch_consensus(
     source: ModelSource,
     run_fingerprint: str,
     *,
+    start: dict[str, str],
     peers: int,
     wait: float = 30.0,
     progress: Callable[[str], None] = print,
@@ -134,16 +138,25 @@ def fetch_consensus(
     timeout = max(node_cfg.exchange_timeout, state_bytes / node_cfg.min_link_rate + 10.0)
     with tempfile.TemporaryDirectory(prefix="noloco-export-") as scratch:
         security = NodeSecurity(node_cfg.security, Path(scratch))  # a throwaway identity; the run's secret/TLS
-        discovery = Discovery(run_fingerprint, initial_peers=bootstrap, client_mode=True, secret=security.secret)
+        discovery = Discovery(
+            run_fingerprint,
+            initial_peers=bootstrap,
+            client_mode=True,
+            secret=security.secret,
+            run_name=node_cfg.run_name,
+            start=start,
+        )
         discovery.start()
         try:
-            candidates = _candidates(discovery, peers, wait)
+            candidates, others = _candidates(discovery, peers, wait)
         finally:
             discovery.shutdown()
         if len(candidates) < peers:
+            differing = {other.run_fingerprint: other.refusal(node_cfg.run_name, start) for other in others}
             raise ConsensusError(
                 f"run {run_fingerprint}: {len(candidates)} live peer(s) with a snapshot after {wait:.0f} s, "
                 f"fewer than --peers {peers}"
+                + "".join(f"\n{why}: pass the run's settings" for why in differing.values())
             )
         members: list[Member] = []
         weights: list[list[torch.Tensor]] = []

@@ -129,9 +129,8 @@ class RunLayout:
 
     def stall_seconds(self, configured: float) -> float:
         """How long a served call may move no byte: --stall-seconds, or longer when one chunk at --min-link-rate
-        takes more than half of it. Progress is counted by whole chunks, so on a slow link an honest peer's chunk
-        (up to 1 MiB, or its largest tensor) arrives seconds apart: measured with bench race at 0.33 Mbit/s, where
-        the fixed 2 s cut and barred honest partners and 2 of 32 outer steps blended."""
+        takes more than half of it: progress is counted by whole chunks (up to 1 MiB, or the largest tensor), which
+        on a slow link an honest peer sends seconds apart."""
         largest = max(math.prod(shape) for shape in self.shapes) * 4  # fp32, the widest wire dtype
         return max(configured, 2 * min(DEFAULT_CHUNK_BYTES, largest) / self.min_link_rate)
 

@@ -1,10 +1,8 @@
 """Who may hold what on a node's server: slots per kind of call, per proven peer and per remote address, and the
 bar on addresses and peers whose calls stalled.
 
-One outsider must not be able to do more than waste its own slot. Measured before this existed: ten idle streams
-took every server slot of a node (honest Info and GetState got RESOURCE_EXHAUSTED in 117 of 119 probes), and a
-caller that sent a valid manifest and then nothing held the pairing lock until the watchdog's 5 s grace ran out,
-then reconnected and held it again (54.5 s of 60). So:
+One outsider must not be able to do more than waste its own slot (docs/threat-model.md has what idle streams and
+a silent caller did before this existed). So:
 
 - **Slots per kind.** Exchanges, state downloads and Info each have their own slots: streams of one kind, however
   many, never take the slots of another, so Info and GetState stay answerable while exchanges are full.

@@ -33,9 +33,8 @@ log = logging.getLogger(__name__)
 CHANNEL_OPTIONS = [
     ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
     ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
-    # A fresh channel gets a fresh connection. gRPC otherwise shares one subchannel per address among all channels,
-    # with its reconnect backoff (up to 120 s): after a network partition healed, every new channel to the far side
-    # waited on the backed-off subchannel, and calls across ran out their deadlines for 30 s and more.
+    # A fresh channel gets a fresh connection: a subchannel shared per address keeps its reconnect backoff (up to
+    # 120 s), so calls across a healed partition kept failing (docs/threat-model.md, 8).
     ("grpc.use_local_subchannel_pool", 1),
     ("grpc.initial_reconnect_backoff_ms", 1000),
     ("grpc.max_reconnect_backoff_ms", 5000),

@@ -14,11 +14,10 @@ import torch
 class ReceiveBuffers:
     """Receive buffers kept from one exchange to the next; thread-safe.
 
-    A fresh payload-sized buffer costs the first touch of every one of its pages: 0.09 s of kernel time for a
-    227 MB payload on this machine, a quarter of a loopback exchange, and seconds per outer step at billion-parameter
-    sizes. A node exchanges at every outer step, so it keeps the buffers of its last payload (at most
-    ``max_idle_bytes``) and reuses them. Buffers come back only through :meth:`Payload.release`, called by whoever
-    consumed the payload; a payload never released is garbage-collected as usual.
+    A fresh payload-sized buffer costs the first touch of every one of its pages (a quarter of a loopback exchange
+    at 125m), so a node keeps the buffers of its last payload (at most ``max_idle_bytes``) and reuses them.
+    Buffers come back only through :meth:`Payload.release`, called by whoever consumed the payload; a payload
+    never released is garbage-collected as usual.
     """
 
     def __init__(self, max_idle_bytes: int) -> None:

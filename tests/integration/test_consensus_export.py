@@ -69,6 +69,15 @@ def test_consensus_of_three_live_nodes_is_no_worse_than_its_members(bootstrap: B
         else:
             pytest.fail("the swarm did not reach outer step 6:\n" + "\n".join(n.output()[-1500:] for n in nodes))
         peer_ids = {node.status()["peer_id"] for node in nodes}
+        # Another run-wide setting than the swarm's is another run: nothing is exported, and the error says which.
+        other = _cli(
+            "export", "--from", "swarm", "--peers", "3", "--wait", "3", "--out", str(tmp_path / "other"),
+            "--data", str(prepared), *TRAIN, "--inner-steps", "30", "--steps", "100000", *bootstrap.run_args(),
+            "--bootstrap", *bootstrap.maddrs,
+        )  # fmt: skip
+        assert other.returncode != 0 and not (tmp_path / "other").exists(), other.stdout
+        assert "trains with other run-wide settings" in other.stderr, other.stderr
+        assert "inner_steps 20 (this node: 30)" in other.stderr, other.stderr
         out = tmp_path / "consensus"
         done = _cli(
             "export", "--from", "swarm", "--peers", "3", "--eval", "--out", str(out), "--data", str(prepared),

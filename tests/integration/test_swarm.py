@@ -14,6 +14,7 @@ from noloco_node.algorithm import noloco_pair_step
 from noloco_node.config.models import DataConfig, TrainConfig, model_config_for
 from noloco_node.data.corpus import ReplicaShard, load_corpus
 from noloco_node.model.source import SeededDecoder
+from noloco_node.node.fault_injection import Drill
 from noloco_node.wire import quantize
 
 from .swarm_harness import Bootstrap, NodeProcess, stop_all
@@ -254,6 +255,9 @@ def test_a_peer_killed_mid_exchange_costs_the_survivor_one_round(bootstrap: Boot
 
 
 def test_overlap_mode_blends_without_waiting_for_partners(bootstrap: Bootstrap, tmp_path: Path) -> None:
+    # The three train together (--wait-for-peers), in steps of 50 ms: tiny's own steps take a few ms, and a run of
+    # 200 was over before a node that came up 3 s late had started (it then trained alone).
+    drill = Drill(step_time_seconds=0.05).environment()
     nodes = [
         NodeProcess(
             f"node{i}",
@@ -270,6 +274,9 @@ def test_overlap_mode_blends_without_waiting_for_partners(bootstrap: Bootstrap, 
             str(i),
             "--num-shards",
             "3",
+            "--wait-for-peers",
+            "2",
+            env=drill,
         )
         for i in range(3)
     ]
