@@ -249,7 +249,7 @@ class Node:
                 ),
             )
             try:
-                outer_step = await self.trainer.prepare(self.peer_id)
+                outer_step = await self.trainer.prepare(self.peer_id, self.address)
             except StoppedBeforeTrainingError as stopped:
                 log.info("stopping: %s; nothing was trained or written", stopped)
                 return 0
@@ -259,15 +259,6 @@ class Node:
             self.supervisor.spawn("dht-record", self._refresh_record)
             await self.trainer.wait_for_peers(stop_requested)
             self.supervisor.spawn(f"{self.strategy.mode}-pairing", self.strategy.run)
-            log.info(
-                "node %s up: run %s, gRPC %s, mode %s, shard %d/%d",
-                self.peer_id,
-                self.run_fingerprint,
-                self.address,
-                self.cfg.mode,
-                self.trainer.shard,
-                self.cfg.num_shards,
-            )
             self.telemetry.training_started = time.time()
             finished = self.trainer.start(outer_step, self.drill, self.peer_id)
             await self._until_stopped(finished, stop_requested)

@@ -84,7 +84,7 @@ class Trainer:
 
     # ------------------------------------------------------------------------------------------ before training
 
-    async def prepare(self, peer_id: str) -> OuterStep:
+    async def prepare(self, peer_id: str, address: str) -> OuterStep:
         """The replica on its shard, resumed or downloaded, and its first published state."""
         self.checkpoints.start()
         validation = validation_batches(
@@ -153,6 +153,15 @@ class Trainer:
             )
         )
         await asyncio.to_thread(outer_step.publish_state)
+        log.info(
+            "node %s up: run %s, gRPC %s, mode %s, shard %d/%d",
+            peer_id,
+            self.layout.run_fingerprint,
+            address,
+            self.cfg.mode,
+            self.shard,
+            self.cfg.num_shards,
+        )
         return outer_step
 
     async def wait_for_peers(self, stop_requested: asyncio.Event) -> None:
