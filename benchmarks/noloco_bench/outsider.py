@@ -34,7 +34,7 @@ import time
 from collections import Counter
 from collections.abc import Callable, Iterator, Sequence
 from concurrent import futures
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import grpc
@@ -285,8 +285,11 @@ def ratchet(address: str, target: Target, model_cfg: ModelConfig, phi: Sequence[
     payloads.append(("scaled_3x", [3 * p.float() for p in phi]))
     for kind, weights in payloads:
         key = fresh_identity()
-        frames = payload_frames(target, model_cfg, weights, peer_id=key.peer_id)
-        codes[kind].append(send_exchange(address, target, frames, key)[0].name)
+        # At the target's outer step as it is now (its Info): a node in short phases moves on while this builds
+        # payloads, and one further than --max-staleness from it is refused as out of reach, never judged.
+        now = replace(target, outer_step=fetch_info(address, timeout=5, peer_id=target.peer_id).outer_step)
+        frames = payload_frames(now, model_cfg, weights, peer_id=key.peer_id)
+        codes[kind].append(send_exchange(address, now, frames, key)[0].name)
     return codes
 
 

@@ -7,6 +7,7 @@ test_security.py, with the private run it needs."""
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 import time
@@ -59,6 +60,13 @@ def _blends_with(node: NodeProcess, partner_id: str, after: float) -> int:
     return sum(1 for h in node.status()["history"] if h["partner"] == partner_id and h["time"] > after)
 
 
+def _far_front(output: str) -> str | None:
+    """A log line that took the fake front (outer step 1,000,000) for real: "999976 outer steps behind", "clock
+    moved ... to 1000000". These runs never reach outer step 1000 (a loss like 1.9999 is no such line)."""
+    found = re.search(r"\b\d{4,} outer steps|outer step \d{4,}\b|moved from outer step \d+ to \d{4,}", output)
+    return found.group(0) if found else None
+
+
 def test_a_forged_payload_is_refused_and_the_real_peer_keeps_blending(bootstrap: Bootstrap, tmp_path: Path) -> None:
     args = [*TRAIN, "--steps", "100000", "--inner-steps", "10", "--pair-timeout", "5"]
     nodes = [NodeProcess(f"n{i}", bootstrap, tmp_path, *args, "--shard-index", str(i)) for i in range(2)]
@@ -107,10 +115,11 @@ def test_the_norm_bound_is_not_ratcheted_from_a_cold_start_nor_after_a_restart(
     def live_bound_and_own(status: dict) -> tuple[float, float]:
         """The live bound and the one its own history gives. The node takes a phase's movement into its bound
         before pairing, and the phase enters the history only after the blend and the evaluation: a document read
-        in between holds a bound one phase ahead of its history (seen: 0.00855 against 0.00735). So this reads the
-        live status again, for at most 1 s, until the two agree: a widened bound would last the 8 phases of the
-        window (several seconds here), so a ratchet still shows."""
-        deadline = time.monotonic() + 1.0
+        in between holds a bound one phase ahead of its history (seen: 0.00855 against 0.00735, and 0.00614
+        against 0.00735 when the window's largest movement had just left it). So this reads the live status again,
+        for at most 5 s, until the two agree: a bound that does not come from the node's own movements never
+        agrees with them."""
+        deadline = time.monotonic() + 5.0
         while True:
             document = _live(status)
             bound, own = document["security"]["norm_bound"], own_bound(document)
@@ -133,7 +142,8 @@ def test_the_norm_bound_is_not_ratcheted_from_a_cold_start_nor_after_a_restart(
         node = NodeProcess("target", bootstrap, tmp_path, *args)
         restarted = _wait_for(lambda: (s := node.status()) and s["history"] and s, 120, "the restarted node")
         assert restarted["security"]["norm_bound_basis"] == "own_movement", restarted["security"]
-        assert restarted["security"]["norm_bound"] == pytest.approx(own_bound(restarted), rel=1e-6)
+        bound, own = live_bound_and_own(restarted)
+        assert bound == pytest.approx(own, rel=1e-6)
         _, codes, after = attack()
         assert codes["random"] == ["INVALID_ARGUMENT"] and codes["scaled_3x"] == ["INVALID_ARGUMENT"], codes
         bound, own = live_bound_and_own(after)
@@ -166,7 +176,7 @@ def test_a_fake_donor_is_adopted_neither_by_a_joiner_nor_by_a_restarting_member(
             "the member training again",
         )
         output = member.output()
-        assert "resumed from" in output and "999" not in output  # never "999,9xx outer steps behind"
+        assert "resumed from" in output and not _far_front(output)
         if "joined a run in progress" in output:  # a few steps behind the honest peer: its state, measured first
             assert donor.identity.peer_id[-8:] not in output.split("joined a run in progress")[1].splitlines()[0]
         assert back["outer_step"] < 1000
@@ -243,7 +253,7 @@ def test_a_corroborated_poisoned_donor_harms_neither_a_joiner_nor_a_restarting_m
         losses = _wait_for(evaluated_at_target, 180, f"every node evaluated at outer step {target}")
         print(f"validation loss member {losses[0]:.4f}, joiner {losses[1]:.4f}, honest peer {losses[2]:.4f}")
         logs = member.output() + joiner.output()
-        assert "state of outer step 1000000" not in logs and "999" not in member.output()
+        assert "state of outer step 1000000" not in logs and not _far_front(member.output())
         assert "joined a run in progress" in joiner.output() and "resumed from" in member.output()
         # No worse than 5% above the honest node (the poison, once adopted, left both above the seed's 5.5).
         assert max(losses[:2]) <= 1.05 * losses[2], losses
