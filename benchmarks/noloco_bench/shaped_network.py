@@ -6,10 +6,10 @@ host's side is shaped to ``rate`` with ``tc tbf`` on egress (its upload) and the
 round trip) and jitter that this kernel's missing netem cannot. So a byte from host i to host j crosses i's
 upload, the delay, and j's download: the path of two peers on different home links.
 
-Host i has address 10.81.i.2 (i < 250). With ``control_plane``, each host also has a second, unshaped and
-undelayed link to a bridge in the router's namespace, address 10.82.i.2 (the bridge: 10.82.255.1), for a
-benchmark's control traffic whose volume does not scale with its emulation (bench race: the DHT). Needs root,
-iproute2 and /dev/net/tun. The namespaces are named
+Host i has address 10.81.i.2 (i < 250; ``subnet`` changes the 10.81). With ``control_plane``, each host also has
+a second, unshaped and undelayed link to a bridge in the router's namespace, address 10.82.i.2 (the bridge:
+10.82.255.1), for a benchmark's control traffic whose volume does not scale with its emulation (bench race: the
+DHT). Needs root, iproute2 and /dev/net/tun. The namespaces are named
 ``{prefix}-h{i}`` and ``{prefix}-r``; everything is removed on exit, and stale leftovers of a killed run are
 removed on entry.
 """
@@ -36,12 +36,17 @@ class ShapedNetwork:
     jitter_ms: float
     prefix: str
     control_plane: bool = False
+    subnet: str = "10.81"  # host i is {subnet}.i.2, its router side {subnet}.i.1
+
+    def link(self, host: int) -> str:
+        """The /24 of ``host``'s link: its address and its router side."""
+        return f"{self.subnet}.{host}.0/24"
 
     def namespace(self, host: int) -> str:
         return f"{self.prefix}-h{host}"
 
     def address(self, host: int) -> str:
-        return f"10.81.{host}.2"
+        return f"{self.subnet}.{host}.2"
 
     def device(self, host: int) -> str:
         return f"{self.prefix}h{host}"
@@ -62,7 +67,7 @@ class ShapedNetwork:
 
     def router_address(self, host: int) -> str:
         """The router's address on ``host``'s link: reached from that host without crossing the delay."""
-        return f"10.81.{host}.1"
+        return f"{self.subnet}.{host}.1"
 
     def router_exec_prefix(self) -> list[str]:
         return ["ip", "netns", "exec", self.router]
@@ -81,7 +86,7 @@ class ShapedNetwork:
         the other, silently, as a broken path does); every host still reaches the router's own addresses (the
         bootstrap peer). Healed on exit. The control plane is not cut."""
         rules = [
-            ("from", f"10.81.{a}.0/24", "to", f"10.81.{b}.0/24")
+            ("from", self.link(a), "to", self.link(b))
             for one in groups
             for other in groups
             if one is not other
@@ -145,6 +150,7 @@ def shaped_network(
     prefix: str = "nls",
     mtu: int = MTU,
     control_plane: bool = False,
+    subnet: str = "10.81",
 ) -> Iterator[ShapedNetwork]:
     """``mtu``: the links' MTU. Large by default, because the delaying router forwards packet by packet in Python
     and fast links need few packets; at a rate of a few Mbit/s or less take 1500, so that tbf's burst of two
@@ -153,7 +159,7 @@ def shaped_network(
         raise PermissionError("a shaped network needs root (network namespaces, tc, a TUN device)")
     if not 1 <= hosts < 250:
         raise ValueError(f"hosts must be in [1, 250), not {hosts}")
-    net = ShapedNetwork(hosts, rate_mbit, rtt_ms, jitter_ms, prefix, control_plane)
+    net = ShapedNetwork(hosts, rate_mbit, rtt_ms, jitter_ms, prefix, control_plane, subnet)
     _remove(prefix)
     delayer: subprocess.Popen[str] | None = None
     try:
@@ -168,12 +174,12 @@ def shaped_network(
             _run("ip", "link", "add", dev, "type", "veth", "peer", "name", peer)
             _run("ip", "link", "set", dev, "netns", ns)
             _run("ip", "link", "set", peer, "netns", router)
-            _run("ip", "-n", ns, "addr", "add", f"10.81.{host}.2/24", "dev", dev)
-            _run("ip", "-n", router, "addr", "add", f"10.81.{host}.1/24", "dev", peer)
+            _run("ip", "-n", ns, "addr", "add", f"{net.address(host)}/24", "dev", dev)
+            _run("ip", "-n", router, "addr", "add", f"{net.router_address(host)}/24", "dev", peer)
             _run("ip", "-n", ns, "link", "set", dev, "up", "mtu", str(mtu))
             _run("ip", "-n", ns, "link", "set", "lo", "up")
             _run("ip", "-n", router, "link", "set", peer, "up", "mtu", str(mtu))
-            _run("ip", "-n", ns, "route", "add", "default", "via", f"10.81.{host}.1")
+            _run("ip", "-n", ns, "route", "add", "default", "via", net.router_address(host))
             # Long-lived connections keep their congestion window between exchanges (a node's channels are
             # pooled): the setting a deployment guide recommends for nodes; the bench also reports cold rounds.
             _run("ip", "netns", "exec", ns, "sysctl", "-qw", "net.ipv4.tcp_slow_start_after_idle=0")

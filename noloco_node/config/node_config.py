@@ -112,7 +112,20 @@ class NodeConfig(StrictSettings):
         False, description="Join the DHT as a client only (behind NAT: dial out, serve no DHT requests)."
     )
     check_reachability: bool = Field(
-        True, description="At start, call this node's own gRPC at the announced address and warn if it fails."
+        True,
+        description="At start, call this node's own gRPC at the announced address, and ask a peer which address it "
+        "sees this node's calls come from: a node that fails either is reached through relays.",
+    )
+    relay: bool = Field(
+        True,
+        description="When reachable, carry tunnels to members that nobody can dial (behind NAT or a firewall), "
+        "within --relay-slots and --relay-gb-per-hour; off: this node relays for nobody.",
+    )
+    relay_slots: int = Field(
+        32, ge=1, le=1024, description="Tunnels this node relays at once, at most (each is a peer's kept-open channel)."
+    )
+    relay_gb_per_hour: float = Field(
+        8.0, gt=0, description="Bytes this node relays for others in any hour, at most (GB, both directions)."
     )
     grpc_host: str = Field("127.0.0.1", description="Address the gRPC server binds.")
     grpc_port: int = Field(0, ge=0, lt=65536, description="0: an ephemeral port.")

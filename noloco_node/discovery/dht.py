@@ -91,9 +91,12 @@ class PeerRecord:
     inner_step: int = 0
     ready: bool = False  # ready to pair now (sync mode) / has a fresh snapshot to offer (overlap mode)
     leaving: bool = False  # a tombstone: the node has left
-    reachable: bool = True  # its gRPC address answers (reachability.py); an unreachable node only calls out
+    reachable: bool = True  # its gRPC address answers (reachability.py); else it is reached through its relays
     shard: int = -1  # the data shard it trains on (-1: not chosen yet); joiners pick one nobody holds
     updated: float = 0.0  # DHT time of writing
+    p2p_id: str = ""  # its libp2p daemon's id (tunnels.py); not its peer id, which is its node key's
+    p2p_addrs: tuple[str, ...] = ()  # a reachable member that relays for others: where its daemon listens
+    relays: tuple[str, ...] = ()  # an unreachable member: the libp2p ids of the relays it can be reached through
 
     @classmethod
     def from_value(cls, peer_id: str, value: Any) -> PeerRecord | None:
@@ -112,6 +115,9 @@ class PeerRecord:
                 reachable=bool(value.get("reachable", True)),
                 shard=int(value.get("shard", -1)),
                 updated=float(value.get("updated", 0.0)),
+                p2p_id=_short_text(value.get("p2p_id", "")),
+                p2p_addrs=_short_texts(value.get("p2p_addrs", ())),
+                relays=_short_texts(value.get("relays", ())),
             )
         except (KeyError, TypeError, ValueError):
             return None
@@ -128,7 +134,24 @@ class PeerRecord:
     def to_value(self) -> dict[str, Any]:
         value = asdict(self)
         del value["peer_id"]  # readers derive it from the subkey, the owner key: a claim here would prove nothing
+        value["p2p_addrs"], value["relays"] = list(self.p2p_addrs), list(self.relays)
         return value
+
+
+_MAX_TEXT = 256  # a libp2p id or multiaddr; longer is not one
+_MAX_TEXTS = 8  # addresses or relays a record may name
+
+
+def _short_text(value: Any) -> str:
+    if not isinstance(value, str) or len(value) > _MAX_TEXT:
+        raise ValueError("not a short string")
+    return value
+
+
+def _short_texts(value: Any) -> tuple[str, ...]:
+    if not isinstance(value, list | tuple) or len(value) > _MAX_TEXTS:
+        raise ValueError("not a short list")
+    return tuple(_short_text(item) for item in value)
 
 
 def peers_key(run_fingerprint: str) -> str:
@@ -251,6 +274,10 @@ class Discovery:
 
     def visible_maddrs(self) -> list[str]:
         return [str(m) for m in self._require().get_visible_maddrs()]
+
+    async def p2p(self) -> Any:
+        """A handle on the DHT's libp2p daemon in this process (hivemind's replica), for tunnels.py."""
+        return await self._require().replicate_p2p()
 
     def _require(self) -> hivemind.DHT:
         if self.dht is None:

@@ -1,19 +1,27 @@
-"""Where peers should dial this node, and whether they can: the announced address and a self-check.
+"""Where peers should dial this node, and whether they can: the announced address and two checks.
 
 A node bound to all interfaces (``--grpc-host 0.0.0.0``, as in a container) cannot announce that; it announces
 ``--announce-host`` when given, else the address of the interface its default route leaves by (found by
-"connecting" a UDP socket, which sends nothing), else its hostname's address. After its gRPC server is up the node
-calls its own Info at the announced address; a node that does not answer there, or where another node answers, is
-unreachable: it says what to open or forward, still pairs by calling others (outbound connections work through
-NAT), and advertises ``reachable: false`` in its DHT record so that nobody calls it or picks it as a donor.
+"connecting" a UDP socket, which sends nothing), else its hostname's address.
+
+After its gRPC server is up the node calls its own Info at the announced address (a node that does not answer
+there, or where another node answers, is unreachable), and asks a reachable peer, its witness, which address this
+node's call came from (Info's ``noloco-seen-as`` header): a node behind a NAT announces an address of its own
+network, and the witness sees the NAT's public one. Calling itself cannot tell, since a machine always reaches its
+own addresses. An unreachable node says what to open or forward, advertises ``reachable: false`` in its DHT record,
+is never chosen as a donor, and is reached through relays (tunnels.py).
 """
 
 from __future__ import annotations
 
 import socket
+from collections.abc import Sequence
 from dataclasses import dataclass
 
+import grpc
+
 from noloco_node.rpc.client import ExchangeError, fetch_info
+from noloco_node.rpc.contracts import INFO_METHOD, SEEN_AS_HEADER
 from noloco_node.rpc.transport import Transport
 
 _WILDCARDS = {"", "0.0.0.0", "::", "[::]"}
@@ -47,18 +55,60 @@ class Reachability:
     reachable: bool
     problem: str = ""
 
+    witnessed: bool = False  # a peer has said where this node's calls come from
+
     def advice(self, address: str, bound_port: int) -> str:
         _host, _, port = address.rpartition(":")
         return (
-            f"peers cannot reach this node at {address} ({self.problem}). Open TCP port {port} to the other "
-            f"participants, or forward it to this machine's port {bound_port} and pass --announce-host with the "
-            f"public address (and --announce-port if the public port differs); in a container, publish the port "
-            f"(-p {port}:{bound_port}). Until then this node pairs only by calling others, and is never chosen as a "
-            f"donor."
+            f"peers cannot reach this node at {address} ({self.problem}). It is reached through relays instead, "
+            f"which costs them bandwidth: open TCP port {port} to the other participants, or forward it to this "
+            f"machine's port {bound_port} and pass --announce-host with the public address (and --announce-port if "
+            f"the public port differs); in a container, publish the port (-p {port}:{bound_port}). Until then it is "
+            f"never chosen as a donor."
         )
 
 
-def check_reachable(address: str, peer_id: str, transport: Transport, *, timeout: float = 5.0) -> Reachability:
+def seen_as(address: str, peer_id: str, transport: Transport, *, timeout: float = 5.0) -> str:
+    """The address the node ``peer_id`` at ``address`` sees this node's calls come from ('' if it does not say)."""
+    metadata, _nonce = transport.sign(INFO_METHOD, peer_id)  # read for a header only: no proof asked
+    with transport.channel(address) as channel:
+        call = channel.unary_unary(INFO_METHOD)
+        _reply, answered = call.with_call(b"", timeout=timeout, metadata=metadata)
+    return next((str(v) for k, v in answered.initial_metadata() or () if k == SEEN_AS_HEADER), "")
+
+
+def check_reachable(
+    address: str,
+    peer_id: str,
+    transport: Transport,
+    *,
+    witnesses: Sequence[tuple[str, str]] = (),
+    timeout: float = 5.0,
+) -> Reachability:
+    """Reachable if this node answers its own Info at ``address`` and none of ``witnesses`` ((address, peer id) of
+    reachable peers) sees this node's call come from elsewhere than the announced host; ``witnessed`` once that is
+    settled (see below)."""
+    own = _answers_at(address, peer_id, transport, timeout=timeout)
+    if not own.reachable:
+        return own
+    host = address.rpartition(":")[0]
+    agreeing = 0
+    for witness_address, witness_id in witnesses:
+        try:
+            seen = seen_as(witness_address, witness_id, transport, timeout=timeout)
+        except (ExchangeError, grpc.RpcError):
+            continue  # this witness is gone or busy: the next
+        if not seen:
+            continue
+        if not _same_host(seen, host):
+            return Reachability(False, f"{witness_address} sees this node's calls come from {seen}: a NAT", True)
+        agreeing += 1
+    # A witness on this node's own network (behind the same NAT) sees its private address too: one agreeing
+    # witness is not enough to settle it, two are (and any that disagrees settles it at once).
+    return Reachability(True, "", agreeing >= min(2, len(witnesses)) and agreeing > 0)
+
+
+def _answers_at(address: str, peer_id: str, transport: Transport, *, timeout: float) -> Reachability:
     """Call this node's own Info at ``address``: reachable if this node answers there."""
     try:
         reply = fetch_info(address, timeout=timeout, transport=transport, peer_id=peer_id)
@@ -70,3 +120,13 @@ def check_reachable(address: str, peer_id: str, transport: Transport, *, timeout
     if reply.peer_id != peer_id:
         return Reachability(False, f"another node ({reply.peer_id}) answers there")
     return Reachability(True)
+
+
+def _same_host(seen: str, host: str) -> bool:
+    """Whether the address a witness saw is the announced host (which may be a name)."""
+    if seen == host:
+        return True
+    try:
+        return seen in {info[4][0] for info in socket.getaddrinfo(host, None)}
+    except OSError:
+        return False

@@ -31,7 +31,7 @@ import torch
 from noloco_node.config.models import DataConfig, OuterConfig, TrainConfig
 from noloco_node.config.node_config import NodeConfig
 from noloco_node.discovery.dht import Discovery, PeerRecord
-from noloco_node.discovery.reachability import announce_host, check_reachable
+from noloco_node.discovery.reachability import announce_host
 from noloco_node.model.run_model import load_run_corpus
 from noloco_node.node import report
 from noloco_node.node.catch_up import NodeError, StoppedBeforeTrainingError
@@ -39,6 +39,7 @@ from noloco_node.node.descriptors import connection_budget, raise_descriptor_lim
 from noloco_node.node.fault_injection import Drill
 from noloco_node.node.memory import warn_if_memory_short
 from noloco_node.node.peering import Peering
+from noloco_node.node.reach import Reach
 from noloco_node.node.run_layout import RunLayout
 from noloco_node.node.security import NodeSecurity, SecuritySetupError
 from noloco_node.node.supervisor import Supervisor
@@ -99,10 +100,10 @@ class Node:
         self.peer_id = self.security.peer_id
         self.address = ""
         self._status_file_errors = 0
-        self.reachable = True  # until the self-check says otherwise
         self.status_url = ""
         self.dht_maddrs: list[str] = []
         self.metrics = ExchangeMetrics()
+        self.reach = Reach(node_cfg, self.discovery, self.security.transport, self.metrics)
         self.telemetry = Telemetry(
             tokens_per_step=train_cfg.batch_size * train_cfg.seq_len,
             degraded_after=node_cfg.degraded_after,
@@ -133,6 +134,7 @@ class Node:
             stopping=self.stop_event,
             info=self.info,
             outer_step=lambda: None if self.replica is None else self.replica.outer_step,
+            reach=self.reach,
         )
         self.strategy = self.peering.strategy
         self.trainer = Trainer(
@@ -194,8 +196,8 @@ class Node:
             outer_step=replica.outer_step if replica else 0,
             inner_step=replica.inner_step if replica else 0,
             ready=self.ready_to_pair(),
-            reachable=self.reachable,
             shard=-1 if self.trainer.shard is None else self.trainer.shard,
+            **self.reach.record_fields(),
         )
 
     def write_status(self) -> None:
@@ -218,6 +220,10 @@ class Node:
     async def _refresh_record(self) -> None:
         while True:
             await asyncio.sleep(self.cfg.record_ttl / 3)
+            try:
+                await self.reach.refresh()
+            except Exception as error:  # a witness or relay failing must not end the refresh loop
+                log.warning("could not refresh how this node is reached: %r", error)
             await self._publish()
 
     # ------------------------------------------------------------------------------------------ lifecycle
@@ -235,7 +241,8 @@ class Node:
         async with contextlib.AsyncExitStack() as components:
             await self._start_dht(components)
             port = await self._start_grpc(components)
-            await self._check_reachability(port)
+            await self.reach.start(self.address, port, self.dht_maddrs)
+            components.push_async_callback(self.reach.close)
             await self._start_status_endpoint(components)
             components.push_async_callback(self.supervisor.stop)
             self.supervisor.spawn(
@@ -258,6 +265,9 @@ class Node:
             await self._publish()
             self.supervisor.spawn("dht-record", self._refresh_record)
             await self.trainer.wait_for_peers(stop_requested)
+            if not self.reach.witnessed:  # a swarm launched together: now there are peers to ask, before pairing
+                await self.reach.refresh()
+                await self._publish()
             self.supervisor.spawn(f"{self.strategy.mode}-pairing", self.strategy.run)
             self.telemetry.training_started = time.time()
             finished = self.trainer.start(outer_step, self.drill, self.peer_id)
@@ -289,6 +299,7 @@ class Node:
             max_connections=connection_budget(self.descriptor_limit),
             transport=self.security.transport,
             verifier=CallerVerifier(self.peer_id, max_clock_skew=self.cfg.security.max_clock_skew),
+            origin=lambda peer: None if self.reach.tunnels is None else self.reach.tunnels.origin(peer),
         )
 
         async def stop() -> None:
@@ -299,17 +310,6 @@ class Node:
         components.push_async_callback(stop)
         self.address = f"{announce_host(self.cfg.grpc_host, self.cfg.announce_host)}:{self.cfg.announce_port or port}"
         return port
-
-    async def _check_reachability(self, port: int) -> None:
-        if not self.cfg.check_reachability:
-            return
-        check = await asyncio.wait_for(
-            asyncio.to_thread(check_reachable, self.address, self.peer_id, self.security.transport, timeout=5.0),
-            timeout=10.0,  # the call has its own 5 s deadline; this bounds the thread hand-off too
-        )
-        self.reachable = check.reachable
-        if not check.reachable:
-            log.warning("%s", check.advice(self.address, port))
 
     async def _start_status_endpoint(self, components: contextlib.AsyncExitStack) -> None:
         server = StatusServer(node_routes(self.status, self.metrics.registry), healthz=self.health)

@@ -27,7 +27,7 @@ from noloco_node.node.run_layout import RunLayout
 from noloco_node.node.security import NodeSecurity
 from noloco_node.node.served import ServedNode
 from noloco_node.observability.telemetry import Telemetry
-from noloco_node.pairing.caller import CallSettings, PeerCaller
+from noloco_node.pairing.caller import CallSettings, PeerCaller, PeerPaths
 from noloco_node.pairing.overlap import OverlapPairing
 from noloco_node.pairing.peer_policy import PeerPolicy
 from noloco_node.pairing.standing import Standing
@@ -71,6 +71,7 @@ class Peering:
         stopping: Event,
         info: Callable[[], pb.InfoReply],
         outer_step: Callable[[], int | None],
+        reach: PeerPaths,
     ) -> Peering:
         exchanges = ThreadPoolExecutor(EXCHANGE_THREADS, thread_name_prefix="exchange")  # threads start on use
         receive_buffers = ReceiveBuffers(max_idle_bytes=layout.receive_pool_bytes())
@@ -92,6 +93,7 @@ class Peering:
             observer=admission.value_observer,
             on_peer_step=telemetry.on_live_step,
             executor=exchanges,
+            paths=reach,
         )
         context = PairingContext(
             peer_id=peer_id,

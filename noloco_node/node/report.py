@@ -21,6 +21,7 @@ from noloco_node.config.models import TrainConfig
 from noloco_node.config.node_config import NodeConfig
 from noloco_node.discovery.dht import Discovery
 from noloco_node.model.source import ModelSource
+from noloco_node.node.reach import Reach
 from noloco_node.node.security import NodeSecurity
 from noloco_node.observability.status import (
     ExchangeRecord,
@@ -69,7 +70,7 @@ class ReportedNode(Protocol):
     peer_id: str
     run_fingerprint: str
     address: str
-    reachable: bool
+    reach: Reach
     status_url: str
     dht_maddrs: list[str]
     cfg: NodeConfig
@@ -131,7 +132,8 @@ def node_status(node: ReportedNode) -> NodeStatus:
         mode=node.cfg.mode,
         model_size=node.source.name,
         address=node.address,
-        reachable=node.reachable,
+        reachable=node.reach.reachable,
+        **node.reach.status(),
         status_url=node.status_url,
         dht_maddrs=node.dht_maddrs,
         started_at=node.telemetry.started,

@@ -145,7 +145,16 @@ class NodeStatus(BaseModel):
     mode: str = Field(description="Pairing mode: sync or overlap.")
     model_size: str
     address: str = Field(description="gRPC address peers dial.")
-    reachable: bool = Field(description="This node answered at that address at start (else it only calls out).")
+    reachable: bool = Field(
+        description="Peers can dial that address (its own call and a peer's view agree); else it is reached through "
+        "the relays it names (discovery/tunnels.py)."
+    )
+    relays: list[str] = Field(
+        default_factory=list, description="An unreachable node: the relays it holds (libp2p ids)."
+    )
+    relayed_bytes: int = Field(0, description="Bytes this node has carried for others as a relay.")
+    tunnels_served: int = Field(0, description="Relayed connections into this node's gRPC server so far.")
+    tunnels_opened: int = Field(0, description="Relayed connections this node opened to unreachable peers so far.")
     status_url: str = Field(description="Where this endpoint is served.")
     dht_maddrs: list[str] = Field(description="This node's DHT multiaddrs (usable as --bootstrap).")
     started_at: float = Field(description="Unix time the node started.")

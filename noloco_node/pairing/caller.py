@@ -20,6 +20,7 @@ import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
+from typing import Protocol
 
 import grpc
 
@@ -51,6 +52,24 @@ class CallSettings:
     receive_buffers: ReceiveBuffers
 
 
+class PeerPaths(Protocol):
+    """How peers are reached (node/reach.py): an unreachable one through the relays its record names."""
+
+    def learn(self, peers: Sequence[PeerRecord]) -> None: ...
+
+    async def prepare(self, peer: PeerRecord) -> bool: ...
+
+
+class DirectOnly:
+    """Reachable peers only (benchmarks' bare callers, which hold no tunnels)."""
+
+    def learn(self, peers: Sequence[PeerRecord]) -> None:
+        pass
+
+    async def prepare(self, peer: PeerRecord) -> bool:
+        return peer.reachable
+
+
 class PeerCaller:
     def __init__(
         self,
@@ -63,8 +82,10 @@ class PeerCaller:
         executor: ThreadPoolExecutor,
         observer: Callable[[], ValueObserver | None] = lambda: None,
         on_peer_step: Callable[[str, int], None] = lambda _peer, _step: None,
+        paths: PeerPaths | None = None,
     ) -> None:
         self.settings = settings
+        self.paths = paths or DirectOnly()
         self.policy = policy
         self.standing = standing
         self.admit = admit
@@ -81,12 +102,13 @@ class PeerCaller:
         self.policy.forget(live)
         for gone in set(self.last_paired) - live:
             del self.last_paired[gone]
+        self.paths.learn(peers)
         return [
             p
             for p in peers
             if p.ready
             and p.address
-            and p.reachable
+            and (p.reachable or p.relays)
             and not self.policy.avoided(p.peer_id)
             and abs(p.outer_step - own_step) <= self.settings.max_staleness
         ]
@@ -114,6 +136,9 @@ class PeerCaller:
         deadline = self.policy.deadline(peer.peer_id)
         started = time.monotonic()
         loop = asyncio.get_running_loop()
+        if not await self.paths.prepare(peer):
+            self._failed(peer, deadline, ExchangeError(grpc.StatusCode.UNAVAILABLE, "no_path", "no relay to it"))
+            return None
         try:
             # The call is bounded by its own gRPC deadline; the outer bound only covers the hand-off to a thread,
             # which is immediate: the executor has a thread for every exchange a node can have in flight.

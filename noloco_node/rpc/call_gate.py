@@ -31,8 +31,12 @@ class CallGate:
         watchdog: Watchdog | None = None,
         min_link_rate: float = 0.0,
         stall_seconds: float = 0.0,
+        origin: Callable[[str], str | None] = lambda _peer: None,
     ) -> None:
         self.metrics = metrics
+        # A call that came through a tunnel (discovery/tunnels.py) is a local connection: its caller's address is
+        # the one the relay saw, which ``origin`` knows.
+        self.origin = origin
         self.admission = admission
         # Who is calling: the peer id the caller proved (caller_proof.py). Without a verifier (benchmarks' bare
         # services) the manifest's word is taken, and nothing is decided about peers there.
@@ -58,10 +62,15 @@ class CallGate:
             self.metrics.outcome("unproven_caller")
             abort(context, grpc.StatusCode.UNAUTHENTICATED, str(error))
 
+    def address_of(self, context: grpc.ServicerContext) -> str:
+        """The caller's address: what this server sees, or, through a tunnel, what the relay saw."""
+        peer = context.peer()
+        return self.origin(peer) or remote_host(peer)
+
     def admit(self, kind: str, context: grpc.ServicerContext, caller: str | None) -> Ticket:
         """A slot for this call (admission.py), or RESOURCE_EXHAUSTED at once, before any work."""
         try:
-            return self.admission.enter(kind, peer=caller, address=remote_host(context.peer()))
+            return self.admission.enter(kind, peer=caller, address=self.address_of(context))
         except Refused as refused:
             self.metrics.rejection(f"admission_{refused.reason}")
             self.metrics.outcome("download_busy" if kind == DOWNLOAD else f"refused_{refused.reason}")

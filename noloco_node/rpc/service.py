@@ -25,7 +25,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from concurrent import futures
 from typing import NoReturn
 
@@ -37,6 +37,7 @@ from noloco_node.rpc.contracts import (
     EXCHANGE_METHOD,
     INFO_METHOD,
     OUTER_STEP_HEADER,
+    SEEN_AS_HEADER,
     SERVICE,
     OutOfReachError,
     PeerNode,
@@ -75,6 +76,7 @@ class PeerService:
         watchdog: Watchdog | None = None,
         verifier: CallerVerifier | None = None,
         admission: Admission | None = None,
+        origin: Callable[[str], str | None] = lambda _peer: None,
     ) -> None:
         self.node = node
         self.metrics = metrics
@@ -85,6 +87,7 @@ class PeerService:
             watchdog=watchdog,
             min_link_rate=min_link_rate,
             stall_seconds=stall_seconds,
+            origin=origin,
         )
         self.admission = self.gate.admission
         self.chunk_bytes = chunk_bytes
@@ -306,6 +309,9 @@ class PeerService:
         ticket = self.gate.admit(INFO, context, caller)
         try:
             parse(pb.InfoRequest, raw, context)
+            # Where the caller's connection came from, as this node sees it: a caller behind a NAT learns that it
+            # announces an address nobody else can dial (discovery/reachability.py).
+            context.send_initial_metadata(((SEEN_AS_HEADER, self.gate.address_of(context)),))
             return self.node.info()
         finally:
             self.gate.admission.leave(ticket)
@@ -340,6 +346,7 @@ def start_server(
     max_connections: int = 1024,
     transport: Transport = PLAIN,
     verifier: CallerVerifier | None = None,
+    origin: Callable[[str], str | None] = lambda _peer: None,
 ) -> tuple[grpc.Server, int]:
     """Start the service; returns the server and the port it bound (ephemeral when the bind port is 0).
 
@@ -379,6 +386,7 @@ def start_server(
         stall_seconds=stall_seconds,
         verifier=verifier,
         admission=admission,
+        origin=origin,
     )
     server.add_generic_rpc_handlers((_handlers(service),))
     port = transport.add_port(server, bind)

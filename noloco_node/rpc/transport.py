@@ -37,6 +37,9 @@ CHANNEL_OPTIONS = [
     # 120 s), so calls across a healed partition kept failing (docs/threat-model.md, 8).
     ("grpc.use_local_subchannel_pool", 1),
     ("grpc.initial_reconnect_backoff_ms", 1000),
+    # A connection attempt gets 5 s (gRPC's default: 20): an address that silently drops what is sent to it (a
+    # private one of another network, a dead host) fails the call in seconds, not at its deadline.
+    ("grpc.min_reconnect_backoff_ms", 5000),
     ("grpc.max_reconnect_backoff_ms", 5000),
 ]
 
@@ -82,6 +85,17 @@ class Transport:
         self._channel_credentials = tls.channel_credentials() if tls else None  # read once: fail at start
         self._pool: dict[str, tuple[grpc.Channel, float]] = {}  # address -> (channel, last use), in LRU order
         self._pool_lock = threading.Lock()
+        self._routes: dict[str, str] = {}  # gRPC address -> where to dial it instead (a tunnel's local endpoint)
+
+    def route(self, address: str, endpoint: str | None) -> None:
+        """Dial ``endpoint`` whenever ``address`` is called (None: dial it directly again). Tunnels to unreachable
+        peers (discovery/tunnels.py) are routes: callers keep using the peer's own address everywhere else."""
+        with self._pool_lock:
+            if endpoint is None:
+                self._routes.pop(address, None)
+            else:
+                self._routes[address] = endpoint
+            self._pool.pop(address, None)
 
     @property
     def authenticates(self) -> bool:
@@ -116,6 +130,7 @@ class Transport:
 
     def new_channel(self, address: str) -> grpc.Channel:
         """A fresh, unpooled channel (the caller closes it)."""
+        address = self._routes.get(address, address)
         if self._channel_credentials is None:
             return grpc.insecure_channel(address, options=self.channel_options)
         assert self.tls is not None

@@ -1,0 +1,221 @@
+"""Both ends of a tunnel to a member that nobody can dial: its gRPC service reached through a relay, over libp2p.
+
+A member behind a NAT or a firewall (its reachability check failed, reachability.py) keeps libp2p connections open
+to a few reachable members that relay (relay.py) and names them in its DHT record (``relays``). A caller that wants
+to reach it opens a libp2p stream to one of them asking for it; the relay opens a stream to the member over the
+connection the member made (outbound, so its NAT lets it through) and splices the two.
+
+- At the member, each tunnel stream is joined to its own gRPC server on this machine (:meth:`Tunnels._serve`).
+- At the caller, gRPC dials a local endpoint (127.0.0.1, one per member reached this way) whose every connection
+  becomes a relayed stream (:meth:`Tunnels.prepare`, Transport.route). gRPC, caller proofs, admission and every
+  payload check therefore run end to end, unchanged, exactly as on a direct connection; with ``--tls`` the bytes
+  are encrypted end to end too, and the relay sees only ciphertext.
+
+Why not libp2p's own circuit relay: the relay of hivemind's p2pd limits each relayed connection to 128 KiB and two
+minutes (limited relays are meant for hole-punch coordination), and a model's exchange moves megabytes to
+gigabytes. Why libp2p at all and not TCP to the relay's gRPC port: the member's outbound libp2p connection is what
+the relay reaches back through, and p2pd multiplexes and encrypts every hop on it.
+
+The member's server learns the caller's address from the relay (what the relay saw), so that admission per address
+(rpc/admission.py) still tells machines apart: :meth:`Tunnels.origin` maps the tunnel's local port to it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import random
+from collections.abc import Sequence
+from typing import Any
+
+from noloco_node.discovery.dht import PeerRecord
+from noloco_node.discovery.relay import (
+    HEADER_SECONDS,
+    RELAY_PROTOCOL,
+    TUNNEL_PROTOCOL,
+    HeaderError,
+    host_of,
+    read_header,
+    splice,
+    write_header,
+)
+from noloco_node.rpc.transport import Transport
+
+log = logging.getLogger(__name__)
+
+RELAYS_HELD = 2  # relays an unreachable member keeps a connection to: one can leave without cutting it off
+MAX_ENDPOINTS = 64  # local endpoints kept for unreachable peers (as many as the transport's channel pool)
+_WILDCARDS = {"", "0.0.0.0", "::", "[::]"}
+
+
+class Tunnels:
+    """This node's libp2p side of relayed gRPC: serves tunnels into its server, opens tunnels to unreachable peers."""
+
+    def __init__(self, p2p: Any, *, grpc_host: str, grpc_port: int, transport: Transport) -> None:
+        self.p2p = p2p  # a hivemind P2P replica of the DHT's daemon (Discovery.p2p)
+        self.p2p_id = p2p.peer_id.to_base58()
+        self.local_host = "127.0.0.1" if grpc_host in _WILDCARDS else grpc_host
+        self.grpc_port = grpc_port
+        self.transport = transport
+        self.relays: list[str] = []  # the relays this node holds a connection to (when it is unreachable)
+        self.tunnelled_calls = 0  # tunnels served into this node's server
+        self.tunnels_opened = 0  # tunnels this node opened to unreachable peers
+        self._origins: dict[int, str] = {}  # local source port of a served tunnel -> the caller's address
+        self._endpoints: dict[str, tuple[asyncio.Server, str]] = {}  # gRPC address -> (local server, endpoint)
+        self._relay_addrs: dict[str, list[str]] = {}  # relay libp2p id -> its multiaddrs (from DHT records)
+
+    async def start(self) -> None:
+        await self.p2p.add_binary_stream_handler(TUNNEL_PROTOCOL, self._serve)
+
+    async def close(self) -> None:
+        for server, _endpoint in self._endpoints.values():
+            server.close()
+        self._endpoints.clear()
+
+    # ------------------------------------------------------------------------------------------ the member's end
+
+    def origin(self, peer: str) -> str | None:
+        """The caller's address for a gRPC ``context.peer()`` that is one of this node's served tunnels, else None."""
+        host, _, port = peer.rpartition(":")
+        if not port.isdigit() or not host.endswith(self.local_host):
+            return None
+        return self._origins.get(int(port))
+
+    async def _serve(self, info: Any, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        try:
+            header = await read_header(reader)
+        except HeaderError:
+            writer.close()
+            return
+        # A relay this node holds says whom it forwards; anyone else opening a tunnel is taken for where its own
+        # connection comes from (a stranger cannot dodge admission per address by claiming an origin).
+        claimed = str(header.get("origin", ""))[:64]
+        origin = (claimed if str(info.peer_id) in self.relays else "") or host_of(info) or f"p2p:{info.peer_id}"
+        try:
+            local = await asyncio.wait_for(asyncio.open_connection(self.local_host, self.grpc_port), HEADER_SECONDS)
+        except (OSError, asyncio.TimeoutError):
+            await write_header(writer, {"ok": False, "why": "server_down"})
+            writer.close()
+            return
+        port = local[1].get_extra_info("sockname")[1]
+        self._origins[port] = origin
+        self.tunnelled_calls += 1
+        try:
+            await write_header(writer, {"ok": True})
+            await splice((reader, writer), local)
+        except (ConnectionError, asyncio.TimeoutError):
+            pass
+        finally:
+            self._origins.pop(port, None)
+
+    # ------------------------------------------------------------------------------------------ the caller's end
+
+    def learn(self, peers: Sequence[PeerRecord]) -> None:
+        """Where the relays among ``peers`` listen (their records' libp2p addresses)."""
+        for peer in peers:
+            if peer.reachable and peer.p2p_id and peer.p2p_addrs:
+                self._relay_addrs[peer.p2p_id] = list(peer.p2p_addrs)
+        if len(self._relay_addrs) > 4 * MAX_ENDPOINTS:
+            live = {p.p2p_id for p in peers}
+            self._relay_addrs = {k: v for k, v in self._relay_addrs.items() if k in live}
+
+    async def prepare(self, peer: PeerRecord) -> bool:
+        """Make ``peer`` callable: True at once for a reachable peer; for an unreachable one with relays, route its
+        address through a local endpoint; False when there is no way to it."""
+        if peer.reachable:
+            return True
+        if not peer.relays or not peer.p2p_id:
+            return False
+        if peer.address not in self._endpoints:
+            while len(self._endpoints) >= MAX_ENDPOINTS:
+                oldest = next(iter(self._endpoints))
+                self._drop(oldest)
+            server = await asyncio.start_server(
+                lambda r, w: self._open(peer.p2p_id, list(peer.relays), r, w), host="127.0.0.1", port=0
+            )
+            endpoint = f"127.0.0.1:{server.sockets[0].getsockname()[1]}"
+            self._endpoints[peer.address] = (server, endpoint)
+            self.transport.route(peer.address, endpoint)
+        return True
+
+    def _drop(self, address: str) -> None:
+        server, _endpoint = self._endpoints.pop(address)
+        server.close()
+        self.transport.route(address, None)
+
+    async def _open(
+        self, target: str, relays: list[str], reader: asyncio.StreamReader, writer: asyncio.StreamWriter
+    ) -> None:
+        """One gRPC connection to ``target``: through the first of its relays that takes it."""
+        from hivemind.p2p import PeerID  # the DHT's library; imported where used (the launcher never needs it)
+
+        random.shuffle(relays)
+        if self.p2p_id in relays:  # this node is one of the target's relays: the target holds a connection to it
+            relays = [self.p2p_id] + [r for r in relays if r != self.p2p_id]
+        for relay in relays:
+            try:
+                if relay == self.p2p_id:
+                    _info, relay_reader, relay_writer = await asyncio.wait_for(
+                        self.p2p.call_binary_stream_handler(PeerID.from_base58(target), TUNNEL_PROTOCOL),
+                        HEADER_SECONDS,
+                    )
+                    await write_header(relay_writer, {"origin": ""})  # the member takes this connection's own
+                else:
+                    relay_id = PeerID.from_base58(relay)
+                    await self._connect(relay, relay_id)
+                    _info, relay_reader, relay_writer = await asyncio.wait_for(
+                        self.p2p.call_binary_stream_handler(relay_id, RELAY_PROTOCOL), HEADER_SECONDS
+                    )
+                    await write_header(relay_writer, {"to": target})
+                answer = await read_header(relay_reader)
+            except Exception as error:  # this relay is gone or slow: the next one
+                log.debug("relay %s did not open a tunnel to %s: %r", relay, target, error)
+                continue
+            if not answer.get("ok"):
+                log.debug("relay %s refused a tunnel to %s: %s", relay, target, answer.get("why"))
+                relay_writer.close()
+                continue
+            self.tunnels_opened += 1
+            with contextlib.suppress(ConnectionError, asyncio.TimeoutError):
+                await splice((reader, writer), (relay_reader, relay_writer))
+            return
+        writer.close()  # gRPC sees the connection close: UNAVAILABLE, and the caller tries another peer
+
+    async def _connect(self, relay: str, relay_id: Any) -> None:
+        """Dial a relay whose addresses a DHT record gave (p2pd may not know it yet)."""
+        from hivemind.utils.multiaddr import Multiaddr
+
+        addrs = self._relay_addrs.get(relay)
+        if addrs:
+            # hivemind's P2P has no public connect; its DHT uses the client's, as here. The daemon wants addresses
+            # without their /p2p/<id> tail (with it, it cannot decode them).
+            bare = [Multiaddr(a.split("/p2p/")[0]) for a in addrs]
+            await asyncio.wait_for(self.p2p._client.connect(relay_id, bare), HEADER_SECONDS)
+
+    # ------------------------------------------------------------------------------------------ an unreachable member
+
+    async def hold_relays(self, peers: Sequence[PeerRecord]) -> list[str]:
+        """Keep connections to up to RELAYS_HELD reachable, relaying members (kept while they stay live); the
+        relays to name in this node's record."""
+        from hivemind.p2p import PeerID
+
+        self.learn(peers)
+        live = {p.p2p_id for p in peers if p.reachable and p.p2p_addrs}
+        held = [r for r in self.relays if r in live]
+        candidates = [p for p in live if p not in held]
+        random.shuffle(candidates)
+        kept: list[str] = []
+        for relay in held + candidates:  # the held ones first: dialing a connected peer is a no-op, a lost one redials
+            if len(kept) >= RELAYS_HELD:
+                break
+            try:
+                await self._connect(relay, PeerID.from_base58(relay))
+            except Exception as error:
+                log.debug("could not hold relay %s: %r", relay, error)
+                continue
+            kept.append(relay)
+        if kept != self.relays:
+            log.info("unreachable: reached through relays %s", ", ".join(kept) or "(none yet)")
+        self.relays = kept
+        return kept
