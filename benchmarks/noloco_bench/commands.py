@@ -122,6 +122,18 @@ def add_bench_parsers(commands: Any) -> None:
         "--no-hivemind", action="store_true", help="skip the hivemind all-reduce round (its matchmaking is slow)"
     )
 
+    nat = benches.add_parser(
+        "nat",
+        help="the same six-member swarm without and with NATs (four members behind two home routers): blend rate, "
+        "time per outer step, relayed bytes (needs root and nftables)",
+    )
+    nat.add_argument("--seconds", type=float, default=90.0, help="measured wall time of each swarm")
+    nat.add_argument("--model", default="tiny", choices=list(MODEL_SIZES), help="model size")
+    nat.add_argument("--inner-steps", type=int, default=50, help="inner steps per outer step")
+    nat.add_argument("--rate-mbit", type=float, default=100.0, help="each uplink's rate")
+    nat.add_argument("--rtt-ms", type=float, default=20.0, help="round-trip time between two public addresses")
+    nat.add_argument("--out", type=Path, default=None, help="keep the nodes' logs and status files here")
+
     race = benches.add_parser(
         "race",
         help="time to quality: NoLoCo swarms against DiLoCo on shaped links scaled from a target deployment (root)",
@@ -177,6 +189,28 @@ def run_bench(args: argparse.Namespace) -> int:
         )
         print(chaos_result.report())
         return 0
+    if args.bench == "nat":
+        import tempfile
+
+        from noloco_bench.nat import report, run_nat_bench
+
+        print(
+            f"noloco-node bench nat: model {args.model}, {args.inner_steps} inner steps per outer step, "
+            f"{args.rate_mbit:g} Mbit/s uplinks, {args.rtt_ms:g} ms RTT, {args.seconds:g} s measured per swarm, "
+            f"{os.cpu_count()} CPUs",
+            flush=True,
+        )
+        with tempfile.TemporaryDirectory(prefix="noloco-nat-") as scratch:
+            results = run_nat_bench(
+                seconds=args.seconds,
+                model=args.model,
+                inner_steps=args.inner_steps,
+                rate_mbit=args.rate_mbit,
+                rtt_ms=args.rtt_ms,
+                out=args.out or Path(scratch),
+            )
+        print(report(results))
+        return 0 if all(code == 0 for r in results for code in r.exit_codes) else 1
     if args.bench == "outsider":
         import tempfile
 

@@ -103,6 +103,20 @@ def build_parser() -> argparse.ArgumentParser:
     add_flags(join, _TRAIN_FLAGS)
     _add_secret_refusal(join)
 
+    doctor = commands.add_parser(
+        "doctor",
+        help="check what would stop `join` with these settings: bootstrap, ports, address, clock, memory, torch",
+        description="Run the checks of a first join without joining: this machine (torch build and device, host and "
+        "device memory for the model, disk, announced address, gRPC port) and the network (bootstrap peers, the "
+        "DHT, the run's peers and whether they refuse these settings, the clock, whether peers see this machine "
+        "at its announced address). Each failed check says how to fix it; exit 1 when any failed.",
+    )
+    doctor.add_argument("--config", type=Path, help="a TOML or YAML settings file (flags and NOLOCO_* override it)")
+    doctor.add_argument("--json", action="store_true", help="print the checks as a JSON list")
+    add_flags(doctor, _NODE_FLAGS)
+    add_flags(doctor, _TRAIN_FLAGS)
+    _add_secret_refusal(doctor)
+
     swarm = commands.add_parser(
         "swarm",
         help="the main job: a bootstrap peer and N node processes training together on this machine",
@@ -206,6 +220,23 @@ def _join(args: argparse.Namespace) -> int:
     return run_node(settings.node, settings.train, settings.outer, settings.data)
 
 
+def _doctor(args: argparse.Namespace) -> int:
+    import json
+
+    from noloco_node.model.run_model import load_run_corpus
+    from noloco_node.node.doctor import run_doctor
+    from noloco_node.node.run_layout import RunLayout
+
+    settings, _ = _resolve(args, {**_TRAIN_FLAGS, **_NODE_FLAGS})
+    layout = RunLayout.of(settings.node, settings.train, settings.outer, load_run_corpus(settings.data, settings.train))
+    checks = run_doctor(settings.node, layout, settings.train.device)
+    if args.json:
+        print(json.dumps([c.__dict__ for c in checks], indent=2))
+    else:
+        print("\n".join(c.line() for c in checks))
+    return 1 if any(c.level == "fail" for c in checks) else 0
+
+
 def _swarm(args: argparse.Namespace) -> int:
     from noloco_node.launcher.swarm import run_swarm
 
@@ -304,6 +335,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         "sizes": run_sizes,
         "bootstrap": _bootstrap,
         "join": _join,
+        "doctor": _doctor,
         "swarm": _swarm,
         **{plugin.name: plugin.run for plugin in plugin_commands()},
         "status": _status,

@@ -36,8 +36,8 @@ from noloco_node.model.run_model import load_run_corpus
 from noloco_node.node import report
 from noloco_node.node.catch_up import NodeError, StoppedBeforeTrainingError
 from noloco_node.node.descriptors import connection_budget, raise_descriptor_limit
+from noloco_node.node.doctor import log_local_checks
 from noloco_node.node.fault_injection import Drill
-from noloco_node.node.memory import warn_if_memory_short
 from noloco_node.node.peering import Peering
 from noloco_node.node.reach import Reach
 from noloco_node.node.run_layout import RunLayout
@@ -77,7 +77,9 @@ class Node:
         self.layout = RunLayout.of(node_cfg, train_cfg, outer_cfg, self.corpus)
         self.run_fingerprint = self.layout.run_fingerprint
         self.source = self.layout.source
-        warn_if_memory_short(
+        log_local_checks(
+            node_cfg,
+            train_cfg.device,
             sum(math.prod(shape) for shape in self.layout.shapes),
             on_gpu=resolve_device(train_cfg.device).type == "cuda",
         )

@@ -8,15 +8,13 @@ exchange's offer and receive buffers in the wire dtype (about 4 bytes). docs/dat
 figures and what sizes fit where.
 
 Nothing is refused on this estimate (swap, or memory freed by other processes, may make it fit); a node that will
-not fit says so at start, with the numbers, instead of being killed at its first step.
+not fit says so at start, with the numbers, instead of being killed at its first step (node/doctor.py, whose
+checks `join` prints at start).
 """
 
 from __future__ import annotations
 
-import logging
 from pathlib import Path
-
-log = logging.getLogger(__name__)
 
 GIB = 2**30
 DEVICE_BYTES = 16  # theta, gradients, Adam's two moments
@@ -40,22 +38,3 @@ def available_memory() -> int | None:
     except (OSError, ValueError, IndexError):
         return None
     return None
-
-
-def warn_if_memory_short(parameters: int, on_gpu: bool) -> bool:
-    """Log a warning when this node's model will not fit the memory available; True when it was short."""
-    needed = parameters * host_bytes_per_parameter(on_gpu)
-    available = available_memory()
-    if available is None or needed <= available:
-        return False
-    log.warning(
-        "a node of this model (%.2fB parameters) needs about %.1f GiB of host memory (%d bytes per parameter%s); "
-        "this machine has %.1f GiB available: expect it to run out of memory (docs/data-and-models.md says what "
-        "fits where)",
-        parameters / 1e9,
-        needed / GIB,
-        host_bytes_per_parameter(on_gpu),
-        ", the model trained on the GPU" if on_gpu else ", the model trained on the CPU",
-        available / GIB,
-    )
-    return True

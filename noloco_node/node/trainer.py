@@ -220,6 +220,9 @@ class Trainer:
     def final_checkpoint(self) -> None:
         """The live state as the stopped trainer left it (mid-phase too), so a restart resumes bit-exactly."""
         replica = self.replica
+        if self.thread is not None:
+            # `finished` resolves from the thread's last `finally`, a moment before the thread itself has ended
+            self.thread.join()
         assert replica is not None and not self.alive
         state = replica.state_dict()
         history = self.telemetry.history_list(KEEP_OUTER_STEPS)

@@ -151,14 +151,13 @@ def test_a_byte_level_runs_export_continues_with_init_from(tmp_path: Path) -> No
         assert torch.equal(continued(tokens), exported(tokens))
 
 
-def test_a_node_says_at_start_when_its_model_will_not_fit_in_memory(
-    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
-) -> None:
-    from noloco_node.node import memory
+def test_a_node_says_at_start_when_its_model_will_not_fit_in_memory(monkeypatch: pytest.MonkeyPatch) -> None:
+    from noloco_node.node import doctor, memory
 
-    monkeypatch.setattr(memory, "available_memory", lambda: 24 * 2**30)
+    monkeypatch.setattr(doctor, "available_memory", lambda: 24 * 2**30)
     assert memory.host_bytes_per_parameter(on_gpu=False) == 60 and memory.host_bytes_per_parameter(on_gpu=True) == 48
-    assert not memory.warn_if_memory_short(160_000_000, on_gpu=False)  # 9 GiB: fits
-    with caplog.at_level("WARNING"):
-        assert memory.warn_if_memory_short(1_100_000_000, on_gpu=False)  # 61 GiB: does not
-    assert "1.10B parameters" in caplog.text and "61.5 GiB" in caplog.text and "24.0 GiB available" in caplog.text
+    assert doctor.host_memory(160_000_000, on_gpu=False).level == "ok"  # 9 GiB: fits
+    short = doctor.host_memory(1_100_000_000, on_gpu=False)  # 61 GiB: does not
+    assert short.level == "fail", short
+    assert "1100.0M parameters x 60 B/param = 61.47 GiB" in short.detail and "24.00 GiB available" in short.detail
+    assert "smaller --model" in short.fix

@@ -1,0 +1,311 @@
+"""`noloco-node doctor`: what stops a first join, found before it fails, each with a one-line fix.
+
+It takes the settings `join` takes and checks, in order:
+
+- **this machine** (also printed as one block when `join` starts, :func:`local_checks`): the torch build against
+  the device (a GPU with a CPU build of torch, or ``--device cuda`` that torch cannot use), host memory and device
+  memory for the chosen model (the bytes per parameter a node holds, node/memory.py), disk for its checkpoints,
+  the announced address (a loopback address cannot be dialed from another machine), the gRPC port free;
+- **the network** (doctor only, :func:`network_checks`): each bootstrap peer answers on its TCP port; the DHT
+  starts through them; the run's live peers, and peers of the same run name that started from other settings
+  (they refuse this node's: the differing setting is named); the clock against the peers' records; and whether a
+  peer sees this machine's calls come from the announced address (else it is behind a NAT and will be reached
+  through relays, discovery/reachability.py).
+
+A failed check exits 1; a warning (a NAT, no peer yet) does not. ``--json`` prints the checks as a list.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import math
+import shutil
+import socket
+import statistics
+import time
+import urllib.request
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Literal
+
+import torch
+
+from noloco_node.config.node_config import NodeConfig
+from noloco_node.discovery.dht import Discovery, PeerRecord, RunStart
+from noloco_node.discovery.reachability import announce_host, seen_as
+from noloco_node.node.memory import DEVICE_BYTES, GIB, available_memory, host_bytes_per_parameter
+from noloco_node.node.run_layout import RunLayout
+from noloco_node.rpc.transport import PLAIN
+
+log = logging.getLogger(__name__)
+
+Level = Literal["ok", "warn", "fail"]
+CHECKPOINT_BYTES = 2 * 16  # a checkpoint (phi, delta, theta, Adam's moments: about 16 B/param) and its next copy
+_LOOPBACK = ("127.", "localhost", "::1")
+
+
+@dataclass(frozen=True)
+class Check:
+    name: str
+    level: Level
+    detail: str
+    fix: str = ""
+
+    def line(self) -> str:
+        mark = {"ok": "ok  ", "warn": "WARN", "fail": "FAIL"}[self.level]
+        return f"{mark} {self.name}: {self.detail}" + (f"\n       fix: {self.fix}" if self.fix else "")
+
+
+def gpu_present() -> bool:
+    """An NVIDIA GPU on this machine, whatever torch makes of it (its driver, or its tool on PATH)."""
+    return Path("/proc/driver/nvidia/version").exists() or shutil.which("nvidia-smi") is not None
+
+
+def torch_build(device: str) -> Check:
+    cuda_build = torch.version.cuda is not None
+    build = f"torch {torch.__version__} ({'CUDA ' + str(torch.version.cuda) if cuda_build else 'CPU'} build)"
+    if gpu_present() and not cuda_build:
+        return Check(
+            "torch",
+            "fail",
+            f"this machine has an NVIDIA GPU but {build} cannot use it: the model would train on the CPU",
+            "install a CUDA build of torch (https://pytorch.org/get-started/locally/), or pass --device cpu",
+        )
+    if device == "cuda" and not torch.cuda.is_available():
+        return Check(
+            "torch",
+            "fail",
+            f"--device cuda, but {build} sees no usable GPU",
+            "check the driver (nvidia-smi) and the CUDA build of torch, or pass --device auto",
+        )
+    return Check("torch", "ok", f"{build}, {'a GPU' if torch.cuda.is_available() else 'no GPU'} in use")
+
+
+def host_memory(parameters: int, on_gpu: bool) -> Check:
+    per = host_bytes_per_parameter(on_gpu)
+    needed, available = parameters * per, available_memory()
+    detail = f"{parameters / 1e6:.1f}M parameters x {per} B/param = {needed / GIB:.2f} GiB of host memory"
+    if available is None:
+        return Check("host memory", "warn", detail + "; available memory unknown here")
+    if needed > available:
+        return Check(
+            "host memory",
+            "fail",
+            f"{detail}, {available / GIB:.2f} GiB available",
+            "pick a smaller --model (noloco-node sizes), or free memory; docs/data-and-models.md says what fits",
+        )
+    return Check("host memory", "ok", f"{detail}, {available / GIB:.1f} GiB available")
+
+
+def device_memory(parameters: int) -> Check:
+    needed = parameters * DEVICE_BYTES
+    _free, total = torch.cuda.mem_get_info()
+    detail = f"{parameters / 1e6:.1f}M parameters x {DEVICE_BYTES} B/param = {needed / GIB:.2f} GiB on the GPU"
+    if needed > total:
+        return Check("device memory", "fail", f"{detail}, the GPU has {total / GIB:.1f} GiB", "pick a smaller --model")
+    return Check("device memory", "ok", f"{detail} of {total / GIB:.1f} GiB")
+
+
+def disk(data_dir: Path, parameters: int) -> Check:
+    where = data_dir
+    while not where.exists() and where != where.parent:
+        where = where.parent
+    free = shutil.disk_usage(where).free
+    needed = parameters * CHECKPOINT_BYTES
+    detail = f"{needed / GIB:.2f} GiB for checkpoints in {data_dir}, {free / GIB:.1f} GiB free"
+    if needed > free:
+        return Check("disk", "fail", detail, "free space there, or pass --data-dir on a larger disk")
+    return Check("disk", "ok", detail)
+
+
+def announced(cfg: NodeConfig) -> Check:
+    host = announce_host(cfg.grpc_host, cfg.announce_host)
+    remote = [m for m in cfg.bootstrap if not any(part in m for part in _LOOPBACK)]
+    if host.startswith(_LOOPBACK) and remote:
+        return Check(
+            "announced address",
+            "fail",
+            f"this node announces {host}, which peers on other machines (the bootstrap {remote[0]}) cannot dial",
+            "pass --grpc-host 0.0.0.0 (and --announce-host with this machine's public address), and "
+            "--dht-host-maddrs /ip4/0.0.0.0/tcp/PORT",
+        )
+    dht_loopback = all(any(part in m for part in _LOOPBACK) for m in cfg.dht_host_maddrs)
+    if dht_loopback and remote and not cfg.dht_announce_maddrs:
+        return Check(
+            "announced address",
+            "fail",
+            f"the DHT listens on loopback only ({', '.join(cfg.dht_host_maddrs)}) while the bootstrap is remote",
+            "pass --dht-host-maddrs /ip4/0.0.0.0/tcp/PORT (and --dht-announce-maddrs with the public address)",
+        )
+    return Check("announced address", "ok", f"peers dial {host}")
+
+
+def grpc_port(cfg: NodeConfig) -> Check:
+    if cfg.grpc_port == 0:
+        return Check("gRPC port", "ok", "an ephemeral port")
+    host = "0.0.0.0" if cfg.grpc_host in ("", "0.0.0.0") else cfg.grpc_host
+    with socket.socket() as probe:
+        try:
+            probe.bind((host, cfg.grpc_port))
+        except OSError as error:
+            return Check(
+                "gRPC port",
+                "fail",
+                f"cannot listen on {host}:{cfg.grpc_port}: {error.strerror}",
+                "another process holds it: stop it or pass another --grpc-port",
+            )
+    return Check("gRPC port", "ok", f"{host}:{cfg.grpc_port} is free")
+
+
+def local_checks(cfg: NodeConfig, device: str, parameters: int, on_gpu: bool) -> list[Check]:
+    checks = [torch_build(device), host_memory(parameters, on_gpu)]
+    if on_gpu and torch.cuda.is_available():
+        checks.append(device_memory(parameters))
+    return [*checks, disk(cfg.data_dir, parameters), announced(cfg), grpc_port(cfg)]
+
+
+def log_local_checks(cfg: NodeConfig, device: str, parameters: int, on_gpu: bool) -> list[Check]:
+    """`join`'s start: this machine's checks as one block, a warning when any is not ok (nothing is refused on
+    them: swap, or memory freed by other processes, may make it fit)."""
+    checks = local_checks(cfg, device, parameters, on_gpu)
+    block = "\n".join(c.line() for c in checks)
+    if all(c.level == "ok" for c in checks):
+        log.info("this machine (noloco-node doctor checks the network too):\n%s", block)
+    else:
+        log.warning("this machine has problems for this run (noloco-node doctor checks the network too):\n%s", block)
+    return checks
+
+
+# ---------------------------------------------------------------------------------------------- the network
+
+
+def bootstrap_answers(entry: str, *, timeout: float = 5.0) -> Check:
+    """A bootstrap multiaddr's TCP port accepts a connection (or its http:// address book answers)."""
+    if entry.startswith(("http://", "https://")):
+        try:
+            with urllib.request.urlopen(entry, timeout=timeout) as answer:
+                answer.read(1 << 16)
+        except (OSError, ValueError) as error:
+            return Check("bootstrap", "fail", f"{entry}: {error}", "start the bootstrap peer or fix the address")
+        return Check("bootstrap", "ok", f"{entry} answers")
+    parts = entry.split("/")
+    try:
+        host, port = parts[2], int(parts[4])
+    except (IndexError, ValueError):
+        return Check("bootstrap", "fail", f"{entry} is not /ip4|ip6|dns/HOST/tcp/PORT/p2p/ID", "copy it as printed")
+    try:
+        socket.create_connection((host, port), timeout=timeout).close()
+    except OSError as error:
+        return Check(
+            "bootstrap",
+            "fail",
+            f"{host}:{port} does not answer ({error.strerror or error})",
+            "is the bootstrap peer running? `noloco-node bootstrap` prints the addresses to join with; a firewall "
+            f"between must let TCP {port} through",
+        )
+    return Check("bootstrap", "ok", f"{host}:{port} answers")
+
+
+def clock(records: Sequence[PeerRecord], now: float, *, record_ttl: float, tolerance: float) -> Check:
+    """Peers refresh their records every record_ttl/3 s, stamped with their clock: against this machine's clock
+    the freshest is between 0 and record_ttl/3 s old; far outside that, one of the clocks is off."""
+    if not records:
+        return Check("clock", "ok", "no peer record to compare with")
+    ages = [now - r.updated for r in records]
+    freshest = min(ages)
+    typical = statistics.median(ages)
+    if freshest < -tolerance or freshest > record_ttl / 3 + tolerance:
+        return Check(
+            "clock",
+            "fail",
+            f"this clock is at least {-freshest if freshest < 0 else freshest - record_ttl / 3:.0f} s {'behind' if freshest < 0 else 'ahead of'}"
+            f" the peers' (their freshest record is {freshest:.0f} s old, median {typical:.0f} s): caller proofs "
+            f"beyond {tolerance:.0f} s of skew are refused",
+            "synchronise the clock (timedatectl set-ntp true, or chrony)",
+        )
+    return Check("clock", "ok", f"within {max(abs(freshest), 0):.1f} s of the peers' ({len(records)} records)")
+
+
+async def network_checks(
+    cfg: NodeConfig, layout: RunLayout, *, now: float | None = None, timeout: float = 5.0
+) -> list[Check]:
+    checks = [bootstrap_answers(entry, timeout=timeout) for entry in cfg.bootstrap]
+    if not cfg.bootstrap:
+        return [Check("bootstrap", "warn", "no --bootstrap: this node would start a swarm of its own")]
+    if any(c.level == "fail" for c in checks):
+        return checks
+    discovery = Discovery(
+        layout.run_fingerprint,
+        initial_peers=cfg.bootstrap,
+        host_maddrs=cfg.dht_host_maddrs,
+        client_mode=True,
+        run_name=cfg.run_name,
+        start=layout.start,
+    )
+    try:
+        await asyncio.to_thread(discovery.start)
+    except Exception as error:  # hivemind's own errors: whatever stops the DHT stops a join
+        return [*checks, Check("DHT", "fail", f"could not join through the bootstrap: {error}", "check --bootstrap")]
+    try:
+        checks.append(Check("DHT", "ok", "joined through the bootstrap"))
+        peers = await discovery.live_peers()
+        others = await discovery.other_starts()
+        checks.append(_run_check(cfg, layout, peers, others))
+        checks.append(
+            clock(
+                peers,
+                time.time() if now is None else now,
+                record_ttl=cfg.record_ttl,
+                tolerance=cfg.security.max_clock_skew,
+            )
+        )
+        checks.append(await asyncio.to_thread(_seen_from_outside, cfg, peers, timeout))
+    finally:
+        await asyncio.to_thread(discovery.shutdown)
+    return checks
+
+
+def _run_check(cfg: NodeConfig, layout: RunLayout, peers: list[PeerRecord], others: list[RunStart]) -> Check:
+    if others and not peers:
+        return Check(
+            "run",
+            "fail",
+            others[0].refusal(cfg.run_name, layout.start),
+            "take the swarm's settings (`noloco-node config show` on a member) or another --run-name",
+        )
+    detail = f"{len(peers)} live peers of run {cfg.run_name!r} (fingerprint {layout.run_fingerprint})"
+    if others:
+        detail += f"; {len(others)} more of this run name refuse this node's settings"
+    if not peers:
+        return Check("run", "warn", detail + ": this node would be the first", "")
+    return Check("run", "ok", detail)
+
+
+def _seen_from_outside(cfg: NodeConfig, peers: list[PeerRecord], timeout: float) -> Check:
+    """Asked of up to three reachable peers over plain gRPC (a private run's peers refuse it: a warning then)."""
+    host = announce_host(cfg.grpc_host, cfg.announce_host)
+    for peer in [p for p in peers if p.reachable and p.address][:3]:
+        try:
+            seen = seen_as(peer.address, peer.peer_id, PLAIN, timeout=timeout)
+        except Exception:  # that peer is gone or busy: the next
+            continue
+        if seen and seen != host:
+            return Check(
+                "reachable",
+                "warn",
+                f"{peer.address} sees this machine's calls come from {seen}, not {host}: behind a NAT, this node "
+                "will be reached through relays (their bandwidth)",
+                f"to be dialed directly, forward the gRPC port to this machine and pass --announce-host {seen}",
+            )
+        if seen:
+            return Check("reachable", "ok", f"{peer.address} sees this machine as {seen}, the announced address")
+    return Check("reachable", "warn", "no reachable peer answered to say where this machine's calls come from")
+
+
+def run_doctor(cfg: NodeConfig, layout: RunLayout, device: str) -> list[Check]:
+    on_gpu = device == "cuda" or (device == "auto" and torch.cuda.is_available())
+    parameters = sum(math.prod(shape) for shape in layout.shapes)
+    checks = local_checks(cfg, device, parameters, on_gpu)
+    return checks + asyncio.run(network_checks(cfg, layout))
