@@ -74,7 +74,7 @@ def seen_as(address: str, peer_id: str, transport: Transport, *, timeout: float 
     with transport.channel(address) as channel:
         call = channel.unary_unary(INFO_METHOD)
         _reply, answered = call.with_call(b"", timeout=timeout, metadata=metadata)
-    return next((str(v) for k, v in answered.initial_metadata() or () if k == SEEN_AS_HEADER), "")
+    return next((str(v) for k, v in answered.trailing_metadata() or () if k == SEEN_AS_HEADER), "")
 
 
 def check_reachable(

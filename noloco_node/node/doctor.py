@@ -217,12 +217,13 @@ def clock(records: Sequence[PeerRecord], now: float, *, record_ttl: float, toler
     freshest = min(ages)
     typical = statistics.median(ages)
     if freshest < -tolerance or freshest > record_ttl / 3 + tolerance:
+        off = -freshest if freshest < 0 else freshest - record_ttl / 3
+        direction = "behind" if freshest < 0 else "ahead of"
         return Check(
             "clock",
             "fail",
-            f"this clock is at least {-freshest if freshest < 0 else freshest - record_ttl / 3:.0f} s {'behind' if freshest < 0 else 'ahead of'}"
-            f" the peers' (their freshest record is {freshest:.0f} s old, median {typical:.0f} s): caller proofs "
-            f"beyond {tolerance:.0f} s of skew are refused",
+            f"this clock is at least {off:.0f} s {direction} the peers' (their freshest record is {freshest:.0f} s "
+            f"old, median {typical:.0f} s): caller proofs beyond {tolerance:.0f} s of skew are refused",
             "synchronise the clock (timedatectl set-ntp true, or chrony)",
         )
     return Check("clock", "ok", f"within {max(abs(freshest), 0):.1f} s of the peers' ({len(records)} records)")

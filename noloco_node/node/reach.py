@@ -42,6 +42,7 @@ class Reach:
         self.reachable = True  # until a check says otherwise
         self.witnessed = not cfg.check_reachability  # nothing to ask when the checks are off
         self.problem = ""
+        self.nobody_to_ask = True  # the last check found no reachable peer to be its witness
         self.tunnels: Tunnels | None = None
         self.relay: RelayService | None = None
         self.address = ""
@@ -75,6 +76,7 @@ class Reach:
             peers = []
         candidates = [(p.address, p.peer_id) for p in peers if p.reachable and p.address]
         witnesses = random.sample(candidates, min(WITNESSES, len(candidates)))
+        self.nobody_to_ask = not witnesses
         check = await asyncio.wait_for(
             asyncio.to_thread(
                 check_reachable, self.address, self.discovery.peer_id, self.transport, witnesses=witnesses
@@ -113,9 +115,10 @@ class Reach:
         return {
             "reachable": self.reachable,
             "p2p_id": self.tunnels.p2p_id,
-            # Offered as a relay only once a witness has confirmed it: a member behind a NAT whose first check found
-            # no witness looks reachable, and its neighbours on the same network could take it for a relay.
-            "p2p_addrs": self._p2p_addrs if self.reachable and self.witnessed else (),
+            # Offered as a relay once a witness has confirmed it, or while no reachable peer exists to ask (the only
+            # reachable member of a swarm). A member behind a NAT whose first check found witnesses that could not
+            # settle it looks reachable, and its neighbours on the same network could take it for a relay.
+            "p2p_addrs": self._p2p_addrs if self.reachable and (self.witnessed or self.nobody_to_ask) else (),
             "relays": () if self.reachable else tuple(self.tunnels.relays),
         }
 

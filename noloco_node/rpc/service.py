@@ -311,7 +311,9 @@ class PeerService:
             parse(pb.InfoRequest, raw, context)
             # Where the caller's connection came from, as this node sees it: a caller behind a NAT learns that it
             # announces an address nobody else can dial (discovery/reachability.py).
-            context.send_initial_metadata(((SEEN_AS_HEADER, self.gate.address_of(context)),))
+            context.set_trailing_metadata(
+                ((SEEN_AS_HEADER, self.gate.address_of(context)),)
+            )  # initial: the run's proof
             return self.node.info()
         finally:
             self.gate.admission.leave(ticket)

@@ -8,6 +8,8 @@ from __future__ import annotations
 import time
 from pathlib import Path
 
+import pytest
+
 from .swarm_harness import Bootstrap, NodeProcess, run_attacker, stop_all
 
 TRAIN = ["--model", "tiny", "--seq-len", "64", "--batch-size", "8", "--eval-batches", "2"]
@@ -71,6 +73,7 @@ def _established(nodes: list[NodeProcess]) -> set[str]:
     raise AssertionError("the honest swarm did not get going")
 
 
+@pytest.mark.slow  # a soak of about three minutes under two floods: `make test-slow`
 def test_a_fresh_key_flood_from_one_or_several_addresses_takes_at_most_its_share_of_rounds(
     bootstrap: Bootstrap, tmp_path: Path
 ) -> None:

@@ -24,6 +24,7 @@ HALVES = ((0, 1), (2, 3))
 SPLIT_SECONDS = 60.0
 
 
+@pytest.mark.slow  # four nodes for almost two minutes, one of them split: `make test-slow`
 @pytest.mark.skipif(os.geteuid() != 0, reason="network namespaces need root")
 def test_a_swarm_split_for_a_minute_merges_again_and_nobody_is_quarantined(tmp_path: Path) -> None:
     with shaped_network(4, rate_mbit=1000, rtt_ms=2, prefix="nlpart") as net:
