@@ -44,6 +44,7 @@ class MemberFigures:
     tunnels_served: int
     tunnels_opened: int
     nat_partners: int  # blends with another member behind a NAT (this member being behind one too)
+    served: int  # of its last exchanges (status `exchanges`), those it was called for: behind a NAT, all relayed
     reachable: bool
 
     @property
@@ -96,7 +97,7 @@ def measure_swarm(
                     f"{name}: not settled: {[(s.get('reachable'), s.get('relays')) for s in statuses()]}"
                 )
             time.sleep(1)
-        start = time.time()
+        start, initial = time.time(), statuses()
         time.sleep(seconds)
         final = statuses()
     finally:
@@ -114,10 +115,12 @@ def measure_swarm(
                 outer_steps=len(steps),
                 blended=len(blended),
                 seconds_per_outer_step=(times[-1] - times[0]) / (len(times) - 1) if len(times) > 1 else float("nan"),
-                relayed_bytes=int(status["relayed_bytes"]),
-                tunnels_served=int(status["tunnels_served"]),
-                tunnels_opened=int(status["tunnels_opened"]),
+                # what was carried, served and opened within the measured window
+                relayed_bytes=int(status["relayed_bytes"]) - int(initial[i]["relayed_bytes"]),
+                tunnels_served=int(status["tunnels_served"]) - int(initial[i]["tunnels_served"]),
+                tunnels_opened=int(status["tunnels_opened"]) - int(initial[i]["tunnels_opened"]),
                 nat_partners=sum(1 for h in blended if behind[i] and behind[index.get(h["partner"], 0)]),
+                served=sum(1 for e in status["exchanges"] if e["role"] == "served" and e["outcome"] == "completed"),
                 reachable=bool(status["reachable"]),
             )
         )
@@ -146,6 +149,7 @@ def report(results: Sequence[SwarmFigures]) -> str:
     for m in results[-1].members:
         lines.append(
             f"  {m.label:>15} {m.public_address:>11}: blended {m.blended}/{m.outer_steps}, relayed "
-            f"{m.relayed_bytes} bytes for others, tunnels served {m.tunnels_served}, opened {m.tunnels_opened}"
+            f"{m.relayed_bytes} bytes for others, tunnels served {m.tunnels_served}, opened {m.tunnels_opened}; "
+            f"called in {m.served} of its last exchanges"
         )
     return "\n".join(lines)

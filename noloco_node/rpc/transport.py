@@ -49,7 +49,8 @@ class _PooledChannel:
 
     Reusing one connection per peer saves the TCP (and TLS) handshakes and, with the kernel keeping its congestion
     window (``net.ipv4.tcp_slow_start_after_idle=0``), the slow start of every exchange: on a 50 ms path that is
-    several round trips per call. A call that fails drops the channel from the pool (a restarted or dead peer
+    several round trips per call. A call that fails on its connection (not one the peer answered: busy, out of
+    reach, refused) drops the channel from the pool (a restarted or dead peer
     gets a fresh connection next time); calls still using it finish on it, and it closes when the last goes.
     """
 
@@ -59,9 +60,32 @@ class _PooledChannel:
     def __enter__(self) -> grpc.Channel:
         return self.transport._pooled(self.address)
 
-    def __exit__(self, kind: type[BaseException] | None, *_: object) -> None:
-        if kind is not None:
+    def __exit__(self, kind: type[BaseException] | None, error: BaseException | None, *_: object) -> None:
+        if kind is not None and _connection_may_be_broken(error):
             self.transport._drop(self.address)
+
+
+# A call that ended with one of these says nothing against its connection: the peer answered (busy, out of reach,
+# a refused payload). Keeping the connection matters most for a tunnel (discovery/tunnels.py), whose setup costs
+# several round trips through a relay.
+_ANSWERED = frozenset(
+    {
+        grpc.StatusCode.RESOURCE_EXHAUSTED,
+        grpc.StatusCode.OUT_OF_RANGE,
+        grpc.StatusCode.INVALID_ARGUMENT,
+        grpc.StatusCode.FAILED_PRECONDITION,
+        grpc.StatusCode.ABORTED,
+        grpc.StatusCode.PERMISSION_DENIED,
+        grpc.StatusCode.UNAUTHENTICATED,
+    }
+)
+
+
+def _connection_may_be_broken(error: BaseException | None) -> bool:
+    code = getattr(error, "code", None)
+    if callable(code):  # grpc.RpcError
+        code = code()
+    return code not in _ANSWERED
 
 
 class Transport:
