@@ -3,8 +3,9 @@
 Six members on shaped links: first all on the public segment (the reference), then two public and four behind two
 home routers (port-restricted and symmetric NAT, two members to a router), reached through relays
 (discovery/tunnels.py). Each run is measured for the same wall time once every member knows whether it can be
-dialed (and, behind a NAT, holds its relays): blend rate (outer steps with a partner), time per outer step, bytes
-the relays carried, and pairs of two NAT'd members. Needs root and nftables.
+dialed (and, behind a NAT, holds its relays) and has blended at its last three outer steps: blend rate (outer
+steps with a partner), time per outer step, bytes the relays carried, and pairs of two NAT'd members. Needs root
+and nftables.
 """
 
 from __future__ import annotations
@@ -30,6 +31,9 @@ def node_args(model: str, inner_steps: int) -> list[str]:
         # adaptive norm bound then refuses a far partner (its own benchmark is `bench outsider`): a fixed, loose
         # bound keeps that out of the figures.
         *("--norm-bound", "2.0"),
+        # For the same reason, a member the scheduler slows for a while falls a few outer steps behind, out of its
+        # partners' reach (and steps alone until it catches up): a wider reach keeps that out of the figures too.
+        *("--max-staleness", "8"),
     ]
 
 
@@ -88,7 +92,11 @@ def measure_swarm(
             return [swarm.status(slot) or {} for slot in swarm.slots]
 
         def settled(status: dict[str, Any], nat: bool) -> bool:
-            return status.get("reachable") is (not nat) and (not nat or len(status.get("relays", [])) >= 1)
+            """It knows whether it can be dialed, holds relays if not, and trains in step with the swarm (a swarm
+            launched together: the first outer steps of a member that started late are alone until it catches up)."""
+            reached = status.get("reachable") is (not nat) and (not nat or len(status.get("relays", [])) >= 1)
+            recent = status.get("history", [])[-3:]
+            return reached and len(recent) == 3 and all(h["partner"] for h in recent)
 
         deadline = time.monotonic() + settle_seconds
         while not all(settled(s, nat) for s, nat in zip(statuses(), behind, strict=True)):

@@ -22,7 +22,7 @@ from typing import Any
 
 from noloco_node.config.node_config import NodeConfig
 from noloco_node.discovery.dht import Discovery, PeerRecord
-from noloco_node.discovery.reachability import check_reachable
+from noloco_node.discovery.reachability import check_reachable, witnesses_for
 from noloco_node.discovery.relay import RelayBudget, RelayMetrics, RelayService
 from noloco_node.discovery.tunnels import Tunnels
 from noloco_node.rpc.metrics import ExchangeMetrics
@@ -31,6 +31,7 @@ from noloco_node.rpc.transport import Transport
 log = logging.getLogger(__name__)
 
 WITNESSES = 3  # reachable peers asked, in turn, which address this node's calls come from
+WITNESS_SECONDS = 3.0
 
 
 class Reach:
@@ -74,12 +75,19 @@ class Reach:
             peers = await self.discovery.live_peers()
         except Exception:  # no DHT answer yet: the self-check alone, and a witness is asked at the next refresh
             peers = []
-        candidates = [(p.address, p.peer_id) for p in peers if p.reachable and p.address]
+        candidates = witnesses_for(self.address, [(p.address, p.peer_id) for p in peers if p.reachable and p.address])
         witnesses = random.sample(candidates, min(WITNESSES, len(candidates)))
         self.nobody_to_ask = not witnesses
         check = await asyncio.wait_for(
             asyncio.to_thread(
-                check_reachable, self.address, self.discovery.peer_id, self.transport, witnesses=witnesses
+                check_reachable,
+                self.address,
+                self.discovery.peer_id,
+                self.transport,
+                witnesses=witnesses,
+                # An Info call is a few round trips; a witness that takes longer is skipped (a peer claiming to be
+                # reachable at an address that silently drops what is sent to it would hold the start 5 s each).
+                timeout=WITNESS_SECONDS,
             ),
             timeout=10.0 + 10.0 * len(witnesses),  # each call has its own 5 s deadline; this bounds the hand-off too
         )
