@@ -103,18 +103,18 @@ def check_reachable(
         if not _same_host(seen, host):
             return Reachability(False, f"{witness_address} sees this node's calls come from {seen}: a NAT", True)
         agreeing += 1
-    # Settled by the first witness that answers: one that disagrees settles it at once, and the ones that agree
-    # were picked off this node's own network where possible (see witnesses_for).
+    # Settled by the first witness that answers, whether it disagrees or agrees: witnesses are off this node's own
+    # network (witnesses_for).
     return Reachability(True, "", agreeing > 0)
 
 
 def witnesses_for(address: str, candidates: Sequence[tuple[str, str]]) -> list[tuple[str, str]]:
-    """The candidates ((address, peer id) of reachable peers) worth asking: those off this node's own /24 when
-    there are any. A witness behind the same NAT (a house's, a lab's network) sees this node's private address,
-    just as this node sees its own."""
+    """The candidates ((address, peer id) of reachable peers) worth asking: those off this node's own /24. A
+    witness behind the same NAT (a house's, a lab's network) sees this node's private address, just as this node
+    sees its own, and would settle it as reachable: a swarm on one network (or one machine) has no witness, and
+    there the self-check is right."""
     own = address.rpartition(":")[0].rsplit(".", 1)[0] + "."
-    far = [c for c in candidates if not c[0].startswith(own)]
-    return far or list(candidates)
+    return [c for c in candidates if not c[0].startswith(own)]
 
 
 def _answers_at(address: str, peer_id: str, transport: Transport, *, timeout: float) -> Reachability:
