@@ -1,11 +1,13 @@
 """`noloco-node bench exchange`: how fast two node processes exchange a model, against raw TCP on the same machine.
 
 Two processes each hold the fp32 weights of a named model size (random values of the right shapes) and run the
-node's own gRPC service and client (rpc/, wire/); one calls the other's ``Exchange``, so each direction
-carries the full payload at once, exactly as a pairing does. The reference is measured in the same run between two
-plain Python processes: a socket sending the same number of bytes one way, and the same both ways at once. The
-figure is the ratio, so it holds on a noisy machine. Peak RSS of the exchanging processes is printed next to the
-payload and model sizes (the receiver should need one payload-sized buffer, no whole-model copies).
+node's own gRPC service and client (rpc/, wire/) with node keys of their own, so that every call carries a caller
+proof and both payloads are sealed (security/payload_seal.py) as between nodes; one calls the other's
+``Exchange``, so each direction carries the full payload at once, exactly as a pairing does. The reference is
+measured in the same run between two plain Python processes: a socket sending the same number of bytes one way, and
+the same both ways at once. The figure is the ratio, so it holds on a noisy machine. Peak RSS of the exchanging
+processes is printed next to the payload and model sizes (the receiver should need one payload-sized buffer, no
+whole-model copies).
 """
 
 from __future__ import annotations
@@ -28,7 +30,10 @@ from noloco_node.rpc.client import Outgoing, exchange_with
 from noloco_node.rpc.contracts import AdmitsEverything
 from noloco_node.rpc.metrics import ExchangeMetrics
 from noloco_node.rpc.service import start_server
-from noloco_node.rpc.state_download import download_state
+from noloco_node.rpc.state_download import StateDownload
+from noloco_node.rpc.transport import Transport
+from noloco_node.security.caller_proof import CallerVerifier
+from noloco_node.security.identity import NodeIdentity
 from noloco_node.security.payload_guard import RunningGap, relative_distance
 from noloco_node.wire import peer_pb2 as pb
 from noloco_node.wire import quantize
@@ -53,9 +58,9 @@ def _weights(size: str, vocab: int, seed: int) -> list[tuple[str, torch.Tensor]]
 class _BenchPeer(AdmitsEverything):
     """The served side: the node's exchange service over fixed weights; every exchange is accepted."""
 
-    def __init__(self, named: list[tuple[str, torch.Tensor]], wire_dtype: str) -> None:
+    def __init__(self, named: list[tuple[str, torch.Tensor]], wire_dtype: str, peer_id: str) -> None:
         self.run_fingerprint = RUN
-        self.peer_id = "bench-server"
+        self.peer_id = peer_id
         self.layout = layout_of(named)
         self.wire_dtype = wire_dtype  # its own and the callers': one run
         manifest = build_manifest(named, wire_dtype=wire_dtype, run_fingerprint=RUN, peer_id=self.peer_id, outer_step=1)
@@ -116,11 +121,19 @@ def _server_process(
     enter(namespace)
     torch.set_num_threads(1)
     named = _weights(size, vocab, seed=1)
-    peer = _BenchPeer(named, wire_dtype)
+    identity = NodeIdentity.ephemeral()
+    peer = _BenchPeer(named, wire_dtype, identity.peer_id)
     peer.serve_state(named)
     baseline = _rss_mb()
-    server, port = start_server(peer, ExchangeMetrics(), bind=f"{host}:0", chunk_bytes=chunk_bytes)
-    conn.send(port)
+    server, port = start_server(
+        peer,
+        ExchangeMetrics(),
+        bind=f"{host}:0",
+        chunk_bytes=chunk_bytes,
+        transport=Transport(identity=identity),
+        verifier=CallerVerifier(identity.peer_id),
+    )
+    conn.send((port, identity.peer_id))
     conn.recv()  # the client is done
     server.stop(grace=1).wait(5)
     conn.send({"baseline_rss_mb": baseline, "peak_rss_mb": _rss_mb(), "completed": peer.received})
@@ -132,6 +145,7 @@ def _client_process(
     wire_dtype: str,
     chunk_bytes: int,
     address: str,
+    server_peer_id: str,
     repeats: int,
     conn: Any,
     namespace: str | None,
@@ -140,7 +154,9 @@ def _client_process(
     enter(namespace)
     torch.set_num_threads(1)
     named = _weights(size, vocab, seed=2)
-    manifest = build_manifest(named, wire_dtype=wire_dtype, run_fingerprint=RUN, peer_id="bench-client", outer_step=1)
+    identity = NodeIdentity.ephemeral()
+    transport = Transport(identity=identity)
+    manifest = build_manifest(named, wire_dtype=wire_dtype, run_fingerprint=RUN, peer_id=identity.peer_id, outer_step=1)
     started = time.perf_counter()
     outgoing = Outgoing(manifest, _published(named, wire_dtype))
     publish_seconds = time.perf_counter() - started
@@ -163,6 +179,8 @@ def _client_process(
             chunk_bytes=chunk_bytes,
             buffers=buffers,
             observer=gap,
+            peer=server_peer_id,
+            transport=transport,
         )
         seconds.append(time.perf_counter() - started)
         # What is left of the admission check (payload_guard.py) after the last byte: reading the distance.
@@ -178,9 +196,9 @@ def _client_process(
     download_seconds = []
     for _ in range(repeats if downloads else 0):
         started = time.perf_counter()
-        tensors, _ = download_state(
-            address, [(n, tuple(t.shape)) for n, t in named], run_fingerprint=RUN, peer_id="bench-client", timeout=600
-        )
+        tensors, _ = StateDownload(
+            [(n, tuple(t.shape)) for n, t in named], run_fingerprint=RUN, peer_id=identity.peer_id
+        ).fetch(address, timeout=600, transport=transport, donor_peer_id=server_peer_id)
         download_seconds.append(time.perf_counter() - started)
         del tensors
     conn.send(
@@ -301,11 +319,14 @@ def _exchange_processes(
         target=_server_process, args=(size, vocab, wire_dtype, chunk_bytes, server_tx, server_ns, server_host)
     )
     server.start()
-    port = server_rx.recv()
+    port, server_peer_id = server_rx.recv()
     client_rx, client_tx = ctx.Pipe(duplex=False)
     client = ctx.Process(
         target=_client_process,
-        args=(size, vocab, wire_dtype, chunk_bytes, f"{server_host}:{port}", repeats, client_tx, client_ns, downloads),
+        args=(
+            *(size, vocab, wire_dtype, chunk_bytes, f"{server_host}:{port}", server_peer_id),
+            *(repeats, client_tx, client_ns, downloads),
+        ),
     )
     client.start()
     client_report = client_rx.recv()

@@ -52,9 +52,10 @@ from noloco_node.rpc.state_download import StateDownload
 from noloco_node.rpc.transport import CHANNEL_OPTIONS, Transport
 from noloco_node.security.caller_proof import prove
 from noloco_node.security.identity import NodeIdentity, _wrap
+from noloco_node.security.payload_seal import PayloadSeal, call_binding
 from noloco_node.training.checkpoints import snapshot_layout
 from noloco_node.wire import peer_pb2 as pb
-from noloco_node.wire.frames import build_manifest, iter_frames
+from noloco_node.wire.frames import ChunkView, PayloadDigest, PayloadError, build_manifest, decode_frame, iter_frames
 
 CLAIMED_STEP = 1_000_000
 
@@ -260,11 +261,39 @@ def exchange_status(
         return call_exchange(channel, frames, metadata, timeout)
 
 
+def sealed(
+    frames: Sequence[bytes], identity: NodeIdentity, target_peer_id: str, proof: Sequence[tuple[str, str]]
+) -> list[bytes]:
+    """``frames`` with their end sealed by ``identity`` for the call ``proof`` opens (security/payload_seal.py), as
+    any sender can seal whatever it sends: the digest covers the frames as they are. Frames that do not make a
+    manifest, chunks and an end are returned unchanged."""
+    out = list(frames)
+    try:
+        manifest = decode_frame(out[0]) if out else None
+        if not isinstance(manifest, pb.Manifest):
+            return out
+        digest = PayloadDigest(manifest)
+        for at, raw in enumerate(out[1:], start=1):
+            body = decode_frame(raw)
+            if isinstance(body, ChunkView):
+                digest.chunk(body.tensor_index, body.offset, body.data)
+            elif isinstance(body, pb.End):
+                seal = PayloadSeal(identity, peer=target_peer_id, binding=call_binding(proof))
+                signature, key = seal.sign(digest.digest())
+                end = pb.End(total_bytes=body.total_bytes, signature=signature, signer_key=key)
+                out[at] = pb.Frame(end=end).SerializeToString()
+                break
+    except PayloadError:  # frames no receiver could read: sent as they are
+        return list(frames)
+    return out
+
+
 def send_exchange(
     address: str, target: Target, frames: Sequence[bytes], identity: NodeIdentity, *, timeout: float = 30
 ) -> tuple[grpc.StatusCode, str]:
-    """One Exchange sending exactly ``frames`` with a valid proof of ``identity`` made for the target."""
-    return exchange_status(address, frames, prove(identity, EXCHANGE_METHOD, target.peer_id), timeout)
+    """One Exchange sending ``frames``, sealed, with a valid proof of ``identity`` made for the target."""
+    proof = prove(identity, EXCHANGE_METHOD, target.peer_id)
+    return exchange_status(address, sealed(frames, identity, target.peer_id, proof), proof, timeout)
 
 
 def forged_payload(

@@ -6,10 +6,12 @@ to reach it opens a libp2p stream to one of them asking for it; the relay opens 
 connection the member made (outbound, so its NAT lets it through) and splices the two.
 
 - At the member, each tunnel stream is joined to its own gRPC server on this machine (:meth:`Tunnels._serve`).
-- At the caller, gRPC dials a local endpoint (127.0.0.1, one per member reached this way) whose every connection
-  becomes a relayed stream (:meth:`Tunnels.prepare`, Transport.route). gRPC, caller proofs, admission and every
-  payload check therefore run end to end, unchanged, exactly as on a direct connection; with ``--tls`` the bytes
-  are encrypted end to end too, and the relay sees only ciphertext.
+- At the caller, gRPC dials a local endpoint (127.0.0.1, one per member reached this way, kept by its peer id: two
+  members behind different NATs may well announce the same private address) whose every connection becomes a
+  relayed stream (:meth:`Tunnels.prepare`). gRPC, caller proofs, admission and every payload check therefore run end
+  to end, unchanged, exactly as on a direct connection; both payloads are sealed by their senders
+  (security/payload_seal.py), so the relay can neither alter nor replace them undetected, and with ``--tls`` it
+  sees only ciphertext.
 
 Why not libp2p's own circuit relay: the relay of hivemind's p2pd limits each relayed connection to 128 KiB and two
 minutes (limited relays are meant for hole-punch coordination), and a model's exchange moves megabytes to
@@ -26,7 +28,8 @@ import asyncio
 import contextlib
 import logging
 import random
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
 from typing import Any
 
 from noloco_node.discovery.dht import PeerRecord
@@ -49,6 +52,17 @@ MAX_ENDPOINTS = 64  # local endpoints kept for unreachable peers (as many as the
 _WILDCARDS = {"", "0.0.0.0", "::", "[::]"}
 
 
+@dataclass
+class _Endpoint:
+    """A local endpoint for one unreachable peer: its listening server, its address, where the peer is on libp2p
+    and the relays its latest record names (renewed at each call: a member replaces a relay that left)."""
+
+    server: asyncio.Server
+    address: str
+    p2p_id: str
+    relays: list[str] = field(default_factory=list)
+
+
 class Tunnels:
     """This node's libp2p side of relayed gRPC: serves tunnels into its server, opens tunnels to unreachable peers."""
 
@@ -62,15 +76,15 @@ class Tunnels:
         self.tunnelled_calls = 0  # tunnels served into this node's server
         self.tunnels_opened = 0  # tunnels this node opened to unreachable peers
         self._origins: dict[int, str] = {}  # local source port of a served tunnel -> the caller's address
-        self._endpoints: dict[str, tuple[asyncio.Server, str]] = {}  # gRPC address -> (local server, endpoint)
+        self._endpoints: dict[str, _Endpoint] = {}  # peer id -> its local endpoint, least recently used first
         self._relay_addrs: dict[str, list[str]] = {}  # relay libp2p id -> its multiaddrs (from DHT records)
 
     async def start(self) -> None:
         await self.p2p.add_binary_stream_handler(TUNNEL_PROTOCOL, self._serve)
 
     async def close(self) -> None:
-        for server, _endpoint in self._endpoints.values():
-            server.close()
+        for endpoint in self._endpoints.values():
+            endpoint.server.close()
         self._endpoints.clear()
 
     # ------------------------------------------------------------------------------------------ the member's end
@@ -120,36 +134,41 @@ class Tunnels:
             live = {p.p2p_id for p in peers}
             self._relay_addrs = {k: v for k, v in self._relay_addrs.items() if k in live}
 
-    async def prepare(self, peer: PeerRecord) -> bool:
-        """Make ``peer`` callable: True at once for a reachable peer; for an unreachable one with relays, route its
-        address through a local endpoint; False when there is no way to it."""
+    async def prepare(self, peer: PeerRecord) -> str | None:
+        """The gRPC address to dial ``peer`` at: its own for a reachable peer; for an unreachable one with relays,
+        its local endpoint (made on first use); None when there is no way to it."""
         if peer.reachable:
-            return True
+            return peer.address
         if not peer.relays or not peer.p2p_id:
-            return False
-        if peer.address not in self._endpoints:
+            return None
+        endpoint = self._endpoints.pop(peer.peer_id, None)
+        if endpoint is not None and endpoint.p2p_id != peer.p2p_id:  # the member restarted its daemon
+            self._close(endpoint)
+            endpoint = None
+        if endpoint is None:
             while len(self._endpoints) >= MAX_ENDPOINTS:
-                oldest = next(iter(self._endpoints))
-                self._drop(oldest)
-            server = await asyncio.start_server(
-                lambda r, w: self._open(peer.p2p_id, list(peer.relays), r, w), host="127.0.0.1", port=0
+                self._close(self._endpoints.pop(next(iter(self._endpoints))))
+            holder: list[_Endpoint] = []
+            server = await asyncio.wait_for(
+                asyncio.start_server(lambda r, w: self._open(holder[0], r, w), host="127.0.0.1", port=0),
+                HEADER_SECONDS,
             )
-            endpoint = f"127.0.0.1:{server.sockets[0].getsockname()[1]}"
-            self._endpoints[peer.address] = (server, endpoint)
-            self.transport.route(peer.address, endpoint)
-        return True
+            address = f"127.0.0.1:{server.sockets[0].getsockname()[1]}"
+            endpoint = _Endpoint(server, address, peer.p2p_id)
+            holder.append(endpoint)
+        endpoint.relays = list(peer.relays)
+        self._endpoints[peer.peer_id] = endpoint  # most recently used last
+        return endpoint.address
 
-    def _drop(self, address: str) -> None:
-        server, _endpoint = self._endpoints.pop(address)
-        server.close()
-        self.transport.route(address, None)
+    def _close(self, endpoint: _Endpoint) -> None:
+        endpoint.server.close()
+        self.transport.forget(endpoint.address)  # its port may go to another peer's endpoint
 
-    async def _open(
-        self, target: str, relays: list[str], reader: asyncio.StreamReader, writer: asyncio.StreamWriter
-    ) -> None:
-        """One gRPC connection to ``target``: through the first of its relays that takes it."""
+    async def _open(self, endpoint: _Endpoint, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        """One gRPC connection to the endpoint's peer: through the first of its relays that takes it."""
         from hivemind.p2p import PeerID  # the DHT's library; imported where used (the launcher never needs it)
 
+        target, relays = endpoint.p2p_id, list(endpoint.relays)
         random.shuffle(relays)
         if self.p2p_id in relays:  # this node is one of the target's relays: the target holds a connection to it
             relays = [self.p2p_id] + [r for r in relays if r != self.p2p_id]
@@ -195,26 +214,36 @@ class Tunnels:
 
     # ------------------------------------------------------------------------------------------ an unreachable member
 
-    async def hold_relays(self, peers: Sequence[PeerRecord]) -> list[str]:
-        """Keep connections to up to RELAYS_HELD reachable, relaying members (kept while they stay live); the
-        relays to name in this node's record."""
+    async def hold_relays(
+        self, peers: Sequence[PeerRecord], *, established: Callable[[str], bool] = lambda _peer: False
+    ) -> list[str]:
+        """Keep connections to up to RELAYS_HELD reachable, relaying members; the relays to name in this node's
+        record. Whoever relays can cut this node off (never alter what it forwards: security/payload_seal.py), and
+        free keys can offer themselves as relays by the hundred, so the choice is not left to chance alone: peers
+        this node has standing with (``established``, pairing/standing.py) first, one relay per host, those already
+        held before new ones of the same rank."""
         from hivemind.p2p import PeerID
 
         self.learn(peers)
-        live = {p.p2p_id for p in peers if p.reachable and p.p2p_addrs}
-        held = [r for r in self.relays if r in live]
-        candidates = [p for p in live if p not in held]
-        random.shuffle(candidates)
+        relaying = {p.p2p_id: p for p in peers if p.reachable and p.p2p_id and p.p2p_addrs}
+        shuffled = list(relaying.values())
+        random.shuffle(shuffled)
+        held = set(self.relays)
+        shuffled.sort(key=lambda p: (not established(p.peer_id), p.p2p_id not in held))
+        first_of_host: dict[str, PeerRecord] = {}
+        for peer in shuffled:
+            first_of_host.setdefault(peer.host, peer)
+        ranked = list(first_of_host.values()) + [p for p in shuffled if first_of_host[p.host] is not p]
         kept: list[str] = []
-        for relay in held + candidates:  # the held ones first: dialing a connected peer is a no-op, a lost one redials
+        for peer in ranked:  # dialing a connected peer is a no-op, a lost one redials
             if len(kept) >= RELAYS_HELD:
                 break
             try:
-                await self._connect(relay, PeerID.from_base58(relay))
+                await self._connect(peer.p2p_id, PeerID.from_base58(peer.p2p_id))
             except Exception as error:
-                log.debug("could not hold relay %s: %r", relay, error)
+                log.debug("could not hold relay %s: %r", peer.p2p_id, error)
                 continue
-            kept.append(relay)
+            kept.append(peer.p2p_id)
         if kept != self.relays:
             log.info("unreachable: reached through relays %s", ", ".join(kept) or "(none yet)")
         self.relays = kept

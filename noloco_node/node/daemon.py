@@ -105,7 +105,10 @@ class Node:
         self.status_url = ""
         self.dht_maddrs: list[str] = []
         self.metrics = ExchangeMetrics()
-        self.reach = Reach(node_cfg, self.discovery, self.security.transport, self.metrics)
+        self.standing = Standing(standing_seconds=node_cfg.standing_seconds, stranger_share=node_cfg.stranger_share)
+        self.reach = Reach(
+            node_cfg, self.discovery, self.security.transport, self.metrics, established=self.standing.established
+        )
         self.telemetry = Telemetry(
             tokens_per_step=train_cfg.batch_size * train_cfg.seq_len,
             degraded_after=node_cfg.degraded_after,
@@ -116,7 +119,6 @@ class Node:
             min_deadline=node_cfg.min_exchange_deadline,
             avoid_seconds=node_cfg.avoid_seconds,
         )
-        self.standing = Standing(standing_seconds=node_cfg.standing_seconds, stranger_share=node_cfg.stranger_share)
         self.supervisor = Supervisor()
         self.stop_event = threading.Event()  # a stop was asked for, or the trainer ended
         self.stop_requested = asyncio.Event()  # SIGINT or SIGTERM (replaced in run(), on its event loop)

@@ -17,7 +17,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import random
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from noloco_node.config.node_config import NodeConfig
@@ -32,11 +32,21 @@ log = logging.getLogger(__name__)
 
 WITNESSES = 3  # reachable peers asked, in turn, which address this node's calls come from
 WITNESS_SECONDS = 3.0
+DAEMON_SECONDS = 30.0  # a request to the DHT's own libp2p daemon (local): it answers at once or is wedged
 
 
 class Reach:
-    def __init__(self, cfg: NodeConfig, discovery: Discovery, transport: Transport, metrics: ExchangeMetrics) -> None:
+    def __init__(
+        self,
+        cfg: NodeConfig,
+        discovery: Discovery,
+        transport: Transport,
+        metrics: ExchangeMetrics,
+        *,
+        established: Callable[[str], bool] = lambda _peer: False,
+    ) -> None:
         self.cfg = cfg
+        self.established = established  # peers with standing (pairing/standing.py): preferred as relays
         self.discovery = discovery
         self.transport = transport
         self.relay_metrics = RelayMetrics(metrics.registry)
@@ -53,13 +63,15 @@ class Reach:
     async def start(self, address: str, bound_port: int, dht_maddrs: Sequence[str]) -> None:
         """Once the gRPC server listens: the tunnel endpoint, the relay (if on), and the first check."""
         self.address, self.bound_port = address, bound_port
-        p2p = await self.discovery.p2p()
+        # Each is a request to the DHT's local libp2p daemon (a socket on this machine): answered in milliseconds,
+        # or the daemon is wedged and the start fails with a timeout that says so.
+        p2p = await asyncio.wait_for(self.discovery.p2p(), DAEMON_SECONDS)
         self.tunnels = Tunnels(p2p, grpc_host=self.cfg.grpc_host, grpc_port=bound_port, transport=self.transport)
-        await self.tunnels.start()
+        await asyncio.wait_for(self.tunnels.start(), DAEMON_SECONDS)
         if self.cfg.relay:
             budget = RelayBudget(slots=self.cfg.relay_slots, bytes_per_hour=int(self.cfg.relay_gb_per_hour * 1e9))
             self.relay = RelayService(p2p, budget, self.relay_metrics)
-            await self.relay.start()
+            await asyncio.wait_for(self.relay.start(), DAEMON_SECONDS)
             self._p2p_addrs = tuple(dht_maddrs)
         await self.check()
 
@@ -102,7 +114,7 @@ class Reach:
         if not self.witnessed:
             await self.check()
         if not self.reachable and self.tunnels is not None:
-            await self.tunnels.hold_relays(await self.discovery.live_peers())
+            await self.tunnels.hold_relays(await self.discovery.live_peers(), established=self.established)
 
     # ------------------------------------------------------------------------------------------ for callers
 
@@ -110,11 +122,12 @@ class Reach:
         if self.tunnels is not None:
             self.tunnels.learn(peers)
 
-    async def prepare(self, peer: PeerRecord) -> bool:
-        """Whether ``peer`` can be called now (an unreachable one through its relays)."""
+    async def prepare(self, peer: PeerRecord) -> str | None:
+        """Where to dial ``peer`` now: its own address, or for an unreachable one a tunnel through its relays; None
+        when there is no way to it."""
         if peer.reachable:
-            return True
-        return self.tunnels is not None and await self.tunnels.prepare(peer)
+            return peer.address
+        return None if self.tunnels is None else await self.tunnels.prepare(peer)
 
     def record_fields(self) -> dict[str, Any]:
         """What this node's DHT record says about reaching it."""

@@ -57,7 +57,10 @@ class PeerPaths(Protocol):
 
     def learn(self, peers: Sequence[PeerRecord]) -> None: ...
 
-    async def prepare(self, peer: PeerRecord) -> bool: ...
+    async def prepare(self, peer: PeerRecord) -> str | None:
+        """The gRPC address to dial ``peer`` at now (its own, or a tunnel's local endpoint), or None when there is
+        no way to it."""
+        ...
 
 
 class DirectOnly:
@@ -66,8 +69,8 @@ class DirectOnly:
     def learn(self, peers: Sequence[PeerRecord]) -> None:
         pass
 
-    async def prepare(self, peer: PeerRecord) -> bool:
-        return peer.reachable
+    async def prepare(self, peer: PeerRecord) -> str | None:
+        return peer.address if peer.reachable else None
 
 
 class PeerCaller:
@@ -136,14 +139,15 @@ class PeerCaller:
         deadline = self.policy.deadline(peer.peer_id)
         started = time.monotonic()
         loop = asyncio.get_running_loop()
-        if not await self.paths.prepare(peer):
+        dial = await self.paths.prepare(peer)
+        if dial is None:
             self._failed(peer, deadline, ExchangeError(grpc.StatusCode.UNAVAILABLE, "no_path", "no relay to it"))
             return None
         try:
             # The call is bounded by its own gRPC deadline; the outer bound only covers the hand-off to a thread,
             # which is immediate: the executor has a thread for every exchange a node can have in flight.
             payload = await asyncio.wait_for(
-                loop.run_in_executor(self.executor, self._exchange, peer, outgoing, kind, deadline, complete),
+                loop.run_in_executor(self.executor, self._exchange, peer, dial, outgoing, kind, deadline, complete),
                 timeout=deadline + 5,
             )
         except (ExchangeError, asyncio.TimeoutError) as error:
@@ -155,6 +159,7 @@ class PeerCaller:
     def _exchange(
         self,
         peer: PeerRecord,
+        dial: str,
         outgoing: OutgoingPayload,
         kind: str,
         deadline: float,
@@ -166,14 +171,15 @@ class PeerCaller:
             if not outgoing.hold():
                 raise ExchangeError(grpc.StatusCode.ABORTED, "busy", "the offer was withdrawn before the call")
             try:
-                return self._stream(peer, outgoing, self.settings.kinds[kind], deadline, complete)
+                return self._stream(peer, dial, outgoing, self.settings.kinds[kind], deadline, complete)
             finally:
                 outgoing.release()
-        return self._stream(peer, outgoing, self.settings.kinds[kind], deadline, complete)
+        return self._stream(peer, dial, outgoing, self.settings.kinds[kind], deadline, complete)
 
     def _stream(
         self,
         peer: PeerRecord,
+        dial: str,
         outgoing: OutgoingPayload,
         kind: PayloadKind,
         deadline: float,
@@ -182,7 +188,7 @@ class PeerCaller:
         settings = self.settings
         admit = self.admit if complete is None else (lambda payload: self.admit(complete(payload)))
         return exchange_with(
-            peer.address,
+            dial,
             outgoing,
             kind.layout,
             run_fingerprint=settings.run_fingerprint,

@@ -20,6 +20,7 @@ from noloco_node.errors import NolocoError
 from noloco_node.rpc.contracts import EXCHANGE_METHOD, INFO_METHOD, OUTER_STEP_HEADER, OutgoingPayload
 from noloco_node.rpc.metrics import ExchangeMetrics
 from noloco_node.rpc.transport import PLAIN, Transport
+from noloco_node.security.payload_seal import PayloadSeal, call_binding
 from noloco_node.wire import peer_pb2 as pb
 from noloco_node.wire import peer_pb2_grpc as pb_grpc
 from noloco_node.wire.frames import (
@@ -175,6 +176,14 @@ def exchange_with(
     payload sent at once, eight nodes at 0.33 Mbit/s calling each other filled their links with the weights of
     refused calls, behind which every answer queued, and blended 4 of 32 outer steps (bench race).
     """
+    metadata, nonce = transport.sign(EXCHANGE_METHOD, peer or "")
+    # Both payloads are sealed (security/payload_seal.py) whenever this node proves who it is to a known peer: what
+    # it receives must be that peer's, signed for this call, whatever path the bytes took.
+    seal = (
+        PayloadSeal(transport.identity, peer=peer, binding=call_binding(metadata))
+        if transport.identity is not None and peer
+        else None
+    )
     receiver = PayloadReceiver(
         expected,
         run_fingerprint=run_fingerprint,
@@ -182,6 +191,7 @@ def exchange_with(
         allowed_dtypes=(wire_dtype,) if wire_dtype else ("bf16", "fp32"),
         buffers=buffers,
         observer=observer,
+        seal_check=seal.check if seal is not None else None,
     )
     started = time.monotonic()
     sent = 0
@@ -195,7 +205,6 @@ def exchange_with(
     outcome = "failed"
     try:
         with transport.channel(address) as channel:
-            metadata, nonce = transport.sign(EXCHANGE_METHOD, peer or "")
             checked, server_proved = threading.Event(), [False]
             answered, accepted = threading.Event(), [False]
             decided = threading.Event()
@@ -206,7 +215,13 @@ def exchange_with(
                 # server has proved membership (a private run's stranger must not receive a byte of it).
                 if transport.authenticates and not (checked.wait(timeout) and server_proved[0]):
                     return
-                encoded = iter_frames(outgoing.manifest, outgoing.tensors, chunk_bytes=chunk_bytes, on_chunk=count_sent)
+                encoded = iter_frames(
+                    outgoing.manifest,
+                    outgoing.tensors,
+                    chunk_bytes=chunk_bytes,
+                    on_chunk=count_sent,
+                    signer=seal.sign if seal is not None else None,
+                )
                 yield next(encoded)  # the manifest: the peer decides on it
                 if answered.wait(timeout) and accepted[0]:
                     yield from encoded

@@ -5,7 +5,8 @@ Both directions run at once; a side that only wrote before reading would deadloc
 as soon as both payloads exceed the window. A side hands the partner's payload to its node (to blend) only once
 the payload is complete and verified and both sides have committed to the exchange (the caller's ``Verdict`` on
 the server's payload, then the server's acknowledgement); a stream cut at any byte leaves both nodes' state
-untouched.
+untouched. With a proven caller both payloads are sealed (security/payload_seal.py): signed by their sender for
+this call, so that a relay or proxy on the path can neither alter nor replace them undetected.
 
 Refusals are fast and precise: a node that is busy or not ready answers ABORTED at once (the caller tries another
 peer); a peer of another run gets FAILED_PRECONDITION; a malformed payload gets INVALID_ARGUMENT (or
@@ -46,6 +47,8 @@ from noloco_node.rpc.metrics import ExchangeMetrics
 from noloco_node.rpc.state_serving import StateServing
 from noloco_node.rpc.transport import CHANNEL_OPTIONS, PLAIN, GuardedCall, Transport, Watchdog
 from noloco_node.security.caller_proof import CallerVerifier
+from noloco_node.security.identity import NodeIdentity
+from noloco_node.security.payload_seal import PayloadSeal, call_binding
 from noloco_node.wire import peer_pb2 as pb
 from noloco_node.wire.frames import DEFAULT_CHUNK_BYTES, PayloadError, iter_frames, read_verdict, verdict_frame
 from noloco_node.wire.payload import Payload, PayloadReceiver
@@ -77,8 +80,10 @@ class PeerService:
         verifier: CallerVerifier | None = None,
         admission: Admission | None = None,
         origin: Callable[[str], str | None] = lambda _peer: None,
+        identity: NodeIdentity | None = None,
     ) -> None:
         self.node = node
+        self.identity = identity  # seals this node's payloads (with a verifier: every proven caller's call)
         self.metrics = metrics
         self.gate = CallGate(
             metrics,
@@ -94,7 +99,15 @@ class PeerService:
         self.max_call_seconds = max_call_seconds
         self.state = StateServing(node, self.gate, chunk_bytes=chunk_bytes, max_download_seconds=max_download_seconds)
 
-    def _receiver(self) -> PayloadReceiver:
+    def _seal(self, proven: str | None, context: grpc.ServicerContext) -> PayloadSeal | None:
+        """The seals of a call whose caller proved its id (security/payload_seal.py): the caller's payload must be
+        signed by it for this call, and this node signs its own for the caller."""
+        binding = call_binding(context.invocation_metadata())
+        if proven is None or self.identity is None or not binding:
+            return None
+        return PayloadSeal(self.identity, peer=proven, binding=binding)
+
+    def _receiver(self, seal: PayloadSeal | None) -> PayloadReceiver:
         observer = self.node.value_observer()  # holds the latest published state until closed
         try:
             return PayloadReceiver(
@@ -104,6 +117,7 @@ class PeerService:
                 max_total_bytes=self.node.max_payload_bytes(),
                 buffers=self.node.receive_buffers,
                 observer=observer,
+                seal_check=seal.check if seal is not None else None,
             )
         except BaseException:
             if observer is not None:
@@ -121,13 +135,14 @@ class PeerService:
         receiver: PayloadReceiver | None = None
         guard: GuardedCall | None = None
         try:  # whatever raises from here on, the slot (and what the observer holds) is given back
-            receiver = self._receiver()
+            seal = self._seal(proven, context)
+            receiver = self._receiver(seal)
             guard = self.gate.watch(
                 context,
                 limit=self.max_call_seconds,
                 progress=lambda: receiver.bytes_received if receiver is not None else 0,
             )
-            yield from self._exchange(request_iterator, context, receiver, guard, proven)
+            yield from self._exchange(request_iterator, context, receiver, guard, proven, seal)
         finally:
             if receiver is not None:
                 receiver.release_observer()
@@ -143,6 +158,7 @@ class PeerService:
         receiver: PayloadReceiver,
         guard: GuardedCall,
         proven: str | None,
+        seal: PayloadSeal | None,
     ) -> Iterator[bytes]:
         try:
             first = next(request_iterator)
@@ -238,7 +254,11 @@ class PeerService:
             outgoing = session.outgoing()
             try:
                 yield from iter_frames(
-                    outgoing.manifest, outgoing.tensors, chunk_bytes=self.chunk_bytes, on_chunk=count_sent
+                    outgoing.manifest,
+                    outgoing.tensors,
+                    chunk_bytes=self.chunk_bytes,
+                    on_chunk=count_sent,
+                    signer=seal.sign if seal is not None else None,
                 )
             except GeneratorExit:  # the caller went away while we were still sending
                 finish(f"cut_{guard.cut_reason}" if guard.cut_reason else "aborted")
@@ -389,6 +409,7 @@ def start_server(
         verifier=verifier,
         admission=admission,
         origin=origin,
+        identity=transport.identity,
     )
     server.add_generic_rpc_handlers((_handlers(service),))
     port = transport.add_port(server, bind)

@@ -129,14 +129,3 @@ class StateDownload:
             raise PayloadError(grpc.StatusCode.FAILED_PRECONDITION, "resume_mismatch", f"{address} moved on")
         self.counters = counters
 
-
-def download_state(
-    address: str,
-    layout: Sequence[tuple[str, tuple[int, ...]]],
-    *,
-    run_fingerprint: str,
-    peer_id: str,
-    timeout: float,
-) -> tuple[dict, dict]:
-    """A joiner's download of a donor's whole outer-step snapshot: verified tensors and the counters."""
-    return StateDownload(layout, run_fingerprint=run_fingerprint, peer_id=peer_id).fetch(address, timeout=timeout)

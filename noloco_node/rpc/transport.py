@@ -109,17 +109,11 @@ class Transport:
         self._channel_credentials = tls.channel_credentials() if tls else None  # read once: fail at start
         self._pool: dict[str, tuple[grpc.Channel, float]] = {}  # address -> (channel, last use), in LRU order
         self._pool_lock = threading.Lock()
-        self._routes: dict[str, str] = {}  # gRPC address -> where to dial it instead (a tunnel's local endpoint)
 
-    def route(self, address: str, endpoint: str | None) -> None:
-        """Dial ``endpoint`` whenever ``address`` is called (None: dial it directly again). Tunnels to unreachable
-        peers (discovery/tunnels.py) are routes: callers keep using the peer's own address everywhere else."""
-        with self._pool_lock:
-            if endpoint is None:
-                self._routes.pop(address, None)
-            else:
-                self._routes[address] = endpoint
-            self._pool.pop(address, None)
+    def forget(self, address: str) -> None:
+        """Close nothing, keep nothing: the next call to ``address`` connects anew (a tunnel's local endpoint that
+        was closed, discovery/tunnels.py, whose port another endpoint may reuse)."""
+        self._drop(address)
 
     @property
     def authenticates(self) -> bool:
@@ -154,7 +148,6 @@ class Transport:
 
     def new_channel(self, address: str) -> grpc.Channel:
         """A fresh, unpooled channel (the caller closes it)."""
-        address = self._routes.get(address, address)
         if self._channel_credentials is None:
             return grpc.insecure_channel(address, options=self.channel_options)
         assert self.tls is not None

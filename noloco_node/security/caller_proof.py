@@ -23,6 +23,7 @@ from collections import OrderedDict
 from collections.abc import Sequence
 from typing import Any
 
+from cryptography.exceptions import UnsupportedAlgorithm
 from hivemind.utils.crypto import RSAPublicKey
 
 from noloco_node.errors import NolocoError
@@ -102,7 +103,8 @@ class CallerVerifier:
     def _key(self, key_text: str) -> tuple[RSAPublicKey, str]:
         try:
             public_key = RSAPublicKey.from_bytes(key_text.encode())
-        except (ValueError, TypeError, IndexError):  # cryptography raises ValueError for bad key text
+        except (ValueError, TypeError, IndexError, UnsupportedAlgorithm):  # key text that does not parse, or
+            # names a key type cryptography does not know (``ssh-foo AAAA``: UnsupportedAlgorithm, not ValueError)
             raise CallerProofError("bad_proof", "the identity proof's public key does not parse") from None
         with self._lock:
             caller = self._keys.get(key_text)

@@ -15,7 +15,9 @@ receiving side, which trusts nothing, is wire/payload.py.
 
 from __future__ import annotations
 
+import hashlib
 import math
+import struct
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 
@@ -50,7 +52,11 @@ def wire_num_bytes(numel: int, wire_dtype: str) -> int:
     return numel * torch.empty((), dtype=WIRE_DTYPES[wire_dtype][1]).element_size()
 
 
-NOT_THE_SENDERS_FAULT = ("incomplete", "not_ready", "no_phase_payload", "progress_step")
+# A seal that fails (security/payload_seal.py) is what a relay or proxy that altered, stripped or replaced the
+# payload looks like as much as a lying sender: held against the sender, it would let anyone on the path get honest
+# members quarantined.
+SEAL_FAILURES = ("unsealed", "wrong_signer", "bad_seal")
+NOT_THE_SENDERS_FAULT = ("incomplete", "not_ready", "no_phase_payload", "progress_step", *SEAL_FAILURES)
 
 
 class PayloadError(NolocoError):
@@ -138,6 +144,39 @@ def build_manifest(
     )
 
 
+class PayloadDigest:
+    """SHA-256 over everything a payload says, in order: its manifest's fields, then each chunk's tensor index,
+    offset and bytes. What a seal signs (security/payload_seal.py): unlike the chunks' XXH3 checksums, nobody can
+    make other bytes with the same digest. Fields are length-prefixed, so no two payloads share an encoding."""
+
+    def __init__(self, manifest: pb.Manifest) -> None:
+        self._hash = hashlib.sha256(b"noloco-payload-digest-v1")
+        self._text(manifest.run_fingerprint)
+        self._text(manifest.peer_id)
+        self._text(manifest.metadata_json)
+        self._hash.update(struct.pack("<QQ", manifest.outer_step, len(manifest.tensors)))
+        for spec in manifest.tensors:
+            self._text(spec.name)
+            shape = struct.pack(f"<Q{len(spec.shape)}q", len(spec.shape), *spec.shape)
+            self._hash.update(struct.pack("<QQ", spec.dtype, spec.num_bytes) + shape)
+
+    def _text(self, text: str) -> None:
+        data = text.encode()
+        self._hash.update(struct.pack("<Q", len(data)))
+        self._hash.update(data)
+
+    def chunk(self, tensor_index: int, offset: int, data: memoryview | bytes) -> None:
+        self._hash.update(struct.pack("<QQQ", tensor_index, offset, len(data)))
+        self._hash.update(data)  # hashlib lets go of the GIL while it reads a chunk
+
+    def digest(self) -> bytes:
+        return self._hash.digest()
+
+
+# Signs a payload's digest for its end frame: (signature, the signer's public key).
+Signer = Callable[[bytes], tuple[bytes, bytes]]
+
+
 def chunk_checksum(data: memoryview | bytes) -> int:
     """XXH3-64 of a chunk: catches corruption and reassembly bugs (authenticity is the security layer's job)."""
     return xxhash.xxh3_64_intdigest(data)
@@ -190,6 +229,7 @@ def iter_frames(
     on_chunk: Callable[[int], None] | None = None,
     from_tensor: int = 0,
     from_offset: int = 0,
+    signer: Signer | None = None,
 ) -> Iterator[bytes]:
     """The encoded frames of one payload: the manifest, every tensor's chunks in order, the end.
 
@@ -197,13 +237,15 @@ def iter_frames(
     copy of the model, and the converted bytes are still in cache when the checksum and the frame read them). A
     tensor on an accelerator is converted there and copied to the host whole, one tensor at a time. With
     ``from_tensor`` and ``from_offset`` the manifest still lists every tensor but only the bytes from that point on
-    are sent (a resumed state download); the end frame counts the bytes actually sent.
+    are sent (a resumed state download); the end frame counts the bytes actually sent. With ``signer`` the end
+    frame is sealed: it carries the signer's signature over the payload's :class:`PayloadDigest`.
     """
     if not 0 < chunk_bytes <= MAX_CHUNK_BYTES or chunk_bytes % 4:
         raise ValueError(f"chunk_bytes must be a multiple of 4 in (0, {MAX_CHUNK_BYTES}], got {chunk_bytes}")
     if len(tensors) != len(manifest.tensors):
         raise ValueError("tensors do not match the manifest")
     yield pb.Frame(manifest=manifest).SerializeToString()
+    digest = PayloadDigest(manifest) if signer is not None else None
     total = 0
     staging: dict[torch.dtype, torch.Tensor] = {}
     for index, (spec, tensor) in enumerate(zip(manifest.tensors, tensors, strict=True)):
@@ -241,9 +283,14 @@ def iter_frames(
                 data = buffer_bytes[: count * itemsize]
             if on_chunk is not None:
                 on_chunk(len(data))
+            if digest is not None:
+                digest.chunk(index, start * itemsize, data)
             yield encode_chunk_frame(index, start * itemsize, data, chunk_checksum(data))
         total += spec.num_bytes - skip
-    yield pb.Frame(end=pb.End(total_bytes=total)).SerializeToString()
+    end = pb.End(total_bytes=total)
+    if signer is not None and digest is not None:
+        end.signature, end.signer_key = signer(digest.digest())
+    yield pb.Frame(end=end).SerializeToString()
 
 
 @dataclass(frozen=True)

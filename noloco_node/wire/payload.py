@@ -15,13 +15,14 @@ Nothing received is trusted: the fingerprint must be the run's; names, shapes, d
 expected manifest exactly; chunks must arrive in order, inside their tensor, with a matching checksum; the payload must
 be complete; values must be finite; a quantized tensor's scales must be finite and not negative and its codes
 within the encoder's range (checked chunk by chunk as they arrive; the tensor is decoded to fp32 as soon as it is
-complete). Any failure raises :class:`PayloadError` carrying the gRPC status to answer
+complete); and in an exchange, the end's seal must be the expected sender's signature over the digest of all of
+it (security/payload_seal.py). Any failure raises :class:`PayloadError` carrying the gRPC status to answer
 with and a short reason label for the rejection metric, and nothing is handed to the caller.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from typing import Protocol
 
 import grpc
@@ -35,6 +36,7 @@ from noloco_node.wire.frames import (
     WIRE_DTYPES,
     WIRE_NAME_OF_CODE,
     ChunkView,
+    PayloadDigest,
     PayloadError,
     PayloadKind,
     TensorLayout,
@@ -106,12 +108,17 @@ class Payload:
             self._pool.give_back(buffers)
 
 
+# Checks an end frame's seal against the digest of the payload that arrived: returns, or raises PayloadError.
+SealCheck = Callable[[bytes, pb.End], None]
+
+
 class PayloadReceiver:
     """Assembles one peer's payload from frames, checking each one; :meth:`finish` returns it only if all is well.
 
     ``expected`` is the exact list of tensors this receiver accepts, in order, in one of ``allowed_dtypes``; or,
     with ``kinds``, the payload's parts choose one of those kinds (a stream run's phase or progress payload), which
-    then sets both. ``max_total_bytes`` caps the whole payload before anything is allocated.
+    then sets both. ``max_total_bytes`` caps the whole payload before anything is allocated. With ``seal_check``
+    the payload is digested as it arrives and its end must carry a seal that passes the check.
     """
 
     def __init__(
@@ -126,8 +133,11 @@ class PayloadReceiver:
         prefilled_partial_bytes: int = 0,
         kinds: Sequence[PayloadKind] = (),
         observer: ValueObserver | None = None,
+        seal_check: SealCheck | None = None,
     ) -> None:
         self.observer = observer
+        self.seal_check = seal_check
+        self._digest: PayloadDigest | None = None
         self.expected = list(expected)
         self.kinds = list(kinds)
         self.kind: PayloadKind | None = None  # the kind the manifest turned out to be, with ``kinds``
@@ -248,6 +258,8 @@ class PayloadReceiver:
         ]
         if self.prefilled and self.prefilled_partial_bytes:
             self._filled[len(self.prefilled) - 1] = self.prefilled_partial_bytes
+        if self.seal_check is not None:
+            self._digest = PayloadDigest(manifest)
         self.manifest = manifest
 
     def _allocate(self, dtype: torch.dtype, numel: int) -> torch.Tensor:
@@ -320,6 +332,8 @@ class PayloadReceiver:
         elif self.observer is not None:  # while the next chunk is on its way
             start, itemsize = chunk.offset // self._itemsizes[index], self._itemsizes[index]
             self.observer.observe(spec.name, start, self._buffers[index][start : start + size // itemsize])
+        if self._digest is not None:
+            self._digest.chunk(index, chunk.offset, chunk.data)
         self._filled[index] += size
         self.bytes_received += size
         if quantized is not None and self._filled[index] == spec.num_bytes:
@@ -353,6 +367,8 @@ class PayloadReceiver:
                 raise _invalid("incomplete", f"tensor {spec.name!r} ended at {filled} of {spec.num_bytes} bytes")
         if end.total_bytes != self.bytes_received:
             raise _invalid("total_bytes", f"end declares {end.total_bytes} bytes, {self.bytes_received} arrived")
+        if self.seal_check is not None and self._digest is not None:
+            self.seal_check(self._digest.digest(), end)
         self._ended = True
 
     def finish(self) -> Payload:

@@ -59,10 +59,14 @@ class Chunk(_message.Message):
     def __init__(self, tensor_index: _Optional[int] = ..., offset: _Optional[int] = ..., data: _Optional[bytes] = ..., checksum: _Optional[int] = ...) -> None: ...
 
 class End(_message.Message):
-    __slots__ = ("total_bytes",)
+    __slots__ = ("total_bytes", "signature", "signer_key")
     TOTAL_BYTES_FIELD_NUMBER: _ClassVar[int]
+    SIGNATURE_FIELD_NUMBER: _ClassVar[int]
+    SIGNER_KEY_FIELD_NUMBER: _ClassVar[int]
     total_bytes: int
-    def __init__(self, total_bytes: _Optional[int] = ...) -> None: ...
+    signature: bytes
+    signer_key: bytes
+    def __init__(self, total_bytes: _Optional[int] = ..., signature: _Optional[bytes] = ..., signer_key: _Optional[bytes] = ...) -> None: ...
 
 class Verdict(_message.Message):
     __slots__ = ("commit", "reason")

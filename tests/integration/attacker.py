@@ -9,7 +9,7 @@ from collections.abc import Sequence
 import grpc
 import torch
 
-from noloco_bench.outsider import call_exchange, exchange_status, fresh_identity
+from noloco_bench.outsider import call_exchange, exchange_status, fresh_identity, sealed
 from noloco_node.config.models import model_config_for
 from noloco_node.model.decoder import LlamaDecoder, named_parameters_ordered
 from noloco_node.rpc.client import Outgoing
@@ -82,5 +82,6 @@ __all__ = [
     "now_ms",
     "payload",
     "raw_info",
+    "sealed",
     "signed_metadata",
 ]

@@ -20,7 +20,9 @@ from noloco_node.rpc.client import ExchangeError, Outgoing, exchange_with, fetch
 from noloco_node.rpc.contracts import EXCHANGE_METHOD, AdmitsEverything
 from noloco_node.rpc.metrics import ExchangeMetrics
 from noloco_node.rpc.service import start_server
-from noloco_node.rpc.transport import CHANNEL_OPTIONS
+from noloco_node.rpc.transport import CHANNEL_OPTIONS, Transport
+from noloco_node.security.caller_proof import CallerVerifier
+from noloco_node.security.identity import NodeIdentity
 from noloco_node.wire import peer_pb2 as pb
 from noloco_node.wire import peer_pb2_grpc as pb_grpc
 from noloco_node.wire.frames import build_manifest, iter_frames, layout_of
@@ -216,6 +218,51 @@ def test_a_stream_cut_half_way_changes_nothing(served) -> None:
     assert holder.released.wait(10)
     assert holder.completed == []
     assert metrics.outcomes["completed"] == 0
+
+
+def test_keyed_sides_seal_both_payloads_and_a_server_answering_in_anothers_name_is_refused() -> None:
+    """Between nodes (keys on both sides) each payload is sealed for its call (security/payload_seal.py). A server
+    that answers where the caller dialled someone else (a relay, a proxy, a reused address) can prove any id it
+    claims to a caller that cannot check, and name it in its manifest: its seal is its own, and is refused."""
+    caller, server_key, victim = NodeIdentity.ephemeral(), NodeIdentity.ephemeral(), NodeIdentity.ephemeral()
+    honest, impostor = Holder(params(1)), Holder(params(3))
+    honest.peer_id, impostor.peer_id = server_key.peer_id, victim.peer_id
+    servers = [
+        start_server(
+            holder,
+            ExchangeMetrics(),
+            bind="127.0.0.1:0",
+            transport=Transport(identity=server_key),
+            verifier=CallerVerifier(claimed),  # accepts proofs made for the id it claims
+        )
+        for holder, claimed in ((honest, server_key.peer_id), (impostor, victim.peer_id))
+    ]
+    try:
+        (_, honest_port), (_, impostor_port) = servers
+
+        def call(port: int, peer: str) -> Payload:
+            return exchange_with(
+                f"127.0.0.1:{port}",
+                outgoing(params(2), caller.peer_id),
+                layout_of(params(2)),
+                run_fingerprint=RUN,
+                max_payload_bytes=10**9,
+                timeout=20,
+                peer=peer,
+                transport=Transport(identity=caller),
+            )
+
+        got = call(honest_port, server_key.peer_id)
+        assert torch.equal(got.tensors["theta/p0"], params(1)[0][1])
+        assert honest.released.wait(5) and len(honest.completed) == 1
+        with pytest.raises(ExchangeError) as refused:
+            call(impostor_port, victim.peer_id)
+        assert refused.value.code == grpc.StatusCode.PERMISSION_DENIED and refused.value.reason == "wrong_signer"
+        assert server_key.peer_id in str(refused.value)
+        assert impostor.released.wait(5) and impostor.completed == []  # the caller refused: nothing blended there
+    finally:
+        for server, _ in servers:
+            server.stop(grace=None)
 
 
 def test_info(served) -> None:

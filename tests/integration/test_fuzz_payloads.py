@@ -1,7 +1,9 @@
 """Fuzzing a running node's Exchange, GetState and Info with hypothesis: malformed, truncated, oversized,
 wrong-shape, wrong-dtype, NaN/Inf and huge-norm payloads, malformed quantized chunks (NaN, infinite or negative
 scales, codes outside the range, a wrong block count), a payload in another wire dtype, payloads of another
-configuration (theta+phi, theta+phi+delta, a stream run's phi), and garbage requests.
+configuration (theta+phi, theta+phi+delta, a stream run's phi), payloads whose seal fails (none, another key's,
+bytes altered after sealing, a seal replayed from another call: security/payload_seal.py), and garbage requests.
+Every other input is sealed by its sender, as anyone can seal what it sends, so that its content is what is judged.
 
 Two twin nodes train alone (each on its own DHT) with the same seed, shard and settings; one of them is attacked
 while it trains, in overlap mode so that every call reaches payload validation (a sync node refuses calls outside
@@ -33,6 +35,7 @@ from noloco_node.node.fault_injection import Drill
 from noloco_node.rpc.contracts import EXCHANGE_METHOD, GET_STATE_METHOD, INFO_METHOD
 from noloco_node.rpc.transport import CHANNEL_OPTIONS
 from noloco_node.security.caller_proof import prove
+from noloco_node.security.identity import NodeIdentity
 from noloco_node.wire import peer_pb2 as pb
 from noloco_node.wire import quantize
 from noloco_node.wire.frames import (
@@ -44,7 +47,7 @@ from noloco_node.wire.frames import (
     iter_frames,
 )
 
-from .attacker import call_exchange, fresh_identity, node_weights
+from .attacker import call_exchange, fresh_identity, node_weights, sealed
 from .swarm_harness import Bootstrap, NodeProcess, stop_all
 
 TWIN = [
@@ -63,7 +66,10 @@ PRECISE = {
     grpc.StatusCode.RESOURCE_EXHAUSTED,
     grpc.StatusCode.PERMISSION_DENIED,
     grpc.StatusCode.ABORTED,
+    grpc.StatusCode.DATA_LOSS,  # bytes that are not what their sender signed
 }
+# What a relay or proxy on the path could do to a payload it forwards, and a sender that signs nothing.
+SEAL_MUTATIONS = ["unsealed", "wrong_signer", "altered_after_seal", "replayed_seal"]
 MUTATIONS = [
     "truncate",
     "flip_chunk_byte",
@@ -89,6 +95,7 @@ MUTATIONS = [
     "wrong_block_count",
     "other_wire_dtype",
     "other_parts",
+    *SEAL_MUTATIONS,
 ]
 
 
@@ -120,6 +127,33 @@ class Attack:
         for key, value in manifest_changes.items():
             setattr(manifest, key, value)
         return list(iter_frames(manifest, [t for _, t in named], chunk_bytes=16384))
+
+    def sealed_call(
+        self, mutation: str, data: st.DataObject, sender: NodeIdentity, target: str
+    ) -> tuple[list[bytes], list[tuple[str, str]]]:
+        """One call: its frames, sealed by ``sender`` as the mutation has it, and its proof."""
+        proof = prove(sender, EXCHANGE_METHOD, target)
+        if mutation not in SEAL_MUTATIONS:
+            return sealed(self.build(mutation, data, sender.peer_id), sender, target, proof), proof
+        scale = data.draw(st.floats(0.98, 1.02))  # varied payloads, all within the norm bound
+        frames = self.frames([(n, t * scale) for n, t in self.base], sender.peer_id)
+        if mutation == "unsealed":
+            return frames, proof
+        if mutation == "wrong_signer":  # someone else's seal on the sender's payload
+            return sealed(frames, fresh_identity(), target, proof), proof
+        if mutation == "replayed_seal":  # sealed for another call of the same sender
+            return sealed(frames, sender, target, prove(sender, EXCHANGE_METHOD, target)), proof
+        frames = sealed(frames, sender, target, proof)
+        at = data.draw(st.sampled_from(range(1, len(frames) - 1)))
+        chunk = decode_frame(frames[at])
+        content = bytearray(chunk.data)
+        # A code byte of the tensor (past its scales) changed to another valid code, the checksum made right: only
+        # the seal can tell.
+        position = data.draw(st.integers(max(0, len(content) - 64), len(content) - 1))
+        content[position] = 1 if content[position] != 1 else 2
+        altered = bytes(content)
+        frames[at] = encode_chunk_frame(chunk.tensor_index, chunk.offset, altered, chunk_checksum(altered))
+        return frames, proof
 
     def build(self, mutation: str, data: st.DataObject, peer: str) -> list[bytes]:
         base = [(n, t.clone()) for n, t in self.base]
@@ -287,8 +321,8 @@ def test_fuzzed_payloads_are_refused_precisely_and_change_nothing(twins: list[No
         def one(data: st.DataObject) -> None:
             # A fresh key each time (any stranger can make one and prove it): a quarantine would hide what follows.
             stranger = strangers.pop() if strangers else fresh_identity()
-            proof = prove(stranger, EXCHANGE_METHOD, target)
-            code, details = call_exchange(channel, attack.build(mutation, data, stranger.peer_id), proof)
+            frames, proof = attack.sealed_call(mutation, data, stranger, target)
+            code, details = call_exchange(channel, frames, proof)
             outcomes[(mutation, code.name)] += 1
             if code not in PRECISE or not details:
                 bad.append(f"{mutation}: {code.name} {details!r}")
@@ -355,6 +389,8 @@ def test_fuzzed_payloads_are_refused_precisely_and_change_nothing(twins: list[No
     # NaN and infinite values quantize to NaN or infinite scales: with bad_scale, at least 32 such refusals.
     assert rejected.get("bad_scales", 0) >= 32 and rejected.get("bad_codes", 0) >= 16, sorted(rejected.items())
     assert rejected.get("wire_dtype", 0) >= 16 and rejected.get("checksum", 0) >= 1, rejected
+    for reason in ("unsealed", "wrong_signer", "bad_seal"):  # bad_seal: altered after sealing, and replayed
+        assert rejected.get(reason, 0) >= (16 if reason == "bad_seal" else 8), (reason, sorted(rejected.items()))
     assert not any(h["partner"] for h in final["history"])  # nothing was ever blended
     mine = torch.load(attacked.data_dir / "checkpoint.pt", weights_only=True)["replica"]
     theirs = torch.load(twin.data_dir / "checkpoint.pt", weights_only=True)["replica"]
