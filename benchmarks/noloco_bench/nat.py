@@ -2,10 +2,11 @@
 
 Six members on shaped links: first all on the public segment (the reference), then two public and four behind two
 home routers (port-restricted and symmetric NAT, two members to a router), reached through relays
-(discovery/tunnels.py). Each run is measured for the same wall time once every member knows whether it can be
-dialed (and, behind a NAT, holds its relays) and has blended at its last three outer steps: blend rate (outer
-steps with a partner), time per outer step, bytes the relays carried, and pairs of two NAT'd members. Needs root
-and nftables.
+(discovery/tunnels.py), or directly where a hole punch gets through (discovery/hole_punch.py: a public member's
+calls to any of them; here no two NAT'd members can, being behind one router or a symmetric one). Each run is
+measured for the same wall time once every member knows whether it can be dialed (and, behind a NAT, holds its
+relays) and has blended at its last three outer steps: blend rate (outer steps with a partner), time per outer
+step, bytes the relays carried, pairs of two NAT'd members and tunnels made direct. Needs root and nftables.
 """
 
 from __future__ import annotations
@@ -47,6 +48,7 @@ class MemberFigures:
     relayed_bytes: int
     tunnels_served: int
     tunnels_opened: int
+    tunnels_punched: int  # of the tunnels it opened or served since its start, those made direct (hole_punch.py)
     nat_partners: int  # blends with another member behind a NAT (this member being behind one too)
     served: int  # of its last exchanges (status `exchanges`), those it was called for: behind a NAT, all relayed
     reachable: bool
@@ -67,6 +69,11 @@ class SwarmFigures:
         return sum(m.relayed_bytes for m in self.members)
 
     @property
+    def direct_tunnels(self) -> int:
+        """Tunnels a hole punch made direct: each is counted by both its ends."""
+        return sum(m.tunnels_punched for m in self.members) // 2
+
+    @property
     def nat_pairs(self) -> int:
         return sum(m.nat_partners for m in self.members)
 
@@ -75,7 +82,7 @@ class SwarmFigures:
         step = sum(m.seconds_per_outer_step for m in self.members) / len(self.members)
         return (
             f"| {self.name} | {min(rates):.2f} | {sum(rates) / len(rates):.2f} | {step:.2f} | "
-            f"{self.relayed_bytes / 1e6:.1f} | {self.nat_pairs} |"
+            f"{self.relayed_bytes / 1e6:.1f} | {self.nat_pairs} | {self.direct_tunnels} |"
         )
 
 
@@ -127,6 +134,8 @@ def measure_swarm(
                 relayed_bytes=int(status["relayed_bytes"]) - int(initial[i]["relayed_bytes"]),
                 tunnels_served=int(status["tunnels_served"]) - int(initial[i]["tunnels_served"]),
                 tunnels_opened=int(status["tunnels_opened"]) - int(initial[i]["tunnels_opened"]),
+                # since the start: connections are kept, so most tunnels are made while the swarm settles
+                tunnels_punched=int(status["tunnels_punched"]),
                 nat_partners=sum(1 for h in blended if behind[i] and behind[index.get(h["partner"], 0)]),
                 served=sum(1 for e in status["exchanges"] if e["role"] == "served" and e["outcome"] == "completed"),
                 reachable=bool(status["reachable"]),
@@ -148,8 +157,9 @@ def run_nat_bench(
 
 def report(results: Sequence[SwarmFigures]) -> str:
     lines = [
-        "| swarm | blend rate (worst member) | blend rate (mean) | s per outer step | MB relayed | NAT-NAT blends |",
-        "|---|---|---|---|---|---|",
+        "| swarm | blend rate (worst member) | blend rate (mean) | s per outer step | MB relayed | NAT-NAT blends "
+        "| tunnels made direct |",
+        "|---|---|---|---|---|---|---|",
         *(r.row() for r in results),
         "",
         "per member (the NAT run):",
@@ -157,7 +167,8 @@ def report(results: Sequence[SwarmFigures]) -> str:
     for m in results[-1].members:
         lines.append(
             f"  {m.label:>15} {m.public_address:>11}: blended {m.blended}/{m.outer_steps}, relayed "
-            f"{m.relayed_bytes} bytes for others, tunnels served {m.tunnels_served}, opened {m.tunnels_opened}; "
+            f"{m.relayed_bytes} bytes for others, tunnels served {m.tunnels_served}, opened {m.tunnels_opened}, "
+            f"direct by hole punch {m.tunnels_punched}; "
             f"called in {m.served} of its last exchanges"
         )
     return "\n".join(lines)

@@ -2,7 +2,8 @@
 
 A caller asks a relay (on the libp2p protocol :data:`RELAY_PROTOCOL`) for a member by its libp2p id; the relay
 opens a stream to that member (:data:`TUNNEL_PROTOCOL`, tunnels.py) over the connection the member keeps open to
-it, and copies bytes both ways until either side closes. It reads one header line from each side and nothing else;
+it, and copies bytes both ways until either side closes. It reads one header line from each side and nothing else
+(passing on the caller's port for a hole punch, hole_punch.py, and telling the caller the member's public address);
 what it forwards is the caller's gRPC connection to the member, checked end to end by both of them (caller proofs,
 admission, every payload check), encrypted end to end when the run uses TLS.
 
@@ -188,11 +189,12 @@ class RelayService:
         self.budget.open += 1
         try:
             try:
-                _info, member_reader, member_writer = await asyncio.wait_for(
+                member_info, member_reader, member_writer = await asyncio.wait_for(
                     self.p2p.call_binary_stream_handler(target, TUNNEL_PROTOCOL), HEADER_SECONDS
                 )
-                await write_header(member_writer, {"origin": host_of(info)})
+                await write_header(member_writer, {"origin": host_of(info), **_punch_offer(header.get("punch"))})
                 answer = await read_header(member_reader)
+                answer["host"] = host_of(member_info)  # where the member's connection comes from: its public side
             except Exception as error:  # the member is gone, not connected to us, or slow: the caller tries another
                 log.debug("relay to %s failed: %r", target, error)
                 await write_header(writer, self._refuse("member_unreachable"))
@@ -223,3 +225,11 @@ def host_of(info: Any) -> str:
     """The IP address a libp2p stream came from (its remote multiaddr's first component), or ''."""
     parts = str(getattr(info, "addr", "")).split("/")
     return parts[2] if len(parts) > 2 and parts[1] in ("ip4", "ip6") else ""
+
+
+def _punch_offer(offer: Any) -> dict[str, Any]:
+    """The caller's offer of a direct connection (hole_punch.py), passed on to the member as it was made: its port
+    and whether the caller listens on it; nothing else from the caller reaches the member's header."""
+    if not isinstance(offer, dict) or not isinstance(offer.get("port"), int):
+        return {}
+    return {"punch": {"port": offer["port"], "listen": bool(offer.get("listen"))}}

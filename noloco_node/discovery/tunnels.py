@@ -28,11 +28,20 @@ import asyncio
 import contextlib
 import logging
 import random
+import socket
+import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 from noloco_node.discovery.dht import PeerRecord
+from noloco_node.discovery.hole_punch import (
+    PUNCH_SECONDS,
+    accept_from,
+    bound_socket,
+    connect_from,
+    punchable,
+)
 from noloco_node.discovery.relay import (
     HEADER_SECONDS,
     RELAY_PROTOCOL,
@@ -49,6 +58,8 @@ log = logging.getLogger(__name__)
 
 RELAYS_HELD = 2  # relays an unreachable member keeps a connection to: one can leave without cutting it off
 MAX_ENDPOINTS = 64  # local endpoints kept for unreachable peers (as many as the transport's channel pool)
+MAX_PUNCHING = 4  # hole punches this node answers at once
+NO_PUNCH_SECONDS = 600.0  # after a failed hole punch to a member (its NAT maps each destination anew): relay only
 _WILDCARDS = {"", "0.0.0.0", "::", "[::]"}
 
 
@@ -75,6 +86,10 @@ class Tunnels:
         self.relays: list[str] = []  # the relays this node holds a connection to (when it is unreachable)
         self.tunnelled_calls = 0  # tunnels served into this node's server
         self.tunnels_opened = 0  # tunnels this node opened to unreachable peers
+        self.tunnels_punched = 0  # of the tunnels opened or served, those that became direct (hole_punch.py)
+        self.reachable = False  # whether this node can be dialed (node/reach.py keeps it): how it hole-punches
+        self._punching = 0  # hole punches being answered now
+        self._no_punch: dict[str, float] = {}  # peer's libp2p id -> until when a hole punch to it is not tried
         self._origins: dict[int, str] = {}  # local source port of a served tunnel -> the caller's address
         self._endpoints: dict[str, _Endpoint] = {}  # peer id -> its local endpoint, least recently used first
         self._relay_addrs: dict[str, list[str]] = {}  # relay libp2p id -> its multiaddrs (from DHT records)
@@ -104,8 +119,9 @@ class Tunnels:
             return
         # A relay this node holds says whom it forwards; anyone else opening a tunnel is taken for where its own
         # connection comes from (a stranger cannot dodge admission per address by claiming an origin).
+        held = str(info.peer_id) in self.relays
         claimed = str(header.get("origin", ""))[:64]
-        origin = (claimed if str(info.peer_id) in self.relays else "") or host_of(info) or f"p2p:{info.peer_id}"
+        origin = (claimed if held else "") or host_of(info) or f"p2p:{info.peer_id}"
         try:
             local = await asyncio.wait_for(asyncio.open_connection(self.local_host, self.grpc_port), HEADER_SECONDS)
         except (OSError, asyncio.TimeoutError):
@@ -116,12 +132,67 @@ class Tunnels:
         self._origins[port] = origin
         self.tunnelled_calls += 1
         try:
-            await write_header(writer, {"ok": True})
-            await splice((reader, writer), local)
-        except (ConnectionError, asyncio.TimeoutError):
-            pass
+            # A hole punch only for a relay this node holds: anyone else could make it connect out to any address.
+            direct = await self._punch_for_caller(header.get("punch") if held else None, origin, reader, writer)
+            if direct is not None:
+                with contextlib.suppress(Exception):
+                    writer.close()  # the relay carries nothing more
+                self.tunnels_punched += 1
+                await splice(await asyncio.open_connection(sock=direct), local)
+            else:
+                await splice((reader, writer), local)
+        except (ConnectionError, asyncio.TimeoutError, HeaderError, OSError):
+            with contextlib.suppress(Exception):
+                local[1].close()
+                writer.close()
         finally:
             self._origins.pop(port, None)
+
+    async def _punch_for_caller(
+        self, offer: Any, caller_host: str, reader: asyncio.StreamReader, writer: asyncio.StreamWriter
+    ) -> socket.socket | None:
+        """Answer a tunnel (``{"ok": true}``). When the caller offered a hole punch (hole_punch.py), the answer
+        carries this end's port; then this end echoes the caller's timing ping, connects towards the caller on its
+        ``sync``, and takes the way the caller chose: the punched connection, or None for the relayed stream. A
+        caller that chose direct while this end did not connect has no tunnel: HeaderError, and both are closed."""
+        port = offer.get("port") if isinstance(offer, dict) else None
+        sock = None
+        # A few at a time: each makes this node connect out to where its relay says the caller is.
+        if isinstance(port, int) and 0 < port < 65536 and punchable(caller_host) and self._punching < MAX_PUNCHING:
+            with contextlib.suppress(OSError):
+                sock = bound_socket()
+        if sock is None:
+            await write_header(writer, {"ok": True})
+            return None
+        attempt: asyncio.Future[socket.socket | None] | None = None
+        direct: socket.socket | None = None
+        self._punching += 1
+        try:
+            await write_header(writer, {"ok": True, "punch": sock.getsockname()[1]})
+            for _ in range(3):  # at most a ping and a sync before the caller's choice
+                line = await read_header(reader)
+                if line.get("ping"):
+                    await write_header(writer, {"pong": True})
+                elif line.get("sync") and sock is not None and isinstance(port, int):
+                    attempt = asyncio.ensure_future(connect_from(sock, caller_host, port))
+                    sock = None  # the attempt owns it
+                else:
+                    break
+            if line.get("use") == "direct":
+                if attempt is None:
+                    raise HeaderError("the caller chose a direct connection that was never tried")
+                # The caller's end connected, so ours did, on the same connection (or does within a moment).
+                direct = await asyncio.wait_for(asyncio.shield(attempt), PUNCH_SECONDS + HEADER_SECONDS)
+                if direct is None:
+                    raise HeaderError("the caller connected directly and this end did not")
+            return direct
+        finally:
+            self._punching -= 1
+            if sock is not None:
+                sock.close()
+            if attempt is not None and direct is None:  # the relay it is (or nothing): whatever it made is closed
+                attempt.cancel()
+                attempt.add_done_callback(_close_connected)
 
     # ------------------------------------------------------------------------------------------ the caller's end
 
@@ -173,33 +244,109 @@ class Tunnels:
         if self.p2p_id in relays:  # this node is one of the target's relays: the target holds a connection to it
             relays = [self.p2p_id] + [r for r in relays if r != self.p2p_id]
         for relay in relays:
+            relay_writer: asyncio.StreamWriter | None = None
+            punch = self._punch_socket(target)
+            offer = {} if punch is None else {"punch": {"port": punch.getsockname()[1], "listen": self.reachable}}
             try:
                 if relay == self.p2p_id:
-                    _info, relay_reader, relay_writer = await asyncio.wait_for(
+                    info, relay_reader, relay_writer = await asyncio.wait_for(
                         self.p2p.call_binary_stream_handler(PeerID.from_base58(target), TUNNEL_PROTOCOL),
                         HEADER_SECONDS,
                     )
-                    await write_header(relay_writer, {"origin": ""})  # the member takes this connection's own
+                    await write_header(relay_writer, {"origin": "", **offer})  # the member takes this connection's own
+                    member_host = host_of(info)
                 else:
                     relay_id = PeerID.from_base58(relay)
                     await self._connect(relay, relay_id)
                     _info, relay_reader, relay_writer = await asyncio.wait_for(
                         self.p2p.call_binary_stream_handler(relay_id, RELAY_PROTOCOL), HEADER_SECONDS
                     )
-                    await write_header(relay_writer, {"to": target})
+                    await write_header(relay_writer, {"to": target, **offer})
+                    member_host = ""
                 answer = await read_header(relay_reader)
-            except Exception as error:  # this relay is gone or slow: the next one
+                if not answer.get("ok"):
+                    raise HeaderError(f"refused: {answer.get('why')}")
+                punch, offered = None, punch  # handed over: _punch_to_member closes it
+                direct = await self._punch_to_member(
+                    offered,
+                    member_host or str(answer.get("host", "")),
+                    answer.get("punch"),
+                    target,
+                    (relay_reader, relay_writer),
+                )
+            except Exception as error:  # this relay is gone, slow or refused: the next one
                 log.debug("relay %s did not open a tunnel to %s: %r", relay, target, error)
+                if relay_writer is not None:
+                    relay_writer.close()
                 continue
-            if not answer.get("ok"):
-                log.debug("relay %s refused a tunnel to %s: %s", relay, target, answer.get("why"))
-                relay_writer.close()
-                continue
+            finally:
+                if punch is not None:
+                    punch.close()
             self.tunnels_opened += 1
-            with contextlib.suppress(ConnectionError, asyncio.TimeoutError):
-                await splice((reader, writer), (relay_reader, relay_writer))
+            with contextlib.suppress(ConnectionError, asyncio.TimeoutError, OSError):
+                if direct is not None:
+                    relay_writer.close()  # the relay carries nothing more
+                    self.tunnels_punched += 1
+                    await splice((reader, writer), await asyncio.open_connection(sock=direct))
+                else:
+                    await splice((reader, writer), (relay_reader, relay_writer))
             return
         writer.close()  # gRPC sees the connection close: UNAVAILABLE, and the caller tries another peer
+
+    def _punch_socket(self, target: str) -> socket.socket | None:
+        """A bound socket to offer the member for a hole punch (listening when this node can be dialed: the member
+        connects to it), unless one to it failed lately (each attempt delays the connection by PUNCH_SECONDS)."""
+        now = time.monotonic()
+        if self._no_punch.get(target, 0.0) > now:
+            return None
+        if len(self._no_punch) > 4 * MAX_ENDPOINTS:
+            self._no_punch = {peer: until for peer, until in self._no_punch.items() if until > now}
+        try:
+            return bound_socket(listen=self.reachable)
+        except OSError:
+            return None
+
+    async def _punch_to_member(
+        self,
+        punch: socket.socket | None,
+        member_host: str,
+        member_port: Any,
+        target: str,
+        stream: tuple[asyncio.StreamReader, asyncio.StreamWriter],
+    ) -> socket.socket | None:
+        """The hole punch from the caller's side (hole_punch.py), when the member answered the offer with a port:
+        wait for the member to connect (this node can be dialed), or time a simultaneous open over the relayed
+        stream (ping, then ``sync``, then dial half a round trip later); then tell the member which way the tunnel
+        goes. The punched connection, or None for the relayed stream. ``punch`` is consumed."""
+        reader, writer = stream
+        direct: socket.socket | None = None
+        try:
+            if not isinstance(member_port, int):
+                return None  # the member offered nothing: it expects no more header lines
+            if punch is not None and punchable(member_host):
+                if self.reachable:  # reversal: the member connects out through its own NAT
+                    await write_header(writer, {"sync": True})
+                    direct = await accept_from(punch, member_host)
+                else:  # both behind NATs: the two SYNs must leave together
+                    started = time.monotonic()
+                    await write_header(writer, {"ping": True})
+                    await read_header(reader)
+                    round_trip = time.monotonic() - started
+                    await write_header(writer, {"sync": True})
+                    await asyncio.sleep(round_trip / 2)
+                    direct = await connect_from(punch, member_host, member_port)
+                punch = None  # consumed by accept_from or connect_from
+                if direct is None:
+                    self._no_punch[target] = time.monotonic() + NO_PUNCH_SECONDS
+            await write_header(writer, {"use": "direct" if direct is not None else "relay"})
+            return direct
+        except BaseException:
+            if direct is not None:
+                direct.close()
+            raise
+        finally:
+            if punch is not None:
+                punch.close()
 
     async def _connect(self, relay: str, relay_id: Any) -> None:
         """Dial a relay whose addresses a DHT record gave (p2pd may not know it yet)."""
@@ -248,3 +395,9 @@ class Tunnels:
             log.info("unreachable: reached through relays %s", ", ".join(kept) or "(none yet)")
         self.relays = kept
         return kept
+
+
+def _close_connected(attempt: asyncio.Future[socket.socket | None]) -> None:
+    """A hole punch that is not used: close the connection it made, if it made one before it was cancelled."""
+    if not attempt.cancelled() and attempt.exception() is None and (sock := attempt.result()) is not None:
+        sock.close()

@@ -105,6 +105,8 @@ class Reach:
         )
         changed = check.reachable != self.reachable
         self.reachable, self.problem, self.witnessed = check.reachable, check.problem, check.witnessed
+        if self.tunnels is not None:
+            self.tunnels.reachable = check.reachable
         if not check.reachable and (changed or check.witnessed):
             log.warning("%s", check.advice(self.address, self.bound_port))
 
@@ -149,4 +151,5 @@ class Reach:
             "relays": [] if self.tunnels is None else list(self.tunnels.relays),
             "tunnels_served": 0 if self.tunnels is None else self.tunnels.tunnelled_calls,
             "tunnels_opened": 0 if self.tunnels is None else self.tunnels.tunnels_opened,
+            "tunnels_punched": 0 if self.tunnels is None else self.tunnels.tunnels_punched,
         }

@@ -155,6 +155,9 @@ class NodeStatus(BaseModel):
     relayed_bytes: int = Field(0, description="Bytes this node has carried for others as a relay.")
     tunnels_served: int = Field(0, description="Relayed connections into this node's gRPC server so far.")
     tunnels_opened: int = Field(0, description="Relayed connections this node opened to unreachable peers so far.")
+    tunnels_punched: int = Field(
+        0, description="Of the tunnels opened or served, those a hole punch made direct (the relay left out)."
+    )
     status_url: str = Field(description="Where this endpoint is served.")
     dht_maddrs: list[str] = Field(description="This node's DHT multiaddrs (usable as --bootstrap).")
     started_at: float = Field(description="Unix time the node started.")

@@ -128,4 +128,3 @@ class StateDownload:
             self.done, self.partial_bytes, self.counters = [], 0, None  # another step: start over elsewhere
             raise PayloadError(grpc.StatusCode.FAILED_PRECONDITION, "resume_mismatch", f"{address} moved on")
         self.counters = counters
-

@@ -6,7 +6,9 @@ can open a connection into it.
 
 The four find out that they cannot be dialed (a witness sees their calls come from their router), hold relays
 among the public members, and are called through them (discovery/tunnels.py): every member blends at nearly every
-outer step, pairs of two NAT'd members happen, and the relays count what they carried."""
+outer step, pairs of two NAT'd members happen, and the relays count what they carried. A public member's tunnel
+to a NAT'd one becomes a direct connection (discovery/hole_punch.py: the member connects out, through any NAT);
+between NAT'd members (behind one router, or a symmetric one) tunnels stay relayed."""
 
 from __future__ import annotations
 
@@ -34,7 +36,9 @@ def test_members_behind_nats_blend_at_nearly_every_step_through_relays(tmp_path:
     assert sum(m.relayed_bytes for m in members if m.label == "public") > 0
     # Once settled, nobody relays through a member behind a NAT (before its witness answered, a neighbour on its
     # own network may have: that is the one place it can be reached from). Each NAT'd member is called, and nobody
-    # can dial it: every call it served came through its relays.
+    # can dial it: every call it served came through a tunnel, relayed or made direct.
     assert all(m.relayed_bytes == 0 for m in members if m.label != "public")
     assert all(m.served > 0 for m in members if m.label != "public"), [m.served for m in members]
+    # Public members reach each NAT'd one directly, whatever its NAT: it connects out to them (a reversal).
+    assert all(m.tunnels_punched > 0 for m in members if m.label != "public"), report([figures])
     assert figures.exit_codes == (0,) * len(members), figures.exit_codes
