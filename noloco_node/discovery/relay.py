@@ -192,9 +192,13 @@ class RelayService:
                 member_info, member_reader, member_writer = await asyncio.wait_for(
                     self.p2p.call_binary_stream_handler(target, TUNNEL_PROTOCOL), HEADER_SECONDS
                 )
-                await write_header(member_writer, {"origin": host_of(info), **_punch_offer(header.get("punch"))})
+                punch = header.get("punch")  # the caller's port for a direct connection (hole_punch.py)
+                await write_header(
+                    member_writer, {"origin": host_of(info), **({"punch": punch} if isinstance(punch, int) else {})}
+                )
                 answer = await read_header(member_reader)
-                answer["host"] = host_of(member_info)  # where the member's connection comes from: its public side
+                # Where each side's connection comes from, their public sides: for the caller's hole punch.
+                answer["host"], answer["caller_host"] = host_of(member_info), host_of(info)
             except Exception as error:  # the member is gone, not connected to us, or slow: the caller tries another
                 log.debug("relay to %s failed: %r", target, error)
                 await write_header(writer, self._refuse("member_unreachable"))
@@ -225,11 +229,3 @@ def host_of(info: Any) -> str:
     """The IP address a libp2p stream came from (its remote multiaddr's first component), or ''."""
     parts = str(getattr(info, "addr", "")).split("/")
     return parts[2] if len(parts) > 2 and parts[1] in ("ip4", "ip6") else ""
-
-
-def _punch_offer(offer: Any) -> dict[str, Any]:
-    """The caller's offer of a direct connection (hole_punch.py), passed on to the member as it was made: its port
-    and whether the caller listens on it; nothing else from the caller reaches the member's header."""
-    if not isinstance(offer, dict) or not isinstance(offer.get("port"), int):
-        return {}
-    return {"punch": {"port": offer["port"], "listen": bool(offer.get("listen"))}}

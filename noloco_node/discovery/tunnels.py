@@ -149,13 +149,12 @@ class Tunnels:
             self._origins.pop(port, None)
 
     async def _punch_for_caller(
-        self, offer: Any, caller_host: str, reader: asyncio.StreamReader, writer: asyncio.StreamWriter
+        self, port: Any, caller_host: str, reader: asyncio.StreamReader, writer: asyncio.StreamWriter
     ) -> socket.socket | None:
         """Answer a tunnel (``{"ok": true}``). When the caller offered a hole punch (hole_punch.py), the answer
         carries this end's port; then this end echoes the caller's timing ping, connects towards the caller on its
         ``sync``, and takes the way the caller chose: the punched connection, or None for the relayed stream. A
         caller that chose direct while this end did not connect has no tunnel: HeaderError, and both are closed."""
-        port = offer.get("port") if isinstance(offer, dict) else None
         sock = None
         # A few at a time: each makes this node connect out to where its relay says the caller is.
         if isinstance(port, int) and 0 < port < 65536 and punchable(caller_host) and self._punching < MAX_PUNCHING:
@@ -246,7 +245,7 @@ class Tunnels:
         for relay in relays:
             relay_writer: asyncio.StreamWriter | None = None
             punch = self._punch_socket(target)
-            offer = {} if punch is None else {"punch": {"port": punch.getsockname()[1], "listen": self.reachable}}
+            offer = {} if punch is None else {"punch": punch.getsockname()[1]}
             try:
                 if relay == self.p2p_id:
                     info, relay_reader, relay_writer = await asyncio.wait_for(
@@ -267,12 +266,15 @@ class Tunnels:
                 if not answer.get("ok"):
                     raise HeaderError(f"refused: {answer.get('why')}")
                 punch, offered = None, punch  # handed over: _punch_to_member closes it
+                member_host = member_host or str(answer.get("host", ""))
+                if member_host and member_host == answer.get("caller_host"):
+                    # Behind the same NAT as the member: few routers loop a connection to their own public address
+                    # back in, so no hole punch is tried.
+                    if offered is not None:
+                        offered.close()
+                    offered = None
                 direct = await self._punch_to_member(
-                    offered,
-                    member_host or str(answer.get("host", "")),
-                    answer.get("punch"),
-                    target,
-                    (relay_reader, relay_writer),
+                    offered, member_host, answer.get("punch"), target, (relay_reader, relay_writer)
                 )
             except Exception as error:  # this relay is gone, slow or refused: the next one
                 log.debug("relay %s did not open a tunnel to %s: %r", relay, target, error)
