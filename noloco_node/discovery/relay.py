@@ -10,6 +10,10 @@ admission, every payload check), encrypted end to end when the run uses TLS.
 The budget is a hard bound, refused up front or cut mid-stream: at most ``slots`` relayed streams at once and
 ``bytes_per_hour`` bytes (both directions together, a sliding hour). ``--no-relay`` turns the service off. Every
 byte carried is counted (``noloco_relayed_bytes``) and every refusal by reason (``noloco_relay_refusals``).
+
+A member relays only while it offers to (``offered``, kept by node/reach.py): a member that learns it sits behind a
+NAT withdraws, refusing new requests and cutting what it carries, so that its callers move to a reachable relay
+instead of riding its home uplink (a libp2p connection it opened itself would otherwise carry them for good).
 """
 
 from __future__ import annotations
@@ -160,6 +164,16 @@ class RelayService:
         self.p2p = p2p
         self.budget = budget
         self.metrics = metrics
+        self.offered = True  # whether this node offers to relay now (node/reach.py)
+        self._carrying: set[asyncio.StreamWriter] = set()  # the callers' ends of the streams relayed now
+
+    def withdraw(self) -> None:
+        """Stop relaying: refuse new requests and cut the streams carried now (their callers redial the member
+        through its other relay)."""
+        self.offered = False
+        for writer in list(self._carrying):
+            self.metrics.refusals.labels("withdrawn").inc()
+            writer.close()
 
     async def start(self) -> None:
         await self.p2p.add_binary_stream_handler(RELAY_PROTOCOL, self._handle)
@@ -176,6 +190,10 @@ class RelayService:
             target = PeerID.from_base58(str(header.get("to", "")))
         except (HeaderError, ValueError):
             self.metrics.refusals.labels("bad_header").inc()
+            writer.close()
+            return
+        if not self.offered:
+            await write_header(writer, self._refuse("not_offered"))
             writer.close()
             return
         if self.budget.open >= self.budget.slots:
@@ -219,9 +237,11 @@ class RelayService:
                     raise
                 self.metrics.bytes.inc(n)
 
+            self._carrying.add(writer)
             with contextlib.suppress(OverBudget, ConnectionError, asyncio.TimeoutError):
                 await splice((reader, writer), (member_reader, member_writer), count=count)
         finally:
+            self._carrying.discard(writer)
             self.budget.open -= 1
 
 

@@ -338,6 +338,7 @@ class Tunnels:
                     await asyncio.sleep(round_trip / 2)
                     direct = await connect_from(punch, member_host, member_port)
                 punch = None  # consumed by accept_from or connect_from
+                log.debug("hole punch to %s at %s:%s: %s", target, member_host, member_port, direct or "relayed")
                 if direct is None:
                     self._no_punch[target] = time.monotonic() + NO_PUNCH_SECONDS
             await write_header(writer, {"use": "direct" if direct is not None else "relay"})

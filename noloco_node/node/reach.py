@@ -107,6 +107,10 @@ class Reach:
         self.reachable, self.problem, self.witnessed = check.reachable, check.problem, check.witnessed
         if self.tunnels is not None:
             self.tunnels.reachable = check.reachable
+        if self.relay is not None:
+            if self.relay.offered and not self.offers_relay:
+                self.relay.withdraw()
+            self.relay.offered = self.offers_relay
         if not check.reachable and (changed or check.witnessed):
             log.warning("%s", check.advice(self.address, self.bound_port))
 
@@ -131,6 +135,14 @@ class Reach:
             return peer.address
         return None if self.tunnels is None else await self.tunnels.prepare(peer)
 
+    @property
+    def offers_relay(self) -> bool:
+        """Offered as a relay once a witness has confirmed this node reachable, or while no reachable peer exists to
+        ask (the only reachable member of a swarm). A member behind a NAT whose first check found nobody to ask
+        looks reachable, and its neighbours on the same network could take it for a relay until a witness answers:
+        then it withdraws (discovery/relay.py)."""
+        return self.cfg.relay and self.reachable and (self.witnessed or self.nobody_to_ask)
+
     def record_fields(self) -> dict[str, Any]:
         """What this node's DHT record says about reaching it."""
         if self.tunnels is None:
@@ -138,10 +150,7 @@ class Reach:
         return {
             "reachable": self.reachable,
             "p2p_id": self.tunnels.p2p_id,
-            # Offered as a relay once a witness has confirmed it, or while no reachable peer exists to ask (the only
-            # reachable member of a swarm). A member behind a NAT whose first check found witnesses that could not
-            # settle it looks reachable, and its neighbours on the same network could take it for a relay.
-            "p2p_addrs": self._p2p_addrs if self.reachable and (self.witnessed or self.nobody_to_ask) else (),
+            "p2p_addrs": self._p2p_addrs if self.offers_relay else (),
             "relays": () if self.reachable else tuple(self.tunnels.relays),
         }
 

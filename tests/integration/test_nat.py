@@ -39,6 +39,7 @@ def test_members_behind_nats_blend_at_nearly_every_step_through_relays(tmp_path:
     # can dial it: every call it served came through a tunnel, relayed or made direct.
     assert all(m.relayed_bytes == 0 for m in members if m.label != "public")
     assert all(m.served > 0 for m in members if m.label != "public"), [m.served for m in members]
-    # Public members reach each NAT'd one directly, whatever its NAT: it connects out to them (a reversal).
-    assert all(m.tunnels_punched > 0 for m in members if m.label != "public"), report([figures])
+    # A public member's tunnel to a NAT'd one becomes direct, whatever its NAT: the member connects out to it (a
+    # reversal). Which pairs call each other through a tunnel is the pairing's choice: some do.
+    assert figures.direct_tunnels > 0, report([figures])
     assert figures.exit_codes == (0,) * len(members), figures.exit_codes
