@@ -139,6 +139,22 @@ def _home(net: ShapedNetwork, router_host: int, home: Home) -> list[Member]:
     return members
 
 
+def firewall(member: Member) -> None:
+    """Drop every connection that comes in to ``member`` from outside (a cloud VM's closed security group, a home
+    firewall without NAT): its public address stays its own, its outbound connections and their answers pass."""
+    rules = (
+        "table inet noloco_firewall {\n"
+        "  chain input {\n"
+        "    type filter hook input priority 0; policy drop;\n"
+        "    iif lo accept\n"
+        "    ct state established,related accept\n"
+        "    meta l4proto icmp accept\n"
+        "  }\n"
+        "}\n"
+    )
+    subprocess.run([*member.exec_prefix(), "nft", "-f", "-"], input=rules, text=True, check=True)
+
+
 @contextmanager
 def nat_network(
     public_members: int,

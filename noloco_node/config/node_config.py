@@ -114,7 +114,7 @@ class NodeConfig(StrictSettings):
     check_reachability: bool = Field(
         True,
         description="At start, call this node's own gRPC at the announced address, and ask a peer which address it "
-        "sees this node's calls come from: a node that fails either is reached through relays.",
+        "sees this node's calls come from and to dial its port back: a node that fails any is reached through relays.",
     )
     relay: bool = Field(
         True,

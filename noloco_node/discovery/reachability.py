@@ -6,9 +6,11 @@ A node bound to all interfaces (``--grpc-host 0.0.0.0``, as in a container) cann
 
 After its gRPC server is up the node calls its own Info at the announced address (a node that does not answer
 there, or where another node answers, is unreachable), and asks a reachable peer, its witness, which address this
-node's call came from (Info's ``noloco-seen-as`` header): a node behind a NAT announces an address of its own
-network, and the witness sees the NAT's public one. Calling itself cannot tell, since a machine always reaches its
-own addresses. An unreachable node says what to open or forward, advertises ``reachable: false`` in its DHT record,
+node's call came from (Info's ``noloco-seen-as`` header) and to dial its port back (rpc/info_serving.py): a node
+behind a NAT announces an address of its own network, and the witness sees the NAT's public one; a node behind a
+firewall that drops what comes in (a cloud VM's security group, a port forward never set up) has the right address,
+and the witness cannot connect to it. Calling itself cannot tell, since a machine always reaches its own
+addresses. An unreachable node says what to open or forward, advertises ``reachable: false`` in its DHT record,
 is never chosen as a donor, and is reached through relays (tunnels.py).
 """
 
@@ -22,7 +24,9 @@ import grpc
 
 from noloco_node.rpc.client import ExchangeError, fetch_info
 from noloco_node.rpc.contracts import INFO_METHOD, SEEN_AS_HEADER
+from noloco_node.rpc.info_serving import DIAL_BACK_SECONDS
 from noloco_node.rpc.transport import Transport
+from noloco_node.wire import peer_pb2 as pb
 
 _WILDCARDS = {"", "0.0.0.0", "::", "[::]"}
 _ROUTE_PROBE = ("192.0.2.1", 9)  # TEST-NET-1: never contacted; only the route to it is looked up
@@ -68,13 +72,29 @@ class Reachability:
         )
 
 
-def seen_as(address: str, peer_id: str, transport: Transport, *, timeout: float = 5.0) -> str:
-    """The address the node ``peer_id`` at ``address`` sees this node's calls come from ('' if it does not say)."""
-    metadata, _nonce = transport.sign(INFO_METHOD, peer_id)  # read for a header only: no proof asked
+@dataclass(frozen=True)
+class WitnessView:
+    """What a peer (a witness) says of this node: the address its calls come from ('' if it does not say), and for
+    each port it was asked to dial back (rpc/info_serving.py) '' if it connected, else why not."""
+
+    seen: str
+    dialed: dict[int, str]
+
+
+def ask_witness(
+    address: str, peer_id: str, transport: Transport, *, dial_back: Sequence[int] = (), timeout: float = 5.0
+) -> WitnessView:
+    """Info of the node ``peer_id`` at ``address``: where it sees this node's call come from, and whether it could
+    open a connection back to each of ``dial_back`` (ports at that same address)."""
+    metadata, _nonce = transport.sign(INFO_METHOD, peer_id)  # read for its headers and dial-back only: no proof asked
+    request = pb.InfoRequest(dial_back=list(dial_back)).SerializeToString()
     with transport.channel(address) as channel:
-        call = channel.unary_unary(INFO_METHOD)
-        _reply, answered = call.with_call(b"", timeout=timeout, metadata=metadata)
-    return next((str(v) for k, v in answered.trailing_metadata() or () if k == SEEN_AS_HEADER), "")
+        call = channel.unary_unary(INFO_METHOD, response_deserializer=pb.InfoReply.FromString)
+        reply, answered = call.with_call(
+            request, timeout=timeout + DIAL_BACK_SECONDS * len(dial_back), metadata=metadata
+        )
+    seen = next((str(v) for k, v in answered.trailing_metadata() or () if k == SEEN_AS_HEADER), "")
+    return WitnessView(seen, {d.port: "" if d.connected else (d.error or "not connected") for d in reply.dial_back})
 
 
 def check_reachable(
@@ -91,17 +111,23 @@ def check_reachable(
     own = _answers_at(address, peer_id, transport, timeout=timeout)
     if not own.reachable:
         return own
-    host = address.rpartition(":")[0]
+    host, _, port = address.rpartition(":")
     agreeing = 0
     for witness_address, witness_id in witnesses:
         try:
-            seen = seen_as(witness_address, witness_id, transport, timeout=timeout)
+            view = ask_witness(witness_address, witness_id, transport, dial_back=[int(port)], timeout=timeout)
         except (ExchangeError, grpc.RpcError):
             continue  # this witness is gone or busy: the next
-        if not seen:
+        if not view.seen:
             continue
-        if not _same_host(seen, host):
-            return Reachability(False, f"{witness_address} sees this node's calls come from {seen}: a NAT", True)
+        if not _same_host(view.seen, host):
+            return Reachability(False, f"{witness_address} sees this node's calls come from {view.seen}: a NAT", True)
+        # The right host, but a firewall may drop what comes in, or a port forward may be missing: the witness dials.
+        why = view.dialed.get(int(port), "")
+        if why:
+            return Reachability(
+                False, f"{witness_address} could not open a connection to {address} ({why}): a firewall", True
+            )
         agreeing += 1
     # Settled by the first witness that answers, whether it disagrees or agrees: witnesses are off this node's own
     # network (witnesses_for).

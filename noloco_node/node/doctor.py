@@ -8,9 +8,10 @@ It takes the settings `join` takes and checks, in order:
   the announced address (a loopback address cannot be dialed from another machine), the gRPC port free;
 - **the network** (doctor only, :func:`network_checks`): each bootstrap peer answers on its TCP port; the DHT
   starts through them; the run's live peers, and peers of the same run name that started from other settings
-  (they refuse this node's: the differing setting is named); the clock against the peers' records; and whether a
+  (they refuse this node's: the differing setting is named); the clock against the peers' records; whether a
   peer sees this machine's calls come from the announced address (else it is behind a NAT and will be reached
-  through relays, discovery/reachability.py).
+  through relays, discovery/reachability.py); and whether that peer can open a connection back to its gRPC and DHT
+  ports (rpc/info_serving.py: a firewall, a missing or misdirected port forward).
 
 A failed check exits 1; a warning (a NAT, no peer yet) does not. ``--json`` prints the checks as a list.
 """
@@ -18,6 +19,7 @@ A failed check exits 1; a warning (a NAT, no peer yet) does not. ``--json`` prin
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import math
 import shutil
@@ -25,7 +27,7 @@ import socket
 import statistics
 import time
 import urllib.request
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
@@ -34,7 +36,7 @@ import torch
 
 from noloco_node.config.node_config import NodeConfig
 from noloco_node.discovery.dht import Discovery, PeerRecord, RunStart
-from noloco_node.discovery.reachability import announce_host, seen_as
+from noloco_node.discovery.reachability import WitnessView, announce_host, ask_witness, witnesses_for
 from noloco_node.node.memory import DEVICE_BYTES, GIB, available_memory, host_bytes_per_parameter
 from noloco_node.node.run_layout import RunLayout
 from noloco_node.rpc.transport import PLAIN
@@ -262,7 +264,7 @@ async def network_checks(
                 tolerance=cfg.security.max_clock_skew,
             )
         )
-        checks.append(await asyncio.to_thread(_seen_from_outside, cfg, peers, timeout))
+        checks.extend(await asyncio.to_thread(_from_outside, cfg, peers, timeout))
     finally:
         await asyncio.to_thread(discovery.shutdown)
     return checks
@@ -284,25 +286,119 @@ def _run_check(cfg: NodeConfig, layout: RunLayout, peers: list[PeerRecord], othe
     return Check("run", "ok", detail)
 
 
-def _seen_from_outside(cfg: NodeConfig, peers: list[PeerRecord], timeout: float) -> Check:
-    """Asked of up to three reachable peers over plain gRPC (a private run's peers refuse it: a warning then)."""
+def _from_outside(cfg: NodeConfig, peers: list[PeerRecord], timeout: float) -> list[Check]:
+    """Asked of one of up to three reachable peers (off this machine's /24 where there are some: a neighbour sees
+    its private side) over plain gRPC (a private run's peers refuse it: a warning then): where this machine's calls
+    come from, and whether the peer can open a connection back to its gRPC and DHT ports (rpc/info_serving.py). While
+    it asks, this command listens on the gRPC port itself, so that a connection that reaches another machine (a
+    port forward to the wrong one) is told apart from one that reaches this one."""
     host = announce_host(cfg.grpc_host, cfg.announce_host)
-    for peer in [p for p in peers if p.reachable and p.address][:3]:
-        try:
-            seen = seen_as(peer.address, peer.peer_id, PLAIN, timeout=timeout)
-        except Exception:  # that peer is gone or busy: the next
-            continue
-        if seen and seen != host:
-            return Check(
+    grpc_public, dht_public = cfg.announce_port or cfg.grpc_port, _dht_port(cfg)
+    ports = [p for p in (grpc_public, dht_public) if p]
+    candidates = [(p.address, p.peer_id) for p in peers if p.reachable and p.address]
+    candidates = witnesses_for(f"{host}:0", candidates) or candidates
+    with _listening(cfg) as listener:
+        for address, peer_id in candidates[:3]:
+            try:
+                view = ask_witness(address, peer_id, PLAIN, dial_back=ports, timeout=timeout)
+            except Exception:  # that peer is gone or busy: the next
+                continue
+            if view.seen:
+                break
+        else:
+            return [
+                Check("reachable", "warn", "no reachable peer answered to say where this machine's calls come from")
+            ]
+        heard = _accepted(listener)
+    behind_nat = view.seen != host
+    if behind_nat:
+        checks = [
+            Check(
                 "reachable",
                 "warn",
-                f"{peer.address} sees this machine's calls come from {seen}, not {host}: behind a NAT, this node "
+                f"{address} sees this machine's calls come from {view.seen}, not {host}: behind a NAT, this node "
                 "will be reached through relays (their bandwidth)",
-                f"to be dialed directly, forward the gRPC port to this machine and pass --announce-host {seen}",
+                f"to be dialed directly, forward the gRPC port to this machine and pass --announce-host {view.seen}",
             )
-        if seen:
-            return Check("reachable", "ok", f"{peer.address} sees this machine as {seen}, the announced address")
-    return Check("reachable", "warn", "no reachable peer answered to say where this machine's calls come from")
+        ]
+    else:
+        checks = [Check("reachable", "ok", f"{address} sees this machine as {view.seen}, the announced address")]
+    if grpc_public:
+        checks.append(
+            _port_check("gRPC port from outside", address, view, grpc_public, behind_nat, cfg.grpc_port, heard)
+        )
+    else:
+        checks.append(Check("gRPC port from outside", "ok", "not checked: --grpc-port 0 lets join pick a port"))
+    if dht_public:
+        checks.append(_port_check("DHT port from outside", address, view, dht_public, behind_nat, None, None))
+    else:
+        checks.append(Check("DHT port from outside", "ok", "not checked: the DHT listens on a port of its choosing"))
+    return checks
+
+
+def _port_check(
+    name: str, witness: str, view: WitnessView, port: int, behind_nat: bool, bound: int | None, heard: bool | None
+) -> Check:
+    """One dial-back's answer. Behind a NAT a closed port is expected (a warning: relays reach the node); on an
+    address that is this machine's own, it is what stops peers from dialing it (a failure)."""
+    where = f"{view.seen}:{port}"
+    why = view.dialed.get(port, "not tried")
+    forward = f" to this machine's port {bound}" if bound is not None and bound != port else " to this machine"
+    if why:
+        return Check(
+            name,
+            "warn" if behind_nat else "fail",
+            f"{witness} could not open a connection to {where} ({why})",
+            f"open TCP {port} in the firewall (cloud: the security group), or forward it{forward}; "
+            "until then peers reach this node only through relays",
+        )
+    if heard is False:
+        return Check(
+            name,
+            "fail",
+            f"{witness} opened a connection to {where}, but not to this machine: something else answers there",
+            f"forward TCP {port}{forward}, not to another one",
+        )
+    return Check(name, "ok", f"{witness} opened a connection to {where}")
+
+
+def _dht_port(cfg: NodeConfig) -> int:
+    """The DHT's TCP port that peers dial (its announced multiaddr's, else the one it listens on); 0 if ephemeral."""
+    for maddr in [*cfg.dht_announce_maddrs, *cfg.dht_host_maddrs]:
+        parts = maddr.split("/")
+        if "tcp" in parts and parts.index("tcp") + 1 < len(parts) and parts[parts.index("tcp") + 1].isdigit():
+            return int(parts[parts.index("tcp") + 1])
+    return 0
+
+
+@contextlib.contextmanager
+def _listening(cfg: NodeConfig) -> Iterator[socket.socket | None]:
+    """A listener on the gRPC port that join will bind (the gRPC port check found it free), or None."""
+    if not cfg.grpc_port:
+        yield None
+        return
+    listener = socket.socket()
+    try:
+        listener.bind(("0.0.0.0" if cfg.grpc_host in ("", "0.0.0.0") else cfg.grpc_host, cfg.grpc_port))
+        listener.listen(8)
+    except OSError:  # held by another process: the gRPC port check says so
+        listener.close()
+        yield None
+        return
+    with listener:
+        yield listener
+
+
+def _accepted(listener: socket.socket | None) -> bool | None:
+    """Whether a connection reached the listener (its handshake completes in the kernel, answered or not)."""
+    if listener is None:
+        return None
+    listener.setblocking(False)
+    try:
+        listener.accept()[0].close()
+    except BlockingIOError:
+        return False
+    return True
 
 
 def run_doctor(cfg: NodeConfig, layout: RunLayout, device: str) -> list[Check]:

@@ -1,4 +1,5 @@
-"""The gRPC service a node serves to its peers: weight exchange, state download, peer info (client: client.py).
+"""The gRPC service a node serves to its peers: weight exchange, state download (state_serving.py), peer info
+(info_serving.py); the client is client.py.
 
 ``Exchange`` is a bidirectional stream: each side sends its payload (wire/frames.py) while it receives the other's.
 Both directions run at once; a side that only wrote before reading would deadlock against HTTP/2 flow control
@@ -33,16 +34,15 @@ from typing import NoReturn
 import grpc
 
 from noloco_node.rpc.admission import DOWNLOAD, EXCHANGE, INFO, Admission
-from noloco_node.rpc.call_gate import CallGate, abort, parse
+from noloco_node.rpc.call_gate import CallGate, abort
 from noloco_node.rpc.contracts import (
     EXCHANGE_METHOD,
-    INFO_METHOD,
     OUTER_STEP_HEADER,
-    SEEN_AS_HEADER,
     SERVICE,
     OutOfReachError,
     PeerNode,
 )
+from noloco_node.rpc.info_serving import InfoServing
 from noloco_node.rpc.metrics import ExchangeMetrics
 from noloco_node.rpc.state_serving import StateServing
 from noloco_node.rpc.transport import CHANNEL_OPTIONS, PLAIN, GuardedCall, Transport, Watchdog
@@ -55,7 +55,7 @@ from noloco_node.wire.payload import Payload, PayloadReceiver
 
 log = logging.getLogger(__name__)
 
-INFO_SLOTS = 4  # Info answers in milliseconds: a few slots keep it answerable whatever else is going on
+INFO_SLOTS = 4  # Info answers in milliseconds (a dial-back within seconds): a few slots keep it answerable
 REFUSAL_THREADS = 8
 HANDSHAKE_SECONDS = 5.0  # a TCP connection that says nothing is closed after this
 IDLE_CONNECTION_SECONDS = 300.0
@@ -98,6 +98,7 @@ class PeerService:
         self.chunk_bytes = chunk_bytes
         self.max_call_seconds = max_call_seconds
         self.state = StateServing(node, self.gate, chunk_bytes=chunk_bytes, max_download_seconds=max_download_seconds)
+        self.info = InfoServing(node, self.gate)
 
     def _seal(self, proven: str | None, context: grpc.ServicerContext) -> PayloadSeal | None:
         """The seals of a call whose caller proved its id (security/payload_seal.py): the caller's payload must be
@@ -322,22 +323,6 @@ class PeerService:
             if reader is None or not reader.is_alive():  # a reader still running owns the buffers until it stops
                 receiver.discard()  # a no-op once the payload was handed over
 
-    def Info(self, raw: bytes, context: grpc.ServicerContext) -> pb.InfoReply:  # noqa: N802
-        # Info tells what the node's DHT record already says publicly: a caller may prove who it is, or not. Its
-        # slots are its own, so that a flood of exchanges or downloads never makes a node unanswerable.
-        caller = self.gate.caller(INFO_METHOD, context, required=False)
-        ticket = self.gate.admit(INFO, context, caller)
-        try:
-            parse(pb.InfoRequest, raw, context)
-            # Where the caller's connection came from, as this node sees it: a caller behind a NAT learns that it
-            # announces an address nobody else can dial (discovery/reachability.py).
-            context.set_trailing_metadata(
-                ((SEEN_AS_HEADER, self.gate.address_of(context)),)
-            )  # initial: the run's proof
-            return self.node.info()
-        finally:
-            self.gate.admission.leave(ticket)
-
 
 def _handlers(service: PeerService) -> grpc.GenericRpcHandler:
     return grpc.method_handlers_generic_handler(
@@ -346,7 +331,7 @@ def _handlers(service: PeerService) -> grpc.GenericRpcHandler:
             "Exchange": grpc.stream_stream_rpc_method_handler(service.Exchange),  # encoded frames both ways
             "GetState": grpc.unary_stream_rpc_method_handler(service.state.GetState),  # parsed by the handler
             "Info": grpc.unary_unary_rpc_method_handler(
-                service.Info, response_serializer=pb.InfoReply.SerializeToString
+                service.info.Info, response_serializer=pb.InfoReply.SerializeToString
             ),
         },
     )

@@ -103,8 +103,20 @@ class StateRequest(_message.Message):
     def __init__(self, run_fingerprint: _Optional[str] = ..., peer_id: _Optional[str] = ..., from_tensor: _Optional[int] = ..., outer_step: _Optional[int] = ..., from_offset: _Optional[int] = ...) -> None: ...
 
 class InfoRequest(_message.Message):
-    __slots__ = ()
-    def __init__(self) -> None: ...
+    __slots__ = ("dial_back",)
+    DIAL_BACK_FIELD_NUMBER: _ClassVar[int]
+    dial_back: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, dial_back: _Optional[_Iterable[int]] = ...) -> None: ...
+
+class DialBack(_message.Message):
+    __slots__ = ("port", "connected", "error")
+    PORT_FIELD_NUMBER: _ClassVar[int]
+    CONNECTED_FIELD_NUMBER: _ClassVar[int]
+    ERROR_FIELD_NUMBER: _ClassVar[int]
+    port: int
+    connected: bool
+    error: str
+    def __init__(self, port: _Optional[int] = ..., connected: _Optional[bool] = ..., error: _Optional[str] = ...) -> None: ...
 
 class LossPoint(_message.Message):
     __slots__ = ("inner_step", "train_loss", "val_loss", "time")
@@ -119,7 +131,7 @@ class LossPoint(_message.Message):
     def __init__(self, inner_step: _Optional[int] = ..., train_loss: _Optional[float] = ..., val_loss: _Optional[float] = ..., time: _Optional[float] = ...) -> None: ...
 
 class InfoReply(_message.Message):
-    __slots__ = ("peer_id", "run_fingerprint", "outer_step", "inner_step", "ready_to_pair", "health", "version", "train_loss", "val_loss", "history")
+    __slots__ = ("peer_id", "run_fingerprint", "outer_step", "inner_step", "ready_to_pair", "health", "version", "train_loss", "val_loss", "history", "dial_back")
     PEER_ID_FIELD_NUMBER: _ClassVar[int]
     RUN_FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
     OUTER_STEP_FIELD_NUMBER: _ClassVar[int]
@@ -130,6 +142,7 @@ class InfoReply(_message.Message):
     TRAIN_LOSS_FIELD_NUMBER: _ClassVar[int]
     VAL_LOSS_FIELD_NUMBER: _ClassVar[int]
     HISTORY_FIELD_NUMBER: _ClassVar[int]
+    DIAL_BACK_FIELD_NUMBER: _ClassVar[int]
     peer_id: str
     run_fingerprint: str
     outer_step: int
@@ -140,4 +153,5 @@ class InfoReply(_message.Message):
     train_loss: float
     val_loss: float
     history: _containers.RepeatedCompositeFieldContainer[LossPoint]
-    def __init__(self, peer_id: _Optional[str] = ..., run_fingerprint: _Optional[str] = ..., outer_step: _Optional[int] = ..., inner_step: _Optional[int] = ..., ready_to_pair: _Optional[bool] = ..., health: _Optional[str] = ..., version: _Optional[str] = ..., train_loss: _Optional[float] = ..., val_loss: _Optional[float] = ..., history: _Optional[_Iterable[_Union[LossPoint, _Mapping]]] = ...) -> None: ...
+    dial_back: _containers.RepeatedCompositeFieldContainer[DialBack]
+    def __init__(self, peer_id: _Optional[str] = ..., run_fingerprint: _Optional[str] = ..., outer_step: _Optional[int] = ..., inner_step: _Optional[int] = ..., ready_to_pair: _Optional[bool] = ..., health: _Optional[str] = ..., version: _Optional[str] = ..., train_loss: _Optional[float] = ..., val_loss: _Optional[float] = ..., history: _Optional[_Iterable[_Union[LossPoint, _Mapping]]] = ..., dial_back: _Optional[_Iterable[_Union[DialBack, _Mapping]]] = ...) -> None: ...

@@ -8,6 +8,7 @@ import os
 import socket
 import subprocess
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
@@ -16,6 +17,9 @@ import pytest
 from noloco_node.discovery.dht import PeerRecord
 from noloco_node.node.bootstrap import start_bootstrap_process
 from noloco_node.node.doctor import clock
+
+from .swarm_harness import Bootstrap, NodeProcess
+from .throttling_proxy import free_port
 
 
 def doctor(tmp_path: Path, *args: str, env: dict[str, str] | None = None) -> tuple[int, dict[str, dict[str, Any]]]:
@@ -98,3 +102,49 @@ def test_a_skewed_clock_is_measured_against_the_peers_records() -> None:
     assert behind.level == "fail" and "at least 116 s behind the peers'" in behind.detail and "set-ntp" in behind.fix
     ahead = clock(records, now + 120.0, record_ttl=30.0, tolerance=30.0)
     assert ahead.level == "fail" and "ahead of the peers'" in ahead.detail
+
+
+def test_a_peer_dials_the_ports_back_and_a_closed_or_misdirected_forward_fails(
+    bootstrap: Bootstrap, tmp_path: Path
+) -> None:
+    """A live node of the run is the witness: it opens a connection back to the ports doctor names (rpc/
+    info_serving.py). ``--announce-port`` plays the port forward: to the gRPC port itself (open), to a port nobody
+    listens on (a forward never set up), and to a port another process holds (a forward to the wrong machine)."""
+    run = ["--model", "tiny", "--seq-len", "64", "--steps", "100000", "--inner-steps", "50", *bootstrap.run_args()]
+    witness = NodeProcess("witness", bootstrap, tmp_path, *run)
+    try:
+        for _ in range(120):  # its record is in the DHT once it has written its first status
+            if (witness.status() or {}).get("outer_step") is not None:
+                break
+            time.sleep(1)
+        grpc_port, dht_port = free_port(), free_port()
+        ports = ["--grpc-port", str(grpc_port), "--dht-host-maddrs", f"/ip4/127.0.0.1/tcp/{dht_port}"]
+        args = ("--bootstrap", *bootstrap.maddrs, *run, *ports)
+        code, checks = doctor(tmp_path, *args)
+        assert checks["run"]["level"] == "ok", checks["run"]
+        assert checks["reachable"]["level"] == "ok"
+        opened = checks["gRPC port from outside"]
+        assert opened["level"] == "ok" and f"opened a connection to 127.0.0.1:{grpc_port}" in opened["detail"]
+        dht = checks["DHT port from outside"]
+        assert dht["level"] == "ok" and f"127.0.0.1:{dht_port}" in dht["detail"], dht
+        assert code == 0, checks
+
+        closed = free_port()  # nothing listens there: a forward never set up
+        code, checks = doctor(tmp_path, *args, "--announce-port", str(closed))
+        failed = checks["gRPC port from outside"]
+        assert code == 1 and failed["level"] == "fail"
+        assert f"could not open a connection to 127.0.0.1:{closed} (Connection refused)" in failed["detail"]
+        assert f"open TCP {closed} in the firewall" in failed["fix"]
+        assert f"forward it to this machine's port {grpc_port}" in failed["fix"]
+
+        with socket.socket() as elsewhere:  # another process answers at the announced port
+            elsewhere.bind(("127.0.0.1", 0))
+            elsewhere.listen()
+            other = elsewhere.getsockname()[1]
+            code, checks = doctor(tmp_path, *args, "--announce-port", str(other))
+        wrong = checks["gRPC port from outside"]
+        assert code == 1 and wrong["level"] == "fail", wrong
+        assert "but not to this machine: something else answers there" in wrong["detail"]
+        assert f"forward TCP {other} to this machine's port {grpc_port}, not to another one" in wrong["fix"]
+    finally:
+        witness.stop()

@@ -14,16 +14,21 @@ from __future__ import annotations
 
 import os
 import shutil
+import time
 from pathlib import Path
 
 import pytest
 
 from noloco_bench.nat import HOMES, measure_swarm, node_args, report
-from noloco_bench.nat_network import nat_network
+from noloco_bench.nat_network import firewall, nat_network
+from noloco_node.launcher.local_swarm import LocalSwarm
+
+pytestmark = [
+    pytest.mark.skipif(os.geteuid() != 0, reason="network namespaces need root"),
+    pytest.mark.skipif(shutil.which("nft") is None and not os.environ.get("CI"), reason="needs nftables (.ci/run has)"),
+]
 
 
-@pytest.mark.skipif(os.geteuid() != 0, reason="network namespaces need root")
-@pytest.mark.skipif(shutil.which("nft") is None and not os.environ.get("CI"), reason="needs nftables (.ci/run has)")
 def test_members_behind_nats_blend_at_nearly_every_step_through_relays(tmp_path: Path) -> None:
     with nat_network(2, HOMES, rate_mbit=100, rtt_ms=20, prefix="nltnat") as net:
         figures = measure_swarm(net, tmp_path, node_args("tiny", 50), seconds=60.0, name="NATs")
@@ -43,3 +48,33 @@ def test_members_behind_nats_blend_at_nearly_every_step_through_relays(tmp_path:
     # reversal). Which pairs call each other through a tunnel is the pairing's choice: some do.
     assert figures.direct_tunnels > 0, report([figures])
     assert figures.exit_codes == (0,) * len(members), figures.exit_codes
+
+
+def test_a_member_behind_a_firewall_is_found_out_by_a_dial_back_and_called_through_its_relay(tmp_path: Path) -> None:
+    """A public address of its own, but nothing comes in (a cloud VM whose security group is closed): its witness
+    sees its calls come from its announced address, as for a reachable member, and only the witness's dial-back
+    (rpc/info_serving.py) finds the port shut. It then holds the other member as its relay and is called through it."""
+    with nat_network(2, (), rate_mbit=100, rtt_ms=20, prefix="nltfw") as net:
+        firewall(net.public[1])
+        swarm = LocalSwarm(tmp_path, 2, node_args("tiny", 50), [["--wait-for-peers", "1"]] * 2, network=net)
+        try:
+            deadline = time.monotonic() + 180
+            while True:
+                open_status, walled = (swarm.status(slot) or {} for slot in swarm.slots)
+                served = [
+                    e for e in walled.get("exchanges", []) if e["role"] == "served" and e["outcome"] == "completed"
+                ]
+                if walled.get("reachable") is False and served:
+                    break
+                assert time.monotonic() < deadline, (walled.get("reachable"), walled.get("relays"), served)
+                time.sleep(1)
+        finally:
+            codes = swarm.stop()
+        log = swarm.logs(swarm.slots[1])
+    assert f"could not open a connection to {net.public[1].address}:" in log and ": a firewall)" in log
+    assert open_status["reachable"] is True
+    assert len(walled["relays"]) == 1  # the one reachable member
+    # Nobody can dial it: every call it served came through its relay (made direct where the caller listens).
+    assert walled["tunnels_served"] > 0
+    assert any(h["partner"] == open_status["peer_id"] for h in walled["history"])
+    assert codes == [0, 0], codes
