@@ -18,9 +18,11 @@ came from). Then one of two ways, by what the caller is:
   later: the two SYNs leave together. A NAT that maps each destination to a new port (``symmetric``, many carrier
   NATs) defeats it, as does one that does not loop back between two members behind it.
 
-Whichever way, after :data:`PUNCH_SECONDS` without a connection the two keep the relayed stream they already
-have, and gRPC runs over what they keep exactly as over the relay (caller proofs, admission, sealed payloads).
-hivemind's p2pd (1.1.12) has no hole punching (``p2pd -help`` lists none), hence this small version on sockets.
+The exchange over the relayed stream (one JSON line at a time, relay.py's headers) is :func:`answer_offer` at the
+member and :func:`take_offer` at the caller. Whichever way, after :data:`PUNCH_SECONDS` without a connection the two
+keep the relayed stream they already have, and gRPC runs over what they keep exactly as over the relay (caller
+proofs, admission, sealed payloads). hivemind's p2pd (1.1.12) has no hole punching (``p2pd -help`` lists none),
+hence this small version on sockets.
 """
 
 from __future__ import annotations
@@ -30,6 +32,11 @@ import contextlib
 import ipaddress
 import socket
 import time
+from typing import Any
+
+from noloco_node.discovery.relay import HEADER_SECONDS, HeaderError, read_header, write_header
+
+Stream = tuple[asyncio.StreamReader, asyncio.StreamWriter]
 
 PUNCH_SECONDS = 2.5  # then the relay: well inside gRPC's 5 s to connect (rpc/transport.py), relay setup included
 ATTEMPT_SECONDS = 0.5  # one SYN's worth: a SYN lost or dropped is not retransmitted for a second
@@ -113,3 +120,85 @@ async def accept_from(listener: socket.socket, host: str, *, seconds: float = PU
         return None
     finally:
         listener.close()
+
+
+# ---------------------------------------------------------------------------------------------- over the relay
+
+
+async def answer_offer(sock: socket.socket, port: Any, caller_host: str, stream: Stream) -> socket.socket | None:
+    """The member's side: answer the tunnel (``{"ok": true}``) with this end's port (``sock``'s), echo the caller's
+    timing ping, connect towards the caller on its ``sync``, and take the way the caller chose: the punched
+    connection, or None for the relayed stream. A caller that chose direct while this end did not connect has no
+    tunnel: HeaderError. ``sock`` is consumed."""
+    reader, writer = stream
+    attempt: asyncio.Future[socket.socket | None] | None = None
+    direct: socket.socket | None = None
+    owned: socket.socket | None = sock
+    try:
+        await write_header(writer, {"ok": True, "punch": sock.getsockname()[1]})
+        line: dict[str, Any] = {}
+        for _ in range(3):  # at most a ping and a sync before the caller's choice
+            line = await read_header(reader)
+            if line.get("ping"):
+                await write_header(writer, {"pong": True})
+            elif line.get("sync") and owned is not None and isinstance(port, int):
+                attempt = asyncio.ensure_future(connect_from(owned, caller_host, port))
+                owned = None  # the attempt owns it
+            else:
+                break
+        if line.get("use") == "direct":
+            if attempt is None:
+                raise HeaderError("the caller chose a direct connection that was never tried")
+            # The caller's end connected, so ours did, on the same connection (or does within a moment).
+            direct = await asyncio.wait_for(asyncio.shield(attempt), PUNCH_SECONDS + HEADER_SECONDS)
+            if direct is None:
+                raise HeaderError("the caller connected directly and this end did not")
+        return direct
+    finally:
+        if owned is not None:
+            owned.close()
+        if attempt is not None and direct is None:  # the relay it is (or nothing): whatever it made is closed
+            attempt.cancel()
+            attempt.add_done_callback(_close_connected)
+
+
+async def take_offer(
+    punch: socket.socket | None, member_host: str, member_port: Any, stream: Stream, *, listening: bool
+) -> socket.socket | None:
+    """The caller's side, once the member answered the offer with a port: wait for the member to connect
+    (``listening``: this node can be dialed, a reversal), or time a simultaneous open over the relayed stream
+    (ping, then ``sync``, then dial half a round trip later); then tell the member which way the tunnel goes. The
+    punched connection, or None for the relayed stream. ``punch`` is consumed."""
+    reader, writer = stream
+    direct: socket.socket | None = None
+    try:
+        if not isinstance(member_port, int):
+            return None  # the member offered nothing: it expects no more header lines
+        if punch is not None and punchable(member_host):
+            if listening:  # reversal: the member connects out through its own NAT
+                await write_header(writer, {"sync": True})
+                direct = await accept_from(punch, member_host)
+            else:  # both behind NATs: the two SYNs must leave together
+                started = time.monotonic()
+                await write_header(writer, {"ping": True})
+                await read_header(reader)
+                round_trip = time.monotonic() - started
+                await write_header(writer, {"sync": True})
+                await asyncio.sleep(round_trip / 2)
+                direct = await connect_from(punch, member_host, member_port)
+            punch = None  # consumed by accept_from or connect_from
+        await write_header(writer, {"use": "direct" if direct is not None else "relay"})
+        return direct
+    except BaseException:
+        if direct is not None:
+            direct.close()
+        raise
+    finally:
+        if punch is not None:
+            punch.close()
+
+
+def _close_connected(attempt: asyncio.Future[socket.socket | None]) -> None:
+    """A hole punch that is not used: close the connection it made, if it made one before it was cancelled."""
+    if not attempt.cancelled() and attempt.exception() is None and (sock := attempt.result()) is not None:
+        sock.close()

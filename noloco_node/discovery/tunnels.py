@@ -35,13 +35,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from noloco_node.discovery.dht import PeerRecord
-from noloco_node.discovery.hole_punch import (
-    PUNCH_SECONDS,
-    accept_from,
-    bound_socket,
-    connect_from,
-    punchable,
-)
+from noloco_node.discovery.hole_punch import answer_offer, bound_socket, punchable, take_offer
 from noloco_node.discovery.relay import (
     HEADER_SECONDS,
     RELAY_PROTOCOL,
@@ -151,47 +145,20 @@ class Tunnels:
     async def _punch_for_caller(
         self, port: Any, caller_host: str, reader: asyncio.StreamReader, writer: asyncio.StreamWriter
     ) -> socket.socket | None:
-        """Answer a tunnel (``{"ok": true}``). When the caller offered a hole punch (hole_punch.py), the answer
-        carries this end's port; then this end echoes the caller's timing ping, connects towards the caller on its
-        ``sync``, and takes the way the caller chose: the punched connection, or None for the relayed stream. A
-        caller that chose direct while this end did not connect has no tunnel: HeaderError, and both are closed."""
+        """Answer a tunnel, with a hole punch when the caller offered one (hole_punch.answer_offer), a few at a
+        time: each makes this node connect out to where its relay says the caller is."""
         sock = None
-        # A few at a time: each makes this node connect out to where its relay says the caller is.
         if isinstance(port, int) and 0 < port < 65536 and punchable(caller_host) and self._punching < MAX_PUNCHING:
             with contextlib.suppress(OSError):
                 sock = bound_socket()
         if sock is None:
             await write_header(writer, {"ok": True})
             return None
-        attempt: asyncio.Future[socket.socket | None] | None = None
-        direct: socket.socket | None = None
         self._punching += 1
         try:
-            await write_header(writer, {"ok": True, "punch": sock.getsockname()[1]})
-            for _ in range(3):  # at most a ping and a sync before the caller's choice
-                line = await read_header(reader)
-                if line.get("ping"):
-                    await write_header(writer, {"pong": True})
-                elif line.get("sync") and sock is not None and isinstance(port, int):
-                    attempt = asyncio.ensure_future(connect_from(sock, caller_host, port))
-                    sock = None  # the attempt owns it
-                else:
-                    break
-            if line.get("use") == "direct":
-                if attempt is None:
-                    raise HeaderError("the caller chose a direct connection that was never tried")
-                # The caller's end connected, so ours did, on the same connection (or does within a moment).
-                direct = await asyncio.wait_for(asyncio.shield(attempt), PUNCH_SECONDS + HEADER_SECONDS)
-                if direct is None:
-                    raise HeaderError("the caller connected directly and this end did not")
-            return direct
+            return await answer_offer(sock, port, caller_host, (reader, writer))
         finally:
             self._punching -= 1
-            if sock is not None:
-                sock.close()
-            if attempt is not None and direct is None:  # the relay it is (or nothing): whatever it made is closed
-                attempt.cancel()
-                attempt.add_done_callback(_close_connected)
 
     # ------------------------------------------------------------------------------------------ the caller's end
 
@@ -316,40 +283,14 @@ class Tunnels:
         target: str,
         stream: tuple[asyncio.StreamReader, asyncio.StreamWriter],
     ) -> socket.socket | None:
-        """The hole punch from the caller's side (hole_punch.py), when the member answered the offer with a port:
-        wait for the member to connect (this node can be dialed), or time a simultaneous open over the relayed
-        stream (ping, then ``sync``, then dial half a round trip later); then tell the member which way the tunnel
-        goes. The punched connection, or None for the relayed stream. ``punch`` is consumed."""
-        reader, writer = stream
-        direct: socket.socket | None = None
-        try:
-            if not isinstance(member_port, int):
-                return None  # the member offered nothing: it expects no more header lines
-            if punch is not None and punchable(member_host):
-                if self.reachable:  # reversal: the member connects out through its own NAT
-                    await write_header(writer, {"sync": True})
-                    direct = await accept_from(punch, member_host)
-                else:  # both behind NATs: the two SYNs must leave together
-                    started = time.monotonic()
-                    await write_header(writer, {"ping": True})
-                    await read_header(reader)
-                    round_trip = time.monotonic() - started
-                    await write_header(writer, {"sync": True})
-                    await asyncio.sleep(round_trip / 2)
-                    direct = await connect_from(punch, member_host, member_port)
-                punch = None  # consumed by accept_from or connect_from
-                log.debug("hole punch to %s at %s:%s: %s", target, member_host, member_port, direct or "relayed")
-                if direct is None:
-                    self._no_punch[target] = time.monotonic() + NO_PUNCH_SECONDS
-            await write_header(writer, {"use": "direct" if direct is not None else "relay"})
-            return direct
-        except BaseException:
-            if direct is not None:
-                direct.close()
-            raise
-        finally:
-            if punch is not None:
-                punch.close()
+        """The caller's side of a hole punch (hole_punch.take_offer); a member it fails for is not tried again for
+        NO_PUNCH_SECONDS. ``punch`` is consumed."""
+        tried = isinstance(member_port, int) and punch is not None and punchable(member_host)
+        direct = await take_offer(punch, member_host, member_port, stream, listening=self.reachable)
+        log.debug("hole punch to %s at %s:%s: %s", target, member_host, member_port, direct or "relayed")
+        if tried and direct is None:
+            self._no_punch[target] = time.monotonic() + NO_PUNCH_SECONDS
+        return direct
 
     async def _connect(self, relay: str, relay_id: Any) -> None:
         """Dial a relay whose addresses a DHT record gave (p2pd may not know it yet)."""
@@ -398,9 +339,3 @@ class Tunnels:
             log.info("unreachable: reached through relays %s", ", ".join(kept) or "(none yet)")
         self.relays = kept
         return kept
-
-
-def _close_connected(attempt: asyncio.Future[socket.socket | None]) -> None:
-    """A hole punch that is not used: close the connection it made, if it made one before it was cancelled."""
-    if not attempt.cancelled() and attempt.exception() is None and (sock := attempt.result()) is not None:
-        sock.close()

@@ -36,8 +36,8 @@ from noloco_node.model.run_model import load_run_corpus
 from noloco_node.node import report
 from noloco_node.node.catch_up import NodeError, StoppedBeforeTrainingError
 from noloco_node.node.descriptors import connection_budget, raise_descriptor_limit
-from noloco_node.node.doctor import log_local_checks
 from noloco_node.node.fault_injection import Drill
+from noloco_node.node.machine_checks import log_local_checks
 from noloco_node.node.peering import Peering
 from noloco_node.node.reach import Reach
 from noloco_node.node.run_layout import RunLayout
