@@ -215,6 +215,10 @@ class Node:
 
     # ------------------------------------------------------------------------------------------ event loop tasks
 
+    def _answered_again(self, peer_id: str) -> None:
+        if self.policy.answered_again(peer_id):
+            log.info("peer %s answers again after a silence: called again at once", peer_id[-8:])
+
     async def _publish(self) -> None:
         try:
             await self.discovery.publish(self.record())
@@ -257,6 +261,7 @@ class Node:
                     self.run_fingerprint,
                     self.cfg.run_name,
                     transport=self.security.transport,
+                    answered_again=self._answered_again,
                 ),
             )
             try:

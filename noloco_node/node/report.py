@@ -12,7 +12,7 @@ import logging
 import math
 import random
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
 
@@ -240,13 +240,17 @@ async def watch_peers(
     starts_every: float = 30.0,
     max_info_calls: int = 16,
     transport: Transport = PLAIN,
+    answered_again: Callable[[str], object] = lambda _peer: None,
 ) -> None:
-    """Keep the view of the swarm fresh for the status page: DHT records, then each peer's Info (its curve).
+    """Keep the view of the swarm fresh for the status page: DHT records, then each peer's Info (its curve). A peer
+    whose Info failed and now answers is reported to ``answered_again`` (the path to it is whole again: pairing's
+    peer_policy.py calls it again at once).
 
     Other starts of the run name change only when someone starts anew, mostly when a run's members start together:
     they are looked up every ``every`` s at first, the interval doubling up to ``starts_every`` s, so that a node
     started from another model is named within seconds of the start, not half a minute later."""
     starts_due, starts_interval = 0.0, every
+    silent: set[str] = set()  # peers whose last Info failed (live ones only: bounded by the swarm)
     while True:
         try:
             telemetry.on_peers(await discovery.live_peers())
@@ -267,9 +271,14 @@ async def watch_peers(
                 )
             except Exception as error:  # an unreachable peer is shown without its curve, not an error here
                 log.debug("Info from %s failed: %r", peer_id[-8:], error)
+                silent.add(peer_id)
                 return
             if reply.peer_id == peer_id and reply.run_fingerprint == run_fingerprint:
                 telemetry.on_info(peer_id, reply)
+                if peer_id in silent:
+                    silent.discard(peer_id)
+                    answered_again(peer_id)
 
         await asyncio.gather(*(ask(peer_id, address) for peer_id, address in peers[:max_info_calls]))
+        silent.intersection_update(peer_id for peer_id, _address in peers)
         await asyncio.sleep(every)

@@ -5,7 +5,10 @@ step, and a short one cuts healthy exchanges of a big model over a slow link. Ea
 exponentially weighted mean of its duration, per peer and overall; the deadline for the next call is a multiple of
 that (with a floor, so that jitter does not cut healthy calls, and the configured exchange timeout as the ceiling).
 A peer that fails is avoided, for twice as long after each consecutive failure (up to a cap); one success clears
-its record. A busy answer is not a failure. So is a peer whose weights were too far from this node's (the norm
+its record, and so does a peer that stopped answering at all and answers again
+(:meth:`PeerPolicy.answered_again`: the path to it was broken, a partition or a restart, and is whole again; after
+a minute apart the doubling would otherwise keep two halves of a healed swarm from calling each other for minutes).
+A busy answer is not a failure. So is a peer whose weights were too far from this node's (the norm
 bound): replicas that were apart for a while drift, and drift is not hostility, so it is *set aside* for now (the
 same doubling backoff), not quarantined. A peer that sent a payload no honest peer sends (malformed, forged, in
 another run's layout) is quarantined: neither called nor served for ``quarantine_seconds``, whatever happens
@@ -22,6 +25,7 @@ EWMA_WEIGHT = 0.3  # of the newest observation
 DEADLINE_FACTOR = 4.0  # deadline = factor * typical duration + slack
 DEADLINE_SLACK = 2.0
 MAX_BACKOFF_DOUBLINGS = 5  # avoid at most avoid_seconds * 32
+FAILURE = "failure"  # the reason of an avoidance for a failed call (not for drift: security.NORM_BOUND)
 
 
 @dataclass
@@ -59,7 +63,7 @@ class PeerPolicy:
             record.failures, record.avoid_until, record.avoid_reason = 0, 0.0, ""  # a quarantine outlives a success
             self._typical = seconds if self._typical is None else _blend(self._typical, seconds)
 
-    def failed(self, peer_id: str, reason: str = "failure") -> float:
+    def failed(self, peer_id: str, reason: str = FAILURE) -> float:
         """Record a failure (or a refusal for drift: ``reason`` norm_bound); returns how long the peer is now
         avoided (s)."""
         with self._lock:
@@ -69,6 +73,18 @@ class PeerPolicy:
             record.avoid_until = time.monotonic() + avoid
             record.avoid_reason = reason
             return avoid
+
+    def answered_again(self, peer_id: str) -> bool:
+        """A peer that did not answer at all for a while answers again (node/report.py's watch of peers' Info):
+        its avoidance for failures ends, and it is called again at once. Not one for drift or a quarantine, which
+        are about its payloads, not the path; nor for a peer that only failed exchanges while its Info kept
+        answering (a straggler: the watch sees no silence). Returns whether it lifted one."""
+        with self._lock:
+            record = self._peers.get(peer_id)
+            if record is None or record.avoid_reason != FAILURE or record.avoid_until <= time.monotonic():
+                return False
+            record.failures, record.avoid_until, record.avoid_reason = 0, 0.0, ""
+            return True
 
     def quarantine(self, peer_id: str, seconds: float, reason: str = "") -> None:
         """A peer that sent a bad payload: not called, and its calls refused, for ``seconds``."""

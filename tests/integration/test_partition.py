@@ -17,7 +17,7 @@ from noloco_node.launcher.local_swarm import LocalSwarm
 ARGS = [
     *("--model", "tiny", "--seq-len", "64", "--batch-size", "8", "--eval-batches", "2"),
     *("--steps", "100000", "--inner-steps", "100", "--warmup-steps", "10", "--log-every", "0"),
-    *("--standing-seconds", "20", "--avoid-seconds", "2", "--wait-for-peers", "3", "--record-ttl", "10"),
+    *("--standing-seconds", "20", "--wait-for-peers", "3", "--record-ttl", "10"),
 ]
 STANDING_SECONDS = 20.0
 HALVES = ((0, 1), (2, 3))

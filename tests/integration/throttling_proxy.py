@@ -34,6 +34,7 @@ class ThrottlingProxy:
         self.on_bytes = on_bytes
         self.port = free_port()
         self.relayed = 0
+        self.refusing = False  # interrupt(): the path is broken, connections are accepted and closed at once
         self._loop = asyncio.new_event_loop()
         self._started = threading.Event()
         self._thread = threading.Thread(target=self._run, daemon=True)
@@ -73,6 +74,9 @@ class ThrottlingProxy:
             writer.close()
 
     async def _handle(self, client_reader: asyncio.StreamReader, client_writer: asyncio.StreamWriter) -> None:
+        if self.refusing:
+            client_writer.close()
+            return
         try:
             target_reader, target_writer = await asyncio.open_connection("127.0.0.1", self.target_port)
         except OSError:
@@ -82,6 +86,21 @@ class ThrottlingProxy:
             self._pipe(client_reader, target_writer, client_writer),
             self._pipe(target_reader, client_writer, target_writer),
         )
+
+    def interrupt(self) -> None:
+        """Break the path: every relayed connection is cut and new ones are closed as they come, until restore()."""
+
+        async def cut() -> None:
+            self.refusing = True
+            relays = [task for task in asyncio.all_tasks() if task is not asyncio.current_task()]
+            for task in relays:
+                task.cancel()
+            await asyncio.gather(*relays, return_exceptions=True)
+
+        asyncio.run_coroutine_threadsafe(cut(), self._loop).result(timeout=5)
+
+    def restore(self) -> None:
+        self.refusing = False
 
     def close(self) -> None:
         """Stop listening and end every relayed connection on the proxy's loop before stopping it: a loop stopped

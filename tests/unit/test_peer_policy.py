@@ -39,3 +39,18 @@ def test_peers_that_left_are_forgotten_unless_still_avoided() -> None:
     rules.failed("bad")
     rules.forget(set())
     assert "gone" not in rules._peers and "bad" in rules._peers
+
+
+def test_a_peer_that_answers_again_after_a_silence_is_called_again_at_once_unless_avoided_for_its_payloads() -> None:
+    rules = policy()
+    for _ in range(6):
+        rules.failed("partitioned")  # avoided 320 s: a minute of failed calls during a partition
+    assert rules.avoided("partitioned")
+    assert rules.answered_again("partitioned")  # the path is whole again
+    assert not rules.avoided("partitioned") and rules.failed("partitioned") == 10  # its backoff starts over
+
+    rules.failed("drifted", "norm_bound")  # set aside for drift: about its weights, not the path
+    rules.quarantine("liar", 600.0, "bad_checksum")
+    assert not rules.answered_again("drifted") and rules.avoided("drifted")
+    assert not rules.answered_again("liar") and rules.avoided("liar")
+    assert not rules.answered_again("never-seen")
