@@ -26,6 +26,9 @@ DEADLINE_FACTOR = 4.0  # deadline = factor * typical duration + slack
 DEADLINE_SLACK = 2.0
 MAX_BACKOFF_DOUBLINGS = 5  # avoid at most avoid_seconds * 32
 FAILURE = "failure"  # the reason of an avoidance for a failed call (not for drift: security.NORM_BOUND)
+# A peer decides when its Info is silent: an avoidance is ended that way at most once per this many avoid_seconds
+# (a healed path needs one), so that a peer cannot have itself called after every failure by going quiet between.
+LIFT_EVERY_AVOIDS = 10
 
 
 @dataclass
@@ -36,6 +39,7 @@ class _PeerRecord:
     avoid_reason: str = ""
     quarantined_until: float = 0.0
     quarantine_reason: str = ""
+    lifted_at: float = -float("inf")  # when answered_again last ended its avoidance
 
 
 class PeerPolicy:
@@ -78,12 +82,17 @@ class PeerPolicy:
         """A peer that did not answer at all for a while answers again (node/report.py's watch of peers' Info):
         its avoidance for failures ends, and it is called again at once. Not one for drift or a quarantine, which
         are about its payloads, not the path; nor for a peer that only failed exchanges while its Info kept
-        answering (a straggler: the watch sees no silence). Returns whether it lifted one."""
+        answering (a straggler: the watch sees no silence); and at most once per LIFT_EVERY_AVOIDS avoid_seconds.
+        Its failures still count: if the path is still bad, the next avoidance is doubled from there. Returns
+        whether it lifted one."""
         with self._lock:
             record = self._peers.get(peer_id)
-            if record is None or record.avoid_reason != FAILURE or record.avoid_until <= time.monotonic():
+            now = time.monotonic()
+            if record is None or record.avoid_reason != FAILURE or record.avoid_until <= now:
                 return False
-            record.failures, record.avoid_until, record.avoid_reason = 0, 0.0, ""
+            if now - record.lifted_at < LIFT_EVERY_AVOIDS * self.avoid_seconds:
+                return False
+            record.avoid_until, record.avoid_reason, record.lifted_at = 0.0, "", now
             return True
 
     def quarantine(self, peer_id: str, seconds: float, reason: str = "") -> None:

@@ -47,7 +47,13 @@ def test_a_peer_that_answers_again_after_a_silence_is_called_again_at_once_unles
         rules.failed("partitioned")  # avoided 320 s: a minute of failed calls during a partition
     assert rules.avoided("partitioned")
     assert rules.answered_again("partitioned")  # the path is whole again
-    assert not rules.avoided("partitioned") and rules.failed("partitioned") == 10  # its backoff starts over
+    assert not rules.avoided("partitioned")
+    # Still broken after all: the backoff goes on from where it was, and a peer going quiet and answering again
+    # cannot have itself called after every failure (once per LIFT_EVERY_AVOIDS * avoid_seconds).
+    assert rules.failed("partitioned") == 320
+    assert not rules.answered_again("partitioned") and rules.avoided("partitioned")
+    rules.succeeded("partitioned", 1.0)  # a call that worked clears the record
+    assert rules.failed("partitioned") == 10
 
     rules.failed("drifted", "norm_bound")  # set aside for drift: about its weights, not the path
     rules.quarantine("liar", 600.0, "bad_checksum")
