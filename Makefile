@@ -49,7 +49,7 @@ format: $(STAMP)
 # The fast tier: unit tests plus integration tests that start real processes. pytest exits 5 when it collects no
 # tests, which fails this target like any other error.
 test: lint
-	$(BIN)/python -m pytest -m "not slow" $(PYTEST_ARGS)
+	$(BIN)/python -m pytest -m "not slow" --durations=15 $(PYTEST_ARGS)
 
 test-slow: $(STAMP)
 	$(BIN)/python -m pytest -m slow $(PYTEST_ARGS)

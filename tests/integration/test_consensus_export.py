@@ -39,6 +39,7 @@ def _prepared_corpus(tmp_path: Path) -> Path:
     return prepared
 
 
+@pytest.mark.slow  # a learning test: a corpus and tokenizer prepared, three nodes trained (about 90 s)
 def test_consensus_of_three_live_nodes_is_no_worse_than_its_members(bootstrap: Bootstrap, tmp_path: Path) -> None:
     prepared = _prepared_corpus(tmp_path)
     nodes: list[NodeProcess] = []

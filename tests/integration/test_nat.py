@@ -29,6 +29,7 @@ pytestmark = [
 ]
 
 
+@pytest.mark.slow  # six nodes for about 100 s: `make test-slow` (bench nat measures the same swarm)
 def test_members_behind_nats_blend_at_nearly_every_step_through_relays(tmp_path: Path) -> None:
     with nat_network(2, HOMES, rate_mbit=100, rtt_ms=20, prefix="nltnat") as net:
         figures = measure_swarm(net, tmp_path, node_args("tiny", 50), seconds=60.0, name="NATs")

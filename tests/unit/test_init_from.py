@@ -152,12 +152,12 @@ def test_a_byte_level_runs_export_continues_with_init_from(tmp_path: Path) -> No
 
 
 def test_a_node_says_at_start_when_its_model_will_not_fit_in_memory(monkeypatch: pytest.MonkeyPatch) -> None:
-    from noloco_node.node import doctor, memory
+    from noloco_node.node import machine_checks, memory
 
-    monkeypatch.setattr(doctor, "available_memory", lambda: 24 * 2**30)
+    monkeypatch.setattr(machine_checks, "available_memory", lambda: 24 * 2**30)
     assert memory.host_bytes_per_parameter(on_gpu=False) == 60 and memory.host_bytes_per_parameter(on_gpu=True) == 48
-    assert doctor.host_memory(160_000_000, on_gpu=False).level == "ok"  # 9 GiB: fits
-    short = doctor.host_memory(1_100_000_000, on_gpu=False)  # 61 GiB: does not
+    assert machine_checks.host_memory(160_000_000, on_gpu=False).level == "ok"  # 9 GiB: fits
+    short = machine_checks.host_memory(1_100_000_000, on_gpu=False)  # 61 GiB: does not
     assert short.level == "fail", short
     assert "1100.0M parameters x 60 B/param = 61.47 GiB" in short.detail and "24.00 GiB available" in short.detail
     assert "smaller --model" in short.fix
