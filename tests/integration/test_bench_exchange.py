@@ -104,5 +104,7 @@ def test_bench_exchange_compares_wire_dtypes_in_one_run() -> None:
     for (mode, dtype), (sent, critical, seconds, ratio) in modes.items():
         phi = rows["bf16"][0] if mode == "stream" else 0.0
         assert critical == rows[dtype][0] and abs(sent - phi - critical) <= 0.0015, out
-        assert seconds >= round(rows[dtype][2], 2) - 0.01 and ratio > 0, out
+        # The critical path holds at least the dtype's exchange with its encode, printed to 3 places; the path's time
+        # is printed to 2 (rounding the 3-place figure again, as this once did, went 0.065 -> 0.07 > 0.06 + 0.01).
+        assert seconds >= rows[dtype][2] - 0.0055 - 1e-9 and ratio > 0, out
     assert re.search(r"stream: phi \([\d.]+ MB in bf16\) crosses during the inner phase, in [\d.]+ s", out), out
