@@ -323,3 +323,26 @@ def fast_weights_from(
     _check_same_shapes(phi, progress, "progress")
     targets = out if out is not None else [torch.empty(p.shape, dtype=torch.float32) for p in phi]
     return [t.copy_(p).add_(d) for t, p, d in zip(targets, phi, progress, strict=True)]
+
+
+@torch.no_grad()
+def compressed_partner_weights(
+    partner_phi: TensorList, partner_sent: TensorList, own_left_out: TensorList
+) -> list[torch.Tensor]:
+    """The partner's fast weights as a compressed exchange lets this node blend with them (the ``sparse`` wire
+    dtype): phi_j + D_j + (Delta_i - D_i), fp32.
+
+    D_j is the partner's compressed progress and ``own_left_out`` = Delta_i - D_i what this node's own compressed
+    progress left out. Each side blends its own progress whole, and adds what its compressed view of the pair lacks,
+    so the pair's sum moves exactly as in uncompressed NoLoCo (eq. 3-5): i blends theta_i with
+    phi_j + D_j + Delta_i - D_i, j with phi_i + D_i + Delta_j - D_j, and the two means add up to theta_i + theta_j.
+    Only how fast the two approach each other depends on the compression: compressed gossip with error feedback
+    (CHOCO-gossip, arXiv 1902.00340). Blending the partner's D_j alone would weigh this node's own progress
+    against a fraction of the partner's and halve the outer step; blending both compressed progresses would throw
+    away most of a phase's own progress every outer step."""
+    _check_same_shapes(partner_phi, partner_sent, "partner progress")
+    _check_same_shapes(partner_phi, own_left_out, "own left-out progress")
+    return [
+        p.to(torch.float32) + d.to(torch.float32) + c.to(torch.float32)
+        for p, d, c in zip(partner_phi, partner_sent, own_left_out, strict=True)
+    ]

@@ -204,6 +204,11 @@ Method = Literal[
     "noloco-stream",
     "noloco-stream-int8",
     "noloco-stream-int4",
+    "noloco-sparse",
+    "noloco-sparse-phi1",
+    "noloco-sparse-phi4",
+    "noloco-sparse-phi8",
+    "noloco-sparse-phi16",
     "noloco-stale",
     "noloco-momentum",
     "diloco",
@@ -228,6 +233,11 @@ WIRE_METHODS: tuple[Method, ...] = (
     "noloco-stream",
     "noloco-stream-int8",
     "noloco-stream-int4",
+    "noloco-sparse",
+    "noloco-sparse-phi1",
+    "noloco-sparse-phi4",
+    "noloco-sparse-phi8",
+    "noloco-sparse-phi16",
 )
 
 

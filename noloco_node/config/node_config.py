@@ -178,11 +178,19 @@ class NodeConfig(StrictSettings):
     )
     max_state_downloads: int = Field(2, ge=1, description="Joiners served at once; more are told busy.")
     max_staleness: int = Field(2, ge=0, description="Largest outer-step difference with a partner.")
-    wire_dtype: Literal["bf16", "fp32", "int8", "int4"] = Field(
+    wire_dtype: Literal["bf16", "fp32", "int8", "int4", "sparse"] = Field(
         "bf16",
         description="Dtype of the exchanged weights on the wire (in stream mode: of the progress theta - phi; phi "
         "streams in bf16): bf16, fp32, or int8/int4 (blockwise absmax, 256 values per fp32 scale; int4 in stream "
-        "mode only). Every node of a run must use the same; a payload in another is refused.",
+        "mode only); sparse (stream mode only): the top 1.56% of each 4,096 values of the progress with 2-bit values "
+        "and error feedback, and phi in int8 every --phi-every outer steps. Every node of a run must use the same; a "
+        "payload in another is refused.",
+    )
+    phi_every: int = Field(
+        8,
+        ge=1,
+        description="wire_dtype sparse: outer steps between the phase payloads that carry phi (int8); in the others "
+        "a partner's phi is taken to be this node's own. Every node of a run must use the same.",
     )
     blend_momenta: bool = Field(
         False,
@@ -237,10 +245,12 @@ class NodeConfig(StrictSettings):
     @model_validator(mode="after")
     def _int4_carries_progress_only(self) -> NodeConfig:
         # 4 bits of whole weights miss by more than a phase's progress (+1.64% val loss, docs/algorithm-study.md);
-        # 4 bits of the progress Delta, which only stream mode sends, cost +0.26%.
-        if self.wire_dtype == "int4" and self.mode != "stream":
+        # 4 bits of the progress Delta, which only stream mode sends, cost +0.26%; sparse codes only a progress.
+        if self.wire_dtype in ("int4", "sparse") and self.mode != "stream":
             raise ValueError(
-                f"wire_dtype int4 needs mode stream (not {self.mode}): int4 carries the progress theta - phi there; "
-                "on whole weights it costs 1.6% in convergence (use int8, or --mode stream)"
+                f"wire_dtype {self.wire_dtype} needs mode stream (not {self.mode}): it carries the progress "
+                "theta - phi there; on whole weights it costs convergence (use int8, or --mode stream)"
             )
+        if self.wire_dtype == "sparse" and self.blend_momenta:
+            raise ValueError("wire_dtype sparse sends phi only every --phi-every outer steps: blend_momenta needs it")
         return self

@@ -41,6 +41,7 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import grpc
 import numpy as np
@@ -136,6 +137,9 @@ class CatchUp:
     run_start: dict[str, str] = field(default_factory=dict)  # the run's model and settings (node/run_layout.py)
     stopping: Callable[[], bool] = lambda: False  # SIGTERM or SIGINT: a download in progress is cancelled
     probation: Probation = field(init=False)
+    # The pairing strategy's state saved with the checkpoint this node resumed from (the sparse residual); empty
+    # when it started otherwise or adopted a donor's state since.
+    resumed_strategy_state: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         self.probation = Probation(self.cfg.data_dir / CHECKPOINT_FILE, self.refused_donors)
@@ -229,6 +233,7 @@ class CatchUp:
             )
         await asyncio.to_thread(replica.load_state_dict, payload["replica"])
         self.telemetry.restore_history(payload.get("history", []))
+        self.resumed_strategy_state = payload.get("strategy", {})
         log.info("resumed from %s at outer step %d", checkpoint, replica.outer_step)
 
     async def _donor_candidates(self) -> list[PeerRecord]:
@@ -324,6 +329,7 @@ class CatchUp:
                     own_loss,
                     " (resumed where another donor stopped)" if download.resumed else "",
                 )
+                self.resumed_strategy_state = {}
                 return True
             if attempt + 1 < rounds:
                 await asyncio.sleep(2.0)

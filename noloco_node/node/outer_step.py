@@ -193,8 +193,14 @@ class OuterStep:
         on_probation = deps.probation is not None and deps.probation.pending
         if replica.outer_step % deps.checkpoint_every == 0 and not on_probation and copy.hold():
             history = deps.telemetry.history_list(KEEP_OUTER_STEPS)  # a copy of the list, as of this step
+            strategy_state = deps.strategy.checkpoint_state()
             deps.checkpoints.submit(
-                lambda: {**deps.checkpoint_extra(), "replica": replica_state_of(copy), "history": history},
+                lambda: {
+                    **deps.checkpoint_extra(),
+                    "replica": replica_state_of(copy),
+                    "history": history,
+                    "strategy": strategy_state,
+                },
                 copy.release,
             )
         deps.snapshot.replace(copy)
@@ -231,6 +237,8 @@ class OuterStep:
         moved_from, caught_up = self._rejoin_the_swarm()
         if moved_from is None and not caught_up and partner is None:
             caught_up = self._catch_up_if_left_behind()
+        if caught_up:
+            deps.strategy.state_replaced()
         if caught_up or moved_from is not None:
             deps.strategy.start(replica)  # what it offers peers now comes from the adopted state, or step
         if deps.data_parallel is not None:
@@ -239,6 +247,7 @@ class OuterStep:
         # A state adopted at this very step has trained no phase yet: it is judged at the next one.
         rolled_back = not caught_up and deps.probation is not None and deps.probation.judge(replica, val_loss)
         if rolled_back:
+            deps.strategy.state_replaced()
             deps.strategy.start(replica)  # what it offers peers comes from its own state again
         entry = {
             "outer_step": replica.outer_step,

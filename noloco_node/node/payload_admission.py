@@ -15,7 +15,7 @@ from noloco_node.node.run_layout import RunLayout
 from noloco_node.node.security import NodeSecurity
 from noloco_node.pairing.peer_policy import PeerPolicy
 from noloco_node.pairing.standing import Standing
-from noloco_node.security.payload_guard import RunningGap
+from noloco_node.security.payload_guard import RunningGap, relative_norm
 from noloco_node.wire.frames import PayloadError
 from noloco_node.wire.payload import Payload
 from noloco_node.wire.published import LatestSnapshot
@@ -101,6 +101,9 @@ class PayloadAdmission:
             if partner_delta:
                 comparisons.append((partner_delta, delta, phi))
             self.security.admit(payload, comparisons, steps_apart)
+            if "progress" in parts:  # a sparse run's progress after a reservation: theta_j is this node's phi + it
+                progress = [payload.tensors[f"progress/{name}"] for name in self.layout.names]
+                self.security.admit_distances(payload, [relative_norm(progress, phi)], steps_apart)
         finally:
             copy.release()
 

@@ -110,6 +110,7 @@ class Peering:
             alone_grace=cfg.alone_grace,
             max_staleness=cfg.max_staleness,
             exchange_ceiling=layout.exchange_ceiling(),
+            phi_every=layout.phi_every,
         )
         strategy = STRATEGIES[cfg.mode](context)
         served = ServedNode(

@@ -2,10 +2,10 @@
 wire, and the limits that follow from their size (how long an exchange or a state download may take).
 
 Settings are run-wide or local. Run-wide ones (:func:`run_wide_settings`: H, the inner schedule, NoLoCo's alpha,
-beta and gamma of Eq. 2-4, the pairing mode, the wire dtype, blended momenta) must be equal on every node, so they
-are part of the fingerprint: nodes that differ in one live under different DHT keys and never pair, and each names
-the setting in its log and /status (discovery/dht.py's start records). Everything else (batch size, timeouts, the
-data shard, limits) is a node's own business.
+beta and gamma of Eq. 2-4, the pairing mode, the wire dtype and how often phi crosses, blended momenta) must be
+equal on every node, so they are part of the fingerprint: nodes that differ in one live under different DHT keys
+and never pair, and each names the setting in its log and /status (discovery/dht.py's start records). Everything
+else (batch size, timeouts, the data shard, limits) is a node's own business.
 
 Known before the node trains a step, so that a call arriving while the node starts is refused cleanly, and so that
 ``export --from swarm`` finds the run by the same fingerprint.
@@ -21,8 +21,7 @@ from noloco_node.config.node_config import NodeConfig
 from noloco_node.data.corpus import Corpus
 from noloco_node.model.run_model import model_source
 from noloco_node.model.source import ModelSource, run_fingerprint
-from noloco_node.wire import quantize
-from noloco_node.wire.frames import DEFAULT_CHUNK_BYTES, PayloadKind, TensorLayout
+from noloco_node.wire.frames import DEFAULT_CHUNK_BYTES, ENCODED_WIRE_DTYPES, PayloadKind, TensorLayout
 
 
 def run_wide_settings(node_cfg: NodeConfig, train_cfg: TrainConfig, outer_cfg: OuterConfig) -> dict[str, str]:
@@ -42,6 +41,7 @@ def run_wide_settings(node_cfg: NodeConfig, train_cfg: TrainConfig, outer_cfg: O
         "mode": node_cfg.mode,
         "wire_dtype": node_cfg.wire_dtype,
         "blend_momenta": str(node_cfg.blend_momenta).lower(),
+        "phi_every": str(node_cfg.phi_every),
     }
 
 
@@ -73,6 +73,7 @@ class RunLayout:
     mode: str  # the pairing mode: stream exchanges other payloads than sync and overlap
     exchange_timeout: float
     min_link_rate: float
+    phi_every: int = 1  # stream mode: outer steps between phase payloads that carry phi (1 unless the wire is sparse)
 
     @classmethod
     def of(cls, node_cfg: NodeConfig, train_cfg: TrainConfig, outer_cfg: OuterConfig, corpus: Corpus) -> RunLayout:
@@ -93,6 +94,7 @@ class RunLayout:
             send_delta=node_cfg.blend_momenta,
             wire_dtype=node_cfg.wire_dtype,
             mode=node_cfg.mode,
+            phi_every=node_cfg.phi_every if node_cfg.wire_dtype == "sparse" else 1,
             exchange_timeout=node_cfg.exchange_timeout,
             min_link_rate=node_cfg.min_link_rate,
         )
@@ -107,14 +109,20 @@ class RunLayout:
     def payload_kinds(self) -> list[PayloadKind]:
         """What a partner sends in an exchange. ``sync`` and ``overlap``: one payload, ``weights`` (theta, with phi
         and delta when the run needs them), in the wire dtype. ``stream``: ``phase`` (phi and, with
-        --blend-momenta, delta: fixed during the inner phase, streamed while both train, in bf16) and ``progress``
-        (Delta = theta - phi at the outer step, in the wire dtype: the only bytes on the critical path)."""
+        --blend-momenta, delta: fixed during the inner phase, streamed while both train, in bf16; int8 when the wire
+        is sparse) and ``progress`` (Delta = theta - phi at the outer step, in the wire dtype: the only bytes on the
+        critical path). With --phi-every K > 1, a phase payload carries phi in one phase of K; in the others it is a
+        ``reservation``, which carries nothing and only reserves the pair. Either may answer the other."""
         momenta = ("delta",) if self.send_delta else ()
         if self.mode == "stream":
-            return [
-                PayloadKind("phase", self._parts("phi", *momenta), "bf16"),
+            phase_dtype = "int8" if self.wire_dtype == "sparse" else "bf16"
+            kinds = [
+                PayloadKind("phase", self._parts("phi", *momenta), phase_dtype, family="phase"),
                 PayloadKind("progress", self._parts("progress"), self.wire_dtype),
             ]
+            if self.phi_every > 1:
+                kinds.append(PayloadKind("reservation", (), phase_dtype, family="phase"))
+            return kinds
         phi = ("phi",) if self.send_phi else ()
         return [PayloadKind("weights", self._parts("theta", *phi, *momenta), self.wire_dtype)]
 
@@ -144,7 +152,7 @@ class RunLayout:
         wire dtype also their values decoded to fp32, and in stream mode the partner's theta rebuilt in fp32."""
         total = 0
         for kind in self.payload_kinds():
-            decoded = 4 * sum(item.numel for item in kind.layout) if quantize.is_quantized(kind.wire_dtype) else 0
+            decoded = 4 * sum(item.numel for item in kind.layout) if kind.wire_dtype in ENCODED_WIRE_DTYPES else 0
             total += kind.wire_bytes() + decoded
         rebuilt = 4 * sum(math.prod(shape) for shape in self.shapes) if self.mode == "stream" else 0
         return total + rebuilt

@@ -110,6 +110,7 @@ class Trainer:
         )
         self.shard = await catch_up.choose_shard()
         self.replica = replica = await catch_up.replica(self.shard, self.corpus, self.layout.source, self.data_parallel)
+        self.peering.strategy.restore(catch_up.resumed_strategy_state)
         # A resumed node is bounded at once by the movements its checkpoint recorded (payload_guard.py).
         self.security.norm_guard.restore(
             [
@@ -226,7 +227,10 @@ class Trainer:
         assert replica is not None and not self.alive
         state = replica.state_dict()
         history = self.telemetry.history_list(KEEP_OUTER_STEPS)
-        self.checkpoints.submit(lambda: {**self.checkpoint_identity(), "replica": state, "history": history})
+        strategy = self.peering.strategy.checkpoint_state()
+        self.checkpoints.submit(
+            lambda: {**self.checkpoint_identity(), "replica": state, "history": history, "strategy": strategy}
+        )
         self.checkpoints.flush()
 
     def checkpoint_identity(self) -> dict[str, Any]:

@@ -45,6 +45,7 @@ class CallSettings:
 
     run_fingerprint: str
     kinds: dict[str, PayloadKind]  # the run's payloads by kind (node/run_layout.py); an answer is of the same kind
+    # or of its family
     max_payload_bytes: int
     max_staleness: int
     transport: Transport
@@ -187,10 +188,12 @@ class PeerCaller:
     ) -> Payload:
         settings = self.settings
         admit = self.admit if complete is None else (lambda payload: self.admit(complete(payload)))
+        answers = [k for k in settings.kinds.values() if k.family and k.family == kind.family] or [kind]
         return exchange_with(
             dial,
             outgoing,
             kind.layout,
+            answers=answers,
             run_fingerprint=settings.run_fingerprint,
             max_payload_bytes=settings.max_payload_bytes,
             wire_dtype=kind.wire_dtype,

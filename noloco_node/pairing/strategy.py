@@ -36,8 +36,14 @@ from noloco_node.observability.telemetry import Telemetry
 from noloco_node.pairing.caller import PeerCaller
 from noloco_node.rpc.contracts import ExchangeSession
 from noloco_node.training.replica import Replica
-from noloco_node.wire import quantize
-from noloco_node.wire.frames import WIRE_DTYPES, PayloadKind, build_manifest
+from noloco_node.wire.frames import (
+    ENCODED_WIRE_DTYPES,
+    WIRE_DTYPES,
+    PayloadKind,
+    encode_into,
+    manifest_of,
+    wire_num_bytes,
+)
 from noloco_node.wire.payload import Payload
 from noloco_node.wire.published import BufferPool, Published
 
@@ -62,11 +68,11 @@ class OfferPublisher:
         self.run_fingerprint = run_fingerprint
         self.peer_id = peer_id
         shapes = [item.shape for item in kind.layout]
-        if quantize.is_quantized(kind.wire_dtype):  # published as encoded bytes, once, whoever streams them
+        if kind.wire_dtype in ENCODED_WIRE_DTYPES:  # published as encoded bytes, once, whoever streams them
             self.pool = BufferPool(
-                [(quantize.encoded_bytes(math.prod(shape), kind.wire_dtype),) for shape in shapes],
+                [(wire_num_bytes(math.prod(shape), kind.wire_dtype),) for shape in shapes],
                 torch.uint8,
-                encode=lambda buffer, source: quantize.quantize_into(source, kind.wire_dtype, buffer),
+                encode=lambda buffer, source: encode_into(source, kind.wire_dtype, buffer),
             )
         else:
             self.pool = BufferPool(shapes, WIRE_DTYPES[kind.wire_dtype][1], pinned=pinned)
@@ -77,9 +83,8 @@ class OfferPublisher:
         sources = [tensor for part in self.kind.parts for tensor in parts[part]]
         if len(sources) != len(self.kind.layout):
             raise ValueError(f"{len(sources)} tensors for a {self.kind.name} payload of {len(self.kind.layout)}")
-        named = [(item.name, tensor) for item, tensor in zip(self.kind.layout, sources, strict=True)]
-        manifest = build_manifest(
-            named,
+        manifest = manifest_of(
+            self.kind.layout,
             wire_dtype=self.kind.wire_dtype,
             run_fingerprint=self.run_fingerprint,
             peer_id=self.peer_id(),
@@ -103,6 +108,7 @@ class PairingContext:
     alone_grace: float
     max_staleness: int
     exchange_ceiling: float  # the longest one exchange may take, whatever its deadline
+    phi_every: int = 1  # stream mode: outer steps between the phase payloads that carry phi (node/run_layout.py)
     loop: asyncio.AbstractEventLoop | None = None  # set when the node's event loop runs
 
     def spawn(self, coroutine: Coroutine[Any, Any, None], what: str) -> Future[None]:
@@ -173,6 +179,17 @@ class PairingStrategy(ABC):
         next_outer_step: int,
     ) -> None:
         """The blend's result, before the replica adopts it (theta and old_phi are still the live tensors)."""
+
+    def checkpoint_state(self) -> dict[str, Any]:
+        """Trainer thread: what the strategy keeps across a restart, saved with the checkpoint (tensors nobody
+        writes again: the checkpoint writer reads them later). Nothing by default."""
+        return {}
+
+    def restore(self, state: dict[str, Any]) -> None:  # noqa: B027
+        """Before the first phase: what :meth:`checkpoint_state` saved, from the checkpoint the node resumed."""
+
+    def state_replaced(self) -> None:  # noqa: B027
+        """Trainer thread: the replica adopted another state (a donor's, or its checkpoint on a rollback)."""
 
     def interrupt(self) -> None:  # noqa: B027
         """The node is stopping: a trainer waiting in :meth:`partner` returns at once."""

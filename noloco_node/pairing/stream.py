@@ -30,6 +30,7 @@ import threading
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 import grpc
 import torch
@@ -39,6 +40,7 @@ from noloco_node.discovery.dht import PeerRecord
 from noloco_node.pairing.strategy import PairingContext, PairingStrategy
 from noloco_node.pairing.sync import PairingRound, RoundSession, run_round
 from noloco_node.training.replica import Replica
+from noloco_node.wire import sparse
 from noloco_node.wire.frames import PayloadError
 from noloco_node.wire.payload import Payload
 from noloco_node.wire.published import Published
@@ -55,6 +57,7 @@ class Phase:
     """One inner phase of this node, from its phase payload's point of view."""
 
     outer_step: int  # the outer step that ends this phase
+    kind: str  # "phase" (phi), or "reservation" (nothing) in the phases of a sparse run that send no phi
     offer: Published  # this node's phase payload, held until the next phase's replaces it
     partner: Payload | None = None  # the reserved partner's phase payload, until its progress arrives
     open: bool = True  # False once this node has stopped waiting for a reservation: no new one
@@ -72,6 +75,11 @@ class StreamPairing(PairingStrategy):
         self._round: PairingRound | None = None
         # The run's live peers as last looked up, so that the progress exchange starts without a DHT lookup.
         self._records: dict[str, PeerRecord] = {}
+        # The sparse wire's residual: what of this node's progress no partner has received yet (wire/sparse.py).
+        progress = ctx.offers["progress"].kind
+        self.feedback = (
+            sparse.ErrorFeedback([item.shape for item in progress.layout]) if progress.wire_dtype == "sparse" else None
+        )
 
     # ---------------------------------------------------------------------------------- gRPC threads
 
@@ -88,7 +96,7 @@ class StreamPairing(PairingStrategy):
             return (
                 None if current is None else current.try_session(partner_id, partner_outer_step, self.ctx.max_staleness)
             )
-        if kind != "phase":
+        if kind not in ("phase", "reservation"):
             return None
         with self._guard:
             phase = self._phase
@@ -105,7 +113,8 @@ class StreamPairing(PairingStrategy):
 
     def complete_payload(self, payload: Payload) -> Payload:
         """A progress payload becomes the partner's whole payload: theta = phi + Delta (fp32), with the phi (and
-        delta) of its phase payload. Anything else is whole already."""
+        delta) of its phase payload. After a reservation, which carried no phi, it stays a progress (the trainer
+        completes it: :func:`compressed_partner`). Anything else is whole already."""
         if payload.parts != ["progress"]:
             return payload
         with self._guard:
@@ -130,6 +139,9 @@ class StreamPairing(PairingStrategy):
         return self._rebuild(partner, payload)
 
     def _rebuild(self, phase_payload: Payload, progress: Payload) -> Payload:
+        if not phase_payload.tensors:  # a reservation
+            phase_payload.release()
+            return progress
         pool = self.ctx.caller.settings.receive_buffers
         manifest = progress.manifest
         phase_tensors, phase_buffers = phase_payload.hand_over()
@@ -165,9 +177,10 @@ class StreamPairing(PairingStrategy):
             self.ctx.spawn(self.ctx.publish_record(), "publishing the DHT record")
 
     def _begin_phase(self, phi: Sequence[torch.Tensor], delta: Sequence[torch.Tensor], outer_step: int) -> None:
-        offer = self.ctx.offers["phase"].publish({"phi": phi, "delta": delta}, outer_step)
+        kind = "phase" if outer_step % self.ctx.phi_every == 0 else "reservation"
+        offer = self.ctx.offers[kind].publish({"phi": phi, "delta": delta}, outer_step)
         with self._guard:
-            previous, self._phase = self._phase, Phase(outer_step, offer)
+            previous, self._phase = self._phase, Phase(outer_step, kind, offer)
         if previous is not None:
             self._end_phase(previous)
 
@@ -195,6 +208,11 @@ class StreamPairing(PairingStrategy):
         if reserved is None:
             return None  # nobody swapped phase payloads with this node: a solo step
         progress = algorithm.phase_progress(replica.fast_weights(), replica.phi)
+        residual, left_out = None, None
+        if self.feedback is not None:  # sent compressed: what it leaves out waits for the next partner
+            encoded, decoded, residual = self.feedback.compress(progress)
+            left_out = [whole.sub_(sent) for whole, sent in zip(progress, decoded, strict=True)]
+            progress = encoded
         offer = ctx.offers["progress"].publish({"progress": progress}, replica.outer_step)
         del progress
         current = PairingRound(replica.outer_step, offer, only_partner=reserved.peer_id)
@@ -208,6 +226,9 @@ class StreamPairing(PairingStrategy):
             leftover.release()
         if partner is not None:
             ctx.caller.paired(partner.peer_id, replica.outer_step)
+            if self.feedback is not None and residual is not None and left_out is not None:
+                self.feedback.commit(residual)
+                compressed_partner(partner, replica.names, replica.phi, left_out)
         return partner
 
     def _await_reservation(self, phase: Phase, train_step: Callable[[], bool] | None) -> None:
@@ -232,6 +253,21 @@ class StreamPairing(PairingStrategy):
         next_outer_step: int,
     ) -> None:
         self._begin_phase(new_phi, new_delta, next_outer_step)
+
+    def checkpoint_state(self) -> dict[str, Any]:
+        return {} if self.feedback is None else {"sparse_residual": self.feedback.residual}
+
+    def restore(self, state: dict[str, Any]) -> None:
+        residual = state.get("sparse_residual")
+        if self.feedback is None or residual is None:
+            return
+        if [tuple(t.shape) for t in residual] != [tuple(t.shape) for t in self.feedback.residual]:
+            raise ValueError("the checkpoint's sparse residual does not match the model's shapes")
+        self.feedback.commit([t.to(torch.float32) for t in residual])
+
+    def state_replaced(self) -> None:
+        if self.feedback is not None:
+            self.feedback.reset()
 
     def interrupt(self) -> None:
         phase, current = self._phase, self._round
@@ -267,7 +303,7 @@ class StreamPairing(PairingStrategy):
                 if not (phase.open and phase.partner is None) or not self._swap_lock.acquire(blocking=False):
                     break  # reserved meanwhile (a peer called in), or a peer is swapping with us right now
                 try:
-                    payload = await ctx.caller.call(peer, phase.offer, kind="phase")
+                    payload = await ctx.caller.call(peer, phase.offer, kind=phase.kind)
                 finally:
                     self._swap_lock.release()
                 if payload is not None and self._reserve(phase, payload):
@@ -323,3 +359,18 @@ class PhaseSession:
     def release(self) -> None:
         self.phase.offer.release()
         self.strategy._swap_lock.release()
+
+
+def compressed_partner(
+    payload: Payload, names: Sequence[str], phi: Sequence[torch.Tensor], left_out: Sequence[torch.Tensor]
+) -> None:
+    """Trainer thread, a sparse run: the partner's payload made what this node blends with, in place:
+    theta_j = phi_j + D_j + (Delta_i - D_i) (algorithm.compressed_partner_weights), phi_j this node's own when the
+    phase sent none (a reservation)."""
+    tensors = payload.tensors
+    if "progress" in payload.parts:  # phi_i + D_j, in the received progress's own buffers
+        thetas = [tensors[f"progress/{name}"].add_(own) for name, own in zip(names, phi, strict=True)]
+        payload.tensors = {f"theta/{name}": theta for name, theta in zip(names, thetas, strict=True)}
+        payload.tensors.update({f"phi/{name}": own for name, own in zip(names, phi, strict=True)})
+    for name, extra in zip(names, left_out, strict=True):
+        payload.tensors[f"theta/{name}"].add_(extra)

@@ -26,6 +26,7 @@ from noloco_node.wire import peer_pb2_grpc as pb_grpc
 from noloco_node.wire.frames import (
     DEFAULT_CHUNK_BYTES,
     PayloadError,
+    PayloadKind,
     TensorLayout,
     iter_frames,
     read_verdict,
@@ -146,6 +147,7 @@ def exchange_with(
     outgoing: OutgoingPayload,
     expected: Sequence[TensorLayout],
     *,
+    answers: Sequence[PayloadKind] = (),
     run_fingerprint: str,
     max_payload_bytes: int,
     timeout: float,
@@ -165,6 +167,9 @@ def exchange_with(
     refusal, and raises) and returns the payload only on the peer's acknowledgement, which the peer sends after it
     has blended with this side's payload. The one case left is an acknowledgement lost on its way back: then the
     peer has blended and this side has not.
+
+    ``answers``: the kinds of payload the peer may answer with (wire/frames.py ``PayloadKind``), when more than
+    ``expected`` (in the kind's wire dtype) may.
 
     Blocking (call it from a worker thread); the whole call, connection included, is bounded by ``timeout``. With
     ``metrics``, the exchange is recorded under ``peer`` (default: the address) whatever its outcome. In a private
@@ -186,6 +191,7 @@ def exchange_with(
     )
     receiver = PayloadReceiver(
         expected,
+        kinds=answers,
         run_fingerprint=run_fingerprint,
         max_total_bytes=max_payload_bytes,
         allowed_dtypes=(wire_dtype,) if wire_dtype else ("bf16", "fp32"),

@@ -78,6 +78,16 @@ def relative_distance(
     return math.sqrt(gap) / max(math.sqrt(norm), 1e-12)
 
 
+def relative_norm(partner: Sequence[torch.Tensor], scale: Sequence[torch.Tensor]) -> float:
+    """||partner|| / ||scale|| over every tensor, in fp32: the distance of theta = phi + partner from phi."""
+    size, norm = 0.0, 0.0
+    with torch.no_grad():
+        for theirs, reference in zip(partner, scale, strict=True):
+            size += float(torch.linalg.vector_norm(theirs, dtype=torch.float32)) ** 2
+            norm += float(torch.linalg.vector_norm(reference, dtype=torch.float32)) ** 2
+    return math.sqrt(size) / max(math.sqrt(norm), 1e-12)
+
+
 class RunningGap:
     """The norm bound's distances, measured chunk by chunk while a payload arrives (a wire/payload.py
     ``ValueObserver``): for each part (theta, phi, delta) the sum of ``(theirs - mine)**2``, and ``||phi_own||**2``

@@ -39,6 +39,9 @@ class MethodResult:
     projection_error: list[float] = field(default_factory=list)
     lr: list[float] = field(default_factory=list)  # the inner learning rate at each evaluation
     inner_steps: int = 0  # H: this method's inner steps between outer steps
+    # What one replica sends its partner per parameter per outer step, (in all, on the critical path); None for
+    # methods without pairs (simulate/wire_views.py)
+    bytes_per_parameter: tuple[float, float] | None = None
     seconds: float = 0.0
 
     @property
@@ -109,15 +112,17 @@ class Comparison:
         """A Markdown table: the form the README quotes."""
         ddp = self.results.get("ddp")
         rows = [
-            "| method | H | val loss | val ppl | ppl vs DDP | weight spread | spread-lr Pearson r | wall s |",
-            "|---|---:|---:|---:|---:|---:|---:|---:|",
+            "| method | H | val loss | val ppl | ppl vs DDP | weight spread | spread-lr Pearson r | B/param/outer step "
+            "(all, critical path) | wall s |",
+            "|---|---:|---:|---:|---:|---:|---:|---:|---:|",
         ]
         for name, r in self.results.items():
             versus = f"{(r.final_val_ppl / ddp.final_val_ppl - 1) * 100:+.2f}%" if ddp else "n/a"
             pearson = spread_lr_correlation(r)
+            sent = bytes_label(r.bytes_per_parameter)
             rows.append(
                 f"| {name} | {r.inner_steps} | {r.final_val_loss:.4f} | {r.final_val_ppl:.3f} | {versus} | "
-                f"{r.final_spread:.2e} | {'n/a' if pearson is None else f'{pearson:.2f}'} | {r.seconds:.0f} |"
+                f"{r.final_spread:.2e} | {'n/a' if pearson is None else f'{pearson:.2f}'} | {sent} | {r.seconds:.0f} |"
             )
         lines = ["\n".join(rows)]
         curves = relative_metric_curves(self.results)
@@ -131,6 +136,11 @@ class Comparison:
                 + (f"; over training: {over}" if over else "")
             )
         return "\n".join(lines)
+
+
+def bytes_label(sent: tuple[float, float] | None) -> str:
+    """Bytes per parameter per outer step, in all and on the critical path, as the tables print them."""
+    return "n/a" if sent is None else f"{sent[0]:.3f}, {sent[1]:.3f}"
 
 
 def curve_summary(curve: list[tuple[int, float]]) -> str:

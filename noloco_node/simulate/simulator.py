@@ -51,9 +51,10 @@ from noloco_node.simulate.results import (
     relative_metrics,
     write_outputs,
 )
+from noloco_node.simulate.wire_views import PHI_EVERY, bytes_per_parameter, partner_view, sparse_pair_steps
 from noloco_node.training.loop import InnerLoop
 from noloco_node.training.replica import Replica, resolve_device
-from noloco_node.wire import quantize
+from noloco_node.wire import sparse
 
 ProgressFn = Callable[[str], None]
 
@@ -69,48 +70,6 @@ def random_groups(num_replicas: int, rng: np.random.Generator) -> list[list[int]
     if num_replicas % 2:
         groups.append([order[-1]])
     return groups
-
-
-def _through_wire(tensors: list[torch.Tensor], wire_dtype: str) -> list[torch.Tensor]:
-    """What a receiver reads of ``tensors`` sent in ``wire_dtype``: exact in fp32, rounded in bf16, blockwise
-    quantized and decoded in int8/int4 (wire/quantize.py, the node's own codec)."""
-    if wire_dtype == "fp32":
-        return tensors
-    if wire_dtype == "bf16":
-        return [t.to(torch.bfloat16).to(torch.float32) for t in tensors]
-    return [quantize.dequantize(quantize.quantize(t, wire_dtype), t.numel(), wire_dtype).view_as(t) for t in tensors]
-
-
-def partner_view(
-    method: str, theta: list[torch.Tensor], phi: list[torch.Tensor]
-) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
-    """The (fast, slow) weights a partner blends with, as the method's wire delivers them.
-
-    - ``noloco``: exact (the maths alone); ``noloco-bf16/int8/int4``: the sync mode, theta (and phi) sent whole
-      in that wire dtype.
-    - ``noloco-stream[-int8|-int4]``: the stream mode: phi, fixed during the phase, streamed in bf16 while the
-      replicas train, and at the outer step only Delta = theta - phi (bf16 or the quantized dtype); the receiver
-      rebuilds theta as phi + Delta.
-    """
-    sync_wire, stream_wire = WIRE_OF_METHOD[method]
-    if stream_wire is None:
-        return _through_wire(list(theta), sync_wire), _through_wire(list(phi), sync_wire)
-    seen_phi = _through_wire(list(phi), "bf16")
-    seen_delta = _through_wire(algorithm.phase_progress(theta, phi), stream_wire)
-    return algorithm.fast_weights_from(seen_phi, seen_delta), seen_phi
-
-
-# Per NoLoCo method: the wire dtype of theta and phi sent whole (sync), or of Delta when phi is streamed (stream).
-WIRE_OF_METHOD: dict[str, tuple[str, str | None]] = {
-    "noloco": ("fp32", None),
-    "noloco-momentum": ("fp32", None),
-    "noloco-bf16": ("bf16", None),
-    "noloco-int8": ("int8", None),
-    "noloco-int4": ("int4", None),
-    "noloco-stream": ("bf16", "bf16"),
-    "noloco-stream-int8": ("bf16", "int8"),
-    "noloco-stream-int4": ("bf16", "int4"),
-}
 
 
 def _noloco_round(
@@ -146,6 +105,32 @@ def _noloco_round(
                 blend_momenta=blend_momenta,
             )
     # Apply only once every replica's update is computed from the state before the round.
+    for i, (new_phi, new_delta) in results.items():
+        replicas[i].apply_outer_step(new_phi, new_delta)
+
+
+def _sparse_noloco_round(
+    replicas: list[Replica],
+    rng: np.random.Generator,
+    cfg: SimulateConfig,
+    method: str,
+    feedback: list[sparse.ErrorFeedback],
+) -> None:
+    """One outer step of a sparse method (simulate/wire_views.py): compressed, error-fed Deltas, and phi only every
+    PHI_EVERY[method] outer steps."""
+    every = PHI_EVERY[method]
+    outer = cfg.outer
+    results = sparse_pair_steps(
+        random_groups(len(replicas), rng),
+        [r.fast_weights() for r in replicas],
+        [list(r.phi) for r in replicas],
+        [list(r.delta) for r in replicas],
+        feedback,
+        phi_round=every is not None and replicas[0].outer_step % every == 0,
+        alpha=outer.alpha,
+        beta=outer.beta,
+        gamma=outer.effective_gamma,
+    )
     for i, (new_phi, new_delta) in results.items():
         replicas[i].apply_outer_step(new_phi, new_delta)
 
@@ -232,6 +217,11 @@ def run_method(
     pair_rng = np.random.default_rng([train.seed, 0x9A1])
     h = cfg.outer.diloco_h(train.inner_steps) if method in DILOCO_METHODS else train.inner_steps
     result = MethodResult(method=method, replicas=cfg.replicas, inner_steps=h)
+    numels = [p.numel() for p in replicas[0].phi]
+    result.bytes_per_parameter = bytes_per_parameter(
+        method, numels, sends_phi=cfg.outer.effective_gamma != cfg.outer.beta
+    )
+    feedback = [sparse.ErrorFeedback([p.shape for p in r.phi]) for r in replicas] if method in PHI_EVERY else []
     started = time.perf_counter()
 
     def record(step: int, train_losses: list[float]) -> None:
@@ -255,7 +245,9 @@ def run_method(
     for phases in zip(*loops, strict=True):
         phase_losses = [loss for phase in phases for loss in phase.losses]
         step = phases[0].end_step
-        if method == "noloco" or method in WIRE_METHODS or method == "noloco-momentum":
+        if method in PHI_EVERY:
+            _sparse_noloco_round(replicas, pair_rng, cfg, method, feedback)
+        elif method == "noloco" or method in WIRE_METHODS or method == "noloco-momentum":
             _noloco_round(replicas, pair_rng, cfg, method=method, blend_momenta=method == "noloco-momentum")
         elif method == "noloco-stale":
             error = _stale_noloco_round(replicas, pair_rng, cfg, offers)

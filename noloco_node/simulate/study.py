@@ -14,6 +14,7 @@ from noloco_node.model.run_model import load_run_corpus
 from noloco_node.simulate.results import (
     Comparison,
     MethodResult,
+    bytes_label,
     curve_summary,
     model_label,
     plot_relative_metric,
@@ -42,8 +43,8 @@ class SeedStudy:
             rows = [
                 f"{count} replicas, {len(runs)} seeds ({', '.join(map(str, self.seeds))}): mean +- std over seeds",
                 f"| method | H | final val loss | val ppl | ppl vs DDP | loss vs {methods[0]} (paired) | weight spread "
-                "| spread-lr Pearson r |",
-                "|---|---:|---:|---:|---:|---:|---:|---:|",
+                "| spread-lr Pearson r | B/param/outer step (all, critical path) |",
+                "|---|---:|---:|---:|---:|---:|---:|---:|---:|",
             ]
             reference = np.array([run.results[methods[0]].final_val_loss for run in runs])
             for method in methods:
@@ -68,7 +69,8 @@ class SeedStudy:
                 pearson = f"{np.mean(pearsons):.2f} ({min(pearsons):.2f}-{max(pearsons):.2f})" if pearsons else "n/a"
                 rows.append(
                     f"| {method} | {runs[0].results[method].inner_steps} | {losses.mean():.4f} +- {losses.std():.4f} "
-                    f"| {ppls.mean():.3f} | {versus} | {against} | {spread:.2e} | {pearson} |"
+                    f"| {ppls.mean():.3f} | {versus} | {against} | {spread:.2e} | {pearson} | "
+                    f"{bytes_label(runs[0].results[method].bytes_per_parameter)} |"
                 )
             for method in methods:
                 errors = [e for run in runs for e in run.results[method].projection_error]

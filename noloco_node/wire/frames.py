@@ -4,8 +4,8 @@ A payload is a Manifest (run fingerprint, sender, outer step, and for each tenso
 byte size), then Chunks of at most ``chunk_bytes`` of one tensor each with an XXH3-64 checksum of their bytes, then
 an End. The sender converts one chunk at a time to the wire dtype (bf16 by default, fp32 selectable) unless the
 tensors already are in it (a node's published copies are), so it never builds a second copy of the whole model.
-The quantized wire dtypes (int8, int4: blockwise absmax, wire/quantize.py) travel as their encoded bytes, scales
-first; a tensor given as values is encoded whole, one tensor at a time.
+The encoded wire dtypes (int8, int4: blockwise absmax, wire/quantize.py; sparse: top-k per chunk, wire/sparse.py)
+travel as their encoded bytes; a tensor given as values is encoded whole, one tensor at a time.
 
 Frames travel as bytes, not as protobuf objects: chunk frames are written and read by hand in protobuf's own wire
 format (so the .proto stays the contract, and any protobuf client interoperates), because the objects' copies of
@@ -27,7 +27,7 @@ import xxhash
 
 from noloco_node.errors import NolocoError
 from noloco_node.wire import peer_pb2 as pb
-from noloco_node.wire import quantize
+from noloco_node.wire import quantize, sparse
 
 MAX_MESSAGE_BYTES = 4 * 2**20  # gRPC message limit on both ends: a chunk plus framing, never a whole model
 DEFAULT_CHUNK_BYTES = 2**20
@@ -40,16 +40,31 @@ WIRE_DTYPES: dict[str, tuple[int, torch.dtype]] = {
     "fp32": (pb.WIRE_DTYPE_FLOAT32, torch.float32),
     "int8": (pb.WIRE_DTYPE_INT8_BLOCK256, torch.uint8),
     "int4": (pb.WIRE_DTYPE_INT4_BLOCK256, torch.uint8),
+    "sparse": (pb.WIRE_DTYPE_SPARSE_TOPK4096, torch.uint8),
 }
+ENCODED_WIRE_DTYPES = ("int8", "int4", "sparse")  # tensors that travel as their encoded bytes, decoded on arrival
 _TORCH_DTYPE_OF_WIRE = {code: dtype for code, dtype in WIRE_DTYPES.values()}
 WIRE_NAME_OF_CODE = {code: name for name, (code, _) in WIRE_DTYPES.items()}
 
 
 def wire_num_bytes(numel: int, wire_dtype: str) -> int:
     """Bytes of a tensor of ``numel`` values on the wire."""
+    if wire_dtype == "sparse":
+        return sparse.encoded_bytes(numel)
     if quantize.is_quantized(wire_dtype):
         return quantize.encoded_bytes(numel, wire_dtype)
     return numel * torch.empty((), dtype=WIRE_DTYPES[wire_dtype][1]).element_size()
+
+
+def encode_into(values: torch.Tensor, wire_dtype: str, out: torch.Tensor) -> None:
+    """Write ``values`` into ``out`` (uint8, ``wire_num_bytes`` long) in an encoded wire dtype; values already
+    encoded (uint8: a sparse sender with error feedback encodes them itself) are copied."""
+    if values.dtype == torch.uint8:
+        out.copy_(values.reshape(-1))
+    elif wire_dtype == "sparse":
+        out.copy_(sparse.encode(values))
+    else:
+        quantize.quantize_into(values, wire_dtype, out)
 
 
 # A seal that fails (security/payload_seal.py) is what a relay or proxy that altered, stripped or replaced the
@@ -105,6 +120,7 @@ class PayloadKind:
     name: str
     layout: tuple[TensorLayout, ...]
     wire_dtype: str
+    family: str = ""  # kinds of one family may answer each other (a stream run's phase payload and reservation)
 
     @property
     def parts(self) -> list[str]:
@@ -131,6 +147,26 @@ def build_manifest(
     metadata_json: str = "",
 ) -> pb.Manifest:
     """The manifest of ``named_tensors`` (their values: the shapes are what the receiver checks) in ``wire_dtype``."""
+    return manifest_of(
+        layout_of(named_tensors),
+        wire_dtype=wire_dtype,
+        run_fingerprint=run_fingerprint,
+        peer_id=peer_id,
+        outer_step=outer_step,
+        metadata_json=metadata_json,
+    )
+
+
+def manifest_of(
+    layout: Sequence[TensorLayout],
+    *,
+    wire_dtype: str,
+    run_fingerprint: str,
+    peer_id: str,
+    outer_step: int,
+    metadata_json: str = "",
+) -> pb.Manifest:
+    """The manifest of tensors of ``layout`` in ``wire_dtype``, whatever form their values are in."""
     code = WIRE_DTYPES[wire_dtype][0]
     return pb.Manifest(
         run_fingerprint=run_fingerprint,
@@ -138,8 +174,13 @@ def build_manifest(
         outer_step=outer_step,
         metadata_json=metadata_json,
         tensors=[
-            pb.TensorSpec(name=name, shape=list(t.shape), dtype=code, num_bytes=wire_num_bytes(t.numel(), wire_dtype))  # type: ignore[arg-type]
-            for name, t in named_tensors
+            pb.TensorSpec(
+                name=item.name,
+                shape=list(item.shape),
+                dtype=code,  # type: ignore[arg-type]
+                num_bytes=wire_num_bytes(item.numel, wire_dtype),
+            )
+            for item in layout
         ],
     )
 
@@ -258,8 +299,10 @@ def iter_frames(
             raise ValueError(f"cannot resume tensor {spec.name} at byte {skip}")
         flat = tensor.detach()
         wire_name = WIRE_NAME_OF_CODE[spec.dtype]
-        if quantize.is_quantized(wire_name) and flat.dtype != torch.uint8:
-            flat = quantize.quantize(flat, wire_name)  # values given: encoded here, one tensor at a time
+        if wire_name in ENCODED_WIRE_DTYPES and flat.dtype != torch.uint8:  # values given: encoded here, one at a time
+            encoded = torch.empty(wire_num_bytes(flat.numel(), wire_name), dtype=torch.uint8)
+            encode_into(flat, wire_name, encoded)
+            flat = encoded
         if (size := flat.numel() * itemsize) != spec.num_bytes:
             raise ValueError(f"tensor {spec.name} has {size} bytes, manifest says {spec.num_bytes}")
         if flat.device.type != "cpu":

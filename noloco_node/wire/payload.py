@@ -14,7 +14,8 @@ every chunk's data cost more CPU than the transfer itself. Manifest and end fram
 Nothing received is trusted: the fingerprint must be the run's; names, shapes, dtypes and sizes must match the
 expected manifest exactly; chunks must arrive in order, inside their tensor, with a matching checksum; the payload must
 be complete; values must be finite; a quantized tensor's scales must be finite and not negative and its codes
-within the encoder's range (checked chunk by chunk as they arrive; the tensor is decoded to fp32 as soon as it is
+within the encoder's range, a sparse tensor's records must hold positions inside their chunk in increasing order
+and ordered finite scales (checked chunk by chunk as they arrive; the tensor is decoded to fp32 as soon as it is
 complete); and in an exchange, the end's seal must be the expected sender's signature over the digest of all of
 it (security/payload_seal.py). Any failure raises :class:`PayloadError` carrying the gRPC status to answer
 with and a short reason label for the rejection metric, and nothing is handed to the caller.
@@ -30,9 +31,10 @@ import numpy as np
 import torch
 
 from noloco_node.wire import peer_pb2 as pb
-from noloco_node.wire import quantize
+from noloco_node.wire import quantize, sparse
 from noloco_node.wire.frames import (
     _TORCH_DTYPE_OF_WIRE,
+    ENCODED_WIRE_DTYPES,
     WIRE_DTYPES,
     WIRE_NAME_OF_CODE,
     ChunkView,
@@ -62,7 +64,7 @@ class ValueObserver(Protocol):
 
 class Payload:
     """A complete, verified payload: the sender's manifest and its tensors in manifest order, in the wire dtype
-    (bf16, fp32) or, for a quantized wire dtype, decoded to fp32."""
+    (bf16, fp32) or, for an encoded wire dtype (int8, int4, sparse), decoded to fp32."""
 
     def __init__(
         self,
@@ -155,8 +157,9 @@ class PayloadReceiver:
         self._byte_views: list[np.ndarray] = []
         self._itemsizes: list[int] = []
         self._filled: list[int] = []
-        self._quantized: list[str | None] = []  # per tensor: its quantized wire dtype, None for bf16/fp32
-        self._decoded: dict[int, torch.Tensor] = {}  # quantized tensors, decoded to fp32 once complete
+        self._encoded: list[str | None] = []  # per tensor: its encoded wire dtype, None for bf16/fp32
+        self._decoded: dict[int, torch.Tensor] = {}  # encoded tensors, decoded to fp32 once complete
+        self._records_checked: list[int] = []  # per sparse tensor: its records checked so far
         self._ended = False
         self.bytes_received = 0
 
@@ -250,9 +253,11 @@ class PayloadReceiver:
         ]
         self._byte_views = [buffer.view(torch.uint8).numpy() for buffer in self._buffers]
         self._itemsizes = [buffer.element_size() for buffer in self._buffers]
-        self._quantized = [
-            name if quantize.is_quantized(name := WIRE_NAME_OF_CODE[spec.dtype]) else None for spec in manifest.tensors
+        self._encoded = [
+            name if (name := WIRE_NAME_OF_CODE[spec.dtype]) in ENCODED_WIRE_DTYPES else None
+            for spec in manifest.tensors
         ]
+        self._records_checked = [0] * len(manifest.tensors)
         self._filled = [
             spec.num_bytes if index < len(self.prefilled) else 0 for index, spec in enumerate(manifest.tensors)
         ]
@@ -314,9 +319,10 @@ class PayloadReceiver:
                 f"chunk of {size} bytes at offset {chunk.offset} does not fit tensor "
                 f"{spec.name!r} of {spec.num_bytes} bytes",
             )
-        quantized = self._quantized[index]
+        encoded = self._encoded[index]
         if size % self._itemsizes[index] or (
-            quantized is not None and (chunk.offset % 4 or (size % 4 and chunk.offset + size != spec.num_bytes))
+            quantize.is_quantized(encoded or "")
+            and (chunk.offset % 4 or (size % 4 and chunk.offset + size != spec.num_bytes))
         ):  # a quantized tensor's chunks may not split one of its fp32 scales
             raise _invalid("chunk_alignment", f"chunk of {size} bytes splits a value of tensor {spec.name!r}")
         if chunk_checksum(chunk.data) != chunk.checksum:
@@ -325,8 +331,10 @@ class PayloadReceiver:
         # while they are still in cache, and refuses a bad payload before the rest of it has to arrive.
         target = self._byte_views[index][chunk.offset : chunk.offset + size]
         target[:] = np.frombuffer(chunk.data, dtype=np.uint8)
-        if quantized is not None:
-            self._check_quantized_chunk(index, quantized, chunk.offset, size)
+        if encoded == "sparse":
+            self._check_sparse_records(index, chunk.offset + size)
+        elif encoded is not None:
+            self._check_quantized_chunk(index, encoded, chunk.offset, size)
         elif _has_non_finite(target, self._buffers[index].dtype):
             raise _invalid("not_finite", f"tensor {spec.name!r} holds NaN or infinite values")
         elif self.observer is not None:  # while the next chunk is on its way
@@ -336,11 +344,14 @@ class PayloadReceiver:
             self._digest.chunk(index, chunk.offset, chunk.data)
         self._filled[index] += size
         self.bytes_received += size
-        if quantized is not None and self._filled[index] == spec.num_bytes:
+        if encoded is not None and self._filled[index] == spec.num_bytes:
             # Decoded as soon as its last byte is in, while the next tensor's bytes are on their way.
             numel = self.expected[index].numel
             decoded = self._allocate(torch.float32, numel)
-            quantize.dequantize(self._buffers[index], numel, quantized, out=decoded)
+            if encoded == "sparse":
+                sparse.decode(self._buffers[index], numel, out=decoded)
+            else:
+                quantize.dequantize(self._buffers[index], numel, encoded, out=decoded)
             self._decoded[index] = decoded
             if self.observer is not None:
                 self.observer.observe(spec.name, 0, decoded)
@@ -358,6 +369,26 @@ class PayloadReceiver:
                 raise _invalid("bad_scales", f"tensor {name!r} has a NaN, infinite or negative block scale")
         if end > scale_bytes and quantize.bad_codes(buffer[max(offset, scale_bytes) : end], wire_dtype):
             raise _invalid("bad_codes", f"tensor {name!r} has codes outside the {wire_dtype} range")
+
+    def _check_sparse_records(self, index: int, filled: int) -> None:
+        """Every record of a sparse tensor that is complete by byte ``filled`` and not yet checked: positions inside
+        their chunk and strictly increasing, scales finite and ordered, padding bits clear (wire/sparse.py)."""
+        numel = self.expected[index].numel
+        buffer = self._buffers[index]
+        full, rest = sparse.chunk_lengths(numel)
+        record = self._records_checked[index]
+        while record < full + (1 if rest else 0):
+            start, length = sparse.record_span(numel, record)
+            size = sparse.record_bytes(length)
+            count = min(full - record, (filled - start) // size) if record < full else (filled - start) // size
+            if count <= 0:
+                break
+            why = sparse.bad_records(buffer[start : start + count * size].view(count, size), length)
+            if why is not None:
+                name = self.manifest.tensors[index].name if self.manifest is not None else "?"
+                raise _invalid("bad_sparse", f"tensor {name!r} is not a valid sparse encoding: {why}")
+            record += count
+        self._records_checked[index] = record
 
     def _on_end(self, end: pb.End) -> None:
         if self.manifest is None:

@@ -14,11 +14,13 @@ class WireDType(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     WIRE_DTYPE_BFLOAT16: _ClassVar[WireDType]
     WIRE_DTYPE_INT8_BLOCK256: _ClassVar[WireDType]
     WIRE_DTYPE_INT4_BLOCK256: _ClassVar[WireDType]
+    WIRE_DTYPE_SPARSE_TOPK4096: _ClassVar[WireDType]
 WIRE_DTYPE_UNSPECIFIED: WireDType
 WIRE_DTYPE_FLOAT32: WireDType
 WIRE_DTYPE_BFLOAT16: WireDType
 WIRE_DTYPE_INT8_BLOCK256: WireDType
 WIRE_DTYPE_INT4_BLOCK256: WireDType
+WIRE_DTYPE_SPARSE_TOPK4096: WireDType
 
 class TensorSpec(_message.Message):
     __slots__ = ("name", "shape", "dtype", "num_bytes")

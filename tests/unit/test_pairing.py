@@ -203,10 +203,14 @@ def test_receive_buffers_are_reused_after_release() -> None:
 
 def stream_pairing() -> StreamPairing:
     """A stream strategy with the parts of a node its phase bookkeeping uses (no loop, no network)."""
-    kind = PayloadKind("phase", (TensorLayout("phi/w", (3, 2)),), "bf16")
+    kinds = [
+        PayloadKind("phase", (TensorLayout("phi/w", (3, 2)),), "bf16"),
+        PayloadKind("progress", (TensorLayout("progress/w", (3, 2)),), "bf16"),
+    ]
     ctx = SimpleNamespace(
         peer_id=lambda: "self",
-        offers={"phase": OfferPublisher(kind, run_fingerprint="run", peer_id=lambda: "self")},
+        offers={kind.name: OfferPublisher(kind, run_fingerprint="run", peer_id=lambda: "self") for kind in kinds},
+        phi_every=1,
         caller=SimpleNamespace(settings=SimpleNamespace(receive_buffers=ReceiveBuffers(max_idle_bytes=0))),
         loop=None,
         max_staleness=1,

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import torch
 
-from noloco_node.simulate.simulator import partner_view
+from noloco_node.simulate.wire_views import partner_view
 
 
 def _state(seed: int = 0) -> tuple[list[torch.Tensor], list[torch.Tensor]]:

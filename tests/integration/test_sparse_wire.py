@@ -1,0 +1,114 @@
+"""The sparse wire dtype in a real pair of node processes: what each node blends and keeps is exactly what the
+algorithm says, over a phase that sends phi (int8) and one that sends a reservation instead, with the residual of
+error feedback carried from one outer step to the next and saved in the checkpoint."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from noloco_node.algorithm import compressed_partner_weights, noloco_pair_step, phase_progress
+from noloco_node.config.models import DataConfig, TrainConfig, model_config_for
+from noloco_node.data.corpus import ReplicaShard, load_corpus
+from noloco_node.model.source import SeededDecoder
+from noloco_node.training.loop import InnerLoop
+from noloco_node.training.replica import Replica
+from noloco_node.wire import quantize, sparse
+
+from .swarm_harness import Bootstrap, NodeProcess, stop_all
+
+STEPS, H, SEED = 20, 10, 5
+
+
+def test_two_sparse_nodes_blend_exactly_with_and_without_phi(bootstrap: Bootstrap, tmp_path: Path) -> None:
+    """--phi-every 2: outer step 0's phase payloads carry phi in int8, outer step 1's are reservations (the partner's
+    phi is taken to be one's own). Each node's phi, delta and residual after both outer steps equal a replay of the
+    two phases here with the sparse codec and the node's own error feedback."""
+    threads = torch.get_num_threads()
+    args = [
+        *("--model", "tiny", "--seq-len", "64", "--batch-size", "8", "--eval-batches", "4"),
+        *("--steps", str(STEPS), "--inner-steps", str(H), "--seed", str(SEED)),
+        *("--mode", "stream", "--wire-dtype", "sparse", "--phi-every", "2"),
+        # Idle while waiting for the partner: the blend then uses the weights sent, which the replay can know.
+        "--no-train-while-waiting",
+        *("--pair-timeout", "30", "--alone-grace", "30", "--wait-for-peers", "1"),
+        *("--torch-threads", str(threads), "--num-shards", "2"),
+    ]
+    nodes = [NodeProcess(f"node{i}", bootstrap, tmp_path, *args, "--shard-index", str(i)) for i in range(2)]
+    try:
+        assert [node.wait(timeout=300) for node in nodes] == [0, 0], nodes[0].output()[-3000:]
+    finally:
+        stop_all(nodes)
+    statuses = [node.status() for node in nodes]
+    for i, status in enumerate(statuses):
+        partners = [h["partner"] for h in status["history"]]
+        assert partners == [statuses[1 - i]["peer_id"]] * 2, f"node{i} blended with {partners}"
+
+    # Replay both phases of each node here (same seed, shard and thread count: bit-identical).
+    corpus = load_corpus(DataConfig())
+    train_cfg = TrainConfig(
+        model_size="tiny",
+        seq_len=64,
+        batch_size=8,
+        total_steps=STEPS,
+        inner_steps=H,
+        seed=SEED,
+        eval_batches=4,
+        device="cpu",
+    )
+    model = SeededDecoder(model_config_for("tiny", vocab_size=256, max_seq_len=64), seed=SEED)
+    torch.set_num_threads(threads)
+    replicas, phases = [], []
+    for shard_index in range(2):
+        shard = ReplicaShard(corpus.train, replica=shard_index, num_replicas=2, seq_len=64, seed=SEED)
+        replica = Replica(model, train_cfg, [shard])
+        replicas.append(replica)
+        phases.append(InnerLoop(replica, total_steps=STEPS, inner_steps=H).phases())
+    feedback = [sparse.ErrorFeedback([p.shape for p in replicas[0].phi]) for _ in range(2)]
+    for sends_phi in (True, False):  # outer step 0 sends phi, outer step 1 a reservation
+        for phase in phases:
+            next(phase)
+        sent = []
+        for i, replica in enumerate(replicas):
+            progress = phase_progress(replica.fast_weights(), replica.phi)
+            _, decoded, residual = feedback[i].compress(progress)
+            left_out = [whole - part for whole, part in zip(progress, decoded, strict=True)]
+            sent.append((decoded, left_out, residual))
+        blended = []
+        for i, replica in enumerate(replicas):
+            partner = replicas[1 - i]
+            if sends_phi:  # int8 on the wire
+                seen_phi = [
+                    quantize.dequantize(quantize.quantize(p, "int8"), p.numel(), "int8").view_as(p) for p in partner.phi
+                ]
+            else:
+                seen_phi = list(replica.phi)
+            partner_theta = compressed_partner_weights(seen_phi, sent[1 - i][0], sent[i][1])
+            blended.append(
+                noloco_pair_step(
+                    replica.fast_weights(),
+                    replica.phi,
+                    replica.delta,
+                    (partner_theta, seen_phi, []),
+                    alpha=0.5,
+                    beta=0.7,
+                    gamma=0.7,
+                )
+            )
+        for i, replica in enumerate(replicas):
+            replica.apply_outer_step(*blended[i])
+            feedback[i].commit(sent[i][2])
+
+    for i, (node, replica) in enumerate(zip(nodes, replicas, strict=True)):
+        saved = torch.load(node.data_dir / "checkpoint.pt", weights_only=True)
+        state = saved["replica"]
+        assert state["outer_step"] == 2
+        for name, got, want in zip(state["param_names"], state["phi"], replica.phi, strict=True):
+            assert torch.equal(got, want), f"phi of {name} on node {i}"
+        for name, got, want in zip(state["param_names"], state["delta"], replica.delta, strict=True):
+            assert torch.equal(got, want), f"delta of {name} on node {i}"
+        residual = saved["strategy"]["sparse_residual"]
+        for name, got, want in zip(state["param_names"], residual, feedback[i].residual, strict=True):
+            assert torch.equal(got, want), f"residual of {name} on node {i}"
+        assert any(bool(r.abs().sum() > 0) for r in residual), "the residual kept nothing back"
