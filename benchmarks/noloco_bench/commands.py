@@ -35,7 +35,8 @@ def add_bench_parsers(commands: Any) -> None:
         "--wire-dtype",
         default="bf16",
         type=_wire_dtypes,
-        help="bf16, fp32, int8 or int4; several, comma-separated (e.g. bf16,int8,int4), compares them in one run",
+        help="bf16, fp32, int8, int4 or sparse; several, comma-separated (e.g. bf16,int8,sparse), compares them in "
+        "one run, with the bytes per parameter of each pairing mode",
     )
     exchange.add_argument("--chunk-bytes", type=int, default=2**20, help="bytes per chunk message")
     exchange.add_argument("--repeats", type=int, default=5, help="runs of each measurement (the best is kept)")
@@ -370,10 +371,10 @@ def run_bench(args: argparse.Namespace) -> int:
 def _wire_dtypes(text: str) -> list[str]:
     """``--wire-dtype``: one wire dtype, or several to compare."""
     chosen = [part.strip() for part in text.split(",") if part.strip()]
-    unknown = [part for part in chosen if part not in ("bf16", "fp32", "int8", "int4")]
+    unknown = [part for part in chosen if part not in ("bf16", "fp32", "int8", "int4", "sparse")]
     if not chosen or unknown:
         raise argparse.ArgumentTypeError(
-            f"unknown wire dtype {', '.join(unknown) or text!r}: use bf16, fp32, int8, int4"
+            f"unknown wire dtype {', '.join(unknown) or text!r}: use bf16, fp32, int8, int4, sparse"
         )
     return chosen
 

@@ -18,7 +18,7 @@ import resource
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -36,7 +36,7 @@ from noloco_node.security.caller_proof import CallerVerifier
 from noloco_node.security.identity import NodeIdentity
 from noloco_node.security.payload_guard import RunningGap, relative_distance
 from noloco_node.wire import peer_pb2 as pb
-from noloco_node.wire import quantize
+from noloco_node.wire import quantize, sparse
 from noloco_node.wire.frames import WIRE_DTYPES, TensorLayout, build_manifest, layout_of, wire_num_bytes
 from noloco_node.wire.payload import Payload
 from noloco_node.wire.receive_buffers import ReceiveBuffers
@@ -109,7 +109,10 @@ class _BenchPeer(AdmitsEverything):
 
 
 def _published(named: list[tuple[str, torch.Tensor]], wire_dtype: str) -> list[torch.Tensor]:
-    """The weights as a node publishes them for its exchanges: converted (or quantized) once, streamed as they are."""
+    """The weights as a node publishes them for its exchanges: converted (or quantized) once, streamed as they are;
+    sparse with its error feedback (encoded, decoded, and the residual kept), as a stream node sends its progress."""
+    if wire_dtype == "sparse":
+        return sparse.ErrorFeedback([t.shape for _, t in named]).compress([t for _, t in named])[0]
     if quantize.is_quantized(wire_dtype):
         return [quantize.quantize(t, wire_dtype) for _, t in named]
     return [t.to(WIRE_DTYPES[wire_dtype][1]) for _, t in named]
@@ -381,6 +384,9 @@ class WireDtypeComparison:
     tcp_both_ways_seconds: float  # raw TCP moving the first dtype's bytes both ways, same path, same run
     repeats: int
     progress_seconds: float = 0.0  # stream mode: Delta = theta - phi over the model's fp32 weights, on this machine
+    parameters: int = 1  # the model's parameter count: bytes per parameter
+    tensor_sizes: list[int] = field(default_factory=list)  # values per tensor: phi's int8 bytes
+    phi_every: int = 8  # a sparse run's --phi-every: phi (int8) crosses in one phase of this many
 
     def report(self) -> str:
         first = self.rows[0]
@@ -409,7 +415,8 @@ class WireDtypeComparison:
         """Per pairing mode: the bytes of one outer step, those on the critical path, and that path's time, against
         today's default (sync, bf16 theta). In stream mode phi (bf16) crosses during the inner phase and only
         Delta = theta - phi waits for its end; Delta has theta's shapes and codec, so its exchange takes what the
-        same wire dtype's exchange took above."""
+        same wire dtype's exchange took above. With the sparse wire, phi crosses in int8 once every ``phi_every``
+        outer steps (a reservation, a few hundred bytes, in the others); sync mode refuses int4 and sparse."""
         by_dtype = {row.wire_dtype: row for row in self.rows}
         if "bf16" not in by_dtype:
             return []
@@ -417,20 +424,26 @@ class WireDtypeComparison:
         lines = [
             "",
             "per pairing mode, one outer step (per direction), against sync with bf16 theta (today's default):",
-            "| mode | wire dtype | bytes sent | on the critical path | critical-path time | sync bf16 / this |",
-            "|---|---|---:|---:|---:|---:|",
+            "| mode | wire dtype | bytes sent | on the critical path | bytes per parameter (all, critical path) | "
+            "critical-path time | sync bf16 / this |",
+            "|---|---|---:|---:|---:|---:|---:|",
         ]
+        phi_int8 = sum(wire_num_bytes(n, "int8") for n in self.tensor_sizes)
         for mode in ("sync", "stream"):
             for row in self.rows:
+                if mode == "sync" and row.wire_dtype == "sparse":
+                    continue
                 critical = row.exchange_seconds + row.publish_seconds
-                sent = row.payload_bytes
+                sent = float(row.payload_bytes)
                 if mode == "stream":
                     critical += self.progress_seconds
-                    sent += by_dtype["bf16"].payload_bytes  # phi, always bf16
+                    # phi: bf16 every phase; int8 once every phi_every phases with the sparse wire
+                    sent += phi_int8 / self.phi_every if row.wire_dtype == "sparse" else by_dtype["bf16"].payload_bytes
                 refused = " (a node refuses it: 4 bits of whole weights cost 1.6%)"
                 shown = mode + (refused if mode == "sync" and row.wire_dtype == "int4" else "")
                 lines.append(
                     f"| {shown} | {row.wire_dtype} | {sent / 1e6:.3f} MB | {row.payload_bytes / 1e6:.3f} MB | "
+                    f"{sent / self.parameters:.3f}, {row.payload_bytes / self.parameters:.3f} | "
                     f"{critical:.2f} s | {reference / critical:.2f}x |"
                 )
         phi = by_dtype["bf16"]
@@ -469,7 +482,10 @@ def run_wire_dtype_comparison(
                 )
             )
         tcp = min(raw_tcp_seconds(rows[0].payload_bytes, both_ways=True, where=where) for _ in range(repeats))
-    return WireDtypeComparison(size, link, rows, tcp, repeats, _progress_seconds(size, vocab))
+    sizes = [t.numel() for _, t in _weights_meta(size, vocab)]
+    return WireDtypeComparison(
+        size, link, rows, tcp, repeats, _progress_seconds(size, vocab), sum(sizes), tensor_sizes=sizes
+    )
 
 
 def _progress_seconds(size: str, vocab: int) -> float:

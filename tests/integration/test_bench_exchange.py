@@ -69,7 +69,7 @@ def test_bench_exchange_prints_the_ratio_to_raw_tcp() -> None:
 def test_bench_exchange_compares_wire_dtypes_in_one_run() -> None:
     """Several wire dtypes, each exchanged by real processes on the same path in one run: the bytes are the codec's
     (wire/quantize.py), the times measured, and the last column the quotient of the printed times."""
-    command = ["bench", "exchange", "--model", "tiny", "--repeats", "1", "--wire-dtype", "bf16,int8"]
+    command = ["bench", "exchange", "--model", "tiny", "--repeats", "1", "--wire-dtype", "bf16,int8,sparse"]
     done = subprocess.run(
         [sys.executable, "-m", "noloco_node", *command],
         capture_output=True,
@@ -83,8 +83,9 @@ def test_bench_exchange_compares_wire_dtypes_in_one_run() -> None:
         m.group(1): (float(m.group(2)), float(m.group(3)), float(m.group(4)), float(m.group(5)))
         for m in re.finditer(r"\| (\w+) \| ([\d.]+) MB \| ([\d.]+) s \| ([\d.]+) s \| ([\d.]+)x \|", out)
     }
-    assert set(rows) == {"bf16", "int8"}, out
-    from noloco_bench.exchange import _payload_bytes
+    assert set(rows) == {"bf16", "int8", "sparse"}, out
+    from noloco_bench.exchange import _payload_bytes, _weights_meta
+    from noloco_node.wire.frames import wire_num_bytes
 
     for dtype, (megabytes, exchange, total, ratio) in rows.items():
         assert megabytes == round(_payload_bytes("tiny", 256, dtype) / 1e6, 3), out
@@ -93,17 +94,24 @@ def test_bench_exchange_compares_wire_dtypes_in_one_run() -> None:
     # One byte and a 256th of a 4-byte scale per value, against two bytes.
     assert _payload_bytes("tiny", 256, "int8") < 0.6 * _payload_bytes("tiny", 256, "bf16")
     assert re.search(r"raw TCP moving bf16's [\d.]+ MB both ways at once on the same path: [\d.]+ s", out), out
-    # Per pairing mode: stream sends phi (bf16) on top, and only Delta (the dtype's bytes) is on the critical path.
+    # Per pairing mode: stream sends phi (bf16) on top, and only Delta (the dtype's bytes) is on the critical path;
+    # with the sparse wire phi crosses in int8 in one outer step of 8. Sync mode refuses the sparse wire.
     modes = {
-        (m.group(1), m.group(2)): (float(m.group(3)), float(m.group(4)), float(m.group(5)), float(m.group(6)))
+        (m.group(1), m.group(2)): tuple(float(m.group(k)) for k in range(3, 9))
         for m in re.finditer(
-            r"\| (sync|stream) \| (\w+) \| ([\d.]+) MB \| ([\d.]+) MB \| ([\d.]+) s \| ([\d.]+)x \|", out
+            r"\| (sync|stream) \| (\w+) \| ([\d.]+) MB \| ([\d.]+) MB \| ([\d.]+), ([\d.]+) \| ([\d.]+) s \| "
+            r"([\d.]+)x \|",
+            out,
         )
     }
-    assert set(modes) == {(mode, dtype) for mode in ("sync", "stream") for dtype in ("bf16", "int8")}, out
-    for (mode, dtype), (sent, critical, seconds, ratio) in modes.items():
-        phi = rows["bf16"][0] if mode == "stream" else 0.0
+    assert set(modes) == {("sync", "bf16"), ("sync", "int8"), *(("stream", d) for d in ("bf16", "int8", "sparse"))}, out
+    parameters = sum(t.numel() for _, t in _weights_meta("tiny", 256))
+    phi_int8 = sum(wire_num_bytes(t.numel(), "int8") for _, t in _weights_meta("tiny", 256))
+    for (mode, dtype), (sent, critical, per_parameter, critical_per_parameter, seconds, ratio) in modes.items():
+        phi = {"sync": 0.0, "stream": rows["bf16"][0]}[mode] if dtype != "sparse" else phi_int8 / 8 / 1e6
         assert critical == rows[dtype][0] and abs(sent - phi - critical) <= 0.0015, out
+        assert abs(per_parameter - sent * 1e6 / parameters) <= 0.001 + 0.0005e6 / parameters, out
+        assert abs(critical_per_parameter - critical * 1e6 / parameters) <= 0.001 + 0.0005e6 / parameters, out
         # The critical path holds at least the dtype's exchange with its encode, printed to 3 places; the path's time
         # is printed to 2 (rounding the 3-place figure again, as this once did, went 0.065 -> 0.07 > 0.06 + 0.01).
         assert seconds >= rows[dtype][2] - 0.0055 - 1e-9 and ratio > 0, out
