@@ -1,9 +1,11 @@
 """Fuzzing a running node's Exchange, GetState and Info with hypothesis: malformed, truncated, oversized,
 wrong-shape, wrong-dtype, NaN/Inf and huge-norm payloads, malformed quantized chunks (NaN, infinite or negative
-scales, codes outside the range, a wrong block count), a payload in another wire dtype, payloads of another
-configuration (theta+phi, theta+phi+delta, a stream run's phi), payloads whose seal fails (none, another key's,
-bytes altered after sealing, a seal replayed from another call: security/payload_seal.py), and garbage requests.
-Every other input is sealed by its sender, as anyone can seal what it sends, so that its content is what is judged.
+scales, codes outside the range, a wrong block count), a payload in another wire dtype (sparse included; a sparse
+run takes a sparse payload only from the partner it reserved, so malformed sparse records are fuzzed against the
+receiver in tests/unit/test_sparse_wire.py), payloads of another configuration (theta+phi, theta+phi+delta, a
+stream run's phi), payloads whose seal fails (none, another key's, bytes altered after sealing, a seal replayed
+from another call: security/payload_seal.py), and garbage requests. Every other input is sealed by its sender, as
+anyone can seal what it sends, so that its content is what is judged.
 
 Two twin nodes train alone (each on its own DHT) with the same seed, shard and settings; one of them is attacked
 while it trains, in overlap mode so that every call reaches payload validation (a sync node refuses calls outside
@@ -183,7 +185,7 @@ class Attack:
             return self.frames([(n, t * draw(st.floats(-2.0, -0.5))) for n, t in base], peer)
         if mutation == "other_wire_dtype":  # a well-formed payload, in a dtype this run does not use
             scale = draw(st.floats(0.5, 2.0))  # varied payloads: hypothesis stops early on a three-value choice
-            wire_dtype = draw(st.sampled_from(["bf16", "fp32", "int4"]))
+            wire_dtype = draw(st.sampled_from(["bf16", "fp32", "int4", "sparse"]))
             return self.frames([(n, t * scale) for n, t in base], peer, wire_dtype=wire_dtype)
         if mutation in ("bad_scale", "bad_code"):
             return self._bad_quantized_chunk(mutation, base, data, peer)
