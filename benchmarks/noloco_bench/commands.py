@@ -16,6 +16,7 @@ from noloco_node.config.node_config import PairingMode
 RACE_METHODS = (
     "noloco-sync",
     "noloco-stream",
+    "noloco-sparse",
     "diloco-H",
     "diloco-2H",
     "hivemind-H",

@@ -9,6 +9,8 @@ straggler model of the paper's Fig. 5B; node.fault_injection), and reports valid
 - ``noloco-sync``: real `noloco-node join` processes (LocalSwarm on the shaped network), ``--mode sync``, bf16;
 - ``noloco-stream``: the same with ``--mode stream --wire-dtype int4`` (the phase's slow weights stream during
   the phase, only the int4 progress waits at the outer step);
+- ``noloco-sparse``: ``--mode stream --wire-dtype sparse`` (the progress as top-k per 4,096 values with error
+  feedback, phi in int8 once every 8 outer steps: wire/sparse.py);
 - ``diloco-H`` and ``diloco-2H``: DiLoCo (diloco_worker.py): a global barrier, a gloo ring all-reduce of the
   pseudo-gradient in bf16 and the heavy-ball outer step, every H and every 2H inner steps;
 - ``hivemind-H``: the same DiLoCo at H with hivemind's DecentralizedAverager doing the all-reduce (fp16 on the
@@ -61,7 +63,13 @@ from noloco_node.launcher.local_swarm import LocalSwarm
 from noloco_node.model.decoder import parameter_count
 from noloco_node.node.fault_injection import Drill
 
-METHODS = ("noloco-sync", "noloco-stream", "diloco-H", "diloco-2H", "hivemind-H")
+# The NoLoCo methods: their pairing mode and wire dtype
+NOLOCO_METHODS = {
+    "noloco-sync": ("sync", "bf16"),
+    "noloco-stream": ("stream", "int4"),
+    "noloco-sparse": ("stream", "sparse"),
+}
+METHODS = (*NOLOCO_METHODS, "diloco-H", "diloco-2H", "hivemind-H")
 DILOCO_PORT = 29600
 STARTUP_ALLOWANCE = 120.0  # seconds a method may take to start before its time cap counts
 HIVEMIND_MATCHMAKING_SECONDS = 5.0  # DecentralizedAverager's default min_matchmaking_time, scaled like every duration
@@ -176,6 +184,7 @@ class MethodRun:
     failed_rounds: int = 0  # hivemind: replica-rounds that found no full group and stepped on their own progress
     stopped: bool = False  # stopped at the race's time cap before its last step: the curve so far
     megabytes_sent: float = math.nan  # mean over the hosts of what each sent on its shaped link during the run
+    megabytes_sent_per_host: list[float] = field(default_factory=list)  # each host's, in host order
 
     @property
     def final_loss(self) -> float:
@@ -265,6 +274,12 @@ class RaceResult:
             if run.stopped
         ]
         lines += [f"{name}: did not finish: {why}" for name, why in self.failed.items()]
+        lines += [
+            f"{name}: MB each host put on its shaped link: "
+            + ", ".join(f"{megabytes:.2f}" for megabytes in run.megabytes_sent_per_host)
+            for name, run in self.runs.items()
+            if run.megabytes_sent_per_host
+        ]
         return "\n".join(lines)
 
 
@@ -297,8 +312,9 @@ def swarm_curve(statuses: Sequence[dict], inner_steps: int) -> tuple[Curve, floa
     return curve, finished
 
 
-def _node_args(result: RaceResult, mode: str) -> list[str]:
+def _node_args(result: RaceResult, method: str) -> list[str]:
     emulation = result.emulation
+    mode, wire_dtype = NOLOCO_METHODS[method]
     link_bytes_per_second = emulation.rate_mbit * 1e6 / 8
     args = [
         "--model", emulation.model, "--steps", str(result.steps), "--inner-steps", str(emulation.inner_steps),
@@ -306,16 +322,15 @@ def _node_args(result: RaceResult, mode: str) -> list[str]:
         # deadlines: a transfer may run at a quarter of the link's rate before it counts as stalled; a partner is
         # waited for as long as a few exchanges take on this link
         "--min-link-rate", f"{link_bytes_per_second / 4:.0f}",
-        "--pair-timeout", f"{max(10.0, 4 * emulation.exchange_seconds):.1f}",
+        "--pair-timeout", f"{max(10.0, 4 * emulation.exchange_seconds):.1f}", "--wire-dtype", wire_dtype,
     ]  # fmt: skip
-    if mode == "stream":
-        args += ["--wire-dtype", "int4"]
     return args
 
 
-def _noloco_run(net: ShapedNetwork, base: Path, result: RaceResult, mode: str, deadline: float) -> MethodRun:
+def _noloco_run(net: ShapedNetwork, base: Path, result: RaceResult, method: str, deadline: float) -> MethodRun:
     drill = Drill(step_time_seconds=result.emulation.step_seconds, step_time_sigma=result.sigma).environment()
-    swarm = LocalSwarm(base, result.nodes, _node_args(result, mode), network=net, per_node_env=[drill] * result.nodes)
+    args = _node_args(result, method)
+    swarm = LocalSwarm(base, result.nodes, args, network=net, per_node_env=[drill] * result.nodes)
     try:
         while time.monotonic() < deadline and swarm.running():
             time.sleep(1.0)
@@ -326,12 +341,12 @@ def _noloco_run(net: ShapedNetwork, base: Path, result: RaceResult, mode: str, d
     unfinished = [slot.index for slot, s in zip(swarm.slots, statuses, strict=True) if not s.get("history")]
     if unfinished or swarm.slots[0].crashes:
         tail = swarm.logs(swarm.slots[unfinished[0] if unfinished else 0])[-3000:]
-        raise RuntimeError(f"bench race: noloco-{mode} node(s) {unfinished} did not train:\n{tail}")
+        raise RuntimeError(f"bench race: {method} node(s) {unfinished} did not train:\n{tail}")
     curve, finished = swarm_curve(statuses, result.emulation.inner_steps)
     histories = [s["history"] for s in statuses]
     waited = statistics.fmean(sum(h["wait_seconds"] for h in history) / finished for history in histories)
     return MethodRun(
-        f"noloco-{mode}",
+        method,
         result.emulation.inner_steps,
         curve,
         finished,
@@ -466,9 +481,8 @@ def run_race(
             deadline = started + (time_cap_factor * max(finished) + STARTUP_ALLOWANCE if finished else 7200)
             sent_before = [net.bytes_sent(host) for host in range(nodes)]
             try:
-                if method.startswith("noloco-"):
-                    mode = method.removeprefix("noloco-")
-                    run = _noloco_run(net, work / method, result, mode, deadline)
+                if method in NOLOCO_METHODS:
+                    run = _noloco_run(net, work / method, result, method, deadline)
                 else:
                     h = 2 * inner_steps if method.endswith("-2H") else inner_steps
                     all_reduce = "hivemind" if method.startswith("hivemind") else "gloo"
@@ -482,6 +496,7 @@ def run_race(
                 continue
             sent = [net.bytes_sent(host) - before for host, before in enumerate(sent_before)]
             run.megabytes_sent = statistics.fmean(sent) / 1e6
+            run.megabytes_sent_per_host = [host / 1e6 for host in sent]
             result.runs[method] = run
             say(f"{method}: final val loss {run.final_loss:.4f}, {run.wall_seconds:.0f} s of training "
                 f"({time.monotonic() - started:.0f} s with start-up)")  # fmt: skip
