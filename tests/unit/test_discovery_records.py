@@ -67,6 +67,7 @@ def test_run_wide_settings_are_in_the_fingerprint_and_a_mismatch_is_named() -> N
         {"outer": OuterConfig(alpha=0.3)},
         {"node": NodeConfig(wire_dtype="int8")},
         {"node": NodeConfig(blend_momenta=True)},
+        {"node": NodeConfig(phi_every=4)},
     ):
         other = RunLayout.of(
             differs.get("node", node),

@@ -35,3 +35,23 @@ def test_the_stall_bound_covers_two_chunks_at_the_slowest_link_accepted() -> Non
     assert layout(10_000).stall_seconds(2.0) == pytest.approx(2 * 256 * 64 * 4 / 10_000)
     # chunks are at most 1 MiB, whatever the tensor
     assert layout(1e6, ((4096, 4096),)).stall_seconds(2.0) == pytest.approx(2 * 2**20 / 1e6)
+
+
+def test_a_sparse_stream_run_exchanges_int8_phi_a_reservation_and_sparse_progress() -> None:
+    from dataclasses import replace
+
+    from noloco_node.wire import sparse
+
+    sparse_run = replace(layout(1e6), mode="stream", send_phi=True, wire_dtype="sparse", phi_every=8)
+    kinds = {kind.name: kind for kind in sparse_run.payload_kinds()}
+    assert set(kinds) == {"phase", "progress", "reservation"}
+    assert (kinds["phase"].wire_dtype, kinds["phase"].parts) == ("int8", ["phi"])
+    assert (kinds["progress"].wire_dtype, kinds["progress"].parts) == ("sparse", ["progress"])
+    assert kinds["reservation"].layout == () and kinds["reservation"].wire_bytes() == 0
+    assert kinds["phase"].family == kinds["reservation"].family == "phase" and not kinds["progress"].family
+    numel = 256 * 64 + 64
+    assert kinds["progress"].wire_bytes() == sparse.encoded_bytes(256 * 64) + sparse.encoded_bytes(64)
+    # the progress is decoded to fp32 on arrival and the partner's theta rebuilt: both counted
+    assert sparse_run.receive_pool_bytes() >= kinds["phase"].wire_bytes() + 3 * 4 * numel
+    int4_run = replace(sparse_run, wire_dtype="int4", phi_every=1)
+    assert {kind.name for kind in int4_run.payload_kinds()} == {"phase", "progress"}
