@@ -453,6 +453,12 @@ class WireDtypeComparison:
             f"of it waits at the outer step, while the trainer takes borrowed steps); Delta = theta - phi took "
             f"{self.progress_seconds:.3f} s here (in the critical-path time)"
         )
+        if "sparse" in by_dtype:
+            lines.append(
+                f"stream sparse: phi crosses in int8 ({phi_int8 / 1e6:.1f} MB) once every {self.phi_every} outer "
+                "steps, an empty reservation in the others; its encode (top-k, and the residual kept) is in the "
+                "critical-path time"
+            )
         return lines
 
 

@@ -204,11 +204,11 @@ Method = Literal[
     "noloco-stream",
     "noloco-stream-int8",
     "noloco-stream-int4",
-    "noloco-sparse",
     "noloco-sparse-phi1",
-    "noloco-sparse-phi4",
     "noloco-sparse-phi8",
     "noloco-sparse-phi16",
+    "noloco-sparse-sign-phi16",
+    "noloco-sparse-parity-phi16",
     "noloco-stale",
     "noloco-momentum",
     "diloco",
@@ -233,11 +233,11 @@ WIRE_METHODS: tuple[Method, ...] = (
     "noloco-stream",
     "noloco-stream-int8",
     "noloco-stream-int4",
-    "noloco-sparse",
     "noloco-sparse-phi1",
-    "noloco-sparse-phi4",
     "noloco-sparse-phi8",
     "noloco-sparse-phi16",
+    "noloco-sparse-sign-phi16",
+    "noloco-sparse-parity-phi16",
 )
 
 

@@ -51,7 +51,14 @@ from noloco_node.simulate.results import (
     relative_metrics,
     write_outputs,
 )
-from noloco_node.simulate.wire_views import PHI_EVERY, bytes_per_parameter, partner_view, sparse_pair_steps
+from noloco_node.simulate.wire_views import (
+    PARITY_PHI,
+    PHI_EVERY,
+    SIGN_RESIDUAL,
+    bytes_per_parameter,
+    partner_view,
+    sparse_pair_steps,
+)
 from noloco_node.training.loop import InnerLoop
 from noloco_node.training.replica import Replica, resolve_device
 from noloco_node.wire import sparse
@@ -127,6 +134,8 @@ def _sparse_noloco_round(
         [list(r.delta) for r in replicas],
         feedback,
         phi_round=every is not None and replicas[0].outer_step % every == 0,
+        sign_residual=method in SIGN_RESIDUAL,
+        parity_phi=method in PARITY_PHI,
         alpha=outer.alpha,
         beta=outer.beta,
         gamma=outer.effective_gamma,

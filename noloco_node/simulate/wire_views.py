@@ -8,21 +8,22 @@ Dense methods (arXiv 2506.10911, eq. 3-5 with the partner's tensors as a wire de
   replicas train; at the outer step only Delta = theta - phi (bf16 or quantized); the receiver rebuilds theta as
   phi + Delta.
 
-Sparse methods (``noloco-sparse-*``, wire/sparse.py): Delta crosses as top-k per chunk with 2-bit values, the
-part left out kept by its sender and added to its next phase's progress (error feedback). Both sides of a pair blend
-with the two *compressed* Deltas, so that what one side adds of the other is exactly what the other sent (as in
-SparseLoCo, where every replica applies the same sparse mean). With gamma == beta the pair step is
-
-    delta_i = alpha * delta_i + beta/2 * (D_i + D_j) + beta/2 * (phi_j - phi_i)          (D: compressed Delta)
-
-and only the last term needs the partner's slow weights, the dense part of every exchange. The variants send phi
-(int8, which costs nothing measurable: docs/algorithm-study.md) every K outer steps (``-phiK``) or never
-(``noloco-sparse``: pairwise-gossiped pseudo-gradients alone, with nothing pulling the replicas together); between
-those steps a replica takes the partner's phi as its own, which drops the pull term and nothing else. A replica
-with no partner sends nothing, so it applies all its progress and residual.
+Sparse methods (``noloco-sparse-*``, wire/sparse.py, the node's ``--wire-dtype sparse``): Delta crosses as the
+top-k per chunk with 2-bit values, the part left out kept by its sender and added to the next progress it sends
+(error feedback). Each side blends its own fast weights whole with the partner's seen as phi_j + D_j +
+(Delta_i - D_i) (algorithm.compressed_partner_weights: the pair's sum moves as in NoLoCo). phi crosses in int8
+every K outer steps (``-phiK``); in the other steps a replica takes the partner's phi to be its own, which drops
+the pull term gamma * (phi_i - mean(phi)) and nothing else. Two variants spend the bytes of the other steps
+differently: ``-sign-phi16`` also sends the residual as it stood at the phase's start, one bit a value (its sign
+at its block's mean magnitude: what earlier top-k codes left out reaches the partner one phase late, densely);
+``-parity-phi16`` sends in the other steps the lowest bit of phi's int8 codes, decoded against the receiver's own
+phi (side information). A replica with no partner sends nothing: its residual waits for the next one. What each
+costs: docs/algorithm-study.md, "Sparse progress".
 """
 
 from __future__ import annotations
+
+import math
 
 import torch
 
@@ -43,13 +44,53 @@ WIRE_OF_METHOD: dict[str, tuple[str, str | None]] = {
 
 # Per sparse method: how many outer steps apart phi crosses (in int8), None for never.
 PHI_EVERY: dict[str, int | None] = {
-    "noloco-sparse": None,
     "noloco-sparse-phi1": 1,
-    "noloco-sparse-phi4": 4,
     "noloco-sparse-phi8": 8,
     "noloco-sparse-phi16": 16,
+    "noloco-sparse-sign-phi16": 16,
+    "noloco-sparse-parity-phi16": 16,
 }
+# Sparse methods whose phase payload carries, in the phases without phi, phi's int8 codes' lowest bit alone (with the
+# block scales): the receiver takes the code of that parity nearest its own phi (its own slow weights as side
+# information, Wyner-Ziv), which is the int8 code itself while the two slow weights are less than half a step apart.
+PARITY_PHI = {"noloco-sparse-parity-phi16"}
+# Sparse methods whose phase payload also carries the residual as of the phase's start, one bit a value (its sign,
+# at its block's mean magnitude): what earlier top-k codes left out reaches the partner one phase late, densely.
+SIGN_RESIDUAL = {"noloco-sparse-sign-phi16"}
 SPARSE_PHI_DTYPE = "int8"
+SIGN_BLOCK = 256  # values per bf16 scale of the one-bit residual
+
+
+def sign_view(tensor: torch.Tensor) -> torch.Tensor:
+    """What a receiver reads of ``tensor`` sent one bit a value: its sign times its block's mean magnitude."""
+    flat = tensor.reshape(-1).to(torch.float32)
+    padded = torch.nn.functional.pad(flat, (0, -flat.numel() % SIGN_BLOCK)).view(-1, SIGN_BLOCK)
+    counts = torch.full((padded.shape[0],), float(SIGN_BLOCK))
+    counts[-1] = flat.numel() - (padded.shape[0] - 1) * SIGN_BLOCK
+    scale = (padded.abs().sum(dim=1) / counts).to(torch.bfloat16).to(torch.float32)
+    signs = torch.where(padded >= 0, 1.0, -1.0)
+    return (signs * scale.unsqueeze(1)).view(-1)[: flat.numel()].view_as(tensor)
+
+
+def parity_view(sent: torch.Tensor, own: torch.Tensor) -> torch.Tensor:
+    """What a receiver holding ``own`` reads of ``sent`` sent as the parities of its int8 codes with their scales."""
+    flat, mine = sent.reshape(-1).to(torch.float32), own.reshape(-1).to(torch.float32)
+    blocks = quantize._padded_blocks(flat)
+    scales = blocks.abs().amax(dim=1) / quantize.QMAX["int8"]
+    divisor = torch.where(scales > 0, scales, torch.ones_like(scales)).unsqueeze(1)
+    parity = torch.remainder(torch.round(blocks / divisor), 2)
+    guess = quantize._padded_blocks(mine) / divisor  # the receiver's own phi in the sender's steps
+    code = torch.round((guess - parity) / 2) * 2 + parity
+    code = torch.where(code > 127, code - 2, torch.where(code < -127, code + 2, code))
+    return (code * scales.unsqueeze(1)).view(-1)[: flat.numel()].view_as(sent)
+
+
+def parity_bytes(numel: int) -> int:
+    return math.ceil(numel / 8) + 4 * quantize.num_blocks(numel)
+
+
+def sign_bytes(numel: int) -> int:
+    return math.ceil(numel / 8) + 2 * math.ceil(numel / SIGN_BLOCK)
 
 
 def through_wire(tensors: list[torch.Tensor], wire_dtype: str) -> list[torch.Tensor]:
@@ -90,7 +131,10 @@ def bytes_per_parameter(method: str, numels: list[int], *, sends_phi: bool) -> t
         every = PHI_EVERY[method]
         progress = sum(sparse.encoded_bytes(n) for n in numels) / total
         phi = 0.0 if every is None else _dense_bytes(numels, SPARSE_PHI_DTYPE) / total / every
-        return progress + phi, progress
+        residual = sum(sign_bytes(n) for n in numels) / total if method in SIGN_RESIDUAL else 0.0
+        if method in PARITY_PHI:  # the parities in the other phases
+            phi += sum(parity_bytes(n) for n in numels) / total * (1 - (0 if every is None else 1 / every))
+        return progress + phi + residual, progress
     if method not in WIRE_OF_METHOD:
         return None
     sync_wire, stream_wire = WIRE_OF_METHOD[method]
@@ -111,6 +155,8 @@ def sparse_pair_steps(
     feedback: list[sparse.ErrorFeedback],
     *,
     phi_round: bool,
+    sign_residual: bool = False,
+    parity_phi: bool = False,
     alpha: float,
     beta: float,
     gamma: float,
@@ -125,7 +171,11 @@ def sparse_pair_steps(
             continue
         for i in group:
             progress = algorithm.phase_progress(thetas[i], phis[i])
-            _, decoded, residuals[i] = feedback[i].compress(progress)
+            early = [sign_view(r) for r in feedback[i].residual] if sign_residual else []
+            rest = [p - r for p, r in zip(progress, early, strict=True)] if early else progress
+            _, decoded, residuals[i] = feedback[i].compress(rest)
+            if early:
+                decoded = [d + r for d, r in zip(decoded, early, strict=True)]
             left_out = [d - s for d, s in zip(progress, decoded, strict=True)]
             sent[i] = (decoded, left_out, through_wire(list(phis[i]), SPARSE_PHI_DTYPE) if phi_round else None)
     results = {}
@@ -135,7 +185,12 @@ def sparse_pair_steps(
             if len(group) == 2:
                 j = next(j for j in group if j != i)
                 partner_progress, _, partner_phi = sent[j]
-                seen_phi = partner_phi if partner_phi is not None else list(phis[i])
+                if partner_phi is not None:
+                    seen_phi = partner_phi
+                elif parity_phi:
+                    seen_phi = [parity_view(theirs, mine) for theirs, mine in zip(phis[j], phis[i], strict=True)]
+                else:
+                    seen_phi = list(phis[i])
                 partners = [algorithm.compressed_partner_weights(seen_phi, partner_progress, sent[i][1])]
                 partner_phis = [seen_phi]
             results[i] = algorithm.noloco_outer_step(

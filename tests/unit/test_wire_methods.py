@@ -1,5 +1,6 @@
-"""The simulator's wire variants (simulate/simulator.py ``partner_view``): what a partner blends with when the
-weights cross the wire in bf16, int8 or int4, whole (sync) or as phi in bf16 plus Delta (stream)."""
+"""The simulator's wire variants (simulate/wire_views.py): what a partner blends with when the weights cross the
+wire in bf16, int8 or int4, whole (sync) or as phi in bf16 plus Delta (stream), and the sparse variants' bytes and
+phi codes."""
 
 from __future__ import annotations
 
@@ -47,3 +48,33 @@ def test_the_stream_view_rebuilds_theta_from_its_own_phi() -> None:
     # The partner's blend uses (theta - phi) as sent: exactly the decoded Delta added to the phi it holds.
     delta = [t - p for t, p in zip(seen_theta, seen_phi, strict=True)]
     assert all(float(d.abs().max()) < 5e-3 for d in delta)
+
+
+def test_sparse_methods_send_what_their_bytes_say() -> None:
+    """Per parameter per outer step on a model of 4,096-multiples: the top-k codes (116 bytes per 4,096 values) on
+    the critical path, and phi's int8 every K steps (or one bit a value more) in all."""
+    from noloco_node.simulate.wire_views import bytes_per_parameter
+
+    numels = [4096 * 1024, 4096 * 256]
+    total, critical = bytes_per_parameter("noloco-sparse-phi8", numels, sends_phi=False)
+    assert critical == 116 / 4096
+    assert abs(total - (116 / 4096 + (1 + 4 / 256) / 8)) < 1e-9
+    assert bytes_per_parameter("noloco-sparse-phi1", numels, sends_phi=False)[0] > 1.0
+    for method in ("noloco-sparse-sign-phi16", "noloco-sparse-parity-phi16"):
+        total, critical = bytes_per_parameter(method, numels, sends_phi=False)
+        assert critical == 116 / 4096 and total <= 0.25, (method, total)
+    assert bytes_per_parameter("noloco-bf16", numels, sends_phi=False) == (2.0, 2.0)
+
+
+def test_phi_parities_decode_to_the_int8_codes_while_the_slow_weights_are_close() -> None:
+    """The receiver's own phi is the side information: less than half an int8 step apart, the lowest bit of each
+    code is enough to read the sender's int8 phi exactly; as far apart as two replicas trained alone, it mostly
+    misreads it (the limit docs/algorithm-study.md measures)."""
+    from noloco_node.simulate.wire_views import parity_view, through_wire
+
+    g = torch.Generator().manual_seed(1)
+    sent = torch.randn(4096, generator=g) * 0.05
+    near = sent + torch.randn(4096, generator=g) * 1e-5
+    assert torch.equal(parity_view(sent, near), through_wire([sent], "int8")[0])
+    far = sent + torch.randn(4096, generator=g) * 0.05
+    assert float((parity_view(sent, far) != through_wire([sent], "int8")[0]).float().mean()) > 0.5
