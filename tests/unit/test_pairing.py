@@ -201,16 +201,17 @@ def test_receive_buffers_are_reused_after_release() -> None:
     assert buffers.take(torch.float32, 10).data_ptr() == tensor.data_ptr()
 
 
-def stream_pairing() -> StreamPairing:
+def stream_pairing(progress_dtype: str = "bf16", phi_every: int = 1) -> StreamPairing:
     """A stream strategy with the parts of a node its phase bookkeeping uses (no loop, no network)."""
     kinds = [
-        PayloadKind("phase", (TensorLayout("phi/w", (3, 2)),), "bf16"),
-        PayloadKind("progress", (TensorLayout("progress/w", (3, 2)),), "bf16"),
+        PayloadKind("phase", (TensorLayout("phi/w", (3, 2)),), "bf16", family="phase"),
+        PayloadKind("progress", (TensorLayout("progress/w", (3, 2)),), progress_dtype),
+        PayloadKind("reservation", (), "bf16", family="phase"),
     ]
     ctx = SimpleNamespace(
         peer_id=lambda: "self",
         offers={kind.name: OfferPublisher(kind, run_fingerprint="run", peer_id=lambda: "self") for kind in kinds},
-        phi_every=1,
+        phi_every=phi_every,
         caller=SimpleNamespace(settings=SimpleNamespace(receive_buffers=ReceiveBuffers(max_idle_bytes=0))),
         loop=None,
         max_staleness=1,
@@ -257,3 +258,30 @@ def test_stream_refuses_progress_of_another_phase_than_the_swapped_one() -> None
     # A new phase drops the old reservation: nobody is reserved, swaps are open again.
     strategy._begin_phase([torch.zeros(3, 2)], [torch.zeros(3, 2)], 4)
     assert strategy.ready() and strategy.open_session("b", 4, "phase") is not None
+
+
+def test_a_sparse_stream_keeps_its_residual_across_a_restart_and_drops_it_for_another_state() -> None:
+    strategy = stream_pairing("sparse", phi_every=4)
+    assert strategy.feedback is not None and not stream_pairing().feedback  # only the sparse wire keeps one
+    kept = [torch.arange(6.0).view(3, 2)]
+    strategy.restore({"sparse_residual": kept})
+    assert torch.equal(strategy.checkpoint_state()["sparse_residual"][0], kept[0])
+    with pytest.raises(ValueError, match="shapes"):
+        strategy.restore({"sparse_residual": [torch.zeros(2, 3)]})
+    strategy.state_replaced()  # a donor's state, or a rollback: the residual was the progress of the state left
+    assert not strategy.checkpoint_state()["sparse_residual"][0].any()
+
+
+def test_a_sparse_stream_sends_phi_in_one_phase_of_phi_every_and_a_reservation_in_the_others() -> None:
+    strategy = stream_pairing("sparse", phi_every=4)
+    phi = torch.linspace(-1, 1, 6).view(3, 2)
+    kinds = []
+    for outer_step in range(6):
+        strategy._begin_phase([phi], [torch.zeros(3, 2)], outer_step)
+        phase = strategy._phase
+        assert phase is not None
+        kinds.append((phase.kind, len(phase.offer.manifest.tensors)))
+    assert kinds == [("phase", 1), *[("reservation", 0)] * 3, ("phase", 1), ("reservation", 0)]
+    session = strategy.open_session("peer-b", 5, "reservation")  # a peer in a phase without phi swaps too
+    assert session is not None and session.outgoing() is strategy._phase.offer  # type: ignore[union-attr]
+    session.release()
