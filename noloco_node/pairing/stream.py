@@ -19,6 +19,11 @@ theta_j = phi_j + Delta_j, where only Delta_j, the phase's progress, waits for t
 The blend is exact NoLoCo up to the rounding of phi (bf16) and Delta (the wire dtype): the simulator's
 ``noloco-stream`` methods measure that cost (docs/algorithm-study.md). On the critical path there is only Delta,
 which quantizes well (its blocks scale to the progress, not to the weights): int8 is a quarter of the fp32 weights.
+
+With ``--wire-dtype sparse`` the progress is sent top-k coded with error feedback (wire/sparse.py: the residual is
+this strategy's, committed only when a partner took the progress), phi crosses in int8 in one phase of
+``--phi-every`` and a reservation (an empty phase payload) in the others, and the partner is blended as
+:func:`compressed_partner` makes it: the pair's sum moves as in NoLoCo (algorithm.compressed_partner_weights).
 """
 
 from __future__ import annotations
@@ -364,9 +369,9 @@ class PhaseSession:
 def compressed_partner(
     payload: Payload, names: Sequence[str], phi: Sequence[torch.Tensor], left_out: Sequence[torch.Tensor]
 ) -> None:
-    """Trainer thread, a sparse run: the partner's payload made what this node blends with, in place:
-    theta_j = phi_j + D_j + (Delta_i - D_i) (algorithm.compressed_partner_weights), phi_j this node's own when the
-    phase sent none (a reservation)."""
+    """Trainer thread, a sparse run: the partner's payload made what this node blends with:
+    theta_j = phi_j + D_j + (Delta_i - D_i), algorithm.compressed_partner_weights computed in the received buffers
+    (no model-sized allocation); phi_j is this node's own when the phase sent none (a reservation)."""
     tensors = payload.tensors
     if "progress" in payload.parts:  # phi_i + D_j, in the received progress's own buffers
         thetas = [tensors[f"progress/{name}"].add_(own) for name, own in zip(names, phi, strict=True)]
