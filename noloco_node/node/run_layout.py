@@ -21,7 +21,8 @@ from noloco_node.config.node_config import NodeConfig
 from noloco_node.data.corpus import Corpus
 from noloco_node.model.run_model import model_source
 from noloco_node.model.source import ModelSource, run_fingerprint
-from noloco_node.wire.frames import DEFAULT_CHUNK_BYTES, ENCODED_WIRE_DTYPES, PayloadKind, TensorLayout
+from noloco_node.wire.codecs import ENCODED_WIRE_DTYPES
+from noloco_node.wire.frames import DEFAULT_CHUNK_BYTES, PayloadKind, TensorLayout
 
 
 def run_wide_settings(node_cfg: NodeConfig, train_cfg: TrainConfig, outer_cfg: OuterConfig) -> dict[str, str]:

@@ -36,14 +36,8 @@ from noloco_node.observability.telemetry import Telemetry
 from noloco_node.pairing.caller import PeerCaller
 from noloco_node.rpc.contracts import ExchangeSession
 from noloco_node.training.replica import Replica
-from noloco_node.wire.frames import (
-    ENCODED_WIRE_DTYPES,
-    WIRE_DTYPES,
-    PayloadKind,
-    encode_into,
-    manifest_of,
-    wire_num_bytes,
-)
+from noloco_node.wire.codecs import ENCODED_WIRE_DTYPES, encode_into, wire_num_bytes
+from noloco_node.wire.frames import WIRE_DTYPES, PayloadKind, build_manifest
 from noloco_node.wire.payload import Payload
 from noloco_node.wire.published import BufferPool, Published
 
@@ -83,7 +77,7 @@ class OfferPublisher:
         sources = [tensor for part in self.kind.parts for tensor in parts[part]]
         if len(sources) != len(self.kind.layout):
             raise ValueError(f"{len(sources)} tensors for a {self.kind.name} payload of {len(self.kind.layout)}")
-        manifest = manifest_of(
+        manifest = build_manifest(
             self.kind.layout,
             wire_dtype=self.kind.wire_dtype,
             run_fingerprint=self.run_fingerprint,

@@ -4,8 +4,8 @@ A payload is a Manifest (run fingerprint, sender, outer step, and for each tenso
 byte size), then Chunks of at most ``chunk_bytes`` of one tensor each with an XXH3-64 checksum of their bytes, then
 an End. The sender converts one chunk at a time to the wire dtype (bf16 by default, fp32 selectable) unless the
 tensors already are in it (a node's published copies are), so it never builds a second copy of the whole model.
-The encoded wire dtypes (int8, int4: blockwise absmax, wire/quantize.py; sparse: top-k per chunk, wire/sparse.py)
-travel as their encoded bytes; a tensor given as values is encoded whole, one tensor at a time.
+The encoded wire dtypes (int8, int4: blockwise absmax; sparse: top-k per chunk; wire/codecs.py) travel as their
+encoded bytes; a tensor given as values is encoded whole, one tensor at a time.
 
 Frames travel as bytes, not as protobuf objects: chunk frames are written and read by hand in protobuf's own wire
 format (so the .proto stays the contract, and any protobuf client interoperates), because the objects' copies of
@@ -27,14 +27,14 @@ import xxhash
 
 from noloco_node.errors import NolocoError
 from noloco_node.wire import peer_pb2 as pb
-from noloco_node.wire import quantize, sparse
+from noloco_node.wire.codecs import ENCODED_WIRE_DTYPES, encode_into, wire_num_bytes
 
 MAX_MESSAGE_BYTES = 4 * 2**20  # gRPC message limit on both ends: a chunk plus framing, never a whole model
 DEFAULT_CHUNK_BYTES = 2**20
 MAX_CHUNK_BYTES = MAX_MESSAGE_BYTES - 64 * 1024
 
-# Each wire dtype: its code in the manifest and the dtype of its bytes in a buffer (quantized tensors travel as
-# their encoded bytes: wire/quantize.py).
+# Each wire dtype: its code in the manifest and the dtype of its bytes in a buffer (encoded tensors travel as their
+# bytes: wire/codecs.py).
 WIRE_DTYPES: dict[str, tuple[int, torch.dtype]] = {
     "bf16": (pb.WIRE_DTYPE_BFLOAT16, torch.bfloat16),
     "fp32": (pb.WIRE_DTYPE_FLOAT32, torch.float32),
@@ -42,29 +42,8 @@ WIRE_DTYPES: dict[str, tuple[int, torch.dtype]] = {
     "int4": (pb.WIRE_DTYPE_INT4_BLOCK256, torch.uint8),
     "sparse": (pb.WIRE_DTYPE_SPARSE_TOPK4096, torch.uint8),
 }
-ENCODED_WIRE_DTYPES = ("int8", "int4", "sparse")  # tensors that travel as their encoded bytes, decoded on arrival
 _TORCH_DTYPE_OF_WIRE = {code: dtype for code, dtype in WIRE_DTYPES.values()}
 WIRE_NAME_OF_CODE = {code: name for name, (code, _) in WIRE_DTYPES.items()}
-
-
-def wire_num_bytes(numel: int, wire_dtype: str) -> int:
-    """Bytes of a tensor of ``numel`` values on the wire."""
-    if wire_dtype == "sparse":
-        return sparse.encoded_bytes(numel)
-    if quantize.is_quantized(wire_dtype):
-        return quantize.encoded_bytes(numel, wire_dtype)
-    return numel * torch.empty((), dtype=WIRE_DTYPES[wire_dtype][1]).element_size()
-
-
-def encode_into(values: torch.Tensor, wire_dtype: str, out: torch.Tensor) -> None:
-    """Write ``values`` into ``out`` (uint8, ``wire_num_bytes`` long) in an encoded wire dtype; values already
-    encoded (uint8: a sparse sender with error feedback encodes them itself) are copied."""
-    if values.dtype == torch.uint8:
-        out.copy_(values.reshape(-1))
-    elif wire_dtype == "sparse":
-        out.copy_(sparse.encode(values))
-    else:
-        quantize.quantize_into(values, wire_dtype, out)
 
 
 # A seal that fails (security/payload_seal.py) is what a relay or proxy that altered, stripped or replaced the
@@ -138,7 +117,7 @@ def layout_of(named_tensors: Sequence[tuple[str, torch.Tensor]]) -> list[TensorL
 
 
 def build_manifest(
-    named_tensors: Sequence[tuple[str, torch.Tensor]],
+    tensors: Sequence[tuple[str, torch.Tensor]] | Sequence[TensorLayout],
     *,
     wire_dtype: str,
     run_fingerprint: str,
@@ -146,28 +125,12 @@ def build_manifest(
     outer_step: int,
     metadata_json: str = "",
 ) -> pb.Manifest:
-    """The manifest of ``named_tensors`` (their values: the shapes are what the receiver checks) in ``wire_dtype``."""
-    return manifest_of(
-        layout_of(named_tensors),
-        wire_dtype=wire_dtype,
-        run_fingerprint=run_fingerprint,
-        peer_id=peer_id,
-        outer_step=outer_step,
-        metadata_json=metadata_json,
-    )
-
-
-def manifest_of(
-    layout: Sequence[TensorLayout],
-    *,
-    wire_dtype: str,
-    run_fingerprint: str,
-    peer_id: str,
-    outer_step: int,
-    metadata_json: str = "",
-) -> pb.Manifest:
-    """The manifest of tensors of ``layout`` in ``wire_dtype``, whatever form their values are in."""
+    """The manifest of ``tensors`` in ``wire_dtype``: named values (their shapes are what the receiver checks), or
+    their layout (a publisher whose buffers hold the encoded bytes)."""
     code = WIRE_DTYPES[wire_dtype][0]
+    layout = [
+        item if isinstance(item, TensorLayout) else TensorLayout(item[0], tuple(item[1].shape)) for item in tensors
+    ]
     return pb.Manifest(
         run_fingerprint=run_fingerprint,
         peer_id=peer_id,

@@ -31,10 +31,9 @@ import numpy as np
 import torch
 
 from noloco_node.wire import peer_pb2 as pb
-from noloco_node.wire import quantize, sparse
+from noloco_node.wire.codecs import ENCODED_WIRE_DTYPES, ArrivalCheck, decode_into
 from noloco_node.wire.frames import (
     _TORCH_DTYPE_OF_WIRE,
-    ENCODED_WIRE_DTYPES,
     WIRE_DTYPES,
     WIRE_NAME_OF_CODE,
     ChunkView,
@@ -157,9 +156,8 @@ class PayloadReceiver:
         self._byte_views: list[np.ndarray] = []
         self._itemsizes: list[int] = []
         self._filled: list[int] = []
-        self._encoded: list[str | None] = []  # per tensor: its encoded wire dtype, None for bf16/fp32
+        self._checks: list[ArrivalCheck | None] = []  # per tensor: its encoded dtype's check, None for bf16/fp32
         self._decoded: dict[int, torch.Tensor] = {}  # encoded tensors, decoded to fp32 once complete
-        self._records_checked: list[int] = []  # per sparse tensor: its records checked so far
         self._ended = False
         self.bytes_received = 0
 
@@ -253,11 +251,12 @@ class PayloadReceiver:
         ]
         self._byte_views = [buffer.view(torch.uint8).numpy() for buffer in self._buffers]
         self._itemsizes = [buffer.element_size() for buffer in self._buffers]
-        self._encoded = [
-            name if (name := WIRE_NAME_OF_CODE[spec.dtype]) in ENCODED_WIRE_DTYPES else None
-            for spec in manifest.tensors
+        self._checks = [
+            ArrivalCheck(name, want.numel, buffer)
+            if (name := WIRE_NAME_OF_CODE[spec.dtype]) in ENCODED_WIRE_DTYPES
+            else None
+            for spec, want, buffer in zip(manifest.tensors, self.expected, self._buffers, strict=True)
         ]
-        self._records_checked = [0] * len(manifest.tensors)
         self._filled = [
             spec.num_bytes if index < len(self.prefilled) else 0 for index, spec in enumerate(manifest.tensors)
         ]
@@ -319,11 +318,10 @@ class PayloadReceiver:
                 f"chunk of {size} bytes at offset {chunk.offset} does not fit tensor "
                 f"{spec.name!r} of {spec.num_bytes} bytes",
             )
-        encoded = self._encoded[index]
+        check = self._checks[index]
         if size % self._itemsizes[index] or (
-            quantize.is_quantized(encoded or "")
-            and (chunk.offset % 4 or (size % 4 and chunk.offset + size != spec.num_bytes))
-        ):  # a quantized tensor's chunks may not split one of its fp32 scales
+            check is not None and check.splits_a_value(chunk.offset, size, spec.num_bytes)
+        ):
             raise _invalid("chunk_alignment", f"chunk of {size} bytes splits a value of tensor {spec.name!r}")
         if chunk_checksum(chunk.data) != chunk.checksum:
             raise _invalid("checksum", f"checksum mismatch in tensor {spec.name!r} at offset {chunk.offset}")
@@ -331,10 +329,9 @@ class PayloadReceiver:
         # while they are still in cache, and refuses a bad payload before the rest of it has to arrive.
         target = self._byte_views[index][chunk.offset : chunk.offset + size]
         target[:] = np.frombuffer(chunk.data, dtype=np.uint8)
-        if encoded == "sparse":
-            self._check_sparse_records(index, chunk.offset + size)
-        elif encoded is not None:
-            self._check_quantized_chunk(index, encoded, chunk.offset, size)
+        if check is not None:
+            if (bad := check.check(chunk.offset, size)) is not None:
+                raise _invalid(bad[0], f"tensor {spec.name!r} {bad[1]}")
         elif _has_non_finite(target, self._buffers[index].dtype):
             raise _invalid("not_finite", f"tensor {spec.name!r} holds NaN or infinite values")
         elif self.observer is not None:  # while the next chunk is on its way
@@ -344,51 +341,13 @@ class PayloadReceiver:
             self._digest.chunk(index, chunk.offset, chunk.data)
         self._filled[index] += size
         self.bytes_received += size
-        if encoded is not None and self._filled[index] == spec.num_bytes:
+        if check is not None and self._filled[index] == spec.num_bytes:
             # Decoded as soon as its last byte is in, while the next tensor's bytes are on their way.
-            numel = self.expected[index].numel
-            decoded = self._allocate(torch.float32, numel)
-            if encoded == "sparse":
-                sparse.decode(self._buffers[index], numel, out=decoded)
-            else:
-                quantize.dequantize(self._buffers[index], numel, encoded, out=decoded)
+            decoded = self._allocate(torch.float32, check.numel)
+            decode_into(self._buffers[index], check.numel, check.wire_dtype, decoded)
             self._decoded[index] = decoded
             if self.observer is not None:
                 self.observer.observe(spec.name, 0, decoded)
-
-    def _check_quantized_chunk(self, index: int, wire_dtype: str, offset: int, size: int) -> None:
-        """Scales finite and not negative, codes within the encoder's range: a chunk that is not this format is
-        refused on arrival (its values, read as written, would fall outside what its scales allow)."""
-        name = self.manifest.tensors[index].name if self.manifest is not None else "?"
-        buffer = self._buffers[index]
-        scale_bytes = 4 * quantize.num_blocks(self.expected[index].numel)
-        end = offset + size
-        if offset < scale_bytes:
-            scales = buffer[offset : min(end, scale_bytes)].view(torch.float32)
-            if quantize.bad_scales(scales):
-                raise _invalid("bad_scales", f"tensor {name!r} has a NaN, infinite or negative block scale")
-        if end > scale_bytes and quantize.bad_codes(buffer[max(offset, scale_bytes) : end], wire_dtype):
-            raise _invalid("bad_codes", f"tensor {name!r} has codes outside the {wire_dtype} range")
-
-    def _check_sparse_records(self, index: int, filled: int) -> None:
-        """Every record of a sparse tensor that is complete by byte ``filled`` and not yet checked: positions inside
-        their chunk and strictly increasing, scales finite and ordered, padding bits clear (wire/sparse.py)."""
-        numel = self.expected[index].numel
-        buffer = self._buffers[index]
-        full, rest = sparse.chunk_lengths(numel)
-        record = self._records_checked[index]
-        while record < full + (1 if rest else 0):
-            start, length = sparse.record_span(numel, record)
-            size = sparse.record_bytes(length)
-            count = min(full - record, (filled - start) // size) if record < full else (filled - start) // size
-            if count <= 0:
-                break
-            why = sparse.bad_records(buffer[start : start + count * size].view(count, size), length)
-            if why is not None:
-                name = self.manifest.tensors[index].name if self.manifest is not None else "?"
-                raise _invalid("bad_sparse", f"tensor {name!r} is not a valid sparse encoding: {why}")
-            record += count
-        self._records_checked[index] = record
 
     def _on_end(self, end: pb.End) -> None:
         if self.manifest is None:
