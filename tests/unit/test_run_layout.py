@@ -55,3 +55,15 @@ def test_a_sparse_stream_run_exchanges_int8_phi_a_reservation_and_sparse_progres
     assert sparse_run.receive_pool_bytes() >= kinds["phase"].wire_bytes() + 3 * 4 * numel
     int4_run = replace(sparse_run, wire_dtype="int4", phi_every=1)
     assert {kind.name for kind in int4_run.payload_kinds()} == {"phase", "progress"}
+
+
+def test_every_kind_that_reserves_a_partner_is_served_only_as_standing_allows() -> None:
+    """A stranger's reservation reserves the pair as a phase swap does: without this, free keys would buy partner
+    choice in every phase of a sparse run that sends no phi (node/served.py asks pairing/standing.py first)."""
+    from dataclasses import replace
+
+    from noloco_node.node.served import PARTNER_CHOOSING_KINDS
+
+    for run in (layout(1e6), replace(layout(1e6), mode="stream", send_phi=True, wire_dtype="sparse", phi_every=8)):
+        for kind in run.payload_kinds():
+            assert (kind.name in PARTNER_CHOOSING_KINDS) == (kind.name != "progress"), kind.name
