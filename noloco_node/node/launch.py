@@ -17,7 +17,7 @@ from noloco_node.config.node_config import NodeConfig
 from noloco_node.node.bootstrap import expand_bootstrap
 from noloco_node.node.catch_up import NodeError
 from noloco_node.node.daemon import Node
-from noloco_node.training.data_parallel import DataParallel
+from noloco_node.training.data_parallel import DataParallel, DataParallelError
 from noloco_node.training.follower import run_follower
 
 log = logging.getLogger("noloco_node.node.daemon")  # the node's own lines, whichever module says them
@@ -30,13 +30,13 @@ def run_node(node_cfg: NodeConfig, train_cfg: TrainConfig, outer_cfg: OuterConfi
     data_parallel = DataParallel.from_environment()
     if data_parallel is None:
         return _run_node(node_cfg, train_cfg, outer_cfg, data_cfg, None)
-    train_cfg = train_cfg.model_copy(update={"device": data_parallel.device(train_cfg.device)})
     try:
+        train_cfg = train_cfg.model_copy(update={"device": data_parallel.device(train_cfg.device)})
         if data_parallel.leader:
             code = _run_node(node_cfg, train_cfg, outer_cfg, data_cfg, data_parallel)
         else:  # another GPU of this member: no DHT, no gRPC, it follows rank 0
             code = run_follower(node_cfg, train_cfg, data_cfg, data_parallel)
-    except NodeError as error:
+    except (NodeError, DataParallelError) as error:
         log.error("rank %d of the member: %s", data_parallel.rank, error)
         code = 2
     except BaseException:

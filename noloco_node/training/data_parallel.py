@@ -27,6 +27,8 @@ import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
+from noloco_node.errors import NolocoError
+
 log = logging.getLogger(__name__)
 
 
@@ -39,6 +41,9 @@ class DataParallel:
         self.local_rank = local_rank
         self.timeout = datetime.timedelta(seconds=timeout_seconds)
         self.started = False
+        # Where the ranks train, as ``device`` resolved it: the collectives' backend follows it (NCCL moves only GPU
+        # tensors, gloo only host ones), not whether this machine happens to have a GPU.
+        self.on_gpu = False
 
     @classmethod
     def from_environment(cls, timeout_seconds: float = 1800.0) -> DataParallel | None:
@@ -53,22 +58,32 @@ class DataParallel:
     @property
     def collective_device(self) -> torch.device:
         """Where small control tensors live for a collective: NCCL only moves GPU tensors."""
-        return torch.device(f"cuda:{self.local_rank}") if torch.cuda.is_available() else torch.device("cpu")
+        return torch.device(f"cuda:{self.local_rank}") if self.on_gpu else torch.device("cpu")
 
     @property
     def leader(self) -> bool:
         return self.rank == 0
 
     def device(self, configured: str) -> str:
-        """Each rank its own GPU (cuda:LOCAL_RANK) where the settings say auto or cuda; CPUs are shared."""
+        """Each rank its own GPU (cuda:LOCAL_RANK) where the settings say auto or cuda; CPUs are shared. A member
+        of more ranks than this machine has GPUs is refused: two ranks on one GPU would each hold the whole
+        replica and gain nothing (and cuda:LOCAL_RANK would not exist)."""
         if configured in ("auto", "cuda") and torch.cuda.is_available():
+            gpus = torch.cuda.device_count()
+            if self.local_rank >= gpus:
+                raise DataParallelError(
+                    f"rank {self.rank} is local rank {self.local_rank} of a member on a machine with {gpus} GPU(s): "
+                    f"start torchrun with --nproc-per-node {gpus} at most (one rank per GPU), or --device cpu"
+                )
+            self.on_gpu = True
             return f"cuda:{self.local_rank}"
+        self.on_gpu = configured.startswith("cuda")
         return configured
 
     def start(self) -> None:
         """Join the process group (rank 0 only after its DHT helper has forked: docs/architecture.md, start order)."""
-        backend = "nccl" if torch.cuda.is_available() else "gloo"
-        if torch.cuda.is_available():
+        backend = "nccl" if self.on_gpu else "gloo"
+        if self.on_gpu:
             torch.cuda.set_device(self.local_rank)
         dist.init_process_group(backend, rank=self.rank, world_size=self.world_size, timeout=self.timeout)
         self.started = True
@@ -151,6 +166,10 @@ class DataParallel:
         replica.inner_step, replica.outer_step = inner_step, outer_step
         for shard in replica.shards:  # each rank's slice has its own length: the same place, within it
             shard.seek({"epoch": epoch, "cursor": min(cursor, shard.num_windows)})
+
+
+class DataParallelError(NolocoError):
+    """A multi-process member that cannot run as laid out (more ranks than GPUs)."""
 
 
 def weights_digest(params: Sequence[torch.Tensor]) -> str:

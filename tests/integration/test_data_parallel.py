@@ -12,7 +12,10 @@ from pathlib import Path
 
 from .swarm_harness import Bootstrap, NodeProcess
 
-TRAIN = ["--model", "tiny", "--seq-len", "64", "--batch-size", "8", "--eval-batches", "2", "--inner-steps", "20"]
+TRAIN = [
+    *("--model", "tiny", "--seq-len", "64", "--batch-size", "8", "--eval-batches", "2", "--inner-steps", "20"),
+    *("--device", "cpu"),  # gloo on the host, on any machine (a GPU machine may have fewer GPUs than ranks)
+]
 
 
 def _member(bootstrap: Bootstrap, tmp_path: Path, *args: str) -> tuple[subprocess.Popen, Path]:
@@ -31,9 +34,22 @@ def _digests(log: str) -> dict[int, tuple[int, str]]:
 
 
 def test_a_two_process_member_blends_as_one_replica(bootstrap: Bootstrap, tmp_path: Path) -> None:
-    member, log = _member(bootstrap, tmp_path, "--steps", "120", "--pair-timeout", "5")
+    # Each starts training once it sees the other: on a fast machine a plain node could otherwise finish its 120
+    # steps while torchrun still starts the member.
+    member, log = _member(bootstrap, tmp_path, "--steps", "120", "--pair-timeout", "5", "--wait-for-peers", "1")
     plain = NodeProcess(
-        "plain", bootstrap, tmp_path, *TRAIN, "--steps", "120", "--pair-timeout", "5", "--shard-index", "7"
+        "plain",
+        bootstrap,
+        tmp_path,
+        *TRAIN,
+        "--steps",
+        "120",
+        "--pair-timeout",
+        "5",
+        "--shard-index",
+        "7",
+        "--wait-for-peers",
+        "1",
     )
     try:
         assert member.wait(timeout=300) == 0, log.read_text()[-4000:]

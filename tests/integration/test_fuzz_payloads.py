@@ -55,6 +55,8 @@ from .swarm_harness import Bootstrap, NodeProcess, stop_all
 TWIN = [
     *("--model", "tiny", "--seq-len", "64", "--batch-size", "8", "--eval-batches", "2"),
     *("--steps", "350", "--inner-steps", "50", "--shard-index", "0", "--mode", "overlap", "--wire-dtype", "int8"),
+    # Bit-identical twins need deterministic training: on a GPU, CUDA's backward kernels sum in no fixed order.
+    *("--device", "cpu"),
 ]
 # Steps of 0.15 s (the emulated step time sleeps; the maths is untouched), and the sleeping twins leave the CPU to
 # the attacker. The attack starts once the first outer step is done (inner step 50: the norm bound has a phase to

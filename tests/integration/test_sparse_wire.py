@@ -34,6 +34,7 @@ def test_two_sparse_nodes_blend_exactly_with_and_without_phi(bootstrap: Bootstra
         "--no-train-while-waiting",
         *("--pair-timeout", "30", "--alone-grace", "30", "--wait-for-peers", "1"),
         *("--torch-threads", str(threads), "--num-shards", "2"),
+        *("--device", "cpu"),  # the replay below is on the CPU: a GPU's phases would differ in their last bits
     ]
     nodes = [NodeProcess(f"node{i}", bootstrap, tmp_path, *args, "--shard-index", str(i)) for i in range(2)]
     try:

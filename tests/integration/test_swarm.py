@@ -103,6 +103,7 @@ def test_two_nodes_blend_exactly_as_the_algorithm_says(
         "2",
         "--seed",
         "5",
+        *("--device", "cpu"),  # the replay below is on the CPU: a GPU's phases would differ in their last bits
     ]
     nodes = [NodeProcess(f"node{i}", bootstrap, tmp_path, *args, "--shard-index", str(i)) for i in range(2)]
     try:
