@@ -78,6 +78,13 @@ def add_bench_parsers(commands: Any) -> None:
     outsider.add_argument("--model", default="tiny", choices=list(MODEL_SIZES), help="model size the swarm trains")
     outsider.add_argument("--steps", type=int, default=3000, help="inner steps each node trains (both runs)")
     outsider.add_argument("--inner-steps", type=int, default=50, help="H: inner steps between outer steps")
+    outsider.add_argument(
+        "--partition-seconds",
+        type=float,
+        default=0.0,
+        help="cut the honest nodes into two halves this long, a tenth of the way in (network namespaces: root); "
+        "give the run enough --steps to outlast it",
+    )
     outsider.add_argument("--out", type=Path, help="keep logs and checkpoints here (default: a temporary folder)")
 
     straggler = benches.add_parser(
@@ -216,7 +223,7 @@ def run_bench(args: argparse.Namespace) -> int:
     if args.bench == "outsider":
         import tempfile
 
-        from noloco_bench.outsider_swarm import run_outsider_bench
+        from noloco_bench.outsider_swarm import SwarmShape, run_outsider_bench
 
         print(
             f"noloco-node bench outsider: {args.nodes} honest nodes, model {args.model}, {args.steps} inner steps, "
@@ -227,7 +234,7 @@ def run_bench(args: argparse.Namespace) -> int:
             out = args.out or Path(scratch)
             print(
                 run_outsider_bench(
-                    nodes=args.nodes, model=args.model, steps=args.steps, inner_steps=args.inner_steps, out=out
+                    SwarmShape(args.nodes, args.model, args.steps, args.inner_steps, args.partition_seconds), out=out
                 ).report()
             )
         return 0

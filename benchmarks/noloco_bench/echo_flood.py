@@ -155,7 +155,7 @@ class EchoFlood:
         self._reader = fresh_identity()  # reads the honest nodes' weights with GetState, as anyone may
         self.dht = hivemind.DHT(
             initial_peers=list(initial_peers),
-            host_maddrs=["/ip4/127.0.0.1/tcp/0"],
+            host_maddrs=[f"/ip4/{hosts[0]}/tcp/0"],  # its first address: reachable wherever its records are
             record_validators=[ManyKeysSigner(self._keys)],
             # Its p2pd runs at nice 19 like the flood: on a machine busy with a test suite, hivemind's default 15 s
             # for the daemon to come up ran out once.

@@ -21,7 +21,6 @@ The attacks (numbered as in the issue that measured them):
 from __future__ import annotations
 
 import argparse
-import asyncio
 import contextlib
 import functools
 import json
@@ -33,7 +32,6 @@ import threading
 import time
 from collections import Counter
 from collections.abc import Callable, Iterator, Sequence
-from concurrent import futures
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
@@ -42,12 +40,11 @@ import torch
 from cryptography.hazmat.primitives.asymmetric import rsa
 
 from noloco_node.config.models import ModelConfig, model_config_for
-from noloco_node.discovery.dht import Discovery, PeerRecord
 from noloco_node.model.decoder import LlamaDecoder, named_parameters_ordered
 from noloco_node.model.source import SeededDecoder
 from noloco_node.observability.status_file import read_status_document
 from noloco_node.rpc.client import ExchangeError, Outgoing, fetch_info
-from noloco_node.rpc.contracts import EXCHANGE_METHOD, GET_STATE_METHOD, SERVICE
+from noloco_node.rpc.contracts import EXCHANGE_METHOD, GET_STATE_METHOD
 from noloco_node.rpc.state_download import StateDownload
 from noloco_node.rpc.transport import CHANNEL_OPTIONS, Transport
 from noloco_node.security.caller_proof import prove
@@ -412,93 +409,6 @@ def probe_state(target: Target, transport: Transport) -> str:
             return error.code().name
 
 
-# ---------------------------------------------------------------------------------------------- the fake donor
-
-
-class FakeDonor:
-    """Attack 3: a GetState server of the outsider's own, serving a state of outer step 1,000,000, and a DHT record,
-    signed with the outsider's own key, that says so (refreshed until ``close``). The state is random weights, or
-    with ``honest`` (the node to copy) the freshest honest slow weights with the outer momentum and Adam's moments
-    poisoned (exp_avg 1, exp_avg_sq 0: Adam's steps become lr / eps), which a check of phi alone cannot see. Two
-    of them under two keys make the claim "corroborated" to a node that counts keys."""
-
-    def __init__(
-        self,
-        maddrs: Sequence[str],
-        run_fingerprint: str,
-        model_cfg: ModelConfig,
-        *,
-        host: str = "127.0.0.1",
-        honest: Callable[[], Target | None] | None = None,
-        inner_steps: int = 50,
-    ) -> None:
-        self.identity = fresh_identity()
-        self.run_fingerprint = run_fingerprint
-        self.model_cfg = model_cfg
-        self.honest = honest
-        counters = {
-            "inner_step": CLAIMED_STEP * inner_steps,
-            "outer_step": CLAIMED_STEP,
-            "adam_step": CLAIMED_STEP * inner_steps,
-        }
-        self.layout = snapshot_layout(SeededDecoder(model_cfg, seed=0))
-        named = [(name, torch.randn(shape) * 0.05) for name, shape in self.layout]
-        self.manifest = build_manifest(
-            named,
-            wire_dtype="fp32",
-            run_fingerprint=run_fingerprint,
-            peer_id=self.identity.peer_id,
-            outer_step=CLAIMED_STEP,
-            metadata_json=json.dumps(counters),
-        )
-        self.tensors = [t for _, t in named]
-        self.served = 0
-        self.server = grpc.server(futures.ThreadPoolExecutor(max_workers=4), options=CHANNEL_OPTIONS)
-        handler = grpc.unary_stream_rpc_method_handler(self._get_state)
-        self.server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(SERVICE, {"GetState": handler}),))
-        self.address = f"{host}:{self.server.add_insecure_port(f'{host}:0')}"
-        self.server.start()
-        self.discovery = Discovery(run_fingerprint, initial_peers=list(maddrs), identity=self.identity, record_ttl=10)
-        self.discovery.start()
-        self._stop = threading.Event()
-        self._publisher = threading.Thread(target=self._publish_forever, daemon=True, name="fake-donor-record")
-        self._publisher.start()
-
-    def _get_state(self, _request: bytes, _context: grpc.ServicerContext) -> Iterator[bytes]:
-        self.served += 1
-        tensors = self.tensors
-        target = self.honest() if self.honest is not None else None
-        if target is not None:
-            phi = download_phi(target, self.model_cfg, self.identity)
-            count = len(phi)
-            delta = [torch.zeros_like(p) for p in phi]
-            tensors = [*phi, *delta, *(torch.ones_like(p) for p in phi), *(torch.zeros_like(p) for p in phi)]
-            assert len(tensors) == 4 * count == len(self.layout)
-        yield from iter_frames(self.manifest, tensors)
-
-    def _publish_forever(self) -> None:
-        record = PeerRecord(
-            peer_id=self.identity.peer_id,
-            address=self.address,
-            run_fingerprint=self.run_fingerprint,
-            outer_step=CLAIMED_STEP,
-            inner_step=CLAIMED_STEP * 50,
-            ready=False,
-            reachable=True,
-            shard=99,
-        )
-        while not self._stop.is_set():
-            with contextlib.suppress(TimeoutError, OSError):
-                asyncio.run(self.discovery.publish(record))
-            self._stop.wait(3.0)
-
-    def close(self) -> None:
-        self._stop.set()
-        self._publisher.join(10)
-        self.server.stop(grace=1)
-        self.discovery.shutdown()
-
-
 # ---------------------------------------------------------------------------------------------- all at once
 
 
@@ -666,7 +576,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--attacks", default=",".join(ATTACKS))
     parser.add_argument("--silent-streams", type=int, default=10)
     parser.add_argument("--idle", type=int, default=200)
-    parser.add_argument("--source", default="127.0.0.2", help="the loopback address the outsider comes from")
+    parser.add_argument("--source", default="127.0.0.2", help="the address the outsider comes from")
+    parser.add_argument("--payload-source", default="127.0.0.3", help="the address its payloads come from")
     args = parser.parse_args(argv)
     os.nice(19)
     model_cfg = model_config_for(args.model, vocab_size=args.vocab_size, max_seq_len=args.seq_len)
@@ -677,6 +588,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         silent_streams=args.silent_streams,
         idle=args.idle,
         source=args.source,
+        payload_source=args.payload_source,
     )
     key()  # the key ring, made before the clock starts
     done = threading.Event()

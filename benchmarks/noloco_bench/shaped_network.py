@@ -4,7 +4,8 @@ Each host is a network namespace with one veth to a shared router namespace; lik
 host's side is shaped to ``rate`` with ``tc tbf`` on egress (its upload) and the router's side to ``rate`` too
 (its download). The router forwards every packet through delay_router.py, which adds the one-way delay (half the
 round trip) and jitter that this kernel's missing netem cannot. So a byte from host i to host j crosses i's
-upload, the delay, and j's download: the path of two peers on different home links.
+upload, the delay, and j's download: the path of two peers on different home links. With no delay and no jitter
+the router's kernel forwards instead (bench outsider: hosts to cut apart, no latency to emulate).
 
 Host i has address 10.81.i.2 (i < 250; ``subnet`` changes the 10.81). With ``control_plane``, each host also has
 a second, unshaped and undelayed link to a bridge in the router's namespace, address 10.82.i.2 (the bridge:
@@ -79,6 +80,14 @@ class ShapedNetwork:
     @property
     def control_router_address(self) -> str:
         return "10.82.255.1"
+
+    def add_addresses(self, host: int, count: int) -> list[str]:
+        """``count`` more addresses for ``host`` on its link ({subnet}.{host}.3, .4, ...): one host that speaks
+        from several addresses, as an outsider with a few machines or an address range does. Returns them."""
+        added = [f"{self.subnet}.{host}.{3 + k}" for k in range(count)]
+        for address in added:
+            _run("ip", "-n", self.namespace(host), "addr", "add", f"{address}/24", "dev", self.device(host))
+        return added
 
     @contextmanager
     def partition(self, *groups: Sequence[int]) -> Iterator[None]:
@@ -184,11 +193,15 @@ def shaped_network(
             # pooled): the setting a deployment guide recommends for nodes; the bench also reports cold rounds.
             _run("ip", "netns", "exec", ns, "sysctl", "-qw", "net.ipv4.tcp_slow_start_after_idle=0")
             _run("ip", "netns", "exec", router, "sysctl", "-qw", f"net.ipv4.conf.{peer}.rp_filter=0")
-            _run("ip", "-n", router, "rule", "add", "iif", peer, "lookup", "100")
+            if rtt_ms or jitter_ms:  # through the delay router's TUN (below)
+                _run("ip", "-n", router, "rule", "add", "iif", peer, "lookup", "100")
             _shape(ns, dev, rate_mbit, mtu)
             _shape(router, peer, rate_mbit, mtu)
         if control_plane:
             _control_plane(net)
+        if rtt_ms == 0 and jitter_ms == 0:  # no delay to add: the kernel forwards, which costs no CPU of note
+            yield net
+            return
         delayer = subprocess.Popen(
             ["ip", "netns", "exec", router, sys.executable, "-m", "noloco_bench.delay_router", TUN,
              str(rtt_ms / 2), "--jitter-ms", str(jitter_ms)],

@@ -31,7 +31,7 @@ class PeerView:
     seen: float  # time.time() of the DHT lookup that listed it
     info: pb.InfoReply | None = None
     info_time: float | None = None
-    live_step: int | None = None  # the outer step the peer's own server last said it was at (an out-of-reach refusal)
+    live_step: int | None = None  # the outer step the peer itself last said (its Info, an out-of-reach refusal)
     live_step_time: float = 0.0  # when it said so; a record written later supersedes it
 
 
@@ -119,8 +119,9 @@ class Telemetry:
                 self.last_peer_seen = time.monotonic()
 
     def peer_steps(self) -> dict[str, int]:
-        """The outer step of each live peer: as the last DHT lookup saw it, or as the peer's server said since (a
-        record may lag its node by a step; a node left behind must not believe a peer within reach that is not)."""
+        """The outer step of each live peer: as the last DHT lookup saw it, or as the peer's server said since (in
+        an out-of-reach refusal or its Info): a record may lag its node, and a node left behind must not believe a
+        peer within reach that is not."""
         with self._lock:
             return {
                 peer_id: view.live_step
@@ -146,10 +147,16 @@ class Telemetry:
             self.refused_starts[other.peer_id] = message
 
     def on_info(self, peer_id: str, reply: pb.InfoReply) -> None:
+        """A live peer's Info (the watch asks every few seconds): its curve, and its outer step, which is fresher
+        than its DHT record. Right after a partition heals, the far side's records still carry the steps of before
+        the split for a while; the steps they answer with now are what tells a node that half the swarm is ahead
+        (pairing/standing.py swarm_step), a few seconds after the heal rather than whenever the DHT catches up."""
         with self._lock:
             view = self._peers.get(peer_id)
             if view is not None:
-                view.info, view.info_time = reply, time.time()
+                now = time.time()
+                view.info, view.info_time = reply, now
+                view.live_step, view.live_step_time = reply.outer_step, now
 
     def peer_addresses(self) -> list[tuple[str, str]]:
         with self._lock:

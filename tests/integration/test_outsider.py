@@ -18,8 +18,8 @@ from pathlib import Path
 import grpc
 import pytest
 
+from noloco_bench.fake_donors import FakeDonor
 from noloco_bench.outsider import (
-    FakeDonor,
     Target,
     download_phi,
     forged_payload,

@@ -100,11 +100,14 @@ def test_a_swarm_split_for_a_minute_merges_again_and_nobody_is_quarantined(tmp_p
             # The split was real: no blend crossed it while it lasted, and each half kept blending inside.
             for index, blends in enumerate(during):
                 assert blends and all(half_of.get(h["partner"]) == half_of[ids[index]] for h in blends), blends
-            # Every node blends across the old split again (within the 120 s above). How soon is a figure, printed
-            # above, not an assertion: it is the DHT's time to show the far side again over this machine's step
-            # time (2-3 outer steps on a quiet machine, 8-9 during a full `make test`).
+            # Every node blends across the old split again within 5 outer steps of the heal (issue 28's promise).
+            # The time it takes is the DHT's to show the far side again, a few seconds whatever the step time, so
+            # in outer steps it depends on their length: H = 100 of the tiny model is 1-3 s a step here (2-4 steps
+            # to merge), and this test runs in the slow tier, alone; under a full `make test` beside it a step is
+            # shorter than the DHT's seconds (8-9 steps were seen). A real model's outer step is minutes.
             for index, steps in enumerate(merged_after):
                 assert steps is not None, f"node {index} never blended across the old split"
+                assert steps <= 5, f"node {index} blended across the old split only {steps} outer steps after the heal"
             for slot in swarm.slots:
                 assert "quarantined for" not in swarm.logs(slot)
         finally:

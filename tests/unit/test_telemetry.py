@@ -138,3 +138,15 @@ def test_a_peers_own_word_on_its_outer_step_holds_until_a_newer_record() -> None
     assert telemetry.peer_steps() == {"p": 8}
     telemetry.on_peers([PeerRecord("p", "10.0.0.1:1", "run", outer_step=9, updated=time.time() + 1)])
     assert telemetry.peer_steps() == {"p": 9}  # a record written after the refusal supersedes it
+
+
+def test_a_peers_info_says_its_outer_step_before_its_record_does() -> None:
+    """After a partition heals, the far side's records still carry their steps of before the split: the step a
+    peer's Info answers with (the watch asks every 3 s) is the one the node acts on until a newer record comes."""
+    telemetry = Telemetry(tokens_per_step=1, degraded_after=60, stall_after=60)
+    telemetry.on_peers([PeerRecord("p", "10.0.0.1:1", "run", outer_step=5, updated=time.time() - 5)])
+    telemetry.on_info("stranger", pb.InfoReply(peer_id="stranger", outer_step=1000))  # not listed: ignored
+    telemetry.on_info("p", pb.InfoReply(peer_id="p", outer_step=40))
+    assert telemetry.peer_steps() == {"p": 40}
+    telemetry.on_peers([PeerRecord("p", "10.0.0.1:1", "run", outer_step=41, updated=time.time() + 1)])
+    assert telemetry.peer_steps() == {"p": 41}
