@@ -55,7 +55,7 @@ class SwarmRun:
     restart: str = "not restarted"  # what the node restarted halfway did: resumed, or downloaded (from whom)
     outsider: dict[str, Any] = field(default_factory=dict)
     flood: dict[str, Any] = field(default_factory=dict)
-    quarantines: int = 0  # "quarantined for" in the honest nodes' logs: for what no honest peer sends
+    quarantines: int = 0  # honest peers quarantined by honest nodes (quarantine is for what no honest peer sends)
     # per node: outer steps and seconds from the heal to its first blend across the old split (None: never)
     merged_after: list[tuple[int, float] | None] = field(default_factory=list)
 
@@ -80,7 +80,7 @@ class SwarmRun:
                 if self.merged_after
                 else ""
             )
-            + f"; quarantines {self.quarantines}"
+            + f"; honest peers quarantined {self.quarantines}"
         )
 
 
@@ -258,7 +258,12 @@ def _run(
         if history:
             run.final_val_losses.append(history[-1]["val_loss"])
         run.crashes += slot.crashes
-        run.quarantines += swarm.logs(slot).count("quarantined for")
+        # Quarantines of honest peers only: the outsider's keys are quarantined for what they send, as they should.
+        run.quarantines += sum(
+            1
+            for line in swarm.logs(slot).splitlines()
+            if "quarantined for" in line and any(f"from {peer_id}" in line for peer_id in honest_ids if peer_id)
+        )
         if healed:
             run.merged_after.append(_steps_to_merge(history, healed, half_of, status.get("peer_id")))
     victim = swarm.slots[-1]

@@ -262,6 +262,7 @@ class Node:
                     self.cfg.run_name,
                     transport=self.security.transport,
                     answered_again=self._answered_again,
+                    vouch_for=self.standing.established,
                 ),
             )
             try:

@@ -8,18 +8,20 @@ counters); nothing runs torch, so serving it costs the trainer nothing (`noloco-
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import math
 import random
 import time
 from collections.abc import Callable, Mapping
+from dataclasses import replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
 
 from noloco_node import __version__
 from noloco_node.config.models import TrainConfig
 from noloco_node.config.node_config import NodeConfig
-from noloco_node.discovery.dht import Discovery
+from noloco_node.discovery.dht import Discovery, PeerRecord
 from noloco_node.model.source import ModelSource
 from noloco_node.node.reach import Reach
 from noloco_node.node.security import NodeSecurity
@@ -231,6 +233,11 @@ class ProgressLog:
         self._since = {"outer_steps": 0, "blends": 0, "waited": 0.0}
 
 
+REMEMBER_SECONDS = 600.0  # how long the watch keeps asking a peer with standing that the DHT no longer lists
+VOUCHED_EVERY = 1.0  # the watch's period while such a peer answers and the DHT still does not list it
+MAX_REMEMBERED = 64
+
+
 async def watch_peers(
     discovery: Discovery,
     telemetry: Telemetry,
@@ -241,29 +248,49 @@ async def watch_peers(
     max_info_calls: int = 16,
     transport: Transport = PLAIN,
     answered_again: Callable[[str], object] = lambda _peer: None,
+    vouch_for: Callable[[str], bool] = lambda _peer: False,
 ) -> None:
     """Keep the view of the swarm fresh for the status page: DHT records, then each peer's Info (its curve). A peer
     whose Info failed and now answers is reported to ``answered_again`` (the path to it is whole again: pairing's
     peer_policy.py calls it again at once).
+
+    A peer ``vouch_for`` accepts (one with standing) that the DHT stops listing is still asked, at its last
+    address, for up to REMEMBER_SECONDS: a partition expires the far side's records, and after the heal the DHT
+    takes 10-20 s to list them again. When it answers as itself, of this run, the DHT listing is renewed from its
+    answer (Discovery.vouch), so that pairing and the swarm's clock (pairing/standing.py swarm_step) see it within
+    a watch round of the heal. Strangers are never vouched for: their records come from the DHT alone.
 
     Other starts of the run name change only when someone starts anew, mostly when a run's members start together:
     they are looked up every ``every`` s at first, the interval doubling up to ``starts_every`` s, so that a node
     started from another model is named within seconds of the start, not half a minute later."""
     starts_due, starts_interval = 0.0, every
     silent: set[str] = set()  # peers whose last Info failed (live ones only: bounded by the swarm)
+    remembered: dict[str, tuple[PeerRecord, float]] = {}  # peers with standing: last record, when last listed
     while True:
+        round_started = time.monotonic()
+        records: list[PeerRecord] = []
         try:
-            telemetry.on_peers(await discovery.live_peers())
+            records = await discovery.live_peers()
+            telemetry.on_peers(records)
             if time.monotonic() >= starts_due:
                 telemetry.on_other_starts(await discovery.other_starts(), run_name, discovery.run_start)
                 starts_due = time.monotonic() + starts_interval
                 starts_interval = min(2 * starts_interval, starts_every)
         except (TimeoutError, OSError) as error:
             log.debug("DHT lookup for the status page failed: %s", error)
+        # Asked (and vouched for again, with the step it answers) each round until the DHT lists it again.
+        absent = _remember(remembered, [r for r in records if not discovery.only_vouched(r.peer_id)], vouch_for)
         peers = telemetry.peer_addresses()
         random.shuffle(peers)
+        unlisted_ids = {r.peer_id for r in absent}
+        asks = [
+            *((r.peer_id, r.address, r) for r in absent),
+            *((p, a, None) for p, a in peers if p not in unlisted_ids),
+        ]
+        asks = asks[:max_info_calls]
 
-        async def ask(peer_id: str, address: str) -> None:
+        async def ask(peer_id: str, address: str, unlisted: PeerRecord | None) -> pb.InfoReply | None:
+            """Ask one peer's Info; the reply when it vouched for an unlisted peer (else None)."""
             try:
                 reply = await asyncio.wait_for(
                     asyncio.to_thread(fetch_info, address, timeout=2.0, transport=transport, peer_id=peer_id),
@@ -272,13 +299,55 @@ async def watch_peers(
             except Exception as error:  # an unreachable peer is shown without its curve, not an error here
                 log.debug("Info from %s failed: %r", peer_id[-8:], error)
                 silent.add(peer_id)
-                return
-            if reply.peer_id == peer_id and reply.run_fingerprint == run_fingerprint:
-                telemetry.on_info(peer_id, reply)
-                if peer_id in silent:
-                    silent.discard(peer_id)
-                    answered_again(peer_id)
+                return None
+            if reply.peer_id != peer_id or reply.run_fingerprint != run_fingerprint:
+                return None
+            if unlisted is not None:
+                if not discovery.only_vouched(peer_id):
+                    log.info("%s answers while the DHT does not list it: listed from its answers", peer_id[-8:])
+                discovery.vouch(
+                    replace(
+                        unlisted,
+                        outer_step=reply.outer_step,
+                        inner_step=reply.inner_step,
+                        ready=reply.ready_to_pair,
+                        updated=time.time(),
+                    )
+                )
+            telemetry.on_info(peer_id, reply)
+            if peer_id in silent:
+                silent.discard(peer_id)
+                answered_again(peer_id)
+            return reply if unlisted is not None else None
 
-        await asyncio.gather(*(ask(peer_id, address) for peer_id, address in peers[:max_info_calls]))
-        silent.intersection_update(peer_id for peer_id, _address in peers)
-        await asyncio.sleep(every)
+        replies = await asyncio.gather(*(ask(*entry) for entry in asks))
+        vouched = [(entry[0], reply) for entry, reply in zip(asks, replies, strict=True) if reply is not None]
+        if vouched:
+            with contextlib.suppress(TimeoutError, OSError):
+                telemetry.on_peers(await discovery.live_peers())  # the vouched ones, at once, with their steps
+                for peer_id, reply in vouched:
+                    telemetry.on_info(peer_id, reply)
+        silent.intersection_update([*(peer_id for peer_id, _address in peers), *(r.peer_id for r in absent)])
+        # A round every ``every`` s, however long its calls took (a silent peer's Info times out after 3 s: waiting
+        # that and then ``every`` more would ask a cut-off peer only every 6 s); every second while a peer with
+        # standing is listed from its own answers alone, whose step the listing then lags by a second at most
+        # (a partner must be within --max-staleness outer steps).
+        period = VOUCHED_EVERY if vouched else every
+        await asyncio.sleep(max(0.5, period - (time.monotonic() - round_started)))
+
+
+def _remember(
+    remembered: dict[str, tuple[PeerRecord, float]], records: list[PeerRecord], vouch_for: Callable[[str], bool]
+) -> list[PeerRecord]:
+    """Update the peers with standing the watch keeps asking (listed now: their record, and now), forget those
+    unlisted for REMEMBER_SECONDS and the oldest beyond MAX_REMEMBERED; returns those the DHT does not list."""
+    now = time.monotonic()
+    listed = {r.peer_id for r in records}
+    for record in records:
+        if vouch_for(record.peer_id):
+            remembered[record.peer_id] = (record, now)
+    for peer_id in [p for p, (_r, seen) in remembered.items() if now - seen > REMEMBER_SECONDS]:
+        del remembered[peer_id]
+    while len(remembered) > MAX_REMEMBERED:
+        del remembered[min(remembered, key=lambda p: remembered[p][1])]
+    return [record for peer_id, (record, _seen) in remembered.items() if peer_id not in listed]

@@ -1,0 +1,79 @@
+"""Peers with standing that the DHT stops listing (a partition expired their records) but that answer this node
+directly: the watch keeps asking them, and their answers list them until the DHT does again (Discovery.vouch,
+node/report.py watch_peers). After a heal, the far side is back in a node's view within a second, not the 10-20 s
+the DHT took; strangers are never listed this way."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from dataclasses import replace
+
+import pytest
+
+from noloco_node.discovery.dht import MAX_VOUCHED, Discovery, PeerRecord
+from noloco_node.node import report
+from noloco_node.observability.telemetry import Telemetry
+from noloco_node.wire import peer_pb2 as pb
+
+
+def _record(peer_id: str, step: int, updated: float | None = None) -> PeerRecord:
+    return PeerRecord(peer_id, f"10.0.0.1:{len(peer_id)}", "run", outer_step=step, ready=True, updated=updated or 0.0)
+
+
+def test_a_vouched_record_is_listed_until_the_dht_lists_the_peer_or_it_expires() -> None:
+    discovery = Discovery("run", record_ttl=10)
+    now = time.time()
+    discovery.vouch(_record("far", 40, now))
+    assert [r.outer_step for r in discovery._with_vouched([])] == [40] and discovery.only_vouched("far")
+    listed = _record("far", 41, now)
+    assert discovery._with_vouched([listed]) == [listed] and not discovery.only_vouched("far")  # the DHT's wins
+    discovery.vouch(_record("old", 7, now - 11))
+    assert discovery._with_vouched([]) == []  # past record_ttl: gone
+    for index in range(MAX_VOUCHED + 5):
+        discovery.vouch(_record(f"p{index}", 1, now + index))
+    assert len(discovery._with_vouched([])) == MAX_VOUCHED  # bounded: the oldest went first
+    assert not discovery.only_vouched("p0") and discovery.only_vouched(f"p{MAX_VOUCHED + 4}")
+
+
+class _EnoughError(Exception):
+    pass
+
+
+def test_the_watch_lists_an_established_peer_the_dht_lost_from_its_answer_and_never_a_stranger(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    discovery = Discovery("run", record_ttl=10)
+    rounds = [[_record("far", 12), _record("stranger", 12)], [], []]  # what the DHT lists at each round
+    seen: list[dict[str, int]] = []
+    telemetry = Telemetry(tokens_per_step=1, degraded_after=60, stall_after=60)
+
+    async def live_peers() -> list[PeerRecord]:
+        return discovery._with_vouched(list(rounds[min(len(seen), len(rounds) - 1)]))
+
+    asked: list[str] = []
+
+    def fetch_info(address: str, *, timeout: float, transport: object, peer_id: str) -> pb.InfoReply:
+        asked.append(peer_id)
+        return pb.InfoReply(peer_id=peer_id, run_fingerprint="run", outer_step=40, ready_to_pair=True)
+
+    async def sleep(_seconds: float) -> None:
+        seen.append(telemetry.peer_steps())
+        if len(seen) == 3:
+            raise _EnoughError
+
+    monkeypatch.setattr(discovery, "live_peers", live_peers)
+    monkeypatch.setattr(report, "fetch_info", fetch_info)
+    monkeypatch.setattr(report.asyncio, "sleep", sleep)
+    with pytest.raises(_EnoughError):
+        asyncio.run(
+            report.watch_peers(
+                discovery, telemetry, "run", "name", vouch_for=lambda peer: peer == "far", starts_every=1e9
+            )
+        )
+    assert seen[0] == {"far": 40, "stranger": 40}  # both listed by the DHT; their Info said 40
+    # The DHT lost both: the peer with standing is still asked and listed from its answer; the stranger is gone.
+    assert seen[1] == {"far": 40} and seen[2] == {"far": 40}
+    assert asked.count("stranger") == 1 and asked.count("far") == 3
+    vouched = discovery._with_vouched([])
+    assert [replace(r, updated=0.0) for r in vouched] == [replace(_record("far", 40), inner_step=0)]
