@@ -36,6 +36,7 @@ from hivemind.dht.crypto import RSASignatureValidator
 from hivemind.utils.crypto import RSAPublicKey
 from hivemind.utils.timed_storage import get_dht_time
 
+from noloco_node.discovery.vouched import VouchedRecords
 from noloco_node.security.auth import SwarmSecret, record_mac, record_mac_ok
 from noloco_node.security.identity import NodeIdentity, peer_id_of
 
@@ -76,7 +77,6 @@ DHT_SILENCE_SECONDS = 5.0  # a DHT peer that did not answer is skipped by lookup
 # several DHT peers, and unshared lookups from the pairing loops, status page and catch-up filled slow links
 # (docs/benchmarks.md, bench race, "Scaling").
 LOOKUP_SHARING_SECONDS = 1.0
-MAX_VOUCHED = 64  # peers listed on a live answer while the DHT lags (vouch): a bounded table
 MAX_START_ENTRIES = 32  # what a start record may say: the model's few entries and the run-wide settings
 MODEL_START_KEYS = frozenset({"model", "config", "weights", "tokenizer", "seed"})
 
@@ -256,7 +256,8 @@ class Discovery:
         self.dht: hivemind.DHT | None = None
         self._last_expiration = 0.0
         self._lookup: tuple[float, asyncio.Task[list[PeerRecord]]] | None = None  # (started, the shared lookup)
-        self._vouched: dict[str, PeerRecord] = {}  # peer id -> its record as a live answer of its own renewed it
+        # Peers listed from their own answers while the DHT lags (node/report.py's watch decides whom)
+        self.vouched: VouchedRecords[PeerRecord] = VouchedRecords(record_ttl)
 
     def start(self) -> None:
         """Start the DHT process (it forks: call this before starting gRPC servers or torch threads)."""
@@ -357,34 +358,8 @@ class Discovery:
             task = loop.create_task(self._lookup_records())
             task.add_done_callback(lambda done: done.cancelled() or done.exception())  # retrieved even if nobody waits
             shared = self._lookup = (now, task)
-        records = await asyncio.shield(shared[1])
-        return [r for r in self._with_vouched(records) if include_self or r.peer_id != self.peer_id]
-
-    def vouch(self, record: PeerRecord) -> None:
-        """List ``record`` for ``record_ttl`` seconds from its ``updated`` time while the DHT does not: a peer this
-        node has standing with (the caller checks) that the DHT lost, and that answered this node directly just now
-        (its Info) with the step it is at. After a partition heals, the DHT takes 10-20 s to show the far side
-        again (its records expired during the split, and each side skips the other's DHT peers after failures);
-        the peers themselves answer at once. Bounded: the oldest vouches go first."""
-        self._vouched[record.peer_id] = record
-        if len(self._vouched) > MAX_VOUCHED:
-            oldest = min(self._vouched.values(), key=lambda r: r.updated)
-            del self._vouched[oldest.peer_id]
-
-    def only_vouched(self, peer_id: str) -> bool:
-        """Whether ``peer_id`` is listed by a vouch alone (the DHT did not list it at the last lookup)."""
-        return peer_id in self._vouched
-
-    def _with_vouched(self, records: list[PeerRecord]) -> list[PeerRecord]:
-        """The DHT's records, and the vouched ones it does not list and that have not expired (a record the DHT
-        lists wins, and ends the vouch)."""
-        if not self._vouched:
-            return records
-        listed = {r.peer_id for r in records}
-        now = get_dht_time()
-        for peer_id in [p for p, r in self._vouched.items() if p in listed or now - r.updated > self.record_ttl]:
-            del self._vouched[peer_id]
-        return [*records, *self._vouched.values()]
+        records = self.vouched.merged(await asyncio.shield(shared[1]))
+        return [r for r in records if include_self or r.peer_id != self.peer_id]
 
     async def _lookup_records(self) -> list[PeerRecord]:
         future = self._require().get(self.key, latest=True, return_future=True)

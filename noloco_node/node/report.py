@@ -257,7 +257,7 @@ async def watch_peers(
     A peer ``vouch_for`` accepts (one with standing) that the DHT stops listing is still asked, at its last
     address, for up to REMEMBER_SECONDS: a partition expires the far side's records, and after the heal the DHT
     takes 10-20 s to list them again. When it answers as itself, of this run, the DHT listing is renewed from its
-    answer (Discovery.vouch), so that pairing and the swarm's clock (pairing/standing.py swarm_step) see it within
+    answer (discovery/vouched.py), so that pairing and the swarm's clock (pairing/standing.py swarm_step) see it within
     a watch round of the heal. Strangers are never vouched for: their records come from the DHT alone.
 
     Other starts of the run name change only when someone starts anew, mostly when a run's members start together:
@@ -279,7 +279,7 @@ async def watch_peers(
         except (TimeoutError, OSError) as error:
             log.debug("DHT lookup for the status page failed: %s", error)
         # Asked (and vouched for again, with the step it answers) each round until the DHT lists it again.
-        absent = _remember(remembered, [r for r in records if not discovery.only_vouched(r.peer_id)], vouch_for)
+        absent = _remember(remembered, [r for r in records if not discovery.vouched.holds(r.peer_id)], vouch_for)
         peers = telemetry.peer_addresses()
         random.shuffle(peers)
         unlisted_ids = {r.peer_id for r in absent}
@@ -303,9 +303,9 @@ async def watch_peers(
             if reply.peer_id != peer_id or reply.run_fingerprint != run_fingerprint:
                 return None
             if unlisted is not None:
-                if not discovery.only_vouched(peer_id):
+                if not discovery.vouched.holds(peer_id):
                     log.info("%s answers while the DHT does not list it: listed from its answers", peer_id[-8:])
-                discovery.vouch(
+                discovery.vouched.vouch(
                     replace(
                         unlisted,
                         outer_step=reply.outer_step,

@@ -1,5 +1,5 @@
 """Peers with standing that the DHT stops listing (a partition expired their records) but that answer this node
-directly: the watch keeps asking them, and their answers list them until the DHT does again (Discovery.vouch,
+directly: the watch keeps asking them, and their answers list them until the DHT does again (discovery/vouched.py,
 node/report.py watch_peers). After a heal, the far side is back in a node's view within a second, not the 10-20 s
 the DHT took; strangers are never listed this way."""
 
@@ -11,7 +11,8 @@ from dataclasses import replace
 
 import pytest
 
-from noloco_node.discovery.dht import MAX_VOUCHED, Discovery, PeerRecord
+from noloco_node.discovery.dht import Discovery, PeerRecord
+from noloco_node.discovery.vouched import MAX_VOUCHED
 from noloco_node.node import report
 from noloco_node.observability.telemetry import Telemetry
 from noloco_node.wire import peer_pb2 as pb
@@ -24,16 +25,16 @@ def _record(peer_id: str, step: int, updated: float | None = None) -> PeerRecord
 def test_a_vouched_record_is_listed_until_the_dht_lists_the_peer_or_it_expires() -> None:
     discovery = Discovery("run", record_ttl=10)
     now = time.time()
-    discovery.vouch(_record("far", 40, now))
-    assert [r.outer_step for r in discovery._with_vouched([])] == [40] and discovery.only_vouched("far")
+    discovery.vouched.vouch(_record("far", 40, now))
+    assert [r.outer_step for r in discovery.vouched.merged([])] == [40] and discovery.vouched.holds("far")
     listed = _record("far", 41, now)
-    assert discovery._with_vouched([listed]) == [listed] and not discovery.only_vouched("far")  # the DHT's wins
-    discovery.vouch(_record("old", 7, now - 11))
-    assert discovery._with_vouched([]) == []  # past record_ttl: gone
+    assert discovery.vouched.merged([listed]) == [listed] and not discovery.vouched.holds("far")  # the DHT's wins
+    discovery.vouched.vouch(_record("old", 7, now - 11))
+    assert discovery.vouched.merged([]) == []  # past record_ttl: gone
     for index in range(MAX_VOUCHED + 5):
-        discovery.vouch(_record(f"p{index}", 1, now + index))
-    assert len(discovery._with_vouched([])) == MAX_VOUCHED  # bounded: the oldest went first
-    assert not discovery.only_vouched("p0") and discovery.only_vouched(f"p{MAX_VOUCHED + 4}")
+        discovery.vouched.vouch(_record(f"p{index}", 1, now + index))
+    assert len(discovery.vouched.merged([])) == MAX_VOUCHED  # bounded: the oldest went first
+    assert not discovery.vouched.holds("p0") and discovery.vouched.holds(f"p{MAX_VOUCHED + 4}")
 
 
 class _EnoughError(Exception):
@@ -49,7 +50,7 @@ def test_the_watch_lists_an_established_peer_the_dht_lost_from_its_answer_and_ne
     telemetry = Telemetry(tokens_per_step=1, degraded_after=60, stall_after=60)
 
     async def live_peers() -> list[PeerRecord]:
-        return discovery._with_vouched(list(rounds[min(len(seen), len(rounds) - 1)]))
+        return discovery.vouched.merged(list(rounds[min(len(seen), len(rounds) - 1)]))
 
     asked: list[str] = []
 
@@ -75,5 +76,5 @@ def test_the_watch_lists_an_established_peer_the_dht_lost_from_its_answer_and_ne
     # The DHT lost both: the peer with standing is still asked and listed from its answer; the stranger is gone.
     assert seen[1] == {"far": 40} and seen[2] == {"far": 40}
     assert asked.count("stranger") == 1 and asked.count("far") == 3
-    vouched = discovery._with_vouched([])
+    vouched = discovery.vouched.merged([])
     assert [replace(r, updated=0.0) for r in vouched] == [replace(_record("far", 40), inner_step=0)]
