@@ -65,6 +65,9 @@ class PeerPolicy:
             record = self._peers.setdefault(peer_id, _PeerRecord())
             record.typical = seconds if record.typical is None else _blend(record.typical, seconds)
             record.failures, record.avoid_until, record.avoid_reason = 0, 0.0, ""  # a quarantine outlives a success
+            # The last lift was earned (the path worked): the next silence and answer may lift again. A peer that
+            # restarts soon after a heal is otherwise left avoided for its failures while it was down.
+            record.lifted_at = -float("inf")
             self._typical = seconds if self._typical is None else _blend(self._typical, seconds)
 
     def failed(self, peer_id: str, reason: str = FAILURE) -> float:
@@ -82,7 +85,8 @@ class PeerPolicy:
         """A peer that did not answer at all for a while answers again (node/report.py's watch of peers' Info):
         its avoidance for failures ends, and it is called again at once. Not one for drift or a quarantine, which
         are about its payloads, not the path; nor for a peer that only failed exchanges while its Info kept
-        answering (a straggler: the watch sees no silence); and at most once per LIFT_EVERY_AVOIDS avoid_seconds.
+        answering (a straggler: the watch sees no silence); and at most once per LIFT_EVERY_AVOIDS avoid_seconds
+        unless an exchange with it succeeded since the last lift.
         Its failures still count: if the path is still bad, the next avoidance is doubled from there. Returns
         whether it lifted one."""
         with self._lock:

@@ -54,6 +54,9 @@ def test_a_peer_that_answers_again_after_a_silence_is_called_again_at_once_unles
     assert not rules.answered_again("partitioned") and rules.avoided("partitioned")
     rules.succeeded("partitioned", 1.0)  # a call that worked clears the record
     assert rules.failed("partitioned") == 10
+    # ... and earns the lift back: a peer that restarts right after a heal (its calls failing while it is down)
+    # is called again as soon as it answers, not after its avoidance (seen: 80 s alone in bench outsider).
+    assert rules.answered_again("partitioned") and not rules.avoided("partitioned")
 
     rules.failed("drifted", "norm_bound")  # set aside for drift: about its weights, not the path
     rules.quarantine("liar", 600.0, "bad_checksum")
