@@ -42,6 +42,8 @@ from noloco_bench.cpu_group import CpuGroup, outsider_cpu
 from noloco_bench.shaped_network import ShapedNetwork, shaped_network
 from noloco_node.launcher.local_swarm import LocalSwarm
 
+EXIT_GRACE_SECONDS = 120.0  # a node that trained its last step has left well within this
+
 
 @dataclass
 class SwarmRun:
@@ -55,6 +57,7 @@ class SwarmRun:
     restart: str = "not restarted"  # what the node restarted halfway did: resumed, or downloaded (from whom)
     outsider: dict[str, Any] = field(default_factory=dict)
     flood: dict[str, Any] = field(default_factory=dict)
+    hung_exits: int = 0  # nodes still running EXIT_GRACE_SECONDS after every node trained its last step
     quarantines: int = 0  # honest peers quarantined by honest nodes (quarantine is for what no honest peer sends)
     # per node: outer steps and seconds from the heal to its first blend across the old split (None: never)
     merged_after: list[tuple[int, float] | None] = field(default_factory=list)
@@ -81,6 +84,7 @@ class SwarmRun:
                 else ""
             )
             + f"; honest peers quarantined {self.quarantines}"
+            + (f"; NODES THAT DID NOT EXIT after their last step: {self.hung_exits}" if self.hung_exits else "")
         )
 
 
@@ -211,11 +215,19 @@ def _run(
         if attack:
             attackers = _attackers(swarm, placement, shape.model, inner_steps, cpu)
         restarted = False
+        finished_at: float | None = None
         while swarm.running():
             time.sleep(0.5)
             swarm.poll()
             victim = swarm.slots[-1]
             progress = [(swarm.status(s) or {}).get("inner_step", 0) for s in swarm.slots]
+            if min(progress) >= steps:
+                finished_at = finished_at or time.monotonic()
+                if time.monotonic() - finished_at > EXIT_GRACE_SECONDS:
+                    # Seen once: a node that had trained every step never exited, its exchange thread blocked in
+                    # gRPC's response iterator, joined at interpreter exit. Counted, and stopped below.
+                    run.hung_exits = len(swarm.running())
+                    break
             if network is not None and shape.partition_seconds and not split and min(progress) >= steps // 10:
                 partition = network.partition(*shape.halves)
                 partition.__enter__()
