@@ -11,7 +11,7 @@ The attacks (numbered as in the issue that measured them):
 1. a payload in an honest peer's name (:func:`forged_payload`);
 2. the norm-bound ratchet: payloads just inside the bound, then random and scaled weights (:func:`ratchet`);
 3. a fake donor: a signed DHT record claiming outer step 1,000,000 and a GetState serving random weights
-   (:class:`FakeDonor`);
+   (``noloco_bench/fake_donors.py``);
 4. holding the pairing round (a valid manifest, then silence: :func:`hog_once`) and the server slots (silent
    streams: :func:`silent_stream`);
 5. idle TCP connections by the thousand (:func:`idle_connections`);

@@ -4,13 +4,14 @@ swarm without it, in the same run.
 Two runs of the same swarm (same nodes, model, data, seed and inner steps):
 
 1. without the outsider;
-2. with it: from its own address and at the lowest CPU priority (bench/outsider.py: on shared cores it stands for
-   a host of its own), it holds the pairing round with valid manifests followed by silence, opens ten silent
-   streams per node, sends payloads in honest peers' names, runs the norm-bound ratchet with random and scaled
-   weights, holds 200 idle TCP connections per node and, through a signed DHT record, offers a random state as
-   the run's outer step 1,000,000; two more keys on another address offer the honest nodes' own weights with
-   poisoned Adam moments as the same step (a "corroborated" front); and a flood of fresh keys from two more
-   addresses (bench/echo_flood.py) answers and calls the honest nodes with their own weights. Halfway through both
+2. with it: from its own addresses, on half a core of its own (bench/cpu_group.py: a CPU quota, filled by a
+   stand-in busy loop in both runs, so the nodes have the same CPU in both), it holds the pairing round with
+   valid manifests followed by silence, opens ten silent streams per node, sends payloads in honest peers'
+   names, runs the norm-bound ratchet with random and scaled weights, holds 200 idle TCP connections per node
+   and, through a signed DHT record, offers a random state as the run's outer step 1,000,000; two more keys on
+   another address offer the honest nodes' own weights with poisoned Adam moments as the same step (a
+   "corroborated" front; bench/fake_donors.py); and a flood of fresh keys from two more addresses
+   (bench/echo_flood.py) answers and calls the honest nodes with their own weights. Halfway through both
    runs one honest node is stopped and restarted from its checkpoint (where a fake donor could capture it).
 
 With ``--partition-seconds`` (root) both runs take place on a network of namespaces (bench/shaped_network.py, no
