@@ -278,7 +278,7 @@ def _run(
             if "quarantined for" in line and any(f"from {peer_id}" in line for peer_id in honest_ids if peer_id)
         )
         if healed:
-            run.merged_after.append(_steps_to_merge(history, healed, half_of, status.get("peer_id")))
+            run.merged_after.append(steps_to_merge(history, healed, half_of, status.get("peer_id")))
     victim = swarm.slots[-1]
     if victim.lives > 1:
         log = (base / f"node{victim.index}.life{victim.lives}.log").read_text()
@@ -291,7 +291,7 @@ def _run(
     return run
 
 
-def _steps_to_merge(
+def steps_to_merge(
     history: list[dict[str, Any]], healed: float, half_of: dict[str | None, int], peer_id: str | None
 ) -> tuple[int, float] | None:
     """A node's outer steps after the heal up to its first blend with a node of the other half (counted as steps

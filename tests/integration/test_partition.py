@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 
+from noloco_bench.outsider_swarm import steps_to_merge
 from noloco_bench.shaped_network import shaped_network
 from noloco_node.launcher.local_swarm import LocalSwarm
 
@@ -58,34 +59,17 @@ def test_a_swarm_split_for_a_minute_merges_again_and_nobody_is_quarantined(tmp_p
                 time.sleep(SPLIT_SECONDS)
             healed = time.time()
 
-            def steps_to_merge(index: int) -> int | None:
-                """The node's outer steps after the heal up to its first blend across the old split (counted as
-                steps taken: a half that was behind moves its clock, and its step numbers jump)."""
-                after = [h for h in statuses()[index].get("history", []) if h["time"] > healed]
-                crossed = [
-                    taken
-                    for taken, h in enumerate(after, start=1)
-                    if h["partner"] and half_of.get(h["partner"]) != half_of[ids[index]]
-                ]
-                return crossed[0] if crossed else None
-
-            def seconds_to_merge(index: int) -> float | None:
-                after = [h for h in statuses()[index].get("history", []) if h["time"] > healed]
-                return next(
-                    (
-                        round(h["time"] - healed, 1)
-                        for h in after
-                        if h["partner"] and half_of.get(h["partner"]) != half_of[ids[index]]
-                    ),
-                    None,
-                )
+            def merge(index: int) -> tuple[int, float] | None:
+                """The node's outer steps and seconds from the heal to its first blend across the old split."""
+                return steps_to_merge(statuses()[index].get("history", []), healed, half_of, ids[index])
 
             deadline = time.monotonic() + 120
-            while not all(steps_to_merge(i) for i in range(4)) and time.monotonic() < deadline:
+            while not all(merge(i) for i in range(4)) and time.monotonic() < deadline:
                 time.sleep(0.5)
             final = statuses()
             during = [[h for h in s.get("history", []) if split < h["time"] <= healed and h["partner"]] for s in final]
-            merged_after = [steps_to_merge(i) for i in range(4)]
+            merged = [merge(i) for i in range(4)]
+            merged_after = [m[0] if m else None for m in merged]
             refused = [s.get("rejected_payloads", {}).get("norm_bound", 0) for s in final]
             moved = [
                 [(h["clock_moved_from"], h["outer_step"]) for h in s["history"] if h.get("clock_moved_from")]
@@ -93,7 +77,7 @@ def test_a_swarm_split_for_a_minute_merges_again_and_nobody_is_quarantined(tmp_p
             ]
             print(
                 f"outer steps to the first blend across the split after the heal: {merged_after} "
-                f"({[seconds_to_merge(i) for i in range(4)]} s); "
+                f"({[m[1] if m else None for m in merged]} s); "
                 f"blends during the split: {[len(d) for d in during]}; clocks moved (from, to): {moved}; "
                 f"refused for the norm bound: {refused}"
             )
