@@ -20,6 +20,7 @@ from noloco_node import __version__
 from noloco_node.cli.training_commands import add_training_parsers, run_simulate, run_sizes, run_train
 from noloco_node.config.flags import (
     NODE_FLAGS,
+    RL_FLAGS,
     TRAIN_FLAGS,
     Flag,
     add_flags,
@@ -50,6 +51,35 @@ _SWARM_NODE_FLAGS = subset(
         "--blend-momenta",
     ),
 ) | subset(NODE_FLAGS, ("--secret-file",))
+# `rl` trains a policy, not a replica: of the training flags it takes only those that say which model, where, and
+# of the node's those of the network, the identity and the status endpoint (no pairing, no checkpoints).
+_RL_MODEL_FLAGS = subset(TRAIN_FLAGS, ("--model", "--init-from", "--tokenizer", "--seq-len", "--seed", "--device"))
+_RL_NODE_FLAGS = subset(
+    NODE_FLAGS,
+    (
+        "--run-name",
+        "--bootstrap",
+        "--bootstrap-wait",
+        "--dht-host-maddrs",
+        "--dht-announce-maddrs",
+        "--grpc-host",
+        "--grpc-port",
+        "--announce-host",
+        "--announce-port",
+        "--data-dir",
+        "--record-ttl",
+        "--torch-threads",
+        "--status-host",
+        "--status-port",
+        "--secret-file",
+        "--max-clock-skew",
+        "--tls-cert",
+        "--tls-key",
+        "--tls-ca",
+        "--tls-server-name",
+        "--max-calls-per-address",
+    ),
+)
 
 
 class _RefuseSecretInClear(argparse.Action):
@@ -102,6 +132,20 @@ def build_parser() -> argparse.ArgumentParser:
     add_flags(join, _NODE_FLAGS)
     add_flags(join, _TRAIN_FLAGS)
     _add_secret_refusal(join)
+
+    rl = commands.add_parser(
+        "rl",
+        help="RL post-training with shared rollouts (SAPO): generate, score, share, fetch, update with GRPO",
+        description="Run an RL node: it samples G completions per question of reasoning-gym tasks, scores them with "
+        "the tasks' verifiers, serves them to the swarm (the DHT names the round, gRPC carries the rollouts), "
+        "fetches peers' rollouts and scores them itself, and updates its own policy with GRPO on I local and J "
+        "external rollouts per round (--local, --external). No weights cross; peers may run other models.",
+    )
+    rl.add_argument("--config", type=Path, help="a TOML or YAML settings file (flags and NOLOCO_* override it)")
+    add_flags(rl, _RL_NODE_FLAGS)
+    add_flags(rl, _RL_MODEL_FLAGS)
+    add_flags(rl, RL_FLAGS)
+    _add_secret_refusal(rl)
 
     doctor = commands.add_parser(
         "doctor",
@@ -220,6 +264,13 @@ def _join(args: argparse.Namespace) -> int:
     return run_node(settings.node, settings.train, settings.outer, settings.data)
 
 
+def _rl(args: argparse.Namespace) -> int:
+    from noloco_node.rl.node import run_rl_node
+
+    settings, _ = _resolve(args, {**_RL_NODE_FLAGS, **_RL_MODEL_FLAGS, **RL_FLAGS})
+    return run_rl_node(settings.node, settings.train, settings.data, settings.rl)
+
+
 def _doctor(args: argparse.Namespace) -> int:
     import json
 
@@ -335,6 +386,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         "sizes": run_sizes,
         "bootstrap": _bootstrap,
         "join": _join,
+        "rl": _rl,
         "doctor": _doctor,
         "swarm": _swarm,
         **{plugin.name: plugin.run for plugin in plugin_commands()},
@@ -357,8 +409,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 2
     except Exception as error:
         from noloco_node.node.catch_up import NodeError
+        from noloco_node.rl.node import RLNodeError
 
-        if not isinstance(error, NodeError):
+        if not isinstance(error, NodeError | RLNodeError):
             raise
         print(f"noloco-node {args.command}: {error}", file=sys.stderr)
         return 2

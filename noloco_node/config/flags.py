@@ -97,6 +97,7 @@ def section_flags(*sections: str) -> dict[str, Flag]:
 
 TRAIN_FLAGS = section_flags("train", "outer", "data")
 NODE_FLAGS = section_flags("node", "node.security")
+RL_FLAGS = section_flags("rl")
 
 
 def subset(flags: Mapping[str, Flag], names: Iterable[str]) -> dict[str, Flag]:

@@ -24,6 +24,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from noloco_node.config.models import _SENSITIVE_WORDS, DataConfig, OuterConfig, TrainConfig
 from noloco_node.config.node_config import KNOWN_ENVIRONMENT, NodeConfig
+from noloco_node.config.rl_config import RolloutConfig
 from noloco_node.errors import NolocoError
 
 # Where the swarm secret comes from (security/auth.py reads it): never a setting, so never in a settings file.
@@ -50,6 +51,7 @@ class Settings(BaseModel):
     train: TrainConfig = Field(default_factory=TrainConfig)
     outer: OuterConfig = Field(default_factory=OuterConfig)
     data: DataConfig = Field(default_factory=DataConfig)
+    rl: RolloutConfig = Field(default_factory=RolloutConfig)
 
 
 def leaf_fields(model: type[BaseModel] = Settings, prefix: Path_ = ()) -> dict[Path_, Any]:

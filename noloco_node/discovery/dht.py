@@ -98,6 +98,10 @@ class PeerRecord:
     p2p_id: str = ""  # its libp2p daemon's id (tunnels.py); not its peer id, which is its node key's
     p2p_addrs: tuple[str, ...] = ()  # a reachable member that relays for others: where its daemon listens
     relays: tuple[str, ...] = ()  # an unreachable member: the libp2p ids of the relays it can be reached through
+    # An RL node's manifest (noloco_node/rl/): the newest round whose rollouts it serves (GetRollouts; -1: none yet)
+    # and their task families. The rollouts themselves never enter the DHT.
+    rollout_round: int = -1
+    rollout_families: tuple[str, ...] = ()
 
     @classmethod
     def from_value(cls, peer_id: str, value: Any) -> PeerRecord | None:
@@ -119,6 +123,8 @@ class PeerRecord:
                 p2p_id=_short_text(value.get("p2p_id", "")),
                 p2p_addrs=_short_texts(value.get("p2p_addrs", ())),
                 relays=_short_texts(value.get("relays", ())),
+                rollout_round=int(value.get("rollout_round", -1)),
+                rollout_families=_short_texts(value.get("rollout_families", ())),
             )
         except (KeyError, TypeError, ValueError):
             return None
@@ -136,6 +142,7 @@ class PeerRecord:
         value = asdict(self)
         del value["peer_id"]  # readers derive it from the subkey, the owner key: a claim here would prove nothing
         value["p2p_addrs"], value["relays"] = list(self.p2p_addrs), list(self.relays)
+        value["rollout_families"] = list(self.rollout_families)
         return value
 
 

@@ -47,16 +47,19 @@ class HostNetwork(Protocol):
     def control_router_address(self) -> str: ...
 
 
-def join_command(maddrs: Sequence[str], data_dir: Path, *args: str, log_format: str = "text") -> list[str]:
+def join_command(
+    maddrs: Sequence[str], data_dir: Path, *args: str, log_format: str = "text", work: str = "join"
+) -> list[str]:
     """The command line of one local swarm member: one torch thread, its own data directory, an ephemeral status
-    port (many nodes on one machine; each logs its URL and writes it into its status.json)."""
+    port (many nodes on one machine; each logs its URL and writes it into its status.json). ``work`` is the
+    command: ``join`` (pretraining) or ``rl`` (RL post-training with shared rollouts)."""
     return [
         sys.executable,
         "-m",
         "noloco_node",
         "--log-format",
         log_format,
-        "join",
+        work,
         "--bootstrap",
         *maddrs,
         "--data-dir",
@@ -89,11 +92,12 @@ def launch_node(
     log_format: str = "text",
     open_files: int | None = None,
     exec_prefix: Sequence[str] = (),
+    work: str = "join",
 ) -> subprocess.Popen[bytes]:
     """Start one node process, its output in ``log_path``; ``open_files`` sets its open-file limit (soft and hard),
     for drills of a node on a host with a low one; ``exec_prefix`` runs it behind a command such as ``ip netns
     exec NS``."""
-    command = join_command(maddrs, data_dir, *args, log_format=log_format)
+    command = join_command(maddrs, data_dir, *args, log_format=log_format, work=work)
     if open_files is not None:
         command = [sys.executable, "-c", _LIMIT_THEN_EXEC, str(open_files), *command]
     command = [*exec_prefix, *command]

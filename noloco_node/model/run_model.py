@@ -11,7 +11,7 @@ from typing import Any
 
 from noloco_node.config.models import DataConfig, ModelConfig, TrainConfig, model_config_for
 from noloco_node.data.corpus import Corpus, load_corpus
-from noloco_node.data.tokenizer import load_tokenizer
+from noloco_node.data.tokenizer import Tokenizer, load_tokenizer
 from noloco_node.errors import DataError
 from noloco_node.model.pretrained import open_pretrained, pretrained_from_record
 from noloco_node.model.source import ModelSource, SeededDecoder
@@ -47,18 +47,25 @@ def model_source(train_cfg: TrainConfig, vocab_size: int) -> ModelSource:
     return source
 
 
-def load_run_corpus(data_cfg: DataConfig, train_cfg: TrainConfig) -> Corpus:
-    """The run's corpus, tokenized with ``data.tokenizer``, or with the tokenizer of ``--init-from``'s folder."""
+def run_tokenizer(data_cfg: DataConfig, train_cfg: TrainConfig) -> Tokenizer:
+    """The run's tokenizer: ``data.tokenizer``, else the one of ``--init-from``'s folder, else bytes."""
     if train_cfg.init_from is not None and data_cfg.tokenizer is None:
         folder = train_cfg.init_from.expanduser()
         if not folder.is_dir():
             raise DataError(f"--init-from {str(folder)!r}: no such folder")
         if (folder / "tokenizer.json").is_file():
-            return load_corpus(data_cfg, tokenizer=load_tokenizer(folder / "tokenizer.json"))
+            return load_tokenizer(folder / "tokenizer.json")
         if not _exported_with_bytes(folder):  # a byte-level run's export has no tokenizer file: bytes need none
             raise DataError(
                 f"{str(folder)!r} has no tokenizer.json: give the model's tokenizer with data.tokenizer (--tokenizer)"
             )
+    return load_tokenizer(data_cfg.tokenizer)
+
+
+def load_run_corpus(data_cfg: DataConfig, train_cfg: TrainConfig) -> Corpus:
+    """The run's corpus, tokenized with the run's tokenizer (:func:`run_tokenizer`)."""
+    if train_cfg.init_from is not None and data_cfg.tokenizer is None:
+        return load_corpus(data_cfg, tokenizer=run_tokenizer(data_cfg, train_cfg))
     return load_corpus(data_cfg)
 
 

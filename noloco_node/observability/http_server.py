@@ -17,6 +17,7 @@ from importlib import resources
 from prometheus_client import CollectorRegistry
 
 from noloco_node.observability.metrics import register_status, render_metrics
+from noloco_node.observability.rl_status import RolloutNodeStatus
 from noloco_node.observability.status import Health, NodeStatus
 
 log = logging.getLogger(__name__)
@@ -29,9 +30,10 @@ _REASONS = {200: "OK", 400: "Bad Request", 404: "Not Found", 405: "Method Not Al
 _REASONS[503] = "Service Unavailable"
 
 
-def status_page() -> bytes:
-    """The live swarm page: one self-contained HTML file (inline script and style, no CDN, no build step)."""
-    return resources.files("noloco_node.observability").joinpath("web/status.html").read_bytes()
+def status_page(name: str = "status.html") -> bytes:
+    """A live page: one self-contained HTML file (inline script and style, no CDN, no build step); rl.html is the
+    RL node's."""
+    return resources.files("noloco_node.observability").joinpath(f"web/{name}").read_bytes()
 
 
 def node_routes(status: Callable[[], NodeStatus], registry: CollectorRegistry) -> dict[str, Route]:
@@ -41,6 +43,15 @@ def node_routes(status: Callable[[], NodeStatus], registry: CollectorRegistry) -
         "/status": lambda: ("application/json", status().model_dump_json().encode()),
         "/metrics": lambda: ("text/plain; version=0.0.4; charset=utf-8", render_metrics(registry)),
         "/": lambda: ("text/html; charset=utf-8", status_page()),
+    }
+
+
+def rl_routes(status: Callable[[], RolloutNodeStatus], registry: CollectorRegistry) -> dict[str, Route]:
+    """An RL node's pages (noloco_node/rl/): its status as JSON, its registry for Prometheus, its live page."""
+    return {
+        "/status": lambda: ("application/json", status().model_dump_json().encode()),
+        "/metrics": lambda: ("text/plain; version=0.0.4; charset=utf-8", render_metrics(registry)),
+        "/": lambda: ("text/html; charset=utf-8", status_page("rl.html")),
     }
 
 

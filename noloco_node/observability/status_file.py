@@ -9,13 +9,14 @@ import json
 from pathlib import Path
 from typing import Any
 
+from pydantic import BaseModel
+
 from noloco_node.atomic_files import write_atomically
-from noloco_node.observability.status import NodeStatus
 
 STATUS_FILE = "status.json"
 
 
-def write_status_file(data_dir: Path, status: NodeStatus) -> None:
+def write_status_file(data_dir: Path, status: BaseModel) -> None:
     # Rewritten at every outer step: atomic (never torn), not fsynced (a crash may only lose the latest one).
     write_atomically(data_dir / STATUS_FILE, status.model_dump_json(), durable=False)
 

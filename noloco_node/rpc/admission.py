@@ -27,7 +27,7 @@ from dataclasses import dataclass
 
 from noloco_node.errors import NolocoError
 
-EXCHANGE, DOWNLOAD, INFO = "exchange", "download", "info"
+EXCHANGE, DOWNLOAD, INFO, ROLLOUTS = "exchange", "download", "info", "rollouts"
 MAX_TRACKED = 4096
 
 

@@ -17,7 +17,13 @@ from typing import Any
 import grpc
 
 from noloco_node.errors import NolocoError
-from noloco_node.rpc.contracts import EXCHANGE_METHOD, INFO_METHOD, OUTER_STEP_HEADER, OutgoingPayload
+from noloco_node.rpc.contracts import (
+    EXCHANGE_METHOD,
+    GET_ROLLOUTS_METHOD,
+    INFO_METHOD,
+    OUTER_STEP_HEADER,
+    OutgoingPayload,
+)
 from noloco_node.rpc.metrics import ExchangeMetrics
 from noloco_node.rpc.transport import PLAIN, Transport
 from noloco_node.security.payload_seal import PayloadSeal, call_binding
@@ -329,6 +335,22 @@ def fetch_info(address: str, *, timeout: float, transport: Transport = PLAIN, pe
     with transport.channel(address) as channel:
         reply, call = pb_grpc.PeerStub(channel).Info.with_call(pb.InfoRequest(), timeout=timeout, metadata=metadata)
         problem = transport.server_problem(INFO_METHOD, nonce, call)
+        if problem is not None:
+            raise ExchangeError(grpc.StatusCode.UNAUTHENTICATED, "unauthenticated_peer", f"{address}: {problem}")
+        return reply
+
+
+def fetch_rollouts(
+    address: str, run_fingerprint: str, round_: int, *, timeout: float, transport: Transport = PLAIN, peer_id: str = ""
+) -> pb.RolloutBatch:
+    """The rollouts of round ``round_`` of the node ``peer_id`` at ``address`` (rpc/rollout_serving.py), unchecked:
+    the caller decodes and checks them (rl/rollouts.py). A reply over the channel's message limit is
+    RESOURCE_EXHAUSTED; every failure is a grpc.RpcError."""
+    metadata, nonce = transport.sign(GET_ROLLOUTS_METHOD, peer_id)
+    request = pb.RolloutRequest(run_fingerprint=run_fingerprint, round=round_)
+    with transport.channel(address) as channel:
+        reply, call = pb_grpc.PeerStub(channel).GetRollouts.with_call(request, timeout=timeout, metadata=metadata)
+        problem = transport.server_problem(GET_ROLLOUTS_METHOD, nonce, call)
         if problem is not None:
             raise ExchangeError(grpc.StatusCode.UNAUTHENTICATED, "unauthenticated_peer", f"{address}: {problem}")
         return reply

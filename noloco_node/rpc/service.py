@@ -33,7 +33,7 @@ from typing import NoReturn
 
 import grpc
 
-from noloco_node.rpc.admission import DOWNLOAD, EXCHANGE, INFO, Admission
+from noloco_node.rpc.admission import DOWNLOAD, EXCHANGE, INFO, ROLLOUTS, Admission
 from noloco_node.rpc.call_gate import CallGate, abort
 from noloco_node.rpc.contracts import (
     EXCHANGE_METHOD,
@@ -44,6 +44,7 @@ from noloco_node.rpc.contracts import (
 )
 from noloco_node.rpc.info_serving import InfoServing
 from noloco_node.rpc.metrics import ExchangeMetrics
+from noloco_node.rpc.rollout_serving import RolloutServing, RolloutSource
 from noloco_node.rpc.state_serving import StateServing
 from noloco_node.rpc.transport import CHANNEL_OPTIONS, PLAIN, GuardedCall, Transport, Watchdog
 from noloco_node.security.caller_proof import CallerVerifier
@@ -56,6 +57,7 @@ from noloco_node.wire.payload import Payload, PayloadReceiver
 log = logging.getLogger(__name__)
 
 INFO_SLOTS = 4  # Info answers in milliseconds (a dial-back within seconds): a few slots keep it answerable
+ROLLOUT_SLOTS = 4  # GetRollouts replies are prepared in advance: a lookup, then a few KiB to send
 REFUSAL_THREADS = 8
 HANDSHAKE_SECONDS = 5.0  # a TCP connection that says nothing is closed after this
 IDLE_CONNECTION_SECONDS = 300.0
@@ -81,13 +83,18 @@ class PeerService:
         admission: Admission | None = None,
         origin: Callable[[str], str | None] = lambda _peer: None,
         identity: NodeIdentity | None = None,
+        rollouts: RolloutSource | None = None,
     ) -> None:
         self.node = node
         self.identity = identity  # seals this node's payloads (with a verifier: every proven caller's call)
         self.metrics = metrics
         self.gate = CallGate(
             metrics,
-            admission or Admission(slots={EXCHANGE: 8, DOWNLOAD: max_state_downloads, INFO: INFO_SLOTS}, per_address=8),
+            admission
+            or Admission(
+                slots={EXCHANGE: 8, DOWNLOAD: max_state_downloads, INFO: INFO_SLOTS, ROLLOUTS: ROLLOUT_SLOTS},
+                per_address=8,
+            ),
             verifier=verifier,
             watchdog=watchdog,
             min_link_rate=min_link_rate,
@@ -99,6 +106,7 @@ class PeerService:
         self.max_call_seconds = max_call_seconds
         self.state = StateServing(node, self.gate, chunk_bytes=chunk_bytes, max_download_seconds=max_download_seconds)
         self.info = InfoServing(node, self.gate)
+        self.rollouts = RolloutServing(rollouts, self.gate)
 
     def _seal(self, proven: str | None, context: grpc.ServicerContext) -> PayloadSeal | None:
         """The seals of a call whose caller proved its id (security/payload_seal.py): the caller's payload must be
@@ -333,6 +341,9 @@ def _handlers(service: PeerService) -> grpc.GenericRpcHandler:
             "Info": grpc.unary_unary_rpc_method_handler(
                 service.info.Info, response_serializer=pb.InfoReply.SerializeToString
             ),
+            "GetRollouts": grpc.unary_unary_rpc_method_handler(
+                service.rollouts.GetRollouts, response_serializer=pb.RolloutBatch.SerializeToString
+            ),
         },
     )
 
@@ -354,6 +365,7 @@ def start_server(
     transport: Transport = PLAIN,
     verifier: CallerVerifier | None = None,
     origin: Callable[[str], str | None] = lambda _peer: None,
+    rollouts: RolloutSource | None = None,
 ) -> tuple[grpc.Server, int]:
     """Start the service; returns the server and the port it bound (ephemeral when the bind port is 0).
 
@@ -365,11 +377,16 @@ def start_server(
     ``IDLE_CONNECTION_SECONDS`` as well (a peer's pooled channel reconnects by itself).
     """
     admission = Admission(
-        slots={EXCHANGE: max_concurrent_calls, DOWNLOAD: max_state_downloads, INFO: INFO_SLOTS},
+        slots={
+            EXCHANGE: max_concurrent_calls,
+            DOWNLOAD: max_state_downloads,
+            INFO: INFO_SLOTS,
+            ROLLOUTS: ROLLOUT_SLOTS,
+        },
         per_address=max_calls_per_address,
     )
     # Every admitted call holds a thread; refusals are quick but need one too, hence the margin.
-    threads = max_concurrent_calls + max_state_downloads + INFO_SLOTS + REFUSAL_THREADS
+    threads = max_concurrent_calls + max_state_downloads + INFO_SLOTS + ROLLOUT_SLOTS + REFUSAL_THREADS
     options = [
         *CHANNEL_OPTIONS,
         ("grpc.max_allowed_incoming_connections", max_connections),
@@ -395,6 +412,7 @@ def start_server(
         admission=admission,
         origin=origin,
         identity=transport.identity,
+        rollouts=rollouts,
     )
     server.add_generic_rpc_handlers((_handlers(service),))
     port = transport.add_port(server, bind)

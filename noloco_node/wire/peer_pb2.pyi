@@ -157,3 +157,35 @@ class InfoReply(_message.Message):
     history: _containers.RepeatedCompositeFieldContainer[LossPoint]
     dial_back: _containers.RepeatedCompositeFieldContainer[DialBack]
     def __init__(self, peer_id: _Optional[str] = ..., run_fingerprint: _Optional[str] = ..., outer_step: _Optional[int] = ..., inner_step: _Optional[int] = ..., ready_to_pair: _Optional[bool] = ..., health: _Optional[str] = ..., version: _Optional[str] = ..., train_loss: _Optional[float] = ..., val_loss: _Optional[float] = ..., history: _Optional[_Iterable[_Union[LossPoint, _Mapping]]] = ..., dial_back: _Optional[_Iterable[_Union[DialBack, _Mapping]]] = ...) -> None: ...
+
+class RolloutRequest(_message.Message):
+    __slots__ = ("run_fingerprint", "round")
+    RUN_FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
+    ROUND_FIELD_NUMBER: _ClassVar[int]
+    run_fingerprint: str
+    round: int
+    def __init__(self, run_fingerprint: _Optional[str] = ..., round: _Optional[int] = ...) -> None: ...
+
+class RolloutGroup(_message.Message):
+    __slots__ = ("family", "seed", "index", "completions")
+    FAMILY_FIELD_NUMBER: _ClassVar[int]
+    SEED_FIELD_NUMBER: _ClassVar[int]
+    INDEX_FIELD_NUMBER: _ClassVar[int]
+    COMPLETIONS_FIELD_NUMBER: _ClassVar[int]
+    family: str
+    seed: int
+    index: int
+    completions: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, family: _Optional[str] = ..., seed: _Optional[int] = ..., index: _Optional[int] = ..., completions: _Optional[_Iterable[str]] = ...) -> None: ...
+
+class RolloutBatch(_message.Message):
+    __slots__ = ("run_fingerprint", "peer_id", "round", "groups")
+    RUN_FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
+    PEER_ID_FIELD_NUMBER: _ClassVar[int]
+    ROUND_FIELD_NUMBER: _ClassVar[int]
+    GROUPS_FIELD_NUMBER: _ClassVar[int]
+    run_fingerprint: str
+    peer_id: str
+    round: int
+    groups: _containers.RepeatedCompositeFieldContainer[RolloutGroup]
+    def __init__(self, run_fingerprint: _Optional[str] = ..., peer_id: _Optional[str] = ..., round: _Optional[int] = ..., groups: _Optional[_Iterable[_Union[RolloutGroup, _Mapping]]] = ...) -> None: ...

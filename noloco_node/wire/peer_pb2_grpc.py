@@ -49,6 +49,11 @@ class PeerStub:
                 request_serializer=noloco_dot_v1_dot_peer__pb2.InfoRequest.SerializeToString,
                 response_deserializer=noloco_dot_v1_dot_peer__pb2.InfoReply.FromString,
                 _registered_method=True)
+        self.GetRollouts = channel.unary_unary(
+                '/noloco.v1.Peer/GetRollouts',
+                request_serializer=noloco_dot_v1_dot_peer__pb2.RolloutRequest.SerializeToString,
+                response_deserializer=noloco_dot_v1_dot_peer__pb2.RolloutBatch.FromString,
+                _registered_method=True)
 
 
 class PeerServicer:
@@ -78,6 +83,13 @@ class PeerServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def GetRollouts(self, request, context):
+        """A node doing RL post-training serves its rollouts of a recent round; a node that does not answers UNIMPLEMENTED.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_PeerServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -95,6 +107,11 @@ def add_PeerServicer_to_server(servicer, server):
                     servicer.Info,
                     request_deserializer=noloco_dot_v1_dot_peer__pb2.InfoRequest.FromString,
                     response_serializer=noloco_dot_v1_dot_peer__pb2.InfoReply.SerializeToString,
+            ),
+            'GetRollouts': grpc.unary_unary_rpc_method_handler(
+                    servicer.GetRollouts,
+                    request_deserializer=noloco_dot_v1_dot_peer__pb2.RolloutRequest.FromString,
+                    response_serializer=noloco_dot_v1_dot_peer__pb2.RolloutBatch.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -178,6 +195,33 @@ class Peer:
             '/noloco.v1.Peer/Info',
             noloco_dot_v1_dot_peer__pb2.InfoRequest.SerializeToString,
             noloco_dot_v1_dot_peer__pb2.InfoReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def GetRollouts(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/noloco.v1.Peer/GetRollouts',
+            noloco_dot_v1_dot_peer__pb2.RolloutRequest.SerializeToString,
+            noloco_dot_v1_dot_peer__pb2.RolloutBatch.FromString,
             options,
             channel_credentials,
             insecure,

@@ -55,6 +55,7 @@ class NodeProcess:
         log_format: str = "text",
         env: dict[str, str] | None = None,
         open_files: int | None = None,
+        work: str = "join",
     ) -> None:
         self.name = name
         self.data_dir = base / name
@@ -63,7 +64,14 @@ class NodeProcess:
         if "--run-name" not in args:
             args = (*args, *bootstrap.run_args())
         self.process = launch_node(
-            bootstrap.maddrs, self.data_dir, args, self.log_path, env=env, log_format=log_format, open_files=open_files
+            bootstrap.maddrs,
+            self.data_dir,
+            args,
+            self.log_path,
+            env=env,
+            log_format=log_format,
+            open_files=open_files,
+            work=work,
         )
 
     def descendants(self) -> list[int]:
