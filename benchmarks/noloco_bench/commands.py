@@ -170,6 +170,18 @@ def add_bench_parsers(commands: Any) -> None:
     )
     race.add_argument("--out", type=Path, default=Path("runs/race"), help="race-N.json and race-N.png go here")
 
+    sapo = benches.add_parser(
+        "sapo",
+        help="RL with shared rollouts (SAPO): cumulative reward per local/external mix, and a skill across families",
+    )
+    sapo.add_argument("--nodes", type=int, default=4, help="RL node processes in each swarm (at least 4)")
+    sapo.add_argument("--rounds", type=int, default=40, help="updates each node makes")
+    sapo.add_argument("--seeds", default="0,1,2", help="seeds, comma-separated (at least 3 for a spread)")
+    sapo.add_argument("--mixes", default="8/0,6/2,4/4,2/6", help="I/J configurations, comma-separated")
+    sapo.add_argument("--format-steps", type=int, default=200, help="supervised warm-up steps of each node")
+    sapo.add_argument("--no-families", action="store_true", help="skip the different-families configuration")
+    sapo.add_argument("--out", type=Path, default=Path("runs/bench-sapo"), help="sapo.json and the plot")
+
     train_bench = benches.add_parser(
         "train", help="training throughput (tokens/s) and MFU of a named model size on this device"
     )
@@ -328,6 +340,28 @@ def run_bench(args: argparse.Namespace) -> int:
             )
             print(race_result.report(), flush=True)
             print(f"curves: {args.out / f'race-{count}.png'}", flush=True)
+        return 0
+    if args.bench == "sapo":
+        from noloco_bench.sapo import run_sapo_bench
+
+        mixes = tuple(tuple(int(x) for x in mix.split("/")) for mix in args.mixes.split(","))
+        seeds = [int(seed) for seed in args.seeds.split(",")]
+        print(
+            f"noloco-node bench sapo: {args.nodes} nodes, {args.rounds} rounds, mixes {args.mixes}, seeds {seeds}, "
+            f"{os.cpu_count()} CPUs",
+            flush=True,
+        )
+        sapo_result = run_sapo_bench(
+            nodes=args.nodes,
+            rounds=args.rounds,
+            seeds=seeds,
+            mixes=mixes,  # type: ignore[arg-type]
+            families=not args.no_families,
+            format_steps=args.format_steps,
+            out=args.out,
+        )
+        print(sapo_result.report())
+        print(f"plot: {args.out / 'sapo-mixes.png'}, figures: {args.out / 'sapo.json'}", flush=True)
         return 0
     if args.bench == "train":
         from noloco_bench.train import run_train_bench

@@ -47,6 +47,8 @@ class RolloutPeer(BaseModel):
     rollout_round: int = Field(description="The newest round its manifest (DHT record) names.")
     families: list[str]
     record_age_seconds: float
+    rollouts_used: int = Field(0, description="Its rollouts this node trained on.")
+    reward: float | None = Field(None, description="Their mean reward, as this node's verifier scored them.")
 
 
 class RolloutNodeStatus(BaseModel):

@@ -22,18 +22,23 @@ the mean over completions, as in GRPO.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
 
 ADVANTAGE_EPSILON = 1e-4
 
 
-def group_advantages(rewards: torch.Tensor) -> torch.Tensor:
-    """(groups, G) rewards -> (groups, G) advantages, normalised within each group (unbiased std, as GRPO)."""
-    if rewards.dim() != 2 or rewards.shape[1] < 2:
-        raise ValueError(f"rewards must be (groups, G >= 2), not {tuple(rewards.shape)}")
-    mean = rewards.mean(dim=1, keepdim=True)
-    std = rewards.std(dim=1, keepdim=True)
-    return (rewards - mean) / (std + ADVANTAGE_EPSILON)
+def group_advantages(groups: Sequence[Sequence[float]]) -> torch.Tensor:
+    """Each group's rewards -> one advantage per completion, normalised within its group (unbiased std, as GRPO),
+    concatenated in order. Groups may differ in size: a peer may sample another G."""
+    advantages = []
+    for rewards in groups:
+        if len(rewards) < 2:
+            raise ValueError(f"a group needs at least 2 completions to normalise within, not {len(rewards)}")
+        values = torch.tensor(rewards, dtype=torch.float32)
+        advantages.append((values - values.mean()) / (values.std() + ADVANTAGE_EPSILON))
+    return torch.cat(advantages) if advantages else torch.zeros(0)
 
 
 def clipped_surrogate_loss(

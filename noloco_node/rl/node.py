@@ -60,6 +60,7 @@ from noloco_node.wire import peer_pb2 as pb
 log = logging.getLogger(__name__)
 
 PROTOCOL = "sapo-rollouts/1"
+STATUS_FILE_SECONDS = 1.0
 FETCH_TIMEOUT = 5.0  # a round's rollouts are a few KiB: a peer that cannot send them in this long is skipped
 
 
@@ -207,16 +208,19 @@ class RolloutNode:
             rollouts_stale=self.pool.stale,
             rollouts_refused=dict(self.stats.refused),
             fetch_failures=dict(self.stats.fetch_failures),
-            peers=[
-                RolloutPeer(
-                    peer_id=p.peer_id,
-                    address=p.address,
-                    rollout_round=p.rollout_round,
-                    families=list(p.rollout_families),
-                    record_age_seconds=max(0.0, now - p.updated),
-                )
-                for p in self.fetcher.peers
-            ],
+            peers=[self._peer(p, now) for p in self.fetcher.peers],
+        )
+
+    def _peer(self, record: PeerRecord, now: float) -> RolloutPeer:
+        used, reward = self.stats.peer_contribution(record.peer_id)
+        return RolloutPeer(
+            peer_id=record.peer_id,
+            address=record.address,
+            rollout_round=record.rollout_round,
+            families=list(record.rollout_families),
+            record_age_seconds=max(0.0, now - record.updated),
+            rollouts_used=used,
+            reward=reward,
         )
 
     def write_status(self) -> None:
@@ -242,6 +246,10 @@ class RolloutNode:
         while True:
             await asyncio.sleep(self.cfg.record_ttl / 3)
             await self._publish()
+
+    async def _write_status_file(self) -> None:
+        while True:  # rounds take about a second: launchers and tests read the file rather than poll HTTP
+            await asyncio.sleep(STATUS_FILE_SECONDS)
             await asyncio.to_thread(self.write_status)
 
     def _train(self) -> None:
@@ -275,6 +283,7 @@ class RolloutNode:
             await self._publish()
             await asyncio.to_thread(self.write_status)
             self.supervisor.spawn("dht-record", self._refresh_record)
+            self.supervisor.spawn("status-file", self._write_status_file)
             if self.rl_cfg.external:
                 self.supervisor.spawn("rollout-fetch", self.fetcher.run)
             components.callback(self.fetcher.close)

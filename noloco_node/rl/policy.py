@@ -29,6 +29,7 @@ class ScoredGroup:
     task: Task
     completions: tuple[str, ...]
     rewards: tuple[float, ...]
+    peer_id: str = ""  # who generated them: "" for this node
 
 
 def _ids(tokenizer: Tokenizer, text: str) -> list[int]:
@@ -117,7 +118,7 @@ class Policy:
         """``steps`` gradient steps of GRPO over ``groups`` (local and external alike); returns the last loss."""
         prompts = [g.task.prompt for g in groups for _ in g.completions]
         completions = [c for g in groups for c in g.completions]
-        advantages = group_advantages(torch.tensor([g.rewards for g in groups], dtype=torch.float32)).reshape(-1)
+        advantages = group_advantages([g.rewards for g in groups])
         ids, mask = self._batch(prompts, completions)
         advantages = advantages.to(self.device)
         self.model.train()

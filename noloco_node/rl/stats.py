@@ -35,6 +35,7 @@ class RolloutStats:
         self.used = Tally[str]()  # (source:family) -> rollouts trained on
         self._recent: deque[tuple[list[ScoredGroup], list[ScoredGroup]]] = deque(maxlen=RECENT_ROUNDS)
         self.fetched = 0
+        self.by_peer: dict[str, list[float]] = {}  # peer id -> [rollouts used, sum of their mean rewards]
         self.refused = Tally[str]()
         self.fetch_failures = Tally[str]()
         self._rollouts = Counter(
@@ -71,6 +72,10 @@ class RolloutStats:
             self.points.append(point)
             self._recent.append((local, external))
             self.cumulative_local_reward += local_reward or 0.0
+            for group in external:
+                used = self.by_peer.setdefault(group.peer_id, [0.0, 0.0])
+                used[0] += 1
+                used[1] += fmean(group.rewards)
             for source, groups in (("local", local), ("external", external)):
                 for group in groups:
                     self.used[f"{source}:{group.task.ref.family}"] += 1
@@ -97,6 +102,12 @@ class RolloutStats:
     def fetch_failed(self, code: str) -> None:
         with self._lock:
             self.fetch_failures[code] += 1
+
+    def peer_contribution(self, peer_id: str) -> tuple[int, float | None]:
+        """The rollouts of ``peer_id`` this node trained on, and their mean reward as this node scored them."""
+        with self._lock:
+            used, total = self.by_peer.get(peer_id, (0.0, 0.0))
+        return int(used), (total / used if used else None)
 
     @property
     def external_used(self) -> int:

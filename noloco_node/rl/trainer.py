@@ -39,7 +39,8 @@ def score_external(groups: list[SharedGroup]) -> list[ScoredGroup]:
         except TaskError as error:  # decode_batch already refused these; a library change must not kill the trainer
             log.warning("cannot regenerate a peer's task %s: %s", group.ref, error)
             continue
-        scored.append(ScoredGroup(task, group.completions, tuple(score(task, c) for c in group.completions)))
+        rewards = tuple(score(task, c) for c in group.completions)
+        scored.append(ScoredGroup(task, group.completions, rewards, group.peer_id))
     return scored
 
 
@@ -104,7 +105,8 @@ class RolloutTrainer:
         if self.cfg.external:
             self.pool.wait_for(self.cfg.external, self.cfg.external_wait, self.stop)
             external = score_external(self.pool.take(self.cfg.external))
-        loss = policy.grpo_step([*local, *external], steps=self.cfg.policy_steps, clip=self.cfg.clip)
+        groups = [*local, *external]  # none when I = 0 and no peer's rollouts came: nothing to learn from this round
+        loss = policy.grpo_step(groups, steps=self.cfg.policy_steps, clip=self.cfg.clip) if groups else 0.0
         self.stats.record_round(round_, local, external, loss)
 
     def evaluate(self, policy: Policy, round_: int) -> None:

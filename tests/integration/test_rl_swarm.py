@@ -1,0 +1,116 @@
+"""RL post-training with shared rollouts (`noloco-node rl`, docs/rl.md) between real node processes, over the real
+DHT and gRPC on 127.0.0.1: rollouts one node publishes are fetched and scored by the others; a liar's completions
+are scored by the receiver and earn nothing; malformed batches are refused whole, counted by reason, and change
+nothing; a peer that dies does not hold anyone up; a node with no peer, or with J = 0, trains alone."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+import zlib
+from collections.abc import Callable
+from pathlib import Path
+
+from .swarm_harness import Bootstrap, NodeProcess, stop_all
+
+# A small node: a short warm-up, I = J = 2 groups of G = 4 per round, runs until stopped.
+RL = ["--format-steps", "10", "--local", "2", "--external", "2", "--group-size", "4", "--rounds", "100000"]
+RL += ["--max-new-tokens", "4", "--seq-len", "128", "--external-wait", "1"]
+
+
+def _wait_for(what: str, condition: Callable[[], bool], timeout: float) -> None:
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < deadline, f"not within {timeout:.0f} s: {what}"
+        time.sleep(0.5)
+
+
+def _status(node: NodeProcess) -> dict:
+    return node.status() or {}
+
+
+def _rl_node(name: str, bootstrap: Bootstrap, base: Path, *args: str) -> NodeProcess:
+    return NodeProcess(name, bootstrap, base, *RL, "--seed", str(zlib.crc32(name.encode()) % 1000), *args, work="rl")
+
+
+def _liar(bootstrap: Bootstrap, lie: str) -> subprocess.Popen[str]:
+    """A hostile member (noloco_bench/rollout_liar.py) that lives until the test stops it."""
+    command = [sys.executable, "-m", "noloco_bench.rollout_liar", "--bootstrap", *bootstrap.maddrs]
+    command += ["--run-name", str(bootstrap.run_name), "--lie", lie, "--seconds", "600"]
+    return subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
+# The malformations a hostile peer's batch is refused for, each from a process of its own (tests/unit/
+# test_rl_rollouts.py refuses every reason; these cross real gRPC and the DHT).
+MALFORMED = ("group_size", "unknown_family", "completion_too_long", "round", "peer")
+
+
+def test_rollouts_are_shared_scored_by_the_receiver_liars_earn_nothing_and_a_dead_peer_blocks_nobody(
+    bootstrap: Bootstrap, tmp_path
+):
+    nodes = [_rl_node(f"n{i}", bootstrap, tmp_path) for i in range(3)]
+    liars = [_liar(bootstrap, lie) for lie in ("wrong", *MALFORMED)]
+    try:
+        # Every node trains on its peers' rollouts, each scored here, and refuses every malformed batch whole.
+        _wait_for(
+            "every node used its honest peers' and the liar's rollouts and refused every malformation",
+            lambda: all(
+                sum(1 for p in _status(n).get("peers", []) if p["rollouts_used"] > 0) >= 3
+                and set(_status(n).get("rollouts_refused", {})) == set(MALFORMED)
+                for n in nodes
+            ),
+            timeout=180,
+        )
+        honest = {_status(n)["peer_id"] for n in nodes}
+        for node in nodes:
+            status = _status(node)
+            assert status["rollouts_served"] > 0, status
+            scored = [p for p in status["rewards"] if p["external_groups"] > 0]
+            assert scored and all(p["external_reward"] is not None for p in scored)
+            used = {p["peer_id"]: p for p in status["peers"] if p["rollouts_used"] > 0}
+            assert honest - {status["peer_id"]} <= set(used), used
+            # The liar's completions, scored by this node's verifier, earn 0 whatever it says of them: every
+            # advantage in its groups is 0, and they move nothing (tests/unit/test_grpo.py).
+            (liar,) = (p for p in used.values() if p["peer_id"] not in honest)
+            assert liar["reward"] == 0.0, liar
+            # Malformed batches were refused whole: what was used came from the honest nodes and the liar alone.
+            assert sum(p["rollouts_used"] for p in used.values()) == status["rollouts_used"]
+            assert "refused the rollouts of peer" in node.output()
+        # One honest node dies mid-round, without leaving: the others go on at their pace.
+        os.kill(nodes[2].process.pid, signal.SIGKILL)
+        nodes[2].process.wait(10)
+        before = [_status(n)["round"] for n in nodes[:2]]
+        time.sleep(15)
+        for node, round_ in zip(nodes[:2], before, strict=True):
+            status = _status(node)
+            assert status["health"]["state"] == "training", status["health"]
+            # A round waits at most --external-wait (1 s) for peers' rollouts, plus its own work.
+            assert status["round"] >= round_ + 4, (round_, status["round"])
+    finally:
+        for liar in liars:
+            liar.terminate()
+        for liar in liars:
+            liar.communicate(timeout=30)
+        stop_all(nodes)
+    for node in nodes[:2]:
+        assert node.process.returncode == 0, node.output()[-3000:]
+
+
+def test_a_node_alone_or_with_j_zero_trains_on_its_own_rollouts(bootstrap: Bootstrap, tmp_path):
+    alone = _rl_node("alone", bootstrap, tmp_path)  # J = 2, and nobody to fetch from
+    try:
+        _wait_for("a lone node made rounds", lambda: _status(alone).get("round", 0) >= 5, timeout=90)
+        status = _status(alone)
+        assert all(p["external_groups"] == 0 and p["local_groups"] == 2 for p in status["rewards"])
+        assert status["health"]["state"] == "training"
+    finally:
+        stop_all([alone])
+    assert alone.process.returncode == 0, alone.output()[-3000:]
+    solo = _rl_node("solo", bootstrap, tmp_path, "--external", "0", "--rounds", "6")
+    assert solo.wait(120) == 0, solo.output()[-3000:]
+    status = _status(solo)
+    assert status["round"] == 6 and status["health"]["state"] == "finished"
+    assert status["rollouts_fetched"] == 0 and all(p["external_groups"] == 0 for p in status["rewards"])
