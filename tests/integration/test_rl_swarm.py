@@ -14,6 +14,7 @@ import zlib
 from collections.abc import Callable
 from pathlib import Path
 
+from ..hf_models import save_model
 from .swarm_harness import Bootstrap, NodeProcess, stop_all
 
 # A small node: a short warm-up, I = J = 2 groups of G = 4 per round, runs until stopped.
@@ -99,18 +100,34 @@ def test_rollouts_are_shared_scored_by_the_receiver_liars_earn_nothing_and_a_dea
         assert node.process.returncode == 0, node.output()[-3000:]
 
 
-def test_a_node_alone_or_with_j_zero_trains_on_its_own_rollouts(bootstrap: Bootstrap, tmp_path):
-    alone = _rl_node("alone", bootstrap, tmp_path)  # J = 2, and nobody to fetch from
+def test_nodes_of_other_models_share_rollouts_and_a_node_alone_or_with_j_zero_trains_on_its_own(
+    bootstrap: Bootstrap, tmp_path
+):
+    # A Hugging Face Qwen2 folder with a BPE tokenizer of its own (--init-from), alone at first.
+    folder = save_model("qwen2", tmp_path / "qwen2")
+    hf = _rl_node("hf", bootstrap, tmp_path, "--init-from", str(folder))
+    others: list[NodeProcess] = []
     try:
-        _wait_for("a lone node made rounds", lambda: _status(alone).get("round", 0) >= 5, timeout=90)
-        status = _status(alone)
+        _wait_for("a lone node made rounds", lambda: _status(hf).get("round", 0) >= 5, timeout=120)
+        status = _status(hf)
         assert all(p["external_groups"] == 0 and p["local_groups"] == 2 for p in status["rewards"])
-        assert status["health"]["state"] == "training"
+        assert status["health"]["state"] == "training" and "qwen2" in status["model"].lower()
+        # This project's decoder joins (it shares text, not weights, so the models may differ), and a node with
+        # J = 0 that trains on its own rollouts alone and still serves them.
+        others = [
+            _rl_node("decoder", bootstrap, tmp_path),
+            _rl_node("solo", bootstrap, tmp_path, "--external", "0", "--rounds", "30"),
+        ]
+        decoder, solo = others
+        _wait_for(
+            "the two models trained on each other's rollouts",
+            lambda: all(_status(n).get("rollouts_used", 0) >= 4 for n in (hf, decoder)),
+            timeout=120,
+        )
+        assert solo.wait(120) == 0, solo.output()[-3000:]
+        status = _status(solo)
+        assert status["round"] == 30 and status["health"]["state"] == "finished"
+        assert status["rollouts_fetched"] == 0 and all(p["external_groups"] == 0 for p in status["rewards"])
     finally:
-        stop_all([alone])
-    assert alone.process.returncode == 0, alone.output()[-3000:]
-    solo = _rl_node("solo", bootstrap, tmp_path, "--external", "0", "--rounds", "6")
-    assert solo.wait(120) == 0, solo.output()[-3000:]
-    status = _status(solo)
-    assert status["round"] == 6 and status["health"]["state"] == "finished"
-    assert status["rollouts_fetched"] == 0 and all(p["external_groups"] == 0 for p in status["rewards"])
+        stop_all([hf, *others])
+    assert hf.process.returncode == 0, hf.output()[-3000:]
