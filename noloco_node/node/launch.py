@@ -9,7 +9,12 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import signal
+import sys
+import threading
+import time
+import traceback
 
 from noloco_node import algorithm
 from noloco_node.config.models import DataConfig, OuterConfig, TrainConfig
@@ -21,6 +26,32 @@ from noloco_node.training.data_parallel import DataParallel, DataParallelError
 from noloco_node.training.follower import run_follower
 
 log = logging.getLogger("noloco_node.node.daemon")  # the node's own lines, whichever module says them
+
+# Once the node's stack has unwound (state checkpointed, record withdrawn, servers stopped), the threads it started
+# have this long to end. Python's exit joins every executor thread without a limit, and one finished node never
+# exited: its exchange thread stayed blocked in gRPC's response iterator past the call's deadline.
+EXIT_GRACE_SECONDS = 10.0
+
+
+def leave_process(code: int) -> int:
+    """``code``, once every other non-daemon thread has ended; a thread still running after EXIT_GRACE_SECONDS is
+    logged with its stack and the process leaves without it (``os._exit``: nothing is left to save by then)."""
+    deadline = time.monotonic() + EXIT_GRACE_SECONDS
+    others = [t for t in threading.enumerate() if t is not threading.current_thread() and not t.daemon]
+    for thread in others:
+        thread.join(max(0.0, deadline - time.monotonic()))
+    stuck = [t for t in others if t.is_alive()]
+    if not stuck:
+        return code
+    frames = sys._current_frames()
+    for thread in stuck:
+        stack = "".join(traceback.format_stack(frames[thread.ident])) if thread.ident in frames else "(no stack)\n"
+        log.warning("thread %s still running %.0f s after the node stopped; leaving without it:\n%s",
+                    thread.name, EXIT_GRACE_SECONDS, stack)  # fmt: skip
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
 
 
 def run_node(node_cfg: NodeConfig, train_cfg: TrainConfig, outer_cfg: OuterConfig, data_cfg: DataConfig) -> int:
@@ -74,4 +105,4 @@ def _run_node(
     # orchestrator that repeats itself, would kill a node that is already leaving cleanly.
     for signum in (signal.SIGINT, signal.SIGTERM):
         signal.signal(signum, signal.SIG_IGN)
-    return code
+    return code if data_parallel is not None else leave_process(code)

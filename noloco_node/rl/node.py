@@ -38,6 +38,7 @@ from noloco_node.errors import NolocoError
 from noloco_node.model.run_model import model_source, run_tokenizer
 from noloco_node.node.bootstrap import expand_bootstrap
 from noloco_node.node.descriptors import connection_budget, raise_descriptor_limit
+from noloco_node.node.launch import leave_process
 from noloco_node.node.security import NodeSecurity, SecuritySetupError
 from noloco_node.node.supervisor import Supervisor
 from noloco_node.observability.http_server import StatusServer, rl_routes
@@ -343,4 +344,4 @@ def run_rl_node(node_cfg: NodeConfig, train_cfg: TrainConfig, data_cfg: DataConf
         code = uvloop.run(node.run())
     for signum in (signal.SIGINT, signal.SIGTERM):
         signal.signal(signum, signal.SIG_IGN)
-    return code
+    return leave_process(code)

@@ -5,11 +5,13 @@ nothing; a peer that dies does not hold anyone up; a node with no peer, or with 
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
 import sys
 import time
+import urllib.request
 import zlib
 from collections.abc import Callable
 from pathlib import Path
@@ -124,6 +126,15 @@ def test_nodes_of_other_models_share_rollouts_and_a_node_alone_or_with_j_zero_tr
             lambda: all(_status(n).get("rollouts_used", 0) >= 4 for n in (hf, decoder)),
             timeout=120,
         )
+        # Its endpoint: the status as JSON, the page that draws it, the counters for Prometheus.
+        url = _status(decoder)["status_url"]
+        with urllib.request.urlopen(f"{url}/status", timeout=10) as answer:
+            assert json.load(answer)["kind"] == "rl"
+        with urllib.request.urlopen(f"{url}/", timeout=10) as answer:
+            assert b"noloco-node rl" in answer.read()
+        with urllib.request.urlopen(f"{url}/metrics", timeout=10) as answer:
+            metrics = answer.read().decode()
+        assert 'noloco_rl_rollouts_total{family="' in metrics and "noloco_rl_round " in metrics
         assert solo.wait(120) == 0, solo.output()[-3000:]
         status = _status(solo)
         assert status["round"] == 30 and status["health"]["state"] == "finished"
