@@ -409,9 +409,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 2
     except Exception as error:
         from noloco_node.node.catch_up import NodeError
-        from noloco_node.rl.node import RLNodeError
 
-        if not isinstance(error, NodeError | RLNodeError):
+        if not isinstance(error, NodeError):
             raise
         print(f"noloco-node {args.command}: {error}", file=sys.stderr)
         return 2

@@ -36,6 +36,7 @@ from hivemind.dht.crypto import RSASignatureValidator
 from hivemind.utils.crypto import RSAPublicKey
 from hivemind.utils.timed_storage import get_dht_time
 
+from noloco_node.config.node_config import NodeConfig
 from noloco_node.discovery.vouched import VouchedRecords
 from noloco_node.security.auth import SwarmSecret, record_mac, record_mac_ok
 from noloco_node.security.identity import NodeIdentity, peer_id_of
@@ -265,6 +266,31 @@ class Discovery:
         self._lookup: tuple[float, asyncio.Task[list[PeerRecord]]] | None = None  # (started, the shared lookup)
         # Peers listed from their own answers while the DHT lags (node/report.py's watch decides whom)
         self.vouched: VouchedRecords[PeerRecord] = VouchedRecords(record_ttl)
+
+    @classmethod
+    def of_node(
+        cls,
+        run_fingerprint: str,
+        cfg: NodeConfig,
+        identity: NodeIdentity,
+        secret: SwarmSecret | None,
+        *,
+        run_name: str | None = None,
+        start: dict[str, str] | None = None,
+    ) -> Discovery:
+        """A node's discovery, from its settings (bootstrap, addresses, record lifetime, client mode)."""
+        return cls(
+            run_fingerprint,
+            initial_peers=cfg.bootstrap,
+            host_maddrs=cfg.dht_host_maddrs,
+            announce_maddrs=cfg.dht_announce_maddrs or None,
+            record_ttl=cfg.record_ttl,
+            client_mode=cfg.dht_client_mode,
+            identity=identity,
+            secret=secret,
+            run_name=run_name,
+            start=start,
+        )
 
     def start(self) -> None:
         """Start the DHT process (it forks: call this before starting gRPC servers or torch threads)."""

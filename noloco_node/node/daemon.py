@@ -87,15 +87,11 @@ class Node:
             self.security = NodeSecurity(node_cfg.security, node_cfg.data_dir)
         except SecuritySetupError as error:
             raise NodeError(str(error)) from None
-        self.discovery = Discovery(
+        self.discovery = Discovery.of_node(
             self.run_fingerprint,
-            initial_peers=node_cfg.bootstrap,
-            host_maddrs=node_cfg.dht_host_maddrs,
-            announce_maddrs=node_cfg.dht_announce_maddrs or None,
-            record_ttl=node_cfg.record_ttl,
-            client_mode=node_cfg.dht_client_mode,
-            identity=self.security.identity,
-            secret=self.security.secret,
+            node_cfg,
+            self.security.identity,
+            self.security.secret,
             run_name=node_cfg.run_name,
             start=self.layout.start,
         )

@@ -15,6 +15,8 @@ import sys
 import threading
 import time
 import traceback
+from collections.abc import Callable, Coroutine
+from typing import Any
 
 from noloco_node import algorithm
 from noloco_node.config.models import DataConfig, OuterConfig, TrainConfig
@@ -83,26 +85,38 @@ def _run_node(
     data_cfg: DataConfig,
     data_parallel: DataParallel | None,
 ) -> int:
-    if any(entry.startswith(("http://", "https://")) for entry in node_cfg.bootstrap):
-        try:
-            maddrs = expand_bootstrap(node_cfg.bootstrap, wait=node_cfg.bootstrap_wait)
-        except OSError as error:
-            raise NodeError(str(error)) from None
-        node_cfg = node_cfg.model_copy(update={"bootstrap": maddrs})
+    node_cfg = with_bootstrap_expanded(node_cfg)
     node = Node(node_cfg, train_cfg, outer_cfg, data_cfg)
     # The DHT forks a helper process: start it while this process has a single thread (the start order above).
     node.discovery.start()
     if data_parallel is not None:
         data_parallel.start()
         node.trainer.data_parallel = data_parallel
+    code = run_on_uvloop(node.run)
+    return code if data_parallel is not None else leave_process(code)
+
+
+def with_bootstrap_expanded(node_cfg: NodeConfig) -> NodeConfig:
+    """The settings with bootstrap URLs replaced by the multiaddresses they list (NodeError if none answers)."""
+    if not any(entry.startswith(("http://", "https://")) for entry in node_cfg.bootstrap):
+        return node_cfg
+    try:
+        maddrs = expand_bootstrap(node_cfg.bootstrap, wait=node_cfg.bootstrap_wait)
+    except OSError as error:
+        raise NodeError(str(error)) from None
+    return node_cfg.model_copy(update={"bootstrap": maddrs})
+
+
+def run_on_uvloop(run: Callable[[], Coroutine[Any, Any, int]]) -> int:
+    """A daemon's ``run`` on uvloop (plain asyncio where uvloop is unavailable); its exit code."""
     try:
         import uvloop
     except ImportError:
-        code = asyncio.run(node.run())
+        code = asyncio.run(run())
     else:
-        code = uvloop.run(node.run())
+        code = uvloop.run(run())
     # The loop has finished (and with it the node's handlers): a stop signal sent again now, by a launcher or an
     # orchestrator that repeats itself, would kill a node that is already leaving cleanly.
     for signum in (signal.SIGINT, signal.SIGTERM):
         signal.signal(signum, signal.SIG_IGN)
-    return code if data_parallel is not None else leave_process(code)
+    return code

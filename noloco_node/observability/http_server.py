@@ -31,9 +31,11 @@ _REASONS[503] = "Service Unavailable"
 
 
 def status_page(name: str = "status.html") -> bytes:
-    """A live page: one self-contained HTML file (inline script and style, no CDN, no build step); rl.html is the
-    RL node's."""
-    return resources.files("noloco_node.observability").joinpath(f"web/{name}").read_bytes()
+    """A live page, served as one self-contained HTML file (inline script and style, no CDN, no build step): its
+    ``/* style.css */`` is replaced by the style both pages share. rl.html is the RL node's."""
+    web = resources.files("noloco_node.observability").joinpath("web")
+    page = web.joinpath(name).read_text()
+    return page.replace("/* style.css */", web.joinpath("style.css").read_text(), 1).encode()
 
 
 def node_routes(status: Callable[[], NodeStatus], registry: CollectorRegistry) -> dict[str, Route]:

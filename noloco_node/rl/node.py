@@ -36,9 +36,9 @@ from noloco_node.discovery.dht import Discovery, PeerRecord
 from noloco_node.discovery.reachability import announce_host
 from noloco_node.errors import NolocoError
 from noloco_node.model.run_model import model_source, run_tokenizer
-from noloco_node.node.bootstrap import expand_bootstrap
+from noloco_node.node.catch_up import NodeError
 from noloco_node.node.descriptors import connection_budget, raise_descriptor_limit
-from noloco_node.node.launch import leave_process
+from noloco_node.node.launch import leave_process, run_on_uvloop, with_bootstrap_expanded
 from noloco_node.node.security import NodeSecurity, SecuritySetupError
 from noloco_node.node.supervisor import Supervisor
 from noloco_node.observability.http_server import StatusServer, rl_routes
@@ -65,10 +65,6 @@ STATUS_FILE_SECONDS = 1.0
 FETCH_TIMEOUT = 5.0  # a round's rollouts are a few KiB: a peer that cannot send them in this long is skipped
 
 
-class RLNodeError(NolocoError):
-    """An RL node that cannot start: the message names the setting."""
-
-
 def rl_run_fingerprint(run_name: str) -> str:
     """The DHT namespace of an RL run: the work and its name, not the model (nodes may run different ones)."""
     return hashlib.sha256(json.dumps({"work": PROTOCOL, "run_name": run_name}).encode()).hexdigest()[:32]
@@ -82,26 +78,16 @@ class RolloutNode:
         try:
             check_families([*rl_cfg.tasks, *rl_cfg.eval_tasks])
         except NolocoError as error:
-            raise RLNodeError(f"rl.tasks: {error}") from None
+            raise NodeError(f"rl.tasks: {error}") from None
         self.device = resolve_device(train_cfg.device)
         self.tokenizer = run_tokenizer(data_cfg, train_cfg)
         self.source = model_source(train_cfg, self.tokenizer.vocab_size)
         try:
             self.security = NodeSecurity(node_cfg.security, node_cfg.data_dir)
         except SecuritySetupError as error:
-            raise RLNodeError(str(error)) from None
+            raise NodeError(str(error)) from None
         self.run_fingerprint = rl_run_fingerprint(node_cfg.run_name)
-        self.discovery = Discovery(
-            self.run_fingerprint,
-            initial_peers=node_cfg.bootstrap,
-            host_maddrs=node_cfg.dht_host_maddrs,
-            announce_maddrs=node_cfg.dht_announce_maddrs or None,
-            record_ttl=node_cfg.record_ttl,
-            client_mode=node_cfg.dht_client_mode,
-            identity=self.security.identity,
-            secret=self.security.secret,
-            run_name=None,
-        )
+        self.discovery = Discovery.of_node(self.run_fingerprint, node_cfg, self.security.identity, self.security.secret)
         self.peer_id = self.security.peer_id
         self.address = ""
         self.status_url = ""
@@ -328,20 +314,6 @@ class RolloutNode:
 
 def run_rl_node(node_cfg: NodeConfig, train_cfg: TrainConfig, data_cfg: DataConfig, rl_cfg: RolloutConfig) -> int:
     """Build the RL node, start its DHT while the process has one thread, and run it on uvloop."""
-    if any(entry.startswith(("http://", "https://")) for entry in node_cfg.bootstrap):
-        try:
-            maddrs = expand_bootstrap(node_cfg.bootstrap, wait=node_cfg.bootstrap_wait)
-        except OSError as error:
-            raise RLNodeError(str(error)) from None
-        node_cfg = node_cfg.model_copy(update={"bootstrap": maddrs})
-    node = RolloutNode(node_cfg, train_cfg, data_cfg, rl_cfg)
+    node = RolloutNode(with_bootstrap_expanded(node_cfg), train_cfg, data_cfg, rl_cfg)
     node.discovery.start()
-    try:
-        import uvloop
-    except ImportError:
-        code = asyncio.run(node.run())
-    else:
-        code = uvloop.run(node.run())
-    for signum in (signal.SIGINT, signal.SIGTERM):
-        signal.signal(signum, signal.SIG_IGN)
-    return leave_process(code)
+    return leave_process(run_on_uvloop(node.run))
