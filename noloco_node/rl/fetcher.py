@@ -62,6 +62,10 @@ class RolloutFetcher:
     async def fetch_once(self) -> None:
         self.peers = await asyncio.wait_for(self.discovery.live_peers(), DHT_DEADLINE)
         now = time.monotonic()
+        # Bounded by the live peers: what is known of peers that left is forgotten (a bar until it expires).
+        live = {p.peer_id for p in self.peers}
+        self._fetched_round = {k: v for k, v in self._fetched_round.items() if k in live}
+        self._avoid_until = {k: v for k, v in self._avoid_until.items() if v > now}
         due = [
             p
             for p in self.peers

@@ -107,6 +107,7 @@ class RolloutNode:
             timeout=FETCH_TIMEOUT,
         )
         self.loop: asyncio.AbstractEventLoop | None = None
+        self._publishing: set[asyncio.Future[None]] = set()
         self.trainer = RolloutTrainer(
             rl_cfg,
             self._make_policy,
@@ -221,7 +222,12 @@ class RolloutNode:
     def _published(self, round_: int) -> None:
         """On the trainer thread: a round's rollouts are in the book; say so in the DHT record (on the loop)."""
         if self.loop is not None:
-            self.loop.call_soon_threadsafe(lambda: asyncio.ensure_future(self._publish()))
+            self.loop.call_soon_threadsafe(self._publish_soon)
+
+    def _publish_soon(self) -> None:
+        task = asyncio.ensure_future(self._publish())
+        self._publishing.add(task)  # held until done: the loop keeps only weak references to its tasks
+        task.add_done_callback(self._publishing.discard)
 
     async def _publish(self, *, leaving: bool = False) -> None:
         try:
