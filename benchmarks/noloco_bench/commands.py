@@ -177,7 +177,9 @@ def add_bench_parsers(commands: Any) -> None:
     sapo.add_argument("--nodes", type=int, default=4, help="RL node processes in each swarm (at least 4)")
     sapo.add_argument("--rounds", type=int, default=40, help="updates each node makes")
     sapo.add_argument("--seeds", default="0,1,2", help="seeds, comma-separated (at least 3 for a spread)")
-    sapo.add_argument("--mixes", default="8/0,6/2,4/4,2/6", help="I/J configurations, comma-separated")
+    sapo.add_argument(
+        "--mixes", default="8/0,6/2,4/4,2/6", help="I/J configurations, comma-separated ('': the families only)"
+    )
     sapo.add_argument("--format-steps", type=int, default=200, help="supervised warm-up steps of each node")
     sapo.add_argument("--no-families", action="store_true", help="skip the different-families configuration")
     sapo.add_argument("--out", type=Path, default=Path("runs/bench-sapo"), help="sapo.json and the plot")
@@ -344,7 +346,7 @@ def run_bench(args: argparse.Namespace) -> int:
     if args.bench == "sapo":
         from noloco_bench.sapo import run_sapo_bench
 
-        mixes = tuple(tuple(int(x) for x in mix.split("/")) for mix in args.mixes.split(","))
+        mixes = tuple(tuple(int(x) for x in mix.split("/")) for mix in args.mixes.split(",") if mix)
         seeds = [int(seed) for seed in args.seeds.split(",")]
         print(
             f"noloco-node bench sapo: {args.nodes} nodes, {args.rounds} rounds, mixes {args.mixes}, seeds {seeds}, "

@@ -37,6 +37,7 @@ class NodeOutcome:
     rewards: list[float]  # mean local reward per round
     external_per_round: float
     evaluations: dict[str, float]  # family -> the last held-out greedy reward
+    answer_nll: dict[str, float]  # family -> the reference answers' NLL per token at the last evaluation
     families: list[str]
 
 
@@ -83,20 +84,28 @@ class SapoResult:
             a, b = self.family_split
             lines += [
                 "",
-                f"different families: nodes 0..{self.nodes // 2 - 1} train on {a}, the others on {b}; held-out greedy "
-                "reward on the family a node never trained on (mean over those nodes and seeds):",
+                f"different families: nodes 0..{self.nodes // 2 - 1} train on {a}, the others on {b}; on 32 held-out "
+                "questions of each family after the last round, the greedy reward and the reference answers' NLL per "
+                "token (mean over nodes and seeds, the spread over seeds):",
             ]
             for label, runs in self.families.items():
-                unseen, own = [], []
+                rows: dict[str, list[list[float]]] = {"never-trained": [[], []], "own": [[], []]}
                 for run in runs:
+                    this_seed: dict[str, list[list[float]]] = {"never-trained": [[], []], "own": [[], []]}
                     for node in run.nodes:
-                        other = b if node.families == [a] else a
-                        unseen.append(node.evaluations.get(other, float("nan")))
-                        own.append(node.evaluations.get(node.families[0], float("nan")))
-                lines.append(
-                    f"{label:>14}: never-trained family {statistics.fmean(unseen):.3f}, own family "
-                    f"{statistics.fmean(own):.3f}"
-                )
+                        own = node.families[0]
+                        for which, family in (("never-trained", b if own == a else a), ("own", own)):
+                            this_seed[which][0].append(node.evaluations.get(family, float("nan")))
+                            this_seed[which][1].append(node.answer_nll.get(family, float("nan")))
+                    for which, (rewards, nlls) in this_seed.items():
+                        rows[which][0].append(statistics.fmean(rewards))
+                        rows[which][1].append(statistics.fmean(nlls))
+                for which, (rewards, nlls) in rows.items():
+                    spread = statistics.stdev(nlls) if len(nlls) > 1 else 0.0
+                    lines.append(
+                        f"{label:>14}, {which + ' family':<22} reward {statistics.fmean(rewards):.3f}, "
+                        f"answer NLL {statistics.fmean(nlls):.3f} +- {spread:.3f}"
+                    )
         return "\n".join(lines)
 
     def to_json(self) -> dict:
@@ -148,15 +157,17 @@ def _run_swarm(
             log_tail = (run_dir / f"node{index}.log").read_text()[-2000:]
             raise RuntimeError(f"{label} seed {seed}: node {index} wrote no rounds; its log ends:\n{log_tail}")
         rewards = [p["local_reward"] or 0.0 for p in status["rewards"]]
-        evaluations = {}
+        evaluations, answer_nll = {}, {}
         for point in status.get("evaluations", []):
             evaluations[point["family"]] = point["reward"]
+            answer_nll[point["family"]] = point["answer_nll"]
         nodes.append(
             NodeOutcome(
                 cumulative_reward=status["cumulative_local_reward"],
                 rewards=rewards,
                 external_per_round=statistics.fmean(p["external_groups"] for p in status["rewards"]),
                 evaluations=evaluations,
+                answer_nll=answer_nll,
                 families=status["families"],
             )
         )

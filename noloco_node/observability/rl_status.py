@@ -39,6 +39,7 @@ class EvalPoint(BaseModel):
     round: int
     family: str
     reward: float = Field(description="Mean reward of greedy answers to the family's held-out questions.")
+    answer_nll: float = Field(description="Mean negative log-likelihood per token of their reference answers.")
 
 
 class RolloutPeer(BaseModel):

@@ -112,6 +112,14 @@ class Policy:
             logits = self.model(ids[:, :-1]).float()
         return torch.log_softmax(logits, dim=-1).gather(-1, ids[:, 1:].unsqueeze(-1)).squeeze(-1)
 
+    @torch.inference_mode()
+    def answer_nll(self, tasks: Sequence[Task]) -> float:
+        """Mean negative log-likelihood per token of the reference answers (and their closing newline): how far the
+        policy is from a family's right answers, measurable long before greedy answers come out right."""
+        self.model.eval()
+        ids, mask = self._batch([t.prompt for t in tasks], [t.answer for t in tasks])
+        return float(-(self._token_logprobs(ids) * mask).sum() / mask.sum())
+
     # ------------------------------------------------------------------------------------------- updates
 
     def grpo_step(self, groups: Sequence[ScoredGroup], *, steps: int = 1, clip: float = 0.2) -> float:

@@ -85,9 +85,9 @@ class RolloutStats:
             if reward is not None:
                 self._reward.labels(source).set(reward)
 
-    def record_eval(self, round_: int, family: str, reward: float) -> None:
+    def record_eval(self, round_: int, family: str, reward: float, answer_nll: float) -> None:
         with self._lock:
-            self.evaluations.append(EvalPoint(round=round_, family=family, reward=reward))
+            self.evaluations.append(EvalPoint(round=round_, family=family, reward=reward, answer_nll=answer_nll))
 
     def accepted(self, groups: int) -> None:
         with self._lock:

@@ -110,8 +110,9 @@ class RolloutTrainer:
         self.stats.record_round(round_, local, external, loss)
 
     def evaluate(self, policy: Policy, round_: int) -> None:
-        """Greedy answers to each family's fixed held-out questions (those it trains on and --eval-tasks)."""
+        """Greedy answers to each family's fixed held-out questions (those it trains on and --eval-tasks), and the
+        reference answers' likelihood."""
         for family in dict.fromkeys([*self.cfg.tasks, *self.cfg.eval_tasks]):
             tasks = self.sampler.evaluation(family, self.cfg.eval_questions)
             rewards = [score(t, policy.sample(t.prompt, 1, self.generator, greedy=True)[0]) for t in tasks]
-            self.stats.record_eval(round_, family, fmean(rewards))
+            self.stats.record_eval(round_, family, fmean(rewards), policy.answer_nll(tasks))
