@@ -363,7 +363,8 @@ def run_bench(args: argparse.Namespace) -> int:
             out=args.out,
         )
         print(sapo_result.report())
-        print(f"plot: {args.out / 'sapo-mixes.png'}, figures: {args.out / 'sapo.json'}", flush=True)
+        plotted = f"plot: {args.out / 'sapo-mixes.png'}, " if mixes else ""
+        print(f"{plotted}figures: {args.out / 'sapo.json'}", flush=True)
         return 0
     if args.bench == "train":
         from noloco_bench.train import run_train_bench

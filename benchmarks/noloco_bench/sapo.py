@@ -223,7 +223,8 @@ def run_sapo_bench(
     if out is not None:
         out.mkdir(parents=True, exist_ok=True)
         (out / "sapo.json").write_text(json.dumps(result.to_json(), indent=1))
-        plot(result, out / "sapo-mixes.png")
+        if result.mixes:
+            plot(result, out / "sapo-mixes.png")
     return result
 
 
