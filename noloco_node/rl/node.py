@@ -271,8 +271,9 @@ class RolloutNode:
             components.push_async_callback(server.close)
             self.status_url = f"http://{self.cfg.status_host}:{port}"
             log.info("status endpoint: %s/ (JSON at /status, Prometheus at /metrics, /healthz)", self.status_url)
+            # Unwound in reverse: the supervised tasks (the record's refresh among them) stop, then the tombstone.
+            components.push_async_callback(self._publish, leaving=True)
             components.push_async_callback(self.supervisor.stop)
-            components.push_async_callback(self._publish, leaving=True)  # the tombstone, before the DHT stops
             await self._publish()
             await asyncio.to_thread(self.write_status)
             self.supervisor.spawn("dht-record", self._refresh_record)
