@@ -18,6 +18,19 @@ optimizers are provided: heavy-ball (the NoLoCo paper's baseline) and torch ``SG
 pseudo-gradient ``phi - mean(theta)`` (the original DiLoCo / OpenDiLoCo setting).
 
 All outer state (phi, delta) is fp32, whatever dtype the fast weights train in.
+
+GRPO, the policy update of RL post-training with shared rollouts (`noloco-node rl`; SAPO, arXiv 2509.08721,
+eq. 2; GRPO from DeepSeekMath, arXiv 2402.03300, eq. 3), without the KL term (SAPO's setting). For a group of G
+completions o_1..o_G of one question with rewards r_1..r_G, every token of o_i gets the group-normalised advantage
+``A_i = (r_i - mean(r)) / (std(r) + eps)``, and the loss is the clipped surrogate averaged over each completion's
+tokens, then over completions::
+
+    L = - mean_i (1/|o_i|) sum_t min(rho_it * A_i, clip(rho_it, 1 - eps_clip, 1 + eps_clip) * A_i)
+
+rho is the ratio of the policy to the policy when the update began (its log-probabilities computed once, detached):
+with one gradient step per round rho = 1 and the update is the plain group-normalised policy gradient. External
+rollouts are treated as on-policy, as the paper does (docs/rl.md, "Off-policy"). A group whose completions all
+scored the same has advantage 0 everywhere and teaches nothing.
 """
 
 from __future__ import annotations
@@ -346,3 +359,38 @@ def compressed_partner_weights(
         p.to(torch.float32) + d.to(torch.float32) + c.to(torch.float32)
         for p, d, c in zip(partner_phi, partner_sent, own_left_out, strict=True)
     ]
+
+
+# ------------------------------------------------------------------------------------------ GRPO (rl/)
+
+ADVANTAGE_EPSILON = 1e-4
+
+
+def group_advantages(groups: Sequence[Sequence[float]]) -> torch.Tensor:
+    """Each group's rewards -> one advantage per completion, normalised within its group (unbiased std, as GRPO),
+    concatenated in order. Groups may differ in size: a peer may sample another G."""
+    advantages = []
+    for rewards in groups:
+        if len(rewards) < 2:
+            raise ValueError(f"a group needs at least 2 completions to normalise within, not {len(rewards)}")
+        values = torch.tensor(rewards, dtype=torch.float32)
+        advantages.append((values - values.mean()) / (values.std() + ADVANTAGE_EPSILON))
+    return torch.cat(advantages) if advantages else torch.zeros(0)
+
+
+def clipped_surrogate_loss(
+    logprobs: torch.Tensor,
+    old_logprobs: torch.Tensor,
+    advantages: torch.Tensor,
+    mask: torch.Tensor,
+    *,
+    clip: float = 0.2,
+) -> torch.Tensor:
+    """The GRPO loss over completions: ``logprobs``, ``old_logprobs`` and ``mask`` are (completions, tokens),
+    ``advantages`` is (completions,). Tokens where ``mask`` is 0 (padding) count for nothing."""
+    ratio = torch.exp(logprobs - old_logprobs)
+    advantage = advantages.unsqueeze(1)
+    surrogate = torch.minimum(ratio * advantage, torch.clamp(ratio, 1.0 - clip, 1.0 + clip) * advantage)
+    lengths = mask.sum(dim=1).clamp(min=1.0)
+    per_completion = (surrogate * mask).sum(dim=1) / lengths
+    return -per_completion.mean()

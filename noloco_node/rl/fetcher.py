@@ -3,8 +3,9 @@
 
 Runs on the node's event loop as a supervised task; each blocking gRPC call runs on the fetcher's own small thread
 pool under a deadline, so a dead or slow peer costs one thread for at most ``timeout`` seconds and blocks nobody:
-the trainer never waits for a fetch (SAPO is asynchronous), it takes whatever the pool holds. A peer whose batch
-is refused is not asked again for ``AVOID_SECONDS``.
+the trainer waits at most ``--external-wait`` for the pool, then takes whatever it holds. A peer whose batch is
+refused is not asked again for ``AVOID_SECONDS``. Each poll asks at most one key per host, in random order, so
+keys minted by the hundred on one machine take no more of the fetches than one honest peer.
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import functools
 import logging
+import random
 import time
 from concurrent.futures import ThreadPoolExecutor
 
@@ -71,7 +73,9 @@ class RolloutFetcher:
             for p in self.peers
             if p.rollout_round > self._fetched_round.get(p.peer_id, -1) and self._avoid_until.get(p.peer_id, 0) <= now
         ]
-        await asyncio.gather(*(self._fetch(p) for p in due[:MAX_PARALLEL]))
+        random.shuffle(due)
+        one_per_host = list({p.host: p for p in due}.values())
+        await asyncio.gather(*(self._fetch(p) for p in one_per_host[:MAX_PARALLEL]))
 
     async def _fetch(self, peer: PeerRecord) -> None:
         call = functools.partial(

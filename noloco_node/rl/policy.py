@@ -1,5 +1,5 @@
 """One node's policy: any causal LM the node can load, sampling G completions per question, the log-probabilities
-GRPO needs (rl/grpo.py), and the supervised warm-up on the task format.
+GRPO needs (algorithm.py), and the supervised warm-up on the task format.
 
 A completion is text: it crosses the swarm decoded, and every node re-tokenizes it with its own tokenizer, so
 nodes may run different models (SAPO, arXiv 2509.08721: rollouts are shared as text). It ends at its first newline
@@ -16,9 +16,9 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from noloco_node.algorithm import clipped_surrogate_loss, group_advantages
 from noloco_node.data.tokenizer import Tokenizer
 from noloco_node.model.decoder import CausalLM, autocast_context
-from noloco_node.rl.grpo import clipped_surrogate_loss, group_advantages
 from noloco_node.rl.tasks import Task
 
 

@@ -2,7 +2,7 @@
 
 A round: draw I questions, sample G completions of each and score them with the family's verifier (rl/tasks.py),
 publish them (the book serves them, the DHT record names the round), take up to J peers' rollouts from the pool
-and score their completions here, then one GRPO update (rl/grpo.py) on the I + J groups. A node with J = 0, or
+and score their completions here, then one GRPO update (algorithm.py) on the I + J groups. A node with J = 0, or
 whose pool stays short (no peer yet, every peer gone) for ``--external-wait`` seconds, updates on what it has: no
 peer can hold it longer than that.
 

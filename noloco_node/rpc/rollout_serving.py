@@ -13,9 +13,10 @@ from __future__ import annotations
 from typing import Protocol
 
 import grpc
+from google.protobuf.message import DecodeError
 
 from noloco_node.rpc.admission import ROLLOUTS
-from noloco_node.rpc.call_gate import CallGate, abort, parse
+from noloco_node.rpc.call_gate import CallGate, abort
 from noloco_node.rpc.contracts import GET_ROLLOUTS_METHOD
 from noloco_node.wire import peer_pb2 as pb
 
@@ -43,7 +44,11 @@ class RolloutServing:
         caller = self.gate.caller(GET_ROLLOUTS_METHOD, context, required=False)
         ticket = self.gate.admit(ROLLOUTS, context, caller)
         try:
-            request = parse(pb.RolloutRequest, raw, context)
+            try:
+                request = pb.RolloutRequest.FromString(raw)
+            except DecodeError:  # parsed here: grpc's own deserializer would answer INTERNAL, and count nothing
+                self.gate.metrics.rejection("rollouts_malformed")
+                abort(context, grpc.StatusCode.INVALID_ARGUMENT, "malformed RolloutRequest")
             if request.run_fingerprint != self.source.run_fingerprint:
                 self.gate.metrics.rejection("rollouts_run")
                 abort(context, grpc.StatusCode.FAILED_PRECONDITION, "another run's caller")

@@ -47,7 +47,7 @@ def test_a_round_is_served_and_bad_requests_get_their_status(served):
             garbage(b"\xff\xff\xff", timeout=5)
     assert malformed.value.code() == grpc.StatusCode.INVALID_ARGUMENT
     refused = metrics.rejected
-    assert refused["rollouts_run"] == 1 and refused["rollouts_stale"] == 1
+    assert refused["rollouts_run"] == 1 and refused["rollouts_stale"] == 1 and refused["rollouts_malformed"] == 1
     assert book.served_groups == 1  # nothing else was handed out
 
 

@@ -1,4 +1,4 @@
-"""GRPO (rl/grpo.py, rl/policy.py): group-normalised advantages, the clipped surrogate, and what one update does to
+"""GRPO (algorithm.py, rl/policy.py): group-normalised advantages, the clipped surrogate, and what one update does to
 a real model: more probability for a rewarded completion, none moved by a group whose completions all scored the
 same (a liar's wrong answers, scored 0 by the receiver)."""
 
@@ -7,10 +7,10 @@ from __future__ import annotations
 import pytest
 import torch
 
+from noloco_node.algorithm import clipped_surrogate_loss, group_advantages
 from noloco_node.config.models import model_config_for
 from noloco_node.data.tokenizer import ByteTokenizer
 from noloco_node.model.source import SeededDecoder
-from noloco_node.rl.grpo import clipped_surrogate_loss, group_advantages
 from noloco_node.rl.policy import Policy, ScoredGroup
 from noloco_node.rl.tasks import TaskRef, regenerate
 
