@@ -188,9 +188,20 @@ def add_bench_parsers(commands: Any) -> None:
         "train", help="training throughput (tokens/s) and MFU of a named model size on this device"
     )
     train_bench.add_argument("--model", default="small", choices=list(MODEL_SIZES), help="model size")
-    train_bench.add_argument("--steps", type=int, default=20, help="measured inner steps (after 3 of warm-up)")
-    train_bench.add_argument("--batch-size", type=int, default=8, help="sequences per step")
-    train_bench.add_argument("--seq-len", type=int, default=256, help="tokens per sequence")
+    train_bench.add_argument("--steps", type=int, default=20, help="measured inner steps (after --warmup more)")
+    train_bench.add_argument("--warmup", type=int, default=3, help="inner steps before the measured ones")
+    train_bench.add_argument(
+        "--batch-size", type=int, default=None, help="sequences per inner step (default: 256 on a GPU, 8 on a CPU)"
+    )
+    train_bench.add_argument(
+        "--seq-len", type=int, default=None, help="tokens per sequence (default: 1024 on a GPU, 256 on a CPU)"
+    )
+    train_bench.add_argument("--vocab-size", type=int, default=256, help="vocabulary (32000: a real tokenizer's)")
+    train_bench.add_argument("--micro-batch", type=int, default=None, help="sequences per pass (default: the plan's)")
+    train_bench.add_argument("--compile", default="auto", choices=["auto", "on", "off"], help="torch.compile blocks")
+    train_bench.add_argument(
+        "--no-reference", action="store_true", help="skip the eager, unplanned step measured beside the plan"
+    )
     train_bench.add_argument("--device", default="auto", help="auto, cpu, cuda, cuda:N")
 
 
@@ -371,7 +382,16 @@ def run_bench(args: argparse.Namespace) -> int:
 
         print(f"noloco-node bench train: {os.cpu_count()} CPUs, torch {__import__('torch').__version__}", flush=True)
         train_result = run_train_bench(
-            args.model, steps=args.steps, batch_size=args.batch_size, seq_len=args.seq_len, device=args.device
+            args.model,
+            steps=args.steps,
+            warmup=args.warmup,
+            batch_size=args.batch_size,
+            seq_len=args.seq_len,
+            vocab_size=args.vocab_size,
+            micro_batch=args.micro_batch,
+            compile=args.compile,
+            device=args.device,
+            reference=not args.no_reference,
         )
         print(train_result.report())
         return 0

@@ -131,7 +131,27 @@ class TrainConfig(StrictSettings):
         "is given.",
     )
     seq_len: int = Field(128, ge=8, description="Tokens per training sequence.")
-    batch_size: int = Field(8, ge=1, description="Sequences per inner step of one replica.")
+    batch_size: int = Field(
+        8,
+        ge=1,
+        description="Sequences per inner step of one replica: with seq_len, the run's tokens per inner step, the same "
+        "on every member (part of the run's fingerprint).",
+    )
+    micro_batch: int | None = Field(
+        None,
+        ge=1,
+        description="Sequences per forward and backward pass; the step accumulates batch_size / micro_batch of them. "
+        "Each member's own (not in the fingerprint). Unset: on a GPU the largest that fits with a margin, found by a "
+        "probe at start; on a CPU the whole batch.",
+    )
+    compile: Literal["auto", "on", "off"] = Field(
+        "auto", description="torch.compile each decoder block: auto is on for a GPU, off on a CPU."
+    )
+    activation_checkpointing: Literal["auto", "on", "off"] = Field(
+        "auto",
+        description="Recompute each block's activations in the backward pass: auto turns it on only where not even "
+        "one sequence per micro-batch fits without it.",
+    )
     total_steps: int = Field(600, ge=1, description="Inner steps per replica over the whole run.")
     inner_steps: int = Field(50, ge=1, description="H: inner steps between outer steps.")
     lr: float = Field(3e-3, gt=0.0, le=1.0, description="Peak learning rate of the inner Adam.")
@@ -153,6 +173,11 @@ class TrainConfig(StrictSettings):
     def _warmup_fits(self) -> TrainConfig:
         if self.warmup_steps is not None and self.warmup_steps >= self.total_steps > 1:
             raise ValueError(f"warmup_steps ({self.warmup_steps}) must be < total_steps ({self.total_steps})")
+        if self.micro_batch is not None and self.batch_size % self.micro_batch:
+            raise ValueError(
+                f"micro_batch ({self.micro_batch}) must divide batch_size ({self.batch_size}): every micro-batch of "
+                "an inner step holds as many sequences"
+            )
         return self
 
 

@@ -20,8 +20,10 @@ from collections.abc import Iterator
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.utils.checkpoint import checkpoint
 
 from noloco_node.config.models import ModelConfig
+from noloco_node.model.chunked_loss import linear_cross_entropy
 
 
 class RMSNorm(nn.Module):
@@ -77,10 +79,8 @@ class Attention(nn.Module):
         q = apply_rotary(heads(self.q_proj(x), self.num_heads), cos, sin)
         k = apply_rotary(heads(self.k_proj(x), self.kv_heads), cos, sin)
         v = heads(self.v_proj(x), self.kv_heads)
-        if self.kv_heads != self.num_heads:
-            group = self.num_heads // self.kv_heads
-            k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
-        out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        # Grouped-query attention reads each key/value head for its group of query heads: nothing is copied.
+        out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=self.kv_heads != self.num_heads)
         return self.o_proj(out.transpose(1, 2).reshape(batch, seq, hidden))
 
 
@@ -117,12 +117,19 @@ class CausalLM(nn.Module):
     max_seq_len: int
 
     def loss(self, tokens: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-        """Mean next-token cross-entropy in nats, computed in fp32 whatever the autocast dtype."""
-        return token_loss(self(tokens), targets)
+        """Mean next-token cross-entropy in nats, computed in fp32 whatever the autocast dtype. Called through
+        ``forward(tokens, targets)``, so that a wrapper (DDP) that runs the forward sees the loss computed there."""
+        loss: torch.Tensor = self(tokens, targets)
+        return loss
 
 
 class LlamaDecoder(CausalLM):
-    """Token ids (batch, seq) -> next-token logits (batch, seq, vocab)."""
+    """Token ids (batch, seq) -> next-token logits (batch, seq, vocab), or with targets the mean loss, computed
+    from the last hidden states a chunk at a time (model/chunked_loss.py): the full logits are never held.
+
+    How the blocks run is each member's own choice (training/step_plan.py), never part of the weights:
+    :meth:`run_blocks` compiles each block with ``torch.compile`` and/or recomputes its activations in the backward
+    pass (activation checkpointing)."""
 
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
@@ -141,7 +148,17 @@ class LlamaDecoder(CausalLM):
         self.rope_sin: torch.Tensor
         self.register_buffer("rope_cos", cos, persistent=False)
         self.register_buffer("rope_sin", sin, persistent=False)
+        # What runs each block: the blocks themselves, or their compiled forms. A plain list, so that compiled
+        # wrappers are not registered as submodules (parameter names and the state dict stay the blocks').
+        self._block_runners: list[nn.Module] = list(self.layers)
+        self.checkpoint_blocks = False
         self.reset_parameters()
+
+    def run_blocks(self, *, compiled: bool, checkpointed: bool) -> None:
+        """Run each block compiled (``torch.compile``, one graph per block shape, shared by the blocks) or eager,
+        and with or without activation checkpointing. The weights are untouched either way."""
+        self._block_runners = [torch.compile(block) for block in self.layers] if compiled else list(self.layers)
+        self.checkpoint_blocks = checkpointed
 
     def reset_parameters(self) -> None:
         """GPT-2/Llama-style init; residual output projections scaled by 1/sqrt(2 * layers) to keep depth stable."""
@@ -156,15 +173,21 @@ class LlamaDecoder(CausalLM):
             elif isinstance(module, RMSNorm):
                 nn.init.ones_(module.weight)
 
-    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+    def forward(self, tokens: torch.Tensor, targets: torch.Tensor | None = None) -> torch.Tensor:
         seq = tokens.shape[1]
         if seq > self.config.max_seq_len:
             raise ValueError(f"sequence length {seq} exceeds max_seq_len {self.config.max_seq_len}")
         cos, sin = self.rope_cos[:seq], self.rope_sin[:seq]
         x = self.embed_tokens(tokens)
-        for layer in self.layers:
-            x = layer(x, cos, sin)
-        return self.lm_head(self.norm(x))
+        for runner in self._block_runners:
+            if self.checkpoint_blocks and torch.is_grad_enabled():
+                x = checkpoint(runner, x, cos, sin, use_reentrant=False)
+            else:
+                x = runner(x, cos, sin)
+        hidden = self.norm(x)
+        if targets is None:
+            return self.lm_head(hidden)
+        return linear_cross_entropy(hidden, self.lm_head.weight, targets)
 
 
 def token_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:

@@ -36,7 +36,7 @@ from torch import nn
 from noloco_node.config.models import ModelConfig
 from noloco_node.data.tokenizer import Tokenizer
 from noloco_node.errors import DataError
-from noloco_node.model.decoder import CausalLM
+from noloco_node.model.decoder import CausalLM, token_loss
 from noloco_node.model.source import DecoderSource, ModelSource, copy_weights, empty_decoder
 
 log = logging.getLogger(__name__)
@@ -295,10 +295,12 @@ class TransformersCausalLM(CausalLM):
         self.vocab_size = vocab_size
         self.max_seq_len = max_seq_len
 
-    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+    def forward(self, tokens: torch.Tensor, targets: torch.Tensor | None = None) -> torch.Tensor:
+        """Logits, or with ``targets`` the mean loss of them (the decoder's contract, model/decoder.py)."""
         if tokens.shape[1] > self.max_seq_len:
             raise ValueError(f"sequence length {tokens.shape[1]} exceeds max_seq_len {self.max_seq_len}")
-        return self.causal_lm(input_ids=tokens, use_cache=False).logits
+        logits: torch.Tensor = self.causal_lm(input_ids=tokens, use_cache=False).logits
+        return logits if targets is None else token_loss(logits, targets)
 
 
 PREFIX = "causal_lm."

@@ -18,7 +18,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from noloco_node.node.catch_up import NodeError
 from noloco_node.training.loop import StepHook
-from noloco_node.training.replica import Replica
+from noloco_node.training.replica import Replica, StepLoss
 
 DRILL_ENV = "NOLOCO_DRILL"
 
@@ -67,7 +67,7 @@ def fault_hooks(drill: Drill, peer_id: str) -> list[StepHook]:
     if drill.slow_factor > 1.0:  # a straggler: a slower GPU, a busy machine
         factor = drill.slow_factor
 
-        def slow(_replica: Replica, _loss: float, seconds: float) -> None:
+        def slow(_replica: Replica, _loss: StepLoss, seconds: float) -> None:
             time.sleep((factor - 1.0) * seconds)
 
         hooks.append(slow)
@@ -75,14 +75,14 @@ def fault_hooks(drill: Drill, peer_id: str) -> list[StepHook]:
         mean, sigma = drill.step_time_seconds, drill.step_time_sigma
         rng = np.random.default_rng(list(hashlib.sha256(peer_id.encode()).digest()[:8]))
 
-        def paced(_replica: Replica, _loss: float, seconds: float) -> None:
+        def paced(_replica: Replica, _loss: StepLoss, seconds: float) -> None:
             time.sleep(max(0.0, mean * emulated_step_factor(rng, sigma) - seconds))
 
         hooks.append(paced)
     if drill.fail_at_inner_step is not None:
         fail_at = drill.fail_at_inner_step
 
-        def crash(replica: Replica, _loss: float, _seconds: float) -> None:
+        def crash(replica: Replica, _loss: StepLoss, _seconds: float) -> None:
             if replica.inner_step >= fail_at:
                 raise RuntimeError(f"injected fault at inner step {replica.inner_step} (fail_at_inner_step)")
 

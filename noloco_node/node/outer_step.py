@@ -38,7 +38,7 @@ from noloco_node.security.payload_guard import MAX_DRIFT_STEPS, NormGuard, relat
 from noloco_node.training.checkpoints import CheckpointWriter, Snapshots, replica_state_of
 from noloco_node.training.data_parallel import DataParallel
 from noloco_node.training.loop import InnerLoop, InnerPhase, StepHook
-from noloco_node.training.replica import Batch, Replica, learning_rate
+from noloco_node.training.replica import Batch, Replica, StepLoss, learning_rate
 from noloco_node.wire.frames import build_manifest
 from noloco_node.wire.payload import Payload
 from noloco_node.wire.published import LatestSnapshot, Published
@@ -126,7 +126,7 @@ class StepsWhileWaiting:
         h = train_cfg.inner_steps
         next_boundary = (replica.inner_step // h + 1) * h
         self.last_step = min(next_boundary - (h + 1) // 2, train_cfg.total_steps - 1)
-        self.losses: list[float] = []
+        self.losses: list[StepLoss] = []
         self.seconds = 0.0
 
     def __call__(self) -> bool:
@@ -162,7 +162,7 @@ class OuterStep:
         deps = self.deps
         deps.strategy.start(deps.replica)
 
-        def on_step(replica: Replica, loss: float, seconds: float) -> None:
+        def on_step(replica: Replica, loss: StepLoss, seconds: float) -> None:
             deps.telemetry.on_inner_step(replica.inner_step, loss, seconds, replica.current_lr)
 
         self._train_cfg, self._hooks, self._stop_requested = train_cfg, [*hooks, on_step], stop_requested

@@ -149,6 +149,8 @@ def node_status(node: ReportedNode) -> NodeStatus:
         val_loss=val_loss,
         val_perplexity=math.exp(min(val_loss, 50.0)) if val_loss is not None else None,
         tokens_per_second=node.telemetry.tokens_per_second(),
+        grad_norm=node.telemetry.grad_norm(),
+        step_plan=node.telemetry.step_plan,
         comm_wait_fraction=node.telemetry.comm_wait_fraction(),
         peak_rss_mb=peak_rss_mb(),
         checkpoint_age_seconds=time.time() - last_checkpoint if last_checkpoint else None,

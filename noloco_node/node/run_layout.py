@@ -30,6 +30,7 @@ def run_wide_settings(node_cfg: NodeConfig, train_cfg: TrainConfig, outer_cfg: O
     would blend models on different schedules or payloads of different meaning."""
     return {
         "inner_steps": str(train_cfg.inner_steps),
+        "batch_size": str(train_cfg.batch_size),  # with seq_len (in the model's identity): tokens per inner step
         "total_steps": str(train_cfg.total_steps),
         "lr": repr(train_cfg.lr),
         "warmup_steps": str(train_cfg.effective_warmup_steps),

@@ -110,6 +110,7 @@ class Trainer:
         )
         self.shard = await catch_up.choose_shard()
         self.replica = replica = await catch_up.replica(self.shard, self.corpus, self.layout.source, self.data_parallel)
+        self.telemetry.step_plan = replica.plan.as_dict()
         self.peering.strategy.restore(catch_up.resumed_strategy_state)
         # A resumed node is bounded at once by the movements its checkpoint recorded (payload_guard.py).
         self.security.norm_guard.restore(

@@ -7,7 +7,7 @@ well it learns, how much it talks to whom, and a health verdict with its reason.
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Any, Literal
 
 from pydantic import BaseModel, Field
 
@@ -173,6 +173,12 @@ class NodeStatus(BaseModel):
     val_loss: float | None = Field(description="Validation loss at the last outer step.")
     val_perplexity: float | None
     tokens_per_second: float | None = Field(description="Training throughput over the last inner steps.")
+    grad_norm: float | None = Field(None, description="Mean gradient norm (before clipping) of the last inner steps.")
+    step_plan: dict[str, Any] | None = Field(
+        None,
+        description="How this member runs an inner step: micro_batch, accumulation, compiled, checkpointed, source "
+        "(settings, probe or memory model), memory_bytes and peak_bytes, the probe's tokens_per_second and mfu, notes.",
+    )
     comm_wait_fraction: float = Field(description="Share of the trainer's wall time spent waiting on communication.")
     peak_rss_mb: float | None = Field(None, description="The node process's peak resident memory so far, in MB.")
     checkpoint_age_seconds: float | None = Field(description="Since the last checkpoint was written; null: none.")

@@ -13,7 +13,7 @@ import threading
 import time
 from collections import deque
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, SupportsFloat
 
 from noloco_node.discovery.dht import PeerRecord, RunStart
 from noloco_node.observability.status import Health, KnownPeer, LossPoint
@@ -56,10 +56,12 @@ class Telemetry:
     started: float = field(default_factory=time.time)
     training_started: float | None = None  # time.time() of the first inner step's start (after --wait-for-peers)
     phase: str = "loading the model and data"
+    step_plan: dict[str, Any] | None = None  # how this member runs its inner step (training/step_plan.py)
 
     def __post_init__(self) -> None:
         self._lock = threading.Lock()
-        self._steps: deque[tuple[int, float, float]] = deque(maxlen=RECENT_STEPS)  # (inner step, loss, seconds)
+        # (inner step, loss, seconds)
+        self._steps: deque[tuple[int, SupportsFloat, float]] = deque(maxlen=RECENT_STEPS)
         self.history: deque[dict[str, Any]] = deque(maxlen=KEEP_OUTER_STEPS)
         self.train_seconds_total = 0.0
         self.wait_seconds_total = 0.0
@@ -72,7 +74,9 @@ class Telemetry:
 
     # ---------------------------------------------------------------------------------- trainer thread
 
-    def on_inner_step(self, inner_step: int, loss: float, seconds: float, learning_rate: float) -> None:
+    def on_inner_step(self, inner_step: int, loss: SupportsFloat, seconds: float, learning_rate: float) -> None:
+        """``loss`` is read when a figure is asked for (training/replica.py StepLoss: on a GPU a step's loss is
+        there only once the step has run), never here on the trainer thread."""
         with self._lock:
             self._steps.append((inner_step, loss, seconds))
             self.learning_rate = learning_rate
@@ -164,10 +168,21 @@ class Telemetry:
 
     # ---------------------------------------------------------------------------------- reading
 
-    def train_loss(self) -> float | None:
+    def _finished_steps(self) -> list[SupportsFloat]:
+        """The recent steps' losses that can be read without waiting for the device (all of them on a CPU)."""
         with self._lock:
-            losses = [loss for _, loss, _ in self._steps]
+            return [loss for _, loss, _ in self._steps if getattr(loss, "done", True)]
+
+    def train_loss(self) -> float | None:
+        losses = [float(loss) for loss in self._finished_steps()]
         return sum(losses) / len(losses) if losses else None
+
+    def grad_norm(self) -> float | None:
+        """Mean gradient norm (before clipping) of the recent inner steps."""
+        norms = [
+            float(n) for n in (getattr(loss, "grad_norm", None) for loss in self._finished_steps()) if n is not None
+        ]
+        return sum(norms) / len(norms) if norms else None
 
     def tokens_per_second(self) -> float | None:
         """Training throughput over the recent inner steps: their tokens over the time the steps themselves took."""

@@ -252,7 +252,7 @@ def run_method(
     # The one inner loop per replica (training/loop.py), advanced in lockstep: the outer step runs across them.
     loops = [InnerLoop(r, total_steps=train.total_steps, inner_steps=h).phases() for r in replicas]
     for phases in zip(*loops, strict=True):
-        phase_losses = [loss for phase in phases for loss in phase.losses]
+        phase_losses = [float(loss) for phase in phases for loss in phase.losses]
         step = phases[0].end_step
         if method in PHI_EVERY:
             _sparse_noloco_round(replicas, pair_rng, cfg, method, feedback)

@@ -128,6 +128,13 @@ class DataParallel:
         dist.all_reduce(flag, op=dist.ReduceOp.MAX)
         return flag.item() == 0.0
 
+    def agree_on_micro_batch(self, micro_batch: int, device: torch.device) -> int:
+        """The smallest micro-batch any rank's probe chose (training/step_plan.py): the ranks accumulate as many
+        micro-batches, and each rank's memory holds it."""
+        value = torch.tensor([micro_batch], dtype=torch.int64, device=device)
+        dist.all_reduce(value, op=dist.ReduceOp.MIN)
+        return int(value.item())
+
     @torch.no_grad()
     def broadcast_params(self, params: Sequence[torch.Tensor]) -> None:
         """Rank 0's weights to every rank (after its outer step)."""

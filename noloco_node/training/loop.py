@@ -21,23 +21,24 @@ import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 
-from noloco_node.training.replica import Replica
+from noloco_node.training.replica import Replica, StepLoss
 
-# Called after every inner step with (replica, loss, seconds the step took); runs on the training thread.
-StepHook = Callable[[Replica, float, float], None]
+# Called after every inner step with (replica, loss, seconds the step took); runs on the training thread. The loss
+# is read (``float(loss)``) only where a figure is needed: on a GPU that waits for the step to finish.
+StepHook = Callable[[Replica, StepLoss, float], None]
 
 
 @dataclass
 class InnerPhase:
     """What one inner phase did: its losses and wall time, and where it ended."""
 
-    losses: list[float] = field(default_factory=list)
+    losses: list[StepLoss] = field(default_factory=list)
     seconds: float = 0.0
     end_step: int = 0
 
     @property
     def mean_loss(self) -> float:
-        return sum(self.losses) / len(self.losses) if self.losses else float("nan")
+        return sum(float(loss) for loss in self.losses) / len(self.losses) if self.losses else float("nan")
 
 
 class InnerLoop:

@@ -12,8 +12,10 @@ training/loop.py; checkpoints and the joiner snapshot are training/checkpoints.p
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import math
+from collections import deque
 from collections.abc import Sequence
 from typing import Any, Protocol
 
@@ -21,8 +23,9 @@ import torch
 
 from noloco_node.config.models import TrainConfig
 from noloco_node.data.corpus import ReplicaShard
-from noloco_node.model.decoder import autocast_context, named_parameters_ordered, token_loss
+from noloco_node.model.decoder import LlamaDecoder, autocast_context, named_parameters_ordered
 from noloco_node.model.source import ModelSource
+from noloco_node.training.step_plan import StepPlan, plan_without_probe, probe_plan
 
 log = logging.getLogger(__name__)
 
@@ -33,6 +36,52 @@ class MemberRanks(Protocol):
     def wrap(self, model: torch.nn.Module, device: torch.device) -> torch.nn.Module: ...
 
     def agree_to_continue(self, stop: bool, device: torch.device) -> bool: ...
+
+    def agree_on_micro_batch(self, micro_batch: int, device: torch.device) -> int: ...
+
+
+class StepLoss:
+    """An inner step's training loss and gradient norm, read without stalling the device.
+
+    On a GPU the step is queued, not finished, when ``train_step`` returns; reading its loss there (``.item()``)
+    would wait for everything queued and leave the GPU idle while the next step is queued. Instead the two values
+    are copied into pinned host memory behind the step, and ``float(loss)`` waits for that step alone, when
+    someone needs the figure (a log line, ``/status``, the phase's mean at its end)."""
+
+    def __init__(self, values: torch.Tensor) -> None:
+        self._event: torch.cuda.Event | None = None
+        if values.device.type == "cuda":
+            self._host = torch.empty(2, dtype=torch.float32, pin_memory=True)
+            self._host.copy_(values, non_blocking=True)
+            self._event = torch.cuda.Event()
+            self._event.record()
+        else:
+            self._host = values
+
+    @property
+    def done(self) -> bool:
+        return self._event is None or self._event.query()
+
+    def wait(self) -> None:
+        if self._event is not None:
+            self._event.synchronize()
+
+    def __float__(self) -> float:
+        self.wait()
+        return float(self._host[0])
+
+    @property
+    def grad_norm(self) -> float:
+        self.wait()
+        return float(self._host[1])
+
+    def __repr__(self) -> str:
+        return f"StepLoss({float(self):.4f})"
+
+
+# Inner steps queued ahead of the device at most: the next is queued while the last still runs, so the GPU never
+# waits for the host, and no more than that, so that the host's step times stay the device's.
+STEPS_IN_FLIGHT = 2
 
 
 Batch = tuple[torch.Tensor, torch.Tensor]
@@ -86,6 +135,8 @@ class Replica:
         # Several processes of one member (data_parallel.py): the forward goes through DDP, which averages every
         # inner step's gradients across them. A collective: every rank builds its replica at the same point.
         self.data_parallel = data_parallel
+        self.plan = self._plan_step()
+        log.info("%s", self.plan.summary())
         self._forward = data_parallel.wrap(self.model, self.device) if data_parallel else self.model
         self.optimizer = torch.optim.Adam(
             self.params,
@@ -93,7 +144,11 @@ class Replica:
             betas=(train_cfg.adam_beta1, train_cfg.adam_beta2),
             eps=train_cfg.adam_eps,
             weight_decay=0.0,
+            # One kernel over all parameters on a GPU; a CPU keeps the default (the simulator's figures were made
+            # with it).
+            fused=True if self.device.type == "cuda" else None,
         )
+        self._in_flight: deque[StepLoss] = deque()
         # Outer state in fp32 whatever the training dtype (docs/architecture.md): phi starts as theta, delta at zero. It
         # lives on the host whatever the training device: on a GPU it would take two more model copies of GPU
         # memory, and the outer step, the exchange and the donor snapshot all work on the host. Pinned on a CUDA
@@ -105,31 +160,71 @@ class Replica:
         self._theta_host = [_host_buffer(p.shape, pinned) for p in self.params] if pinned else None
         self.inner_step = 0
         self.outer_step = 0
-        self.last_grad_norm = 0.0
+
+    def _plan_step(self) -> StepPlan:
+        """The micro-batch, accumulation, compile and checkpointing of this member (training/step_plan.py)."""
+        settled = self.train_cfg.micro_batch is not None and self.train_cfg.compile == "off"
+        if self.device.type != "cuda" or settled:
+            plan = plan_without_probe(self.train_cfg, self.device, compilable=isinstance(self.model, LlamaDecoder))
+            if isinstance(self.model, LlamaDecoder):
+                self.model.run_blocks(compiled=plan.compiled, checkpointed=plan.checkpointed)
+            return plan
+        ranks = self.data_parallel
+
+        def agree(micro: int) -> int:
+            return ranks.agree_on_micro_batch(micro, self.device) if ranks is not None else micro
+
+        return probe_plan(self.model, self.train_cfg, self.device, optimizer_state_exists=False, agree=agree)
 
     # ------------------------------------------------------------------------------------------ inner phase
 
-    def train_step(self, *, stop: bool = False) -> float | None:
-        """One inner step; returns the training loss (mean over shards). In a data-parallel member the ranks first
-        agree to take it: None (no step taken, on every rank) once any of them asked to ``stop``."""
+    def train_step(self, *, stop: bool = False) -> StepLoss | None:
+        """One inner step; returns its training loss (mean over shards), to be read when needed. In a
+        data-parallel member the ranks first agree to take it: None (no step taken, on every rank) once any of
+        them asked to ``stop``.
+
+        The step is the run's batch (``batch_size`` sequences of every shard) in micro-batches of the plan's size,
+        their gradients accumulated: the mean loss of equal micro-batches is the batch's. Nothing here waits for
+        the device except :data:`STEPS_IN_FLIGHT`."""
         if self.data_parallel is not None and not self.data_parallel.agree_to_continue(stop, self.device):
             return None
+        while len(self._in_flight) >= STEPS_IN_FLIGHT:
+            self._in_flight.popleft().wait()
         for group in self.optimizer.param_groups:
             group["lr"] = learning_rate(self.inner_step, self.train_cfg)
         self.model.train()
         self.optimizer.zero_grad(set_to_none=True)
-        total = 0.0
-        for shard in self.shards:
-            inputs, targets = shard.next_batch(self.train_cfg.batch_size)
-            with autocast_context(self.device):
-                logits = self._forward(inputs.to(self.device))
-                loss = token_loss(logits, targets.to(self.device)) / len(self.shards)
-            loss.backward()
-            total += loss.item()
-        self.last_grad_norm = float(torch.nn.utils.clip_grad_norm_(self.params, self.train_cfg.grad_clip))
+        micro, count = self.plan.micro_batch, self.plan.accumulation
+        parts = count * len(self.shards)
+        total = torch.zeros((), dtype=torch.float32, device=self.device)
+        for shard_index, shard in enumerate(self.shards):
+            for part in range(count):
+                inputs, targets = self._on_device(shard.next_batch(micro))
+                last = shard_index == len(self.shards) - 1 and part == count - 1
+                # A data-parallel member all-reduces the gradients once, after the last micro-batch.
+                no_sync = getattr(self._forward, "no_sync", None)
+                with contextlib.nullcontext() if last or no_sync is None else no_sync():
+                    with autocast_context(self.device):
+                        loss = self._forward(inputs, targets) / parts
+                    loss.backward()
+                total += loss.detach()
+        grad_norm = torch.nn.utils.clip_grad_norm_(self.params, self.train_cfg.grad_clip)
         self.optimizer.step()
         self.inner_step += 1
-        return total
+        step_loss = StepLoss(torch.stack([total, grad_norm.detach().float()]))
+        self._in_flight.append(step_loss)
+        return step_loss
+
+    def _on_device(self, batch: Batch) -> Batch:
+        """A host batch on the training device; from pinned memory on a GPU, so the copy overlaps the work queued
+        before it (the pinned allocator reuses a buffer only once its copy has completed)."""
+        if self.device.type != "cuda":
+            return batch
+        inputs, targets = batch
+        return (
+            inputs.pin_memory().to(self.device, non_blocking=True),
+            targets.pin_memory().to(self.device, non_blocking=True),
+        )
 
     @property
     def current_lr(self) -> float:
@@ -223,11 +318,11 @@ class Replica:
     def evaluate(self, batches: Sequence[Batch]) -> float:
         """Mean validation loss (nats per token) of the current fast weights over fixed batches."""
         self.model.eval()
-        losses = []
+        total = torch.zeros((), dtype=torch.float32, device=self.device)
         for inputs, targets in batches:
             with autocast_context(self.device):
-                losses.append(self.model.loss(inputs.to(self.device), targets.to(self.device)).item())
-        return sum(losses) / len(losses)
+                total += self.model.loss(inputs.to(self.device), targets.to(self.device))
+        return float(total) / len(batches)
 
     # ------------------------------------------------------------------------------------------ state
 

@@ -19,7 +19,7 @@ from noloco_node.data.corpus import ReplicaShard, validation_batches
 from noloco_node.model.checkpoint_file import load_checkpoint, save_checkpoint
 from noloco_node.model.run_model import run_model
 from noloco_node.training.loop import InnerLoop
-from noloco_node.training.replica import Replica
+from noloco_node.training.replica import Replica, StepLoss
 
 log = logging.getLogger(__name__)
 
@@ -110,8 +110,8 @@ def run_training(
         if step % checkpoint_every == 0 or finished:
             save_checkpoint(checkpoint_path, {**identity, "replica": replica.state_dict()})
 
-    def after_step(replica: Replica, loss: float, _seconds: float) -> None:
-        recent.append(loss)
+    def after_step(replica: Replica, loss: StepLoss, _seconds: float) -> None:
+        recent.append(float(loss))
         if not at_phase_end(replica.inner_step):
             evaluate_and_save(replica.inner_step)
 

@@ -4,20 +4,26 @@ from __future__ import annotations
 
 import pytest
 
-from noloco_bench.train import flops_per_token, run_train_bench
+from noloco_bench.train import REFERENCE_BATCH, run_train_bench
 from noloco_node.config.models import model_config_for
 from noloco_node.model.decoder import parameter_count
+from noloco_node.training.step_plan import flops_per_token
 
 
 def test_the_train_bench_reports_consistent_throughput_and_mfu() -> None:
-    result = run_train_bench("tiny", steps=4, warmup=1, batch_size=2, seq_len=32, device="cpu")
+    result = run_train_bench("tiny", steps=4, warmup=1, batch_size=4, micro_batch=2, seq_len=32, device="cpu")
     cfg = model_config_for("tiny", vocab_size=256, max_seq_len=32)
-    assert result.parameters == parameter_count(cfg) and result.tokens_per_step == 64
+    assert result.parameters == parameter_count(cfg) and result.tokens_per_step == 128
+    assert result.planned.plan.micro_batch == 2 and result.planned.plan.accumulation == 2
     assert len(result.step_seconds) == 4 and all(s > 0 for s in result.step_seconds)
     assert result.flops_per_token == 6 * result.parameters + 12 * cfg.num_layers * 32 * cfg.hidden_size
-    assert result.tokens_per_second == pytest.approx(64 / sorted(result.step_seconds)[2])
+    assert result.tokens_per_second == pytest.approx(128 / sorted(result.step_seconds)[2])
     assert result.mfu == pytest.approx(result.tokens_per_second * result.flops_per_token / result.peak_flops)
-    assert result.peak_source.startswith("measured") and "MFU:" in result.report()
+    # The eager, unplanned step beside it: the old default batch in one pass, nothing compiled.
+    assert result.reference is not None and result.reference.tokens_per_step == REFERENCE_BATCH * 32
+    assert result.reference.plan.accumulation == 1 and not result.reference.plan.compiled
+    report = result.report()
+    assert result.peak_source.startswith("measured") and report.count("MFU:") == 2 and "planned / reference" in report
 
 
 def test_flops_per_token_counts_weights_and_attention() -> None:

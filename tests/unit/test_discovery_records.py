@@ -46,8 +46,8 @@ def test_fingerprint_separates_runs_and_is_stable() -> None:
 
 
 def test_run_wide_settings_are_in_the_fingerprint_and_a_mismatch_is_named() -> None:
-    """Nodes that differ in H (or any run-wide setting) live in different runs, and each names the setting; a
-    local setting (the batch size) changes nothing."""
+    """Nodes that differ in H (or any run-wide setting: the tokens per inner step too) live in different runs, and
+    each names the setting; a member's own settings (its micro-batch, compile) change nothing."""
     from noloco_node.config.models import DataConfig, OuterConfig, TrainConfig
     from noloco_node.config.node_config import NodeConfig
     from noloco_node.data.corpus import load_corpus
@@ -59,10 +59,11 @@ def test_run_wide_settings_are_in_the_fingerprint_and_a_mismatch_is_named() -> N
     base = RunLayout.of(node, TrainConfig(inner_steps=20), outer, corpus)
     assert (
         base.run_fingerprint
-        == RunLayout.of(node, TrainConfig(inner_steps=20, batch_size=3), outer, corpus).run_fingerprint
+        == RunLayout.of(node, TrainConfig(inner_steps=20, micro_batch=2, compile="off"), outer, corpus).run_fingerprint
     )
     for differs in (
         {"train": TrainConfig(inner_steps=30)},
+        {"train": TrainConfig(inner_steps=20, batch_size=16)},
         {"train": TrainConfig(inner_steps=20, lr=1e-3)},
         {"outer": OuterConfig(alpha=0.3)},
         {"node": NodeConfig(wire_dtype="int8")},

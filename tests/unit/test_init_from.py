@@ -56,7 +56,7 @@ def test_a_folder_of_each_architecture_starts_a_replica_with_the_sources_logits(
     assert len(replica.phi) == len(source.layout()) == len(distinct)
     assert all(torch.equal(phi, p.detach()) for phi, p in zip(replica.phi, replica.params, strict=True))
     losses = [replica.train_step() for _ in range(8)]  # the one training loop trains it
-    assert all(loss is not None and np.isfinite(loss) for loss in losses)
+    assert all(loss is not None and np.isfinite(float(loss)) for loss in losses)
 
 
 def test_the_run_identity_covers_the_weights_not_how_they_are_stored(tmp_path: Path) -> None:
