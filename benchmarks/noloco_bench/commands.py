@@ -204,6 +204,19 @@ def add_bench_parsers(commands: Any) -> None:
     )
     train_bench.add_argument("--device", default="auto", help="auto, cpu, cuda, cuda:N")
 
+    outer_bench = benches.add_parser(
+        "outer-step", help="an outer step and its upkeep (blend on the host and on the GPU) as a share of the phase"
+    )
+    outer_bench.add_argument("--model", default="small", choices=list(MODEL_SIZES), help="model size")
+    outer_bench.add_argument("--inner-steps", type=int, default=50, help="H: the inner steps of a phase")
+    outer_bench.add_argument(
+        "--batch-size", type=int, default=None, help="sequences per inner step (default: 256 on a GPU, 8 on a CPU)"
+    )
+    outer_bench.add_argument(
+        "--seq-len", type=int, default=None, help="tokens per sequence (default: 1024 on a GPU, 256 on a CPU)"
+    )
+    outer_bench.add_argument("--device", default="auto", help="auto, cpu, cuda, cuda:N")
+
 
 def run_bench(args: argparse.Namespace) -> int:
     if args.bench == "chaos":
@@ -394,6 +407,18 @@ def run_bench(args: argparse.Namespace) -> int:
             reference=not args.no_reference,
         )
         print(train_result.report())
+        return 0
+    if args.bench == "outer-step":
+        from noloco_bench.outer_step import run_outer_step_bench
+
+        outer_result = run_outer_step_bench(
+            args.model,
+            inner_steps=args.inner_steps,
+            batch_size=args.batch_size,
+            seq_len=args.seq_len,
+            device=args.device,
+        )
+        print(outer_result.report())
         return 0
     if args.bench == "status":
         from noloco_bench.status import run_status_bench

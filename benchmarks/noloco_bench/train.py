@@ -209,7 +209,7 @@ def run_train_bench(
             model_size=size,
             batch_size=batch,
             micro_batch=micro,
-            compile=compiled,  # type: ignore[arg-type]  # checked by pydantic
+            compile=compiled,
             seq_len=seq_len,
             total_steps=steps + warmup + 1,
             warmup_steps=0,

@@ -157,6 +157,12 @@ def build_parser() -> argparse.ArgumentParser:
     )
     doctor.add_argument("--config", type=Path, help="a TOML or YAML settings file (flags and NOLOCO_* override it)")
     doctor.add_argument("--json", action="store_true", help="print the checks as a JSON list")
+    doctor.add_argument(
+        "--gpu-memory",
+        type=float,
+        metavar="GIB",
+        help="plan the step for a GPU of this much memory (GiB) instead of this machine's: what fits on that card",
+    )
     add_flags(doctor, _NODE_FLAGS)
     add_flags(doctor, _TRAIN_FLAGS)
     _add_secret_refusal(doctor)
@@ -280,7 +286,10 @@ def _doctor(args: argparse.Namespace) -> int:
 
     settings, _ = _resolve(args, {**_TRAIN_FLAGS, **_NODE_FLAGS})
     layout = RunLayout.of(settings.node, settings.train, settings.outer, load_run_corpus(settings.data, settings.train))
-    checks = run_doctor(settings.node, layout, settings.train.device)
+    if args.gpu_memory is not None and args.gpu_memory <= 0:
+        raise SystemExit("noloco-node doctor: --gpu-memory must be a positive number of GiB")
+    gpu_memory = int(args.gpu_memory * 2**30) if args.gpu_memory is not None else None
+    checks = run_doctor(settings.node, layout, settings.train, gpu_memory)
     if args.json:
         print(json.dumps([c.__dict__ for c in checks], indent=2))
     else:

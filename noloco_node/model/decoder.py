@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import contextlib
 import math
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 import torch
 import torch.nn.functional as F
@@ -150,7 +150,7 @@ class LlamaDecoder(CausalLM):
         self.register_buffer("rope_sin", sin, persistent=False)
         # What runs each block: the blocks themselves, or their compiled forms. A plain list, so that compiled
         # wrappers are not registered as submodules (parameter names and the state dict stay the blocks').
-        self._block_runners: list[nn.Module] = list(self.layers)
+        self._block_runners: list[Callable[..., torch.Tensor]] = list(self.layers)
         self.checkpoint_blocks = False
         self.reset_parameters()
 

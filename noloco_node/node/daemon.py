@@ -20,7 +20,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import math
 import os
 import signal
 import threading
@@ -78,10 +77,7 @@ class Node:
         self.run_fingerprint = self.layout.run_fingerprint
         self.source = self.layout.source
         log_local_checks(
-            node_cfg,
-            train_cfg.device,
-            sum(math.prod(shape) for shape in self.layout.shapes),
-            on_gpu=resolve_device(train_cfg.device).type == "cuda",
+            node_cfg, train_cfg, self.layout.source, on_gpu=resolve_device(train_cfg.device).type == "cuda"
         )
         try:
             self.security = NodeSecurity(node_cfg.security, node_cfg.data_dir)

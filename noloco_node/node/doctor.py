@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import math
 import socket
 import statistics
 import time
@@ -28,6 +27,7 @@ from collections.abc import Iterator, Sequence
 
 import torch
 
+from noloco_node.config.models import TrainConfig
 from noloco_node.config.node_config import NodeConfig
 from noloco_node.discovery.dht import Discovery, PeerRecord, RunStart
 from noloco_node.discovery.reachability import WitnessView, announce_host, ask_witness, witnesses_for
@@ -254,8 +254,12 @@ def _accepted(listener: socket.socket | None) -> bool | None:
     return True
 
 
-def run_doctor(cfg: NodeConfig, layout: RunLayout, device: str) -> list[Check]:
-    on_gpu = device == "cuda" or (device == "auto" and torch.cuda.is_available())
-    parameters = sum(math.prod(shape) for shape in layout.shapes)
-    checks = local_checks(cfg, device, parameters, on_gpu)
+def run_doctor(
+    cfg: NodeConfig, layout: RunLayout, train_cfg: TrainConfig, gpu_memory: int | None = None
+) -> list[Check]:
+    """This machine's checks (with the step plan for its GPU, or for a GPU of ``gpu_memory`` bytes), then the
+    network's."""
+    device = train_cfg.device
+    on_gpu = device.startswith("cuda") or (device == "auto" and torch.cuda.is_available())
+    checks = local_checks(cfg, train_cfg, layout.source, on_gpu, gpu_memory)
     return checks + asyncio.run(network_checks(cfg, layout))

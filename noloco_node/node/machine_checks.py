@@ -8,6 +8,7 @@ cannot be dialed from another machine), the gRPC port free. Each check that fail
 from __future__ import annotations
 
 import logging
+import math
 import shutil
 import socket
 from dataclasses import dataclass
@@ -16,9 +17,13 @@ from typing import Literal
 
 import torch
 
+from noloco_node.config.models import MODEL_SIZES, ModelConfig, TrainConfig, model_config_for
 from noloco_node.config.node_config import NodeConfig
 from noloco_node.discovery.reachability import announce_host
-from noloco_node.node.memory import DEVICE_BYTES, GIB, available_memory, host_bytes_per_parameter
+from noloco_node.model.source import ModelSource
+from noloco_node.node.memory import GIB, available_memory, host_bytes_per_parameter
+from noloco_node.training.replica import resolve_device
+from noloco_node.training.step_plan import plan_for_memory
 
 log = logging.getLogger(__name__)
 
@@ -80,13 +85,35 @@ def host_memory(parameters: int, on_gpu: bool) -> Check:
     return Check("host memory", "ok", f"{detail}, {available / GIB:.1f} GiB available")
 
 
-def device_memory(parameters: int) -> Check:
-    needed = parameters * DEVICE_BYTES
-    _free, total = torch.cuda.mem_get_info()
-    detail = f"{parameters / 1e6:.1f}M parameters x {DEVICE_BYTES} B/param = {needed / GIB:.2f} GiB on the GPU"
-    if needed > total:
-        return Check("device memory", "fail", f"{detail}, the GPU has {total / GIB:.1f} GiB", "pick a smaller --model")
-    return Check("device memory", "ok", f"{detail} of {total / GIB:.1f} GiB")
+def step_plan_checks(train_cfg: TrainConfig, model_cfg: ModelConfig | None, memory_bytes: int) -> list[Check]:
+    """The step plan the memory model gives a GPU of ``memory_bytes`` (training/step_plan.py), before anything is
+    loaded: this run's size, and what every named size would get on that card. A node on a GPU refines it with a
+    probe at start."""
+    if model_cfg is None:
+        return [Check("step plan", "ok", "a model from --init-from: its step is planned by a probe at start")]
+    plan = plan_for_memory(model_cfg, train_cfg, memory_bytes)
+    fits = []
+    for size in MODEL_SIZES:
+        other = model_config_for(size, vocab_size=model_cfg.vocab_size, max_seq_len=train_cfg.seq_len)
+        sized = plan_for_memory(other, train_cfg.model_copy(update={"micro_batch": None}), memory_bytes)
+        fits.append(f"{size} micro-batch {sized.micro_batch}" if sized.micro_batch else f"{size} does not fit")
+    what_fits = Check(
+        "what fits",
+        "ok",
+        f"a GPU of {memory_bytes / GIB:.0f} GiB, sequences of {train_cfg.seq_len} tokens, "
+        f"batch {train_cfg.batch_size}: " + ", ".join(fits),
+    )
+    if plan.micro_batch == 0:
+        return [
+            Check(
+                "step plan",
+                "fail",
+                f"{model_cfg.num_layers}-layer model: " + "; ".join(plan.notes),
+                "pick a smaller --model or --seq-len (see what fits), or a GPU with more memory",
+            ),
+            what_fits,
+        ]
+    return [Check("step plan", "ok", plan.summary() + " (memory model; a probe at start refines it)"), what_fits]
 
 
 def disk(data_dir: Path, parameters: int) -> Check:
@@ -140,17 +167,24 @@ def grpc_port(cfg: NodeConfig) -> Check:
     return Check("gRPC port", "ok", f"{host}:{cfg.grpc_port} is free")
 
 
-def local_checks(cfg: NodeConfig, device: str, parameters: int, on_gpu: bool) -> list[Check]:
-    checks = [torch_build(device), host_memory(parameters, on_gpu)]
-    if on_gpu and torch.cuda.is_available():
-        checks.append(device_memory(parameters))
+def local_checks(
+    cfg: NodeConfig, train_cfg: TrainConfig, source: ModelSource, on_gpu: bool, gpu_memory: int | None = None
+) -> list[Check]:
+    """This machine's checks; the step plan for this machine's GPU, or for a GPU of ``gpu_memory`` bytes (doctor
+    --gpu-memory: what would fit on a card this machine does not have)."""
+    parameters = sum(math.prod(shape) for _, shape in source.layout())
+    checks = [torch_build(train_cfg.device), host_memory(parameters, on_gpu)]
+    if gpu_memory is None and on_gpu and torch.cuda.is_available():
+        gpu_memory = torch.cuda.get_device_properties(resolve_device(train_cfg.device)).total_memory
+    if gpu_memory is not None:
+        checks += step_plan_checks(train_cfg, getattr(source, "model_config", None), gpu_memory)
     return [*checks, disk(cfg.data_dir, parameters), announced(cfg), grpc_port(cfg)]
 
 
-def log_local_checks(cfg: NodeConfig, device: str, parameters: int, on_gpu: bool) -> list[Check]:
+def log_local_checks(cfg: NodeConfig, train_cfg: TrainConfig, source: ModelSource, on_gpu: bool) -> list[Check]:
     """`join`'s start: this machine's checks as one block, a warning when any is not ok (nothing is refused on
     them: swap, or memory freed by other processes, may make it fit)."""
-    checks = local_checks(cfg, device, parameters, on_gpu)
+    checks = local_checks(cfg, train_cfg, source, on_gpu)
     block = "\n".join(c.line() for c in checks)
     if all(c.level == "ok" for c in checks):
         log.info("this machine (noloco-node doctor checks the network too):\n%s", block)

@@ -85,6 +85,23 @@ STEPS_IN_FLIGHT = 2
 
 
 Batch = tuple[torch.Tensor, torch.Tensor]
+TensorList = Sequence[torch.Tensor]
+# A partner's (theta, phi, delta), each empty when its payload does not carry it.
+PartnerTensors = tuple[TensorList, TensorList, TensorList]
+
+
+class OuterUpdate(Protocol):
+    """An outer step over lists of tensors (algorithm.noloco_pair_step with its settings bound)."""
+
+    def __call__(
+        self,
+        theta: TensorList,
+        phi: TensorList,
+        delta: TensorList,
+        partner: PartnerTensors | None,
+        *,
+        sent_theta: TensorList | None,
+    ) -> tuple[list[torch.Tensor], list[torch.Tensor]]: ...
 
 
 def learning_rate(step: int, cfg: TrainConfig) -> float:
@@ -149,6 +166,7 @@ class Replica:
             fused=True if self.device.type == "cuda" else None,
         )
         self._in_flight: deque[StepLoss] = deque()
+        self._blend_out: tuple[list[torch.Tensor], list[torch.Tensor]] | None = None  # outer_update's results
         # Outer state in fp32 whatever the training dtype (docs/architecture.md): phi starts as theta, delta at zero. It
         # lives on the host whatever the training device: on a GPU it would take two more model copies of GPU
         # memory, and the outer step, the exchange and the donor snapshot all work on the host. Pinned on a CUDA
@@ -158,6 +176,8 @@ class Replica:
         self.delta = [_host_buffer(p.shape, pinned).zero_() for p in self.params]
         # Where theta is gathered on the host at an outer step (the exchange sends it, the blend reads it).
         self._theta_host = [_host_buffer(p.shape, pinned) for p in self.params] if pinned else None
+        # Every write to theta moves the version on; the host copy is made again only when it is behind.
+        self._theta_version, self._theta_gathered = 0, -1
         self.inner_step = 0
         self.outer_step = 0
 
@@ -211,6 +231,7 @@ class Replica:
         grad_norm = torch.nn.utils.clip_grad_norm_(self.params, self.train_cfg.grad_clip)
         self.optimizer.step()
         self.inner_step += 1
+        self._theta_version += 1
         step_loss = StepLoss(torch.stack([total, grad_norm.detach().float()]))
         self._in_flight.append(step_loss)
         return step_loss
@@ -241,10 +262,55 @@ class Replica:
         on). On a GPU: the weights copied into pinned host buffers (reused from one outer step to the next)."""
         if self._theta_host is None:
             return [p.detach() for p in self.params]
-        for host, param in zip(self._theta_host, self.params, strict=True):
-            host.copy_(param.detach(), non_blocking=True)
-        torch.cuda.current_stream(self.device).synchronize()  # the host buffers are complete from here on
+        if self._theta_gathered != self._theta_version:  # else the host copy is still theta's (one per outer step)
+            for host, param in zip(self._theta_host, self.params, strict=True):
+                host.copy_(param.detach(), non_blocking=True)
+            torch.cuda.current_stream(self.device).synchronize()  # the host buffers are complete from here on
+            self._theta_gathered = self._theta_version
         return list(self._theta_host)
+
+    @torch.no_grad()
+    def outer_update(
+        self,
+        update: OuterUpdate,
+        partner: PartnerTensors | None,
+        sent_theta: Sequence[torch.Tensor] | None = None,
+    ) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        """``update(theta, phi, delta, partner, sent_theta=...)`` (algorithm.noloco_pair_step's shape): the new phi and
+        delta, on the host.
+
+        With the plan's ``blend_on_device`` it runs one parameter at a time on the GPU: theta is read where it
+        lives, phi and delta (pinned) and the partner's tensors are copied in, the results copied out to reused
+        pinned buffers; the GPU holds a few tensors of one parameter's size. Otherwise on the host, over the host
+        copy of theta (:meth:`fast_weights`). The update's maths is the same either way: per-tensor and elementwise.
+        """
+        if not self.plan.blend_on_device:
+            return update(self.fast_weights(), self.phi, self.delta, partner, sent_theta=sent_theta)
+        pinned = self.device.type == "cuda"
+        if self._blend_out is None:
+            self._blend_out = (
+                [_host_buffer(p.shape, pinned) for p in self.params],
+                [_host_buffer(p.shape, pinned) for p in self.params],
+            )
+        new_phi, new_delta = self._blend_out
+
+        def here(tensors: Sequence[torch.Tensor], k: int) -> list[torch.Tensor]:
+            return [tensors[k].to(self.device, non_blocking=True)] if tensors else []
+
+        for k, param in enumerate(self.params):
+            part = None if partner is None else (here(partner[0], k), here(partner[1], k), here(partner[2], k))
+            phi_k, delta_k = update(
+                [param.detach()],
+                here(self.phi, k),
+                here(self.delta, k),
+                part,
+                sent_theta=None if sent_theta is None else here(sent_theta, k),
+            )
+            new_phi[k].copy_(phi_k[0], non_blocking=True)
+            new_delta[k].copy_(delta_k[0], non_blocking=True)
+        if pinned:
+            torch.cuda.current_stream(self.device).synchronize()  # the host buffers are complete from here on
+        return list(new_phi), list(new_delta)
 
     @torch.no_grad()
     def apply_outer_step(self, new_phi: Sequence[torch.Tensor], new_delta: Sequence[torch.Tensor]) -> None:
@@ -260,6 +326,7 @@ class Replica:
             # stream, and phi is not written again before the next outer step, long after it completed.
             param.copy_(phi, non_blocking=True)
         self.outer_step += 1
+        self._theta_version += 1
 
     # ------------------------------------------------------------------------------------------ joiners
 
@@ -276,6 +343,7 @@ class Replica:
             param.copy_(phi)
         self.inner_step = inner_step
         self.outer_step = outer_step
+        self._theta_version += 1
 
     @torch.no_grad()
     def reset_to_seed(self) -> None:
@@ -288,6 +356,7 @@ class Replica:
             delta.zero_()
         self.optimizer.state.clear()
         self.inner_step = self.outer_step = 0
+        self._theta_version += 1
 
     def advance_clock(self, outer_step: int) -> None:
         """Move the counters forward to ``outer_step`` and keep the weights: the swarm's clock, rejoined after this
@@ -361,6 +430,7 @@ class Replica:
             phi.copy_(phi_s)
             delta.copy_(delta_s)
         self.optimizer.load_state_dict(state["optimizer"])
+        self._theta_version += 1
         self.inner_step = int(state["inner_step"])
         self.outer_step = int(state["outer_step"])
         for shard, position in zip(self.shards, state["data_positions"], strict=True):

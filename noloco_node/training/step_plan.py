@@ -36,15 +36,19 @@ GIB = 2**30
 # The share of the card's memory a plan may use: the rest absorbs the allocator's fragmentation, the outer step's
 # chunks and whatever else runs on the card.
 MEMORY_MARGIN = 0.85
-# Device bytes per parameter: fp32 weights, fp32 gradients, Adam's two moments, and the bf16 copies of the weights
-# that autocast keeps during a forward pass.
-WEIGHT_BYTES, GRADIENT_BYTES, ADAM_BYTES, CAST_BYTES = 4, 4, 8, 2
+# Device bytes per parameter: fp32 weights, fp32 gradients, Adam's two moments. (Autocast's bf16 copies of the
+# weights are alive during the forward pass, the gradients fill in during the backward: the probe on an H100 put
+# the fixed part at 14-15 B/param with Adam, so 16 errs on the safe side.)
+WEIGHT_BYTES, GRADIENT_BYTES, ADAM_BYTES = 4, 4, 8
 # A data-parallel member's gradient buckets (DDP keeps a flat copy of the gradients to all-reduce).
 DDP_BUCKET_BYTES = 4
-# Saved activations per token and layer, bytes = ACTIVATION_HIDDEN x hidden + ACTIVATION_FFN x intermediate (eager
-# blocks under bf16 autocast, flash attention), and what checkpointing keeps instead (each block's input, fp32).
-ACTIVATION_HIDDEN, ACTIVATION_FFN = 34, 12
+# Saved activations per token and layer, bytes = ACTIVATION_HIDDEN x hidden + ACTIVATION_FFN x intermediate: eager
+# blocks under bf16 autocast with flash attention, fitted to the probe on an H100 (125m: 53 KB, 1.3b: 137 KB per
+# token and layer; compiled blocks keep about a third less). Checkpointed, a block keeps its fp32 input.
+ACTIVATION_HIDDEN, ACTIVATION_FFN = 20, 12
 CHECKPOINTED_HIDDEN = 4
+# fp32 tensors of one parameter's size the outer step holds on the GPU at a time (training/replica.py).
+BLEND_TENSORS = 8
 
 # Dense bf16 tensor-core peaks (FLOP/s), from the vendors' datasheets (SXM parts where there are two).
 GPU_PEAK_BF16 = {
@@ -92,7 +96,7 @@ def model_memory(
 ) -> ModelMemory:
     """The memory model of a decoder of this shape (no probe): what ``doctor`` and a CPU member use."""
     parameters = parameter_count(model_cfg)
-    per_parameter = WEIGHT_BYTES + GRADIENT_BYTES + ADAM_BYTES + CAST_BYTES + (DDP_BUCKET_BYTES if data_parallel else 0)
+    per_parameter = WEIGHT_BYTES + GRADIENT_BYTES + ADAM_BYTES + (DDP_BUCKET_BYTES if data_parallel else 0)
     hidden, ffn = model_cfg.hidden_size, model_cfg.intermediate_size
     per_layer = CHECKPOINTED_HIDDEN * hidden if checkpointed else ACTIVATION_HIDDEN * hidden + ACTIVATION_FFN * ffn
     # Checkpointed, one block's activations are alive again during its backward pass.
@@ -125,6 +129,7 @@ class StepPlan:
     peak_bytes: int | None = None  # predicted (memory model, probe fit) or measured (the compiled probe)
     tokens_per_second: float | None = None  # measured by the probe (forward and backward, no optimizer step)
     mfu: float | None = None
+    blend_on_device: bool = False  # the outer step one parameter at a time on the GPU (training/replica.py)
     notes: list[str] = field(default_factory=list)
 
     @property
@@ -137,6 +142,7 @@ class StepPlan:
             f"= {self.batch_size * self.seq_len:,} tokens per inner step ({self.source})",
             f"compile {'on' if self.compiled else 'off'}",
             f"activation checkpointing {'on' if self.checkpointed else 'off'}",
+            f"outer step on the {'GPU' if self.blend_on_device else 'host'}",
         ]
         if self.peak_bytes is not None and self.memory_bytes:
             parts.append(f"memory {self.peak_bytes / GIB:.1f} of {self.memory_bytes / GIB:.1f} GiB")
@@ -192,6 +198,8 @@ def plan_for_memory(
         memory_bytes=memory_bytes,
         peak_bytes=memory.fixed_bytes + max(micro, 1) * memory.per_sequence_bytes,
     )
+    largest = max(model_cfg.vocab_size, model_cfg.intermediate_size) * model_cfg.hidden_size * 4
+    plan.blend_on_device = (plan.peak_bytes or 0) + BLEND_TENSORS * largest <= memory_bytes * MEMORY_MARGIN
     if micro == 0 or not memory.micro_batch_fits(micro, memory_bytes):
         plan.notes.append(
             f"does not fit: {memory.fixed_bytes / GIB:.1f} GiB for weights, gradients and Adam "
@@ -280,6 +288,10 @@ def probe_plan(
             log.warning("torch.compile failed, training eager instead: %r", error)
     if not plan.compiled:
         _timed_passes(model, train_cfg.seq_len, micro, device, plan, missing_state)
+    # The blend holds about 8 tensors of the largest parameter's size at a time (theta, phi, delta, a partner's
+    # three, the results), fp32, beside what training left allocated.
+    largest = max(p.numel() for p in model.parameters()) * 4
+    plan.blend_on_device = (plan.peak_bytes or 0) + BLEND_TENSORS * largest <= memory_bytes * MEMORY_MARGIN
     return plan
 
 
