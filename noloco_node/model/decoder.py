@@ -152,6 +152,7 @@ class LlamaDecoder(CausalLM):
         # wrappers are not registered as submodules (parameter names and the state dict stay the blocks').
         self._block_runners: list[Callable[..., torch.Tensor]] = list(self.layers)
         self.checkpoint_blocks = False
+        self.compiled = False
         self.reset_parameters()
 
     def run_blocks(self, *, compiled: bool, checkpointed: bool) -> None:
@@ -159,6 +160,7 @@ class LlamaDecoder(CausalLM):
         and with or without activation checkpointing. The weights are untouched either way."""
         self._block_runners = [torch.compile(block) for block in self.layers] if compiled else list(self.layers)
         self.checkpoint_blocks = checkpointed
+        self.compiled = compiled  # the loss's chunks are compiled with the blocks (model/chunked_loss.py)
 
     def reset_parameters(self) -> None:
         """GPT-2/Llama-style init; residual output projections scaled by 1/sqrt(2 * layers) to keep depth stable."""
@@ -187,7 +189,7 @@ class LlamaDecoder(CausalLM):
         hidden = self.norm(x)
         if targets is None:
             return self.lm_head(hidden)
-        return linear_cross_entropy(hidden, self.lm_head.weight, targets)
+        return linear_cross_entropy(hidden, self.lm_head.weight, targets, compiled=self.compiled)
 
 
 def token_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:

@@ -8,6 +8,7 @@ and a run started again on the same folder continues bit-exactly from the last c
 
 from __future__ import annotations
 
+import functools
 import logging
 import math
 import time
@@ -26,17 +27,10 @@ log = logging.getLogger(__name__)
 
 def solo_outer_step(replica: Replica, outer_cfg: OuterConfig) -> None:
     """The outer step of a group of one (no partner answered, or no swarm at all)."""
-    new_phi, new_delta = algorithm.noloco_outer_step(
-        replica.fast_weights(),
-        replica.phi,
-        replica.delta,
-        [],
-        [],
-        alpha=outer_cfg.alpha,
-        beta=outer_cfg.beta,
-        gamma=outer_cfg.effective_gamma,
+    update = functools.partial(
+        algorithm.noloco_pair_step, alpha=outer_cfg.alpha, beta=outer_cfg.beta, gamma=outer_cfg.effective_gamma
     )
-    replica.apply_outer_step(new_phi, new_delta)
+    replica.apply_outer_step(*replica.outer_update(update, None))
 
 
 def run_training(

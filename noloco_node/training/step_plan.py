@@ -227,7 +227,10 @@ def probe_plan(
     lets the ranks of a multi-GPU member settle on one micro-batch (the smallest). Only the project's decoder is
     compiled or checkpointed; another model runs eager."""
     decoder = model if isinstance(model, LlamaDecoder) else None
-    memory_bytes = torch.cuda.get_device_properties(device).total_memory
+    # What this process may use: the card's free memory and what it holds already (its model). Another process on
+    # the same card (two members on one GPU) keeps what it has.
+    free, _total = torch.cuda.mem_get_info(device)
+    memory_bytes = free + torch.cuda.memory_reserved(device)
     missing_state = 0 if optimizer_state_exists else ADAM_BYTES * sum(p.numel() for p in model.parameters())
     checkpointed = wanted(train_cfg.activation_checkpointing, False)
     if decoder is not None:
