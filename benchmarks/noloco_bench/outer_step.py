@@ -5,8 +5,7 @@ to time one; a phase is H of them. Then the pieces of an outer step, each timed 
 (node/outer_step.py), with a partner's fp32 payload made from this replica's own weights:
 
 - **gather**: theta copied to the host (the norm bound and the offers read it there);
-- **blend**: the NoLoCo pair step (algorithm.noloco_pair_step) through ``Replica.outer_update``, on the host and,
-  where the plan allows it, one parameter at a time on the GPU: the two measured in the same run;
+- **blend**: the NoLoCo pair step (algorithm.noloco_pair_step) on the host, where the outer state lives;
 - **adopt**: ``apply_outer_step`` (theta = phi again);
 - **snapshot**: the upkeep on the trainer thread: phi, delta and Adam's moments copied into the reused snapshot
   buffers (training/checkpoints.py) that GetState serves and the checkpoint is written from;
@@ -18,12 +17,11 @@ The share of a phase is (gather + blend + adopt + snapshot) / (H x step time).
 
 from __future__ import annotations
 
-import functools
 import tempfile
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -52,14 +50,15 @@ class OuterStepBenchResult:
     adopt_seconds: float
     snapshot_seconds: float
     checkpoint_seconds: float
-    blend_seconds: dict[str, float] = field(default_factory=dict)  # by where it ran: "host", "GPU"
+    blend_seconds: float
 
     @property
     def phase_seconds(self) -> float:
         return self.inner_steps * self.step_seconds
 
-    def share(self, where: str) -> float:
-        critical = self.gather_seconds + self.blend_seconds[where] + self.adopt_seconds + self.snapshot_seconds
+    @property
+    def share(self) -> float:
+        critical = self.gather_seconds + self.blend_seconds + self.adopt_seconds + self.snapshot_seconds
         return critical / self.phase_seconds
 
     def report(self) -> str:
@@ -67,13 +66,10 @@ class OuterStepBenchResult:
             f"model {self.size} on {self.device}",
             f"  {self.plan}",
             f"  inner step {self.step_seconds:.3f} s: a phase of H = {self.inner_steps} is {self.phase_seconds:.1f} s",
-            f"  gather theta to the host {self.gather_seconds:.3f} s, adopt {self.adopt_seconds:.3f} s, "
-            f"snapshot (upkeep) {self.snapshot_seconds:.3f} s",
+            f"  gather theta to the host {self.gather_seconds:.3f} s, blend {self.blend_seconds:.3f} s, adopt "
+            f"{self.adopt_seconds:.3f} s, snapshot (upkeep) {self.snapshot_seconds:.3f} s",
+            f"  outer step + upkeep = {self.share:.2%} of the phase",
         ]
-        for where, seconds in self.blend_seconds.items():
-            lines.append(
-                f"  blend on the {where}: {seconds:.3f} s; outer step + upkeep = {self.share(where):.2%} of the phase"
-            )
         lines.append(f"  checkpoint written off the critical path in {self.checkpoint_seconds:.1f} s (writer thread)")
         return "\n".join(lines)
 
@@ -130,18 +126,24 @@ def run_outer_step_bench(
 
     # A partner's payload as the wire decodes it: fp32 host tensors (here: this replica's theta, nudged).
     partner_theta = [t.clone().mul_(1.001) for t in replica.fast_weights()]
-    update = functools.partial(algorithm.noloco_pair_step, alpha=0.5, beta=0.7, gamma=0.7)
-    blends: dict[str, float] = {}
-    where_options = [("GPU", True), ("host", False)] if replica.plan.blend_on_device else [("host", False)]
-    gather = 0.0
-    for where, on_device in where_options:
-        replica.train_step()  # theta moves on: the gather is a real copy again
-        replica.plan.blend_on_device = on_device
-        gather = _timed(torch_device, lambda: relative_distance(replica.fast_weights(), replica.phi))
-        blends[where] = _timed(torch_device, lambda: replica.outer_update(update, (partner_theta, [], []), None))
-    replica.plan.blend_on_device = where_options[0][1]
-    new_phi, new_delta = replica.outer_update(update, (partner_theta, [], []), None)
-    adopt = _timed(torch_device, lambda: replica.apply_outer_step(new_phi, new_delta))
+    replica.train_step()  # theta moves on: the gather is a real copy again
+    gather = _timed(torch_device, lambda: relative_distance(replica.fast_weights(), replica.phi))
+    outcome: list[tuple[list[torch.Tensor], list[torch.Tensor]]] = []
+    blend = _timed(
+        torch_device,
+        lambda: outcome.append(
+            algorithm.noloco_pair_step(
+                replica.fast_weights(),
+                replica.phi,
+                replica.delta,
+                (partner_theta, [], []),
+                alpha=0.5,
+                beta=0.7,
+                gamma=0.7,
+            )
+        ),
+    )
+    adopt = _timed(torch_device, lambda: replica.apply_outer_step(*outcome[0]))
     snapshots = Snapshots(replica)
     snapshots.take(replica).release()  # the buffers are allocated once, at start, in a node
     copies = []
@@ -165,5 +167,5 @@ def run_outer_step_bench(
         adopt_seconds=adopt,
         snapshot_seconds=snapshot,
         checkpoint_seconds=checkpoint,
-        blend_seconds=blends,
+        blend_seconds=blend,
     )

@@ -85,23 +85,6 @@ STEPS_IN_FLIGHT = 2
 
 
 Batch = tuple[torch.Tensor, torch.Tensor]
-TensorList = Sequence[torch.Tensor]
-# A partner's (theta, phi, delta), each empty when its payload does not carry it.
-PartnerTensors = tuple[TensorList, TensorList, TensorList]
-
-
-class OuterUpdate(Protocol):
-    """An outer step over lists of tensors (algorithm.noloco_pair_step with its settings bound)."""
-
-    def __call__(
-        self,
-        theta: TensorList,
-        phi: TensorList,
-        delta: TensorList,
-        partner: PartnerTensors | None,
-        *,
-        sent_theta: TensorList | None,
-    ) -> tuple[list[torch.Tensor], list[torch.Tensor]]: ...
 
 
 def learning_rate(step: int, cfg: TrainConfig) -> float:
@@ -166,7 +149,6 @@ class Replica:
             fused=True if self.device.type == "cuda" else None,
         )
         self._in_flight: deque[StepLoss] = deque()
-        self._blend_out: tuple[list[torch.Tensor], list[torch.Tensor]] | None = None  # outer_update's results
         # Outer state in fp32 whatever the training dtype (docs/architecture.md): phi starts as theta, delta at zero. It
         # lives on the host whatever the training device: on a GPU it would take two more model copies of GPU
         # memory, and the outer step, the exchange and the donor snapshot all work on the host. Pinned on a CUDA
@@ -268,49 +250,6 @@ class Replica:
             torch.cuda.current_stream(self.device).synchronize()  # the host buffers are complete from here on
             self._theta_gathered = self._theta_version
         return list(self._theta_host)
-
-    @torch.no_grad()
-    def outer_update(
-        self,
-        update: OuterUpdate,
-        partner: PartnerTensors | None,
-        sent_theta: Sequence[torch.Tensor] | None = None,
-    ) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
-        """``update(theta, phi, delta, partner, sent_theta=...)`` (algorithm.noloco_pair_step's shape): the new phi and
-        delta, on the host.
-
-        With the plan's ``blend_on_device`` it runs one parameter at a time on the GPU: theta is read where it
-        lives, phi and delta (pinned) and the partner's tensors are copied in, the results copied out to reused
-        pinned buffers; the GPU holds a few tensors of one parameter's size. Otherwise on the host, over the host
-        copy of theta (:meth:`fast_weights`). The update's maths is the same either way: per-tensor and elementwise.
-        """
-        if not self.plan.blend_on_device:
-            return update(self.fast_weights(), self.phi, self.delta, partner, sent_theta=sent_theta)
-        pinned = self.device.type == "cuda"
-        if self._blend_out is None:
-            self._blend_out = (
-                [_host_buffer(p.shape, pinned) for p in self.params],
-                [_host_buffer(p.shape, pinned) for p in self.params],
-            )
-        new_phi, new_delta = self._blend_out
-
-        def here(tensors: Sequence[torch.Tensor], k: int) -> list[torch.Tensor]:
-            return [tensors[k].to(self.device, non_blocking=True)] if tensors else []
-
-        for k, param in enumerate(self.params):
-            part = None if partner is None else (here(partner[0], k), here(partner[1], k), here(partner[2], k))
-            phi_k, delta_k = update(
-                [param.detach()],
-                here(self.phi, k),
-                here(self.delta, k),
-                part,
-                sent_theta=None if sent_theta is None else here(sent_theta, k),
-            )
-            new_phi[k].copy_(phi_k[0], non_blocking=True)
-            new_delta[k].copy_(delta_k[0], non_blocking=True)
-        if pinned:
-            torch.cuda.current_stream(self.device).synchronize()  # the host buffers are complete from here on
-        return list(new_phi), list(new_delta)
 
     @torch.no_grad()
     def apply_outer_step(self, new_phi: Sequence[torch.Tensor], new_delta: Sequence[torch.Tensor]) -> None:

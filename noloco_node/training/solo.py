@@ -8,7 +8,6 @@ and a run started again on the same folder continues bit-exactly from the last c
 
 from __future__ import annotations
 
-import functools
 import logging
 import math
 import time
@@ -27,10 +26,16 @@ log = logging.getLogger(__name__)
 
 def solo_outer_step(replica: Replica, outer_cfg: OuterConfig) -> None:
     """The outer step of a group of one (no partner answered, or no swarm at all)."""
-    update = functools.partial(
-        algorithm.noloco_pair_step, alpha=outer_cfg.alpha, beta=outer_cfg.beta, gamma=outer_cfg.effective_gamma
+    new_phi, new_delta = algorithm.noloco_pair_step(
+        replica.fast_weights(),
+        replica.phi,
+        replica.delta,
+        None,
+        alpha=outer_cfg.alpha,
+        beta=outer_cfg.beta,
+        gamma=outer_cfg.effective_gamma,
     )
-    replica.apply_outer_step(*replica.outer_update(update, None))
+    replica.apply_outer_step(new_phi, new_delta)
 
 
 def run_training(

@@ -47,8 +47,6 @@ DDP_BUCKET_BYTES = 4
 # token and layer; compiled blocks keep about a third less). Checkpointed, a block keeps its fp32 input.
 ACTIVATION_HIDDEN, ACTIVATION_FFN = 20, 12
 CHECKPOINTED_HIDDEN = 4
-# fp32 tensors of one parameter's size the outer step holds on the GPU at a time (training/replica.py).
-BLEND_TENSORS = 8
 
 # Dense bf16 tensor-core peaks (FLOP/s), from the vendors' datasheets (SXM parts where there are two).
 GPU_PEAK_BF16 = {
@@ -129,7 +127,6 @@ class StepPlan:
     peak_bytes: int | None = None  # predicted (memory model, probe fit) or measured (the compiled probe)
     tokens_per_second: float | None = None  # measured by the probe (forward and backward, no optimizer step)
     mfu: float | None = None
-    blend_on_device: bool = False  # the outer step one parameter at a time on the GPU (training/replica.py)
     notes: list[str] = field(default_factory=list)
 
     @property
@@ -142,7 +139,6 @@ class StepPlan:
             f"= {self.batch_size * self.seq_len:,} tokens per inner step ({self.source})",
             f"compile {'on' if self.compiled else 'off'}",
             f"activation checkpointing {'on' if self.checkpointed else 'off'}",
-            f"outer step on the {'GPU' if self.blend_on_device else 'host'}",
         ]
         if self.peak_bytes is not None and self.memory_bytes:
             parts.append(f"memory {self.peak_bytes / GIB:.1f} of {self.memory_bytes / GIB:.1f} GiB")
@@ -198,8 +194,6 @@ def plan_for_memory(
         memory_bytes=memory_bytes,
         peak_bytes=memory.fixed_bytes + max(micro, 1) * memory.per_sequence_bytes,
     )
-    largest = max(model_cfg.vocab_size, model_cfg.intermediate_size) * model_cfg.hidden_size * 4
-    plan.blend_on_device = (plan.peak_bytes or 0) + BLEND_TENSORS * largest <= memory_bytes * MEMORY_MARGIN
     if micro == 0 or not memory.micro_batch_fits(micro, memory_bytes):
         plan.notes.append(
             f"does not fit: {memory.fixed_bytes / GIB:.1f} GiB for weights, gradients and Adam "
@@ -291,10 +285,6 @@ def probe_plan(
             log.warning("torch.compile failed, training eager instead: %r", error)
     if not plan.compiled:
         _timed_passes(model, train_cfg.seq_len, micro, device, plan, missing_state)
-    # The blend holds about 8 tensors of the largest parameter's size at a time (theta, phi, delta, a partner's
-    # three, the results), fp32, beside what training left allocated.
-    largest = max(p.numel() for p in model.parameters()) * 4
-    plan.blend_on_device = (plan.peak_bytes or 0) + BLEND_TENSORS * largest <= memory_bytes * MEMORY_MARGIN
     return plan
 
 

@@ -28,3 +28,14 @@ def test_the_train_bench_reports_consistent_throughput_and_mfu() -> None:
 
 def test_flops_per_token_counts_weights_and_attention() -> None:
     assert flops_per_token(1_000, layers=2, context=10, width=4) == 6_000 + 12 * 2 * 10 * 4
+
+
+def test_the_outer_step_bench_reports_its_parts_as_a_share_of_the_phase() -> None:
+    from noloco_bench.outer_step import run_outer_step_bench
+
+    result = run_outer_step_bench("tiny", inner_steps=20, batch_size=2, seq_len=32, device="cpu")
+    parts = [result.gather_seconds, result.blend_seconds, result.adopt_seconds, result.snapshot_seconds]
+    assert all(seconds > 0 for seconds in parts) and result.step_seconds > 0 and result.checkpoint_seconds > 0
+    assert result.phase_seconds == pytest.approx(20 * result.step_seconds)
+    assert result.share == pytest.approx(sum(parts) / result.phase_seconds)
+    assert f"{result.share:.2%} of the phase" in result.report()

@@ -1,6 +1,5 @@
 """The GPU step's features shown on the CPU with the same maths: the chunked loss, grouped-query attention without
-copies, compiled blocks, gradient accumulation, the outer step one parameter at a time, and the planner against a
-card of a given memory."""
+copies, compiled blocks, gradient accumulation, and the planner against a card of a given memory."""
 
 from __future__ import annotations
 
@@ -9,7 +8,6 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from noloco_node import algorithm
 from noloco_node.config.models import TrainConfig, model_config_for
 from noloco_node.data.corpus import ReplicaShard
 from noloco_node.model import chunked_loss
@@ -112,20 +110,6 @@ def test_accumulated_micro_batches_train_as_one_large_batch() -> None:
 def test_a_micro_batch_that_does_not_divide_the_batch_is_refused_naming_the_field() -> None:
     with pytest.raises(ValueError, match="micro_batch"):
         TrainConfig(batch_size=8, micro_batch=3)
-
-
-def test_the_outer_step_one_parameter_at_a_time_is_the_whole_step() -> None:
-    host, per_tensor = make_replica(), make_replica()
-    per_tensor.plan.blend_on_device = True
-    for replica in (host, per_tensor):
-        replica.train_step()
-    partner = ([t.clone().mul_(0.9) for t in host.fast_weights()], [t.clone() for t in host.phi], [])
-    update = lambda *args, **kwargs: algorithm.noloco_pair_step(*args, **kwargs, alpha=0.5, beta=0.7, gamma=0.6)  # noqa: E731
-    expected = update(host.fast_weights(), host.phi, host.delta, partner, sent_theta=None)
-    for replica in (host, per_tensor):
-        got = replica.outer_update(update, partner)
-        for mine, reference in zip([*got[0], *got[1]], [*expected[0], *expected[1]], strict=True):
-            assert torch.equal(mine, reference)
 
 
 def test_the_planner_fits_the_micro_batch_to_a_cards_memory() -> None:
