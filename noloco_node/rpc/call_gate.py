@@ -60,7 +60,8 @@ class CallGate:
         except CallerProofError as error:
             self.metrics.rejection(f"identity_{error.reason}")
             self.metrics.outcome("unproven_caller")
-            abort(context, grpc.StatusCode.UNAUTHENTICATED, str(error))
+            busy = error.reason == "busy"  # a valid proof the table has no room for yet: not an identity failure
+            abort(context, grpc.StatusCode.RESOURCE_EXHAUSTED if busy else grpc.StatusCode.UNAUTHENTICATED, str(error))
 
     def address_of(self, context: grpc.ServicerContext) -> str:
         """The caller's address: what this server sees, or, through a tunnel, what the relay saw."""

@@ -117,10 +117,17 @@ class CallerVerifier:
         return public_key, caller
 
     def _remember(self, nonce: str) -> None:
+        """Remember a nonce until its proof fails the clock check anyway. Only expired nonces are forgotten: with
+        the table full of live ones a new proof is refused (``busy``, the caller may try again) rather than an
+        unexpired nonce forgotten, which would let its proof be replayed."""
         now = time.monotonic()
         with self._lock:
-            while self._seen and (next(iter(self._seen.values())) < now or len(self._seen) >= MAX_REMEMBERED_NONCES):
+            while self._seen and next(iter(self._seen.values())) < now:
                 self._seen.popitem(last=False)
             if nonce in self._seen:
                 raise CallerProofError("replayed_proof", "this identity proof was used before")
+            if len(self._seen) >= MAX_REMEMBERED_NONCES:
+                raise CallerProofError(
+                    "busy", f"{MAX_REMEMBERED_NONCES} identity proofs are in use within the clock window: try again"
+                )
             self._seen[nonce] = now + 2 * self.max_clock_skew  # older proofs fail the clock check anyway
