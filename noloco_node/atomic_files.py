@@ -4,15 +4,25 @@ A crash at any moment leaves the old file or the new one, never a torn one: chec
 and shard.json all go through :func:`write_atomically`. The temporary file is created with the final file's mode
 (``O_EXCL``), so a private file (the node key, 0600) is never readable by others, not even for an instant. A
 process killed mid-write leaves its temporary file behind; the next write of the same file removes those of
-writers that are no longer alive, so a crash loop does not fill the disk with torn checkpoints.
+writers that are no longer at work, so a crash loop does not fill the disk with torn checkpoints.
+
+A writer holds an exclusive ``flock`` on its temporary file while it writes, and the kernel drops it when the
+process dies, however it dies: a temporary file that can be locked has no writer. Not the writer's PID: in a
+container the node is PID 1 at every start, so a PID says nothing about whether the file's writer is alive.
 """
 
 from __future__ import annotations
 
+import fcntl
 import os
+import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import BinaryIO
+
+# Seconds a temporary file is left alone whatever its lock says: between creating it and locking it, a writer
+# holds no lock yet.
+LEFTOVER_MIN_AGE = 10.0
 
 
 def write_atomically(
@@ -28,6 +38,7 @@ def write_atomically(
     tmp = path.with_name(f".{path.name}.{os.getpid()}.{id(content):x}.tmp")
     fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, mode)
     try:
+        fcntl.flock(fd, fcntl.LOCK_EX)  # held until the file is closed, or the process dies
         with os.fdopen(fd, "wb") as handle:
             if callable(content):
                 content(handle)
@@ -48,23 +59,25 @@ def write_atomically(
             os.close(dir_fd)
 
 
-def remove_dead_writers_leftovers(path: Path) -> list[Path]:
-    """Delete the temporary files of ``path`` whose writing process is gone (killed mid-write); returns them. A
-    live writer's (this process's or another's) is left alone."""
+def remove_dead_writers_leftovers(path: Path, *, min_age: float = LEFTOVER_MIN_AGE) -> list[Path]:
+    """Delete the temporary files of ``path`` that no writer holds (their writer was killed mid-write); returns
+    them. One that a writer holds, in this process or another, is left alone, and so is one younger than
+    ``min_age`` seconds: its writer may not have taken its lock yet."""
     removed = []
+    now = time.time()
     for leftover in path.parent.glob(f".{path.name}.*.tmp"):
-        pid = leftover.name[len(path.name) + 2 :].split(".", 1)[0]
-        if pid.isdigit() and not _alive(int(pid)):
-            leftover.unlink(missing_ok=True)
-            removed.append(leftover)
+        try:
+            if now - leftover.stat().st_mtime < min_age:
+                continue
+            fd = os.open(leftover, os.O_RDONLY)
+        except FileNotFoundError:  # its writer renamed it meanwhile
+            continue
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:  # a writer at work
+            continue
+        finally:
+            os.close(fd)
+        leftover.unlink(missing_ok=True)
+        removed.append(leftover)
     return removed
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:  # alive, and someone else's
-        return True
-    return True
