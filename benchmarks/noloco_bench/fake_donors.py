@@ -28,16 +28,16 @@ from noloco_node.model.source import SeededDecoder
 from noloco_node.observability.status_file import read_status_document
 from noloco_node.rpc.contracts import SERVICE
 from noloco_node.rpc.transport import CHANNEL_OPTIONS
-from noloco_node.training.checkpoints import snapshot_layout
+from noloco_node.training.checkpoints import state_layout
 from noloco_node.wire.frames import build_manifest, iter_frames
 
 
 class FakeDonor:
     """Attack 3: a GetState server of the outsider's own, serving a state of outer step 1,000,000, and a DHT record,
     signed with the outsider's own key, that says so (refreshed until ``close``). The state is random weights, or
-    with ``honest`` (the node to copy) the freshest honest slow weights with the outer momentum and Adam's moments
-    poisoned (exp_avg 1, exp_avg_sq 0: Adam's steps become lr / eps), which a check of phi alone cannot see. Two
-    of them under two keys make the claim "corroborated" to a node that counts keys."""
+    with ``honest`` (the node to copy) the freshest honest slow weights: they measure well, and only the counters
+    lie. (GetState serves slow weights alone, so the outer momentum and Adam's moments an adopter rebuilds cannot
+    be poisoned.) Two of them under two keys make the claim "corroborated" to a node that counts keys."""
 
     def __init__(
         self,
@@ -58,7 +58,7 @@ class FakeDonor:
             "outer_step": CLAIMED_STEP,
             "adam_step": CLAIMED_STEP * inner_steps,
         }
-        self.layout = snapshot_layout(SeededDecoder(model_cfg, seed=0))
+        self.layout = state_layout(SeededDecoder(model_cfg, seed=0))
         named = [(name, torch.randn(shape) * 0.05) for name, shape in self.layout]
         self.manifest = build_manifest(
             named,
@@ -92,11 +92,8 @@ class FakeDonor:
         tensors = self.tensors
         target = self.honest() if self.honest is not None else None
         if target is not None:
-            phi = download_phi(target, self.model_cfg, self.identity)
-            count = len(phi)
-            delta = [torch.zeros_like(p) for p in phi]
-            tensors = [*phi, *delta, *(torch.ones_like(p) for p in phi), *(torch.zeros_like(p) for p in phi)]
-            assert len(tensors) == 4 * count == len(self.layout)
+            tensors = download_phi(target, self.model_cfg, self.identity)
+            assert len(tensors) == len(self.layout)
         yield from iter_frames(self.manifest, tensors)
 
     def _publish_forever(self) -> None:

@@ -50,7 +50,7 @@ from noloco_node.rpc.transport import CHANNEL_OPTIONS, Transport
 from noloco_node.security.caller_proof import prove
 from noloco_node.security.identity import NodeIdentity, _wrap
 from noloco_node.security.payload_seal import PayloadSeal, call_binding
-from noloco_node.training.checkpoints import snapshot_layout
+from noloco_node.training.checkpoints import state_layout
 from noloco_node.wire import peer_pb2 as pb
 from noloco_node.wire.frames import ChunkView, PayloadDigest, PayloadError, build_manifest, decode_frame, iter_frames
 
@@ -175,7 +175,7 @@ def theta_names(model_cfg: ModelConfig) -> list[tuple[str, tuple[int, ...]]]:
 
 
 def _layout(model_cfg: ModelConfig) -> list[tuple[str, tuple[int, ...]]]:
-    return list(_snapshot_layout(model_cfg.model_dump_json()))
+    return list(_state_layout(model_cfg.model_dump_json()))
 
 
 # Built once per model: a meta-device model costs seconds of CPU at nice 19 (its first one imports torch._dynamo),
@@ -188,8 +188,8 @@ def _theta_names(model_json: str) -> tuple[tuple[str, tuple[int, ...]], ...]:
 
 
 @functools.cache
-def _snapshot_layout(model_json: str) -> tuple[tuple[str, tuple[int, ...]], ...]:
-    return tuple(snapshot_layout(SeededDecoder(ModelConfig.model_validate_json(model_json), seed=0)))
+def _state_layout(model_json: str) -> tuple[tuple[str, tuple[int, ...]], ...]:
+    return tuple(state_layout(SeededDecoder(ModelConfig.model_validate_json(model_json), seed=0)))
 
 
 def download_phi(

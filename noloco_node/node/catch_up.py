@@ -60,7 +60,7 @@ from noloco_node.rpc.client import ExchangeError
 from noloco_node.rpc.metrics import ExchangeMetrics
 from noloco_node.rpc.state_download import StateDownload
 from noloco_node.rpc.transport import Transport
-from noloco_node.training.checkpoints import snapshot_layout
+from noloco_node.training.checkpoints import state_layout
 from noloco_node.training.data_parallel import DataParallel
 from noloco_node.training.replica import Batch, Replica
 
@@ -259,7 +259,7 @@ class CatchUp:
         """Adopt a fresh donor's snapshot that measures well (see the module docstring). Donors are drawn at
         random near the credible front, so joiners spread out; a busy or failing donor is followed by the next
         one, which continues the download where the last stopped when its snapshot is of the same outer step."""
-        layout = snapshot_layout(replica.source)
+        layout = state_layout(replica.source)
         own_loss = await asyncio.to_thread(replica.evaluate, self.validation)
         needed = own_loss if has_own_state else own_loss * (1 - STATE_IMPROVEMENT)
         refused = set(self.refused_donors)  # and, for this download, those whose state measured worse
@@ -321,12 +321,13 @@ class CatchUp:
                 self.metrics.outcome("state_downloaded")
                 self.probation.begin(donor.peer_id, loss)
                 log.info(
-                    "%s: state of outer step %d from %s (validation loss %.4f, against %.4f)%s",
+                    "%s: state of outer step %d from %s (validation loss %.4f, against %.4f; %.3f MB downloaded)%s",
                     purpose,
                     replica.outer_step,
                     donor.peer_id[-8:],
                     loss,
                     own_loss,
+                    download.bytes_received / 1e6,
                     " (resumed where another donor stopped)" if download.resumed else "",
                 )
                 self.resumed_strategy_state = {}

@@ -38,7 +38,7 @@ from noloco_node.node.security import NodeSecurity
 from noloco_node.rpc.client import ExchangeError
 from noloco_node.rpc.state_download import StateDownload
 from noloco_node.security.payload_guard import relative_distance
-from noloco_node.training.checkpoints import snapshot_layout
+from noloco_node.training.checkpoints import state_layout
 
 
 class ConsensusError(NolocoError):
@@ -132,7 +132,7 @@ def fetch_consensus(
     bootstrap = expand_bootstrap(node_cfg.bootstrap, wait=node_cfg.bootstrap_wait)
     if not bootstrap:
         raise ConsensusError("give --bootstrap: the DHT address of the run (multiaddrs or http://HOST:PORT/maddrs)")
-    layout = snapshot_layout(source)
+    layout = state_layout(source)
     names = [name.removeprefix("phi/") for name, _ in layout if name.startswith("phi/")]
     state_bytes = 4 * sum(torch.Size(shape).numel() for _, shape in layout)
     timeout = max(node_cfg.exchange_timeout, state_bytes / node_cfg.min_link_rate + 10.0)

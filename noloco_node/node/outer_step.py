@@ -181,8 +181,8 @@ class OuterStep:
         checkpoint when one is due. Trainer thread, at an outer step (and once at start)."""
         deps, replica = self.deps, self.deps.replica
         copy = deps.snapshots.take(replica)
-        copy.manifest = build_manifest(
-            deps.snapshots.named(copy),
+        copy.manifest = build_manifest(  # what GetState serves of it: the slow weights
+            deps.snapshots.served(copy),
             wire_dtype="fp32",
             run_fingerprint=deps.run_fingerprint,
             peer_id=deps.peer_id(),

@@ -1,5 +1,6 @@
-"""Serving a node's state to a joiner (``GetState``): the outer snapshot (wire/published.py), streamed as frames
-(wire/frames.py), resumable at any tensor and 4-byte offset of the same outer step. Downloads never block training
+"""Serving a node's state to a joiner (``GetState``): the slow weights of the outer snapshot (wire/published.py;
+what its manifest names: a joiner rebuilds the rest), streamed as frames (wire/frames.py), resumable at any tensor
+and 4-byte offset of the same outer step. Downloads never block training
 (they read a copy) but cost CPU and bandwidth, so they come a few at a time, one per proven peer, in slots of their
 own that an exchange flood cannot take (call_gate.py, admission.py).
 """
@@ -85,7 +86,7 @@ class StateServing:
         try:
             yield from iter_frames(
                 snapshot.manifest,
-                snapshot.tensors,
+                snapshot.tensors[: len(tensors)],  # the manifest names what is served: the snapshot's first part
                 chunk_bytes=self.chunk_bytes,
                 on_chunk=count_sent,
                 from_tensor=request.from_tensor,

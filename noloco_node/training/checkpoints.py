@@ -32,14 +32,15 @@ from noloco_node.wire.published import BufferPool, Published
 
 log = logging.getLogger(__name__)
 
-# The joiner snapshot's tensors, in the order GetState serves them: each prefix over every parameter.
+# The snapshot's tensors, each prefix over every parameter: what a checkpoint is made of. GetState serves the first
+# part alone (STATE_PREFIX): a joiner keeps a donor's slow weights and rebuilds the rest (Replica.adopt_donor_weights).
 SNAPSHOT_PREFIXES = ("phi", "delta", "adam.exp_avg", "adam.exp_avg_sq")
+STATE_PREFIX = SNAPSHOT_PREFIXES[0]
 
 
-def snapshot_layout(source: ModelSource) -> list[tuple[str, tuple[int, ...]]]:
-    """Names and shapes of an outer-step snapshot, the order GetState serves them in."""
-    named = source.layout()
-    return [(f"{prefix}/{name}", shape) for prefix in SNAPSHOT_PREFIXES for name, shape in named]
+def state_layout(source: ModelSource) -> list[tuple[str, tuple[int, ...]]]:
+    """Names and shapes of what GetState serves and a joiner downloads: the slow weights at an outer step."""
+    return [(f"{STATE_PREFIX}/{name}", shape) for name, shape in source.layout()]
 
 
 class Snapshots:
@@ -74,8 +75,9 @@ class Snapshots:
             [*replica.phi, *replica.delta, *moments["exp_avg"], *moments["exp_avg_sq"]], metadata=metadata
         )
 
-    def named(self, copy: Published) -> list[tuple[str, torch.Tensor]]:
-        return list(zip(self.names, copy.tensors, strict=True))
+    def served(self, copy: Published) -> list[tuple[str, torch.Tensor]]:
+        """The part of a snapshot that GetState serves (the slow weights), named as state_layout names them."""
+        return list(zip(self.names, copy.tensors, strict=False))[: len(copy.tensors) // len(SNAPSHOT_PREFIXES)]
 
 
 def replica_state_of(copy: Published) -> dict[str, Any]:

@@ -70,7 +70,8 @@ class PeerServicer:
         raise NotImplementedError('Method not implemented!')
 
     def GetState(self, request, context):
-        """A joiner downloads a peer's full replica state (the last outer-step snapshot), as Manifest, Chunks, End. A donor
+        """A joiner downloads a peer's slow weights (phi of its last outer-step snapshot: all a joiner keeps; it rebuilds
+        the outer momentum and Adam's moments), as Manifest, Chunks, End. A donor
         serving its maximum of downloads at once answers RESOURCE_EXHAUSTED: the joiner tries another donor.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)

@@ -74,6 +74,13 @@ class _Gated(list):
         self.gate = gate
         self.waiting = threading.Event()  # a download is being held at the gate
 
+    def __getitem__(self, index):  # the server serves a slice (what the manifest names): the same gate
+        if not isinstance(index, slice):
+            return list.__getitem__(self, index)
+        part = _Gated(list.__getitem__(self, index), self.gate)
+        part.waiting = self.waiting
+        return part
+
     def __iter__(self):
         for index, tensor in enumerate(list.__iter__(self)):
             if index == 1 and self.gate is not None:

@@ -300,11 +300,12 @@ def test_overlap_mode_blends_without_waiting_for_partners(bootstrap: Bootstrap, 
 def test_a_late_joiner_trains_from_a_donors_state_and_the_donor_never_pauses(
     bootstrap: Bootstrap, tmp_path: Path
 ) -> None:
-    """The joiner starts after the others' 3rd outer step. Donors are reached through 400 kB/s proxies, so the
-    2 MB fp32 state takes about 5 s to download: a donor that paused for it would show a 5 s inner phase."""
+    """The joiner starts after the others' 3rd outer step. Donors are reached through 100 kB/s proxies, so the
+    0.5 MB of fp32 slow weights (all a joiner keeps, and all GetState serves) take about 5 s to download: a donor
+    that paused for it would show a 5 s inner phase."""
     args = [*TRAIN, "--inner-steps", "20", "--num-shards", "3", "--pair-timeout", "3"]
     ports = [free_port(), free_port()]
-    proxies = [ThrottlingProxy(port, bytes_per_second=400_000) for port in ports]
+    proxies = [ThrottlingProxy(port, bytes_per_second=100_000) for port in ports]
     early = [
         NodeProcess(
             f"early{i}",
@@ -341,6 +342,10 @@ def test_a_late_joiner_trains_from_a_donors_state_and_the_donor_never_pauses(
     output = late.output()
     assert "joined a run in progress: state of outer step" in output
     joined_at = int(output.split("joined a run in progress: state of outer step")[1].split()[0])
+    downloaded = float(output.split(" MB downloaded")[0].rsplit("; ", 1)[1])
+    source = SeededDecoder(model_config_for("tiny", vocab_size=256, max_seq_len=64), seed=0)
+    phi_mb = 4 * sum(math.prod(shape) for _, shape in source.layout()) / 1e6
+    assert phi_mb - 0.001 <= downloaded < 1.1 * phi_mb  # the slow weights and their framing: not delta and Adam's moments
     donor_tail = output.split("joined a run in progress: state of outer step")[1].split()[2][:8]
     assert joined_at >= 3
     late_history = late.status()["history"]
