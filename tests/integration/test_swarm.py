@@ -345,7 +345,7 @@ def test_a_late_joiner_trains_from_a_donors_state_and_the_donor_never_pauses(
     downloaded = float(output.split(" MB downloaded")[0].rsplit("; ", 1)[1])
     source = SeededDecoder(model_config_for("tiny", vocab_size=256, max_seq_len=64), seed=0)
     phi_mb = 4 * sum(math.prod(shape) for _, shape in source.layout()) / 1e6
-    assert phi_mb - 0.001 <= downloaded < 1.1 * phi_mb  # the slow weights and their framing: not delta and Adam's moments
+    assert phi_mb - 0.001 <= downloaded < 1.1 * phi_mb  # the slow weights and their framing, nothing more
     donor_tail = output.split("joined a run in progress: state of outer step")[1].split()[2][:8]
     assert joined_at >= 3
     late_history = late.status()["history"]
