@@ -190,32 +190,31 @@ def add_bench_parsers(commands: Any) -> None:
     train_bench.add_argument("--model", default="small", choices=list(MODEL_SIZES), help="model size")
     train_bench.add_argument("--steps", type=int, default=20, help="measured inner steps (after --warmup more)")
     train_bench.add_argument("--warmup", type=int, default=3, help="inner steps before the measured ones")
-    train_bench.add_argument(
-        "--batch-size", type=int, default=None, help="sequences per inner step (default: 256 on a GPU, 8 on a CPU)"
-    )
-    train_bench.add_argument(
-        "--seq-len", type=int, default=None, help="tokens per sequence (default: 1024 on a GPU, 256 on a CPU)"
-    )
+    _add_step_shape(train_bench)
     train_bench.add_argument("--vocab-size", type=int, default=256, help="vocabulary (32000: a real tokenizer's)")
     train_bench.add_argument("--micro-batch", type=int, default=None, help="sequences per pass (default: the plan's)")
     train_bench.add_argument("--compile", default="auto", choices=["auto", "on", "off"], help="torch.compile blocks")
     train_bench.add_argument(
         "--no-reference", action="store_true", help="skip the eager, unplanned step measured beside the plan"
     )
-    train_bench.add_argument("--device", default="auto", help="auto, cpu, cuda, cuda:N")
 
     outer_bench = benches.add_parser(
-        "outer-step", help="an outer step and its upkeep (blend on the host and on the GPU) as a share of the phase"
+        "outer-step", help="an outer step and its upkeep (gather, blend, adopt, snapshot) as a share of the phase"
     )
     outer_bench.add_argument("--model", default="small", choices=list(MODEL_SIZES), help="model size")
     outer_bench.add_argument("--inner-steps", type=int, default=50, help="H: the inner steps of a phase")
-    outer_bench.add_argument(
+    _add_step_shape(outer_bench)
+
+
+def _add_step_shape(parser: argparse.ArgumentParser) -> None:
+    """The inner step's shape and device, as `bench train` and `bench outer-step` take them."""
+    parser.add_argument(
         "--batch-size", type=int, default=None, help="sequences per inner step (default: 256 on a GPU, 8 on a CPU)"
     )
-    outer_bench.add_argument(
+    parser.add_argument(
         "--seq-len", type=int, default=None, help="tokens per sequence (default: 1024 on a GPU, 256 on a CPU)"
     )
-    outer_bench.add_argument("--device", default="auto", help="auto, cpu, cuda, cuda:N")
+    parser.add_argument("--device", default="auto", help="auto, cpu, cuda, cuda:N")
 
 
 def run_bench(args: argparse.Namespace) -> int:

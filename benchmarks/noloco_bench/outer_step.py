@@ -24,19 +24,14 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-import numpy as np
 import torch
 
+from noloco_bench.train import step_shape, synthetic_replica
 from noloco_node import algorithm
-from noloco_node.config.models import TrainConfig, model_config_for
-from noloco_node.data.corpus import ReplicaShard
-from noloco_node.model.source import SeededDecoder
+from noloco_node.config.models import TrainConfig
 from noloco_node.security.payload_guard import relative_distance
 from noloco_node.training.checkpoints import CheckpointWriter, Snapshots, replica_state_of
-from noloco_node.training.replica import Replica, resolve_device
-
-GPU_BATCH, GPU_SEQ_LEN = 256, 1024
-CPU_BATCH, CPU_SEQ_LEN = 8, 256
+from noloco_node.training.replica import resolve_device
 
 
 @dataclass
@@ -99,8 +94,7 @@ def run_outer_step_bench(
 ) -> OuterStepBenchResult:
     torch_device = resolve_device(device)
     on_gpu = torch_device.type == "cuda"
-    seq_len = seq_len or (GPU_SEQ_LEN if on_gpu else CPU_SEQ_LEN)
-    batch_size = batch_size or (GPU_BATCH if on_gpu else CPU_BATCH)
+    batch_size, seq_len = step_shape(torch_device, batch_size, seq_len)
     train_cfg = TrainConfig(
         model_size=size,
         batch_size=batch_size,
@@ -110,11 +104,7 @@ def run_outer_step_bench(
         warmup_steps=0,
         device=device,
     )
-    model_cfg = model_config_for(size, vocab_size=vocab_size, max_seq_len=seq_len)
-    count = max(1 << 20, (timed_steps + 8) * batch_size * (seq_len + 1))
-    tokens = np.random.default_rng(0).integers(0, vocab_size, size=count, dtype=np.uint32)
-    shard = ReplicaShard(tokens, replica=0, num_replicas=1, seq_len=seq_len, seed=0)
-    replica = Replica(SeededDecoder(model_cfg, train_cfg.seed, size), train_cfg, [shard], device=torch_device)
+    replica = synthetic_replica(size, train_cfg, vocab_size, torch_device, steps=timed_steps + 6)
     for _ in range(2):
         replica.train_step()
     _sync(torch_device)

@@ -151,6 +151,24 @@ def _peak(device: torch.device) -> tuple[float, str]:
     return measured_matmul_peak(device, torch.float32), "measured fp32 matmul on this CPU, same run"
 
 
+def step_shape(device: torch.device, batch_size: int | None, seq_len: int | None) -> tuple[int, int]:
+    """The sequences per inner step and their length: the given ones, else the bench's default for the device."""
+    on_gpu = device.type == "cuda"
+    return batch_size or (GPU_BATCH if on_gpu else CPU_BATCH), seq_len or (GPU_SEQ_LEN if on_gpu else CPU_SEQ_LEN)
+
+
+def synthetic_replica(
+    size: str, train_cfg: TrainConfig, vocab_size: int, device: torch.device, *, steps: int
+) -> Replica:
+    """The trainer's own replica of a named size on synthetic tokens (enough for ``steps`` inner steps): throughput
+    does not depend on what the tokens say, and a bench needs no corpus."""
+    model_cfg = model_config_for(size, vocab_size=vocab_size, max_seq_len=train_cfg.seq_len)
+    count = max(1 << 20, (steps + 2) * train_cfg.batch_size * (train_cfg.seq_len + 1))
+    tokens = np.random.default_rng(0).integers(0, vocab_size, size=count, dtype=np.uint32)
+    shard = ReplicaShard(tokens, replica=0, num_replicas=1, seq_len=train_cfg.seq_len, seed=0)
+    return Replica(SeededDecoder(model_cfg, train_cfg.seed, size), train_cfg, [shard], device=device)
+
+
 def _measure(
     label: str,
     size: str,
@@ -161,12 +179,7 @@ def _measure(
     steps: int,
     warmup: int,
 ) -> StepMeasurement:
-    model_cfg = model_config_for(size, vocab_size=vocab_size, max_seq_len=train_cfg.seq_len)
-    # Synthetic tokens: throughput does not depend on what the tokens say, and the bench needs no corpus.
-    count = max(1 << 20, (steps + warmup + 2) * train_cfg.batch_size * (train_cfg.seq_len + 1))
-    tokens = np.random.default_rng(0).integers(0, vocab_size, size=count, dtype=np.uint32)
-    shard = ReplicaShard(tokens, replica=0, num_replicas=1, seq_len=train_cfg.seq_len, seed=0)
-    replica = Replica(SeededDecoder(model_cfg, train_cfg.seed, size), train_cfg, [shard], device=device)
+    replica = synthetic_replica(size, train_cfg, vocab_size, device, steps=steps + warmup)
     for _ in range(warmup):
         replica.train_step()
     seconds = []
@@ -201,8 +214,7 @@ def run_train_bench(
     """The planned step (and, with ``reference``, the eager unplanned one) of a named size on this device."""
     torch_device = resolve_device(device)
     on_gpu = torch_device.type == "cuda"
-    seq_len = seq_len or (GPU_SEQ_LEN if on_gpu else CPU_SEQ_LEN)
-    batch_size = batch_size or (GPU_BATCH if on_gpu else CPU_BATCH)
+    batch_size, seq_len = step_shape(torch_device, batch_size, seq_len)
 
     def settings(batch: int, micro: int | None, compiled: str) -> TrainConfig:
         return TrainConfig(
