@@ -57,6 +57,9 @@ TWIN = [
     *("--steps", "350", "--inner-steps", "50", "--shard-index", "0", "--mode", "overlap", "--wire-dtype", "int8"),
     # Bit-identical twins need deterministic training: on a GPU, CUDA's backward kernels sum in no fixed order.
     *("--device", "cpu"),
+    # The attack's payloads claim outer step 1 however long it runs: within reach for the whole run, every input
+    # reaches the checks this test is about (a slow machine once had the node at step 4 mid-attack: OUT_OF_RANGE).
+    *("--max-staleness", "10"),
 ]
 # Steps of 0.15 s (the emulated step time sleeps; the maths is untouched), and the sleeping twins leave the CPU to
 # the attacker. The attack starts once the first outer step is done (inner step 50: the norm bound has a phase to
