@@ -7,7 +7,7 @@ the rows in chunks of about :data:`CHUNK_ELEMENTS` logits, computes each chunk's
 loss in fp32, and, when gradients are wanted, its gradients with respect to the hidden states and the projection
 right away (softmax minus one-hot, the usual closed form). No chunk's logits outlive it; what is kept for the
 backward pass is one hidden-sized gradient and one projection-sized gradient (the approach of Liger Kernel's fused
-linear cross-entropy). Its maths is the plain loss's: ``tests/unit/test_model.py`` holds the two against each other.
+linear cross-entropy). Its maths is the plain loss's: ``tests/unit/test_step_plan.py`` holds the two against each other.
 """
 
 from __future__ import annotations
