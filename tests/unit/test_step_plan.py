@@ -83,6 +83,7 @@ def test_compiled_blocks_compute_what_eager_blocks_do() -> None:
     eager_loss = model(tokens, tokens)
     eager_grads = torch.autograd.grad(eager_loss, list(model.parameters()))
     model.run_blocks(compiled=True, checkpointed=True)  # checkpointed too: recomputed in the backward pass
+    assert all(isinstance(runner, torch._dynamo.eval_frame.OptimizedModule) for runner in model._block_runners)
     compiled_loss = model(tokens, tokens)
     compiled_grads = torch.autograd.grad(compiled_loss, list(model.parameters()))
     assert compiled_loss.item() == pytest.approx(eager_loss.item(), rel=1e-5)
