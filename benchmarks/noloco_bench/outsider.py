@@ -419,6 +419,8 @@ class OutsiderReport:
     forged: Counter[str] = field(default_factory=Counter)
     ratchet: Counter[str] = field(default_factory=Counter)
     hogs: Counter[str] = field(default_factory=Counter)
+    # What the hog was answered when it called again the moment it was cut (even as the window closed).
+    after_cut: Counter[str] = field(default_factory=Counter)
     silent: Counter[str] = field(default_factory=Counter)
     idle_connections: int = 0
     probes: Counter[str] = field(default_factory=Counter)  # Info / GetState asked of the honest nodes
@@ -494,7 +496,11 @@ class Outsider:
         while not self._stop.is_set() and (target := self._current(peer_id)) is not None:
             code = hog_once(self._relay(target), target, self.model_cfg, hold=30)
             self.report.hogs[code] += 1
-            if code != "CANCELLED":
+            if code == "CANCELLED":
+                # Cut: it comes back at once, whether or not its window has closed, so that every cut is followed
+                # by the call the bar is there to refuse.
+                self.report.after_cut[hog_once(self._relay(target), target, self.model_cfg, hold=30)] += 1
+            else:
                 self._stop.wait(REFUSED_PAUSE)
 
     def _silent_loop(self, peer_id: str) -> None:

@@ -1,5 +1,5 @@
 """Who may hold what on a node's server: slots per kind of call, per proven peer and per remote address, and the
-bar on addresses and peers whose calls stalled.
+bar on addresses and peers whose calls stalled or trickled.
 
 One outsider must not be able to do more than waste its own slot (docs/threat-model.md has what idle streams and
 a silent caller did before this existed). So:
@@ -9,11 +9,13 @@ a silent caller did before this existed). So:
 - **Per proven peer** (security/caller_proof.py): one exchange and one download at a time. **Per remote address**:
   at most ``per_address`` calls of each kind at once (a few honest peers may share a NAT; one host cannot take
   every slot by minting keys).
-- **Stalls.** A call that moves no byte for ``stall_seconds`` is cut by the watchdog (rpc/transport.py); its
-  peer and its address are then *barred* from new exchanges, for ``bar_seconds`` after the first stall and twice
-  as long after each further one (up to ``max_bar_seconds``). A silent stream is the same: no manifest within
-  ``stall_seconds``. The bar only refuses what the address would be *served*; this node may still call a peer
-  there. An honest peer whose link died meanwhile loses a few rounds of being called in, not its place.
+- **Stalls.** An exchange that moves no byte for ``stall_seconds``, or moves its bytes below the minimum link rate,
+  is cut by the watchdog (rpc/transport.py); its peer and its address are *barred* from new exchanges at the cut,
+  before the caller hears of it, for ``bar_seconds`` after the first cut and twice as long after each further one
+  (up to ``max_bar_seconds``). A silent stream is the same: no manifest within ``stall_seconds``; and a trickle
+  that never quite stalls is cut for its rate, so it earns the bar too. The bar only refuses what the address
+  would be *served*; this node may still call a peer there. An honest peer whose link died meanwhile loses a few
+  rounds of being called in, not its place.
 
 Memory is bounded: tables of at most ``MAX_TRACKED`` keys, the oldest forgotten first.
 """
@@ -93,7 +95,8 @@ class Admission:
                     if bar is not None and bar.until > now:
                         raise Refused(
                             "barred",
-                            f"refused for {bar.until - now:.0f}s more: an earlier call from this {what} stalled",
+                            f"refused for {bar.until - now:.0f}s more: "
+                            f"an earlier call from this {what} stalled or trickled",
                         )
             if peer is not None and kind != INFO and self._by_peer.get((kind, peer), 0) >= 1:
                 raise Refused("per_peer", f"busy: this peer already has a {kind} call in progress")
@@ -122,9 +125,9 @@ class Admission:
                 else:
                     table.pop(key, None)
 
-    def stalled(self, ticket: Ticket) -> float:
-        """A call of this ticket stalled: bar its peer and its address from new exchanges (doubling each time);
-        returns the address's bar in seconds."""
+    def bar(self, ticket: Ticket) -> float:
+        """A call of this ticket was cut for stalling or trickling: bar its peer and its address from new exchanges
+        (doubling each time); returns the address's bar in seconds."""
         now = time.monotonic()
         seconds = 0.0
         with self._lock:

@@ -1,7 +1,7 @@
 """How every call into a node's service starts and ends, whatever its kind: the caller proven (caller_proof.py), a
 slot admitted (admission.py) or RESOURCE_EXHAUSTED at once, the watchdog's limits (transport.py), and what an
-exchange that stalled costs its peer and its address. Shared by the exchange (service.py) and the state download
-(state_serving.py).
+exchange the watchdog cut for stalling or trickling costs its peer and its address. Shared by the exchange
+(service.py) and the state download (state_serving.py).
 """
 
 from __future__ import annotations
@@ -17,6 +17,14 @@ from noloco_node.rpc.metrics import ExchangeMetrics
 from noloco_node.rpc.transport import GuardedCall, Watchdog
 from noloco_node.security.caller_proof import KEY_HEADER, CallerProofError, CallerVerifier
 from noloco_node.security.payload_guard import Complaints
+
+# The cuts that bar: a caller that moved nothing, or trickled below the minimum link rate, held the round on purpose
+# or over a link that cannot carry an exchange; either way its next calls are not served for a while.
+CUT_MEANING = {
+    "stalled": "it moved no byte for the stall limit",
+    "too_slow": "it moved its bytes below the minimum link rate",
+}
+BARRING_CUTS = frozenset(CUT_MEANING)
 
 
 class CallGate:
@@ -77,24 +85,37 @@ class CallGate:
             self.metrics.outcome("download_busy" if kind == DOWNLOAD else f"refused_{refused.reason}")
             abort(context, grpc.StatusCode.RESOURCE_EXHAUSTED, str(refused))
 
-    def watch(self, context: grpc.ServicerContext, *, limit: float, progress: Callable[[], int]) -> GuardedCall:
+    def watch(
+        self, context: grpc.ServicerContext, ticket: Ticket, *, limit: float, progress: Callable[[], int]
+    ) -> GuardedCall:
         """The watchdog on this call: cut past ``limit`` seconds, below the minimum link rate, or when stalled."""
         return self.watchdog.watch(
-            context, limit=limit, progress=progress, min_rate=self.min_link_rate, stall=self.stall_seconds
+            context,
+            limit=limit,
+            progress=progress,
+            min_rate=self.min_link_rate,
+            stall=self.stall_seconds,
+            on_cut=(lambda reason: self._cut(ticket, reason)) if ticket.kind == EXCHANGE else None,
+        )
+
+    def _cut(self, ticket: Ticket, reason: str) -> None:
+        """An exchange the watchdog cut for moving no byte, or too few, held this node's pairing round: its peer and
+        its address are barred (admission.py) before the cut reaches the caller, so its next call finds the bar.
+        (A call past its deadline is not barred: it moved its bytes at the link rate, and the deadline ended it.)"""
+        if reason not in BARRING_CUTS:
+            return
+        barred = self.admission.bar(ticket)
+        self.complaints.complain(
+            ticket.address,
+            reason,
+            f"an exchange from {ticket.peer or 'an unproven caller'} was cut ({CUT_MEANING[reason]}); "
+            f"its address and peer are served no exchange for {barred:.0f}s",
         )
 
     def leave(self, ticket: Ticket, guard: GuardedCall) -> None:
-        """Give the slot back; a call the watchdog cut for stalling bars its peer and its address (admission.py)."""
+        """Give the slot back."""
         self.watchdog.release(guard)
         self.admission.leave(ticket)
-        if guard.cut_reason == "stalled" and ticket.kind == EXCHANGE:
-            barred = self.admission.stalled(ticket)
-            self.complaints.complain(
-                ticket.address,
-                "stalled",
-                f"an exchange from {ticket.peer or 'an unproven caller'} moved no byte for {self.stall_seconds:.0f}s; "
-                f"its address and peer are served no exchange for {barred:.0f}s",
-            )
 
 
 def abort(context: grpc.ServicerContext, code: grpc.StatusCode, message: str) -> NoReturn:

@@ -148,6 +148,7 @@ class PeerService:
             receiver = self._receiver(seal)
             guard = self.gate.watch(
                 context,
+                ticket,
                 limit=self.max_call_seconds,
                 progress=lambda: receiver.bytes_received if receiver is not None else 0,
             )

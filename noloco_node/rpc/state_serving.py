@@ -36,7 +36,7 @@ class StateServing:
         ticket = self.gate.admit(DOWNLOAD, context, caller)
         sent = [0]
         # A joiner that stops reading must not hold a download slot (and a worker thread) until its own deadline.
-        guard = self.gate.watch(context, limit=self.max_download_seconds, progress=lambda: sent[0])
+        guard = self.gate.watch(context, ticket, limit=self.max_download_seconds, progress=lambda: sent[0])
         try:
             snapshot = self.node.state_snapshot()
             if snapshot is None:

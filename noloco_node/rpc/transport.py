@@ -198,6 +198,9 @@ class GuardedCall:
     transferred: bool = False  # every byte has moved: only the deadline applies from here on
     last_bytes: int = 0
     last_change: float = field(default_factory=time.monotonic)
+    # Called on the watchdog's thread with the reason, before the call is cancelled: what a cut costs the caller
+    # is settled before the caller can hear of it and call again.
+    on_cut: Callable[[str], None] | None = None
 
 
 class Watchdog:
@@ -220,8 +223,9 @@ class Watchdog:
         min_rate: float = 0.0,
         grace: float = 5.0,
         stall: float = 0.0,
+        on_cut: Callable[[str], None] | None = None,
     ) -> GuardedCall:
-        call = GuardedCall(context, time.monotonic() + limit, progress, min_rate, grace, stall)
+        call = GuardedCall(context, time.monotonic() + limit, progress, min_rate, grace, stall, on_cut=on_cut)
         with self._lock:
             self._by_id[id(call)] = call
         return call
@@ -242,6 +246,8 @@ class Watchdog:
                 reason = self._verdict(call, now)
                 if reason is not None and call.cut_reason is None:
                     call.cut_reason = reason
+                    if call.on_cut is not None:
+                        call.on_cut(reason)
                     call.context.cancel()
 
     @staticmethod

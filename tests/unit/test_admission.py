@@ -40,7 +40,7 @@ def test_a_stall_bars_its_peer_and_address_from_exchanges_doubling_each_time() -
     admission = Admission(slots={EXCHANGE: 4, DOWNLOAD: 1, INFO: 1}, bar_seconds=0.2, max_bar_seconds=10)
     ticket = admission.enter(EXCHANGE, peer="hog", address="10.0.0.9")
     admission.leave(ticket)
-    assert admission.stalled(ticket) == pytest.approx(0.2)
+    assert admission.bar(ticket) == pytest.approx(0.2)
     for peer, address in (("hog", "10.0.0.8"), ("new-key", "10.0.0.9")):
         with pytest.raises(Refused) as barred:
             admission.enter(EXCHANGE, peer=peer, address=address)
@@ -50,7 +50,47 @@ def test_a_stall_bars_its_peer_and_address_from_exchanges_doubling_each_time() -
     time.sleep(0.25)
     again = admission.enter(EXCHANGE, peer="hog", address="10.0.0.9")
     admission.leave(again)
-    assert admission.stalled(again) == pytest.approx(0.4)
+    assert admission.bar(again) == pytest.approx(0.4)
+
+
+@pytest.mark.parametrize(("stall", "min_rate", "bars"), [(0.2, 0.0, True), (0.0, 1e9, True), (0.0, 0.0, False)])
+def test_a_cut_exchange_is_barred_before_its_caller_hears_of_the_cut(stall: float, min_rate: float, bars: bool) -> None:
+    """Stalled (no byte for ``stall``) or trickling (below ``min_rate``): the bar is set before the call is cancelled,
+    so a caller that calls again the moment it is cut finds it. A call cut at its deadline is not barred."""
+    import threading
+
+    from noloco_node.rpc.call_gate import CallGate
+    from noloco_node.rpc.metrics import ExchangeMetrics
+    from noloco_node.rpc.transport import Watchdog
+
+    admission = Admission(slots={EXCHANGE: 2, DOWNLOAD: 1, INFO: 1})
+    gate = CallGate(
+        ExchangeMetrics(), admission, watchdog=Watchdog(tick=0.05), min_link_rate=min_rate, stall_seconds=stall
+    )
+    cancelled = threading.Event()
+    refused_at_cancel: list[str] = []
+
+    class Context:
+        def cancel(self) -> None:
+            try:
+                admission.leave(admission.enter(EXCHANGE, peer="hog-again", address="10.0.0.9"))
+            except Refused as refused:
+                refused_at_cancel.append(refused.reason)
+            cancelled.set()
+
+    ticket = admission.enter(EXCHANGE, peer="hog", address="10.0.0.9")
+    moved = iter(range(10**6))  # a trickle: one byte more at every look
+    guard = gate.watch(
+        Context(), ticket, limit=0.3 if not bars else 30, progress=lambda: next(moved) if min_rate else 0
+    )  # type: ignore[arg-type]
+    guard.grace = 0.1
+    try:
+        assert cancelled.wait(5), "the watchdog never cut the call"
+    finally:
+        gate.leave(ticket, guard)
+        gate.watchdog.stop()
+    assert guard.cut_reason == ("stalled" if stall else "too_slow" if min_rate else "deadline")
+    assert refused_at_cancel == (["barred"] if bars else [])
 
 
 def test_remote_hosts_and_the_connection_budget() -> None:
