@@ -10,6 +10,7 @@ from typing import Literal
 
 from pydantic import Field, model_validator
 
+from noloco_node.addresses import ip_literal_problem
 from noloco_node.config.models import StrictSettings
 
 # The NOLOCO_* variables the product reads besides settings (NOLOCO_<SECTION>__<FIELD>, settings.py); any other is
@@ -235,6 +236,21 @@ class NodeConfig(StrictSettings):
         60.0, ge=0, description="After the trainer dies, seconds to keep serving status (the reason) before exit."
     )
     security: SecurityConfig = Field(default_factory=SecurityConfig)
+
+    @model_validator(mode="after")
+    def _announced_host_is_an_ip(self) -> NodeConfig:
+        # The announced host is what the DHT record says, and peers read only canonical IP literals there
+        # (noloco_node/addresses.py): a name would make this node unreachable to every peer, silently.
+        if self.announce_host is not None:
+            field, host = "announce_host", self.announce_host
+        elif self.grpc_host not in ("", "0.0.0.0", "::", "[::]"):  # a wildcard announces the detected IP
+            field, host = "grpc_host", self.grpc_host
+        else:
+            return self
+        problem = ip_literal_problem(host)
+        if problem is not None:
+            raise ValueError(f"{field}: {problem}")
+        return self
 
     @model_validator(mode="after")
     def _shard_in_range(self) -> NodeConfig:

@@ -36,6 +36,7 @@ from hivemind.dht.crypto import RSASignatureValidator
 from hivemind.utils.crypto import RSAPublicKey
 from hivemind.utils.timed_storage import get_dht_time
 
+from noloco_node.addresses import canonical_address, host_of_address, network_group
 from noloco_node.config.node_config import NodeConfig
 from noloco_node.discovery.vouched import VouchedRecords
 from noloco_node.security.auth import SwarmSecret, record_mac, record_mac_ok
@@ -129,15 +130,15 @@ class PeerRecord:
             )
         except (KeyError, TypeError, ValueError):
             return None
-        host, _, port = record.address.rpartition(":")
-        if not host or not port.isdigit() or not 0 < int(port) < 65536:
-            return None
+        if canonical_address(record.address) is not None:
+            return None  # one spelling per address (addresses.py): a name or a second spelling would be a new "machine"
         return record
 
     @property
-    def host(self) -> str:
-        """The host part of its address: what one machine shows, however many keys it holds."""
-        return self.address.rpartition(":")[0] or self.address
+    def network_group(self) -> str:
+        """The network group of the address peers dial (addresses.py): what counts as one machine, however many
+        keys it holds."""
+        return network_group(host_of_address(self.address))
 
     def to_value(self) -> dict[str, Any]:
         value = asdict(self)

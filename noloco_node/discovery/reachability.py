@@ -22,6 +22,7 @@ from dataclasses import dataclass
 
 import grpc
 
+from noloco_node.addresses import host_of_address
 from noloco_node.rpc.client import ExchangeError, fetch_info
 from noloco_node.rpc.contracts import INFO_METHOD, SEEN_AS_HEADER
 from noloco_node.rpc.info_serving import DIAL_BACK_SECONDS
@@ -111,7 +112,7 @@ def check_reachable(
     own = _answers_at(address, peer_id, transport, timeout=timeout)
     if not own.reachable:
         return own
-    host, _, port = address.rpartition(":")
+    host, port = host_of_address(address), address.rpartition(":")[2]
     agreeing = 0
     for witness_address, witness_id in witnesses:
         try:
@@ -120,7 +121,7 @@ def check_reachable(
             continue  # this witness is gone or busy: the next
         if not view.seen:
             continue
-        if not _same_host(view.seen, host):
+        if view.seen != host:
             return Reachability(False, f"{witness_address} sees this node's calls come from {view.seen}: a NAT", True)
         # The right host, but a firewall may drop what comes in, or a port forward may be missing: the witness dials.
         why = view.dialed.get(int(port), "")
@@ -155,13 +156,3 @@ def _answers_at(address: str, peer_id: str, transport: Transport, *, timeout: fl
     if reply.peer_id != peer_id:
         return Reachability(False, f"another node ({reply.peer_id}) answers there")
     return Reachability(True)
-
-
-def _same_host(seen: str, host: str) -> bool:
-    """Whether the address a witness saw is the announced host (which may be a name)."""
-    if seen == host:
-        return True
-    try:
-        return seen in {info[4][0] for info in socket.getaddrinfo(host, None)}
-    except OSError:
-        return False

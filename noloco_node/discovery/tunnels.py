@@ -323,8 +323,8 @@ class Tunnels:
         shuffled.sort(key=lambda p: (not established(p.peer_id), p.p2p_id not in held))
         first_of_host: dict[str, PeerRecord] = {}
         for peer in shuffled:
-            first_of_host.setdefault(peer.host, peer)
-        ranked = list(first_of_host.values()) + [p for p in shuffled if first_of_host[p.host] is not p]
+            first_of_host.setdefault(peer.network_group, peer)
+        ranked = list(first_of_host.values()) + [p for p in shuffled if first_of_host[p.network_group] is not p]
         kept: list[str] = []
         for peer in ranked:  # dialing a connected peer is a no-op, a lost one redials
             if len(kept) >= RELAYS_HELD:

@@ -81,7 +81,7 @@ def credible_front(peers: Sequence[PeerRecord]) -> int | None:
     sight: the furthest step two of its peers claim, or its one peer's. None if no peer is in sight."""
     furthest: dict[str, list[int]] = {}
     for peer in peers:
-        furthest.setdefault(peer.host, []).append(peer.outer_step)
+        furthest.setdefault(peer.network_group, []).append(peer.outer_step)
     if not furthest:
         return None
     if len(furthest) == 1:

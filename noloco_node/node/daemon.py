@@ -27,6 +27,7 @@ import time
 
 import torch
 
+from noloco_node.addresses import record_address
 from noloco_node.config.models import DataConfig, OuterConfig, TrainConfig
 from noloco_node.config.node_config import NodeConfig
 from noloco_node.discovery.dht import Discovery, PeerRecord
@@ -310,7 +311,9 @@ class Node:
             self.peering.exchanges.shutdown(wait=False, cancel_futures=True)
 
         components.push_async_callback(stop)
-        self.address = f"{announce_host(self.cfg.grpc_host, self.cfg.announce_host)}:{self.cfg.announce_port or port}"
+        self.address = record_address(
+            announce_host(self.cfg.grpc_host, self.cfg.announce_host), self.cfg.announce_port or port
+        )
         return port
 
     async def _start_status_endpoint(self, components: contextlib.AsyncExitStack) -> None:

@@ -191,8 +191,7 @@ class OverlapPairing(PairingStrategy):
                 candidates = ctx.caller.choosable(await ctx.discovery.live_peers(), step)
             except (TimeoutError, OSError):
                 continue
-            random.shuffle(candidates)
-            for peer in candidates:
+            for peer in ctx.caller.order(candidates):
                 if not self.book.exchange_lock.acquire(blocking=False):
                     break
                 try:

@@ -6,13 +6,17 @@ completes first, can have every round taken by one stranger minting keys and ech
 
 - **Standing.** A peer is *established* once this node has seen its record in the DHT for at least
   ``standing_seconds`` and has blended with it at least once (a payload that passed every check). Established peers
-  are mixed at random among themselves, as the algorithm needs (least recently paired first, one host at a time).
+  are mixed at random among themselves, as the algorithm needs (least recently paired first, one network group at
+  a time: noloco_node/addresses.py). Their calls in are served too, but a group is served at most one step in G
+  (G: the established groups within reach), so that many keys of one group calling first every step take no more
+  than the turn this node's own calls would give that group.
 - **A bounded share for strangers.** Every other id is a stranger. Strangers are called, and their calls served,
   only in *stranger steps*: a token bucket that admits ``stranger_share`` of this node's outer steps (its phase
   starts at random, so that nodes started together do not open the same steps). Whatever the number of keys and
-  addresses, strangers take at most that share of a node's rounds. Among strangers a host is chosen first, then one
-  of its keys, so a thousand keys on one address weigh as one. A node with no established peer within reach (a new
-  swarm, a joiner, a restart) admits strangers at every step: it has no one better to pair with.
+  addresses, strangers take at most that share of a node's rounds. Among strangers a network group is chosen
+  first, then one of its keys, so a thousand keys on one address, or on one /24, weigh as one. A node with no
+  established peer within reach (a new swarm, a joiner, a restart) admits strangers at every step: it has no one
+  better to pair with.
 
 What K keys on M addresses can take is in docs/threat-model.md. Standing is remembered after a peer leaves the DHT
 (a partition, a restart), in a bounded table that evicts strangers first and then the longest-gone: an eviction
@@ -37,7 +41,7 @@ MAX_REMEMBERED = 4096  # peers remembered; past this strangers are forgotten fir
 class _Track:
     first_seen: float  # monotonic time this node first saw the peer's record
     last_seen: float
-    host: str = ""  # the address its record gave, last seen
+    group: str = ""  # the network group of the address its record gave, last seen (addresses.py)
     blends: int = 0  # blends with this node whose payload passed every check
     last_blend_step: int | None = None  # this node's outer step at the last of them
     last_blend_time: float | None = None  # monotonic
@@ -74,6 +78,7 @@ class Standing:
         self._tokens = self._rng.random()  # a random phase: nodes started together open different steps
         self._step_admits = True
         self._established_within_reach = False
+        self._groups_within_reach = 0  # network groups of the established peers within reach
         self._had_established = False
         self.stranger_steps = 0  # outer steps that admitted strangers while established peers were within reach
 
@@ -86,13 +91,17 @@ class Standing:
             for peer in peers:
                 track = self._tracks.get(peer.peer_id)
                 if track is None:
-                    self._tracks[peer.peer_id] = _Track(first_seen=now, last_seen=now, host=peer.host)
+                    self._tracks[peer.peer_id] = _Track(first_seen=now, last_seen=now, group=peer.network_group)
                 else:
-                    track.last_seen, track.host = now, peer.host
+                    track.last_seen, track.group = now, peer.network_group
             self._forget_beyond_limit()
-            self._established_within_reach = any(
-                abs(p.outer_step - own_step) <= max_staleness and self._established(p.peer_id, now) for p in peers
-            )
+            groups = {
+                p.network_group
+                for p in peers
+                if abs(p.outer_step - own_step) <= max_staleness and self._established(p.peer_id, now)
+            }
+            self._established_within_reach = bool(groups)
+            self._groups_within_reach = len(groups)
             self._enter_step(own_step)
 
     def blended(self, peer_id: str, own_step: int) -> None:
@@ -132,19 +141,19 @@ class Standing:
         self, own_step: int, peer_steps: Mapping[str, int], max_staleness: int, seconds_per_step: float
     ) -> SwarmStep | None:
         """The outer step to move this node's clock to (and how far apart it is from those peers), or None (used
-        by node/outer_step.py): when hosts beyond ``max_staleness`` ahead make up at least half of the hosts this
-        node knows, itself counted, and at least one of them has standing with it. A host is *known* once it has
+        by node/outer_step.py): when groups beyond ``max_staleness`` ahead make up at least half of the groups this
+        node knows, itself counted, and at least one of them has standing with it. A group is *known* once it has
         standing, or its record has been seen for ``standing_seconds``; it counts once, at the lower median of its
-        keys' steps. The step is the lower median of the hosts ahead, and no further than a peer with standing
+        keys' steps. The step is the lower median of the groups ahead, and no further than a peer with standing
         could plausibly have gone since this node last blended with it: twice this node's own pace
         (``seconds_per_step``) for the time since, plus ``max_staleness``.
 
         So one peer that runs ahead (or says so) moves nobody; strangers alone move nobody, and a peer with
         standing at most doubles this node's clock rate. A node knows only the peers it blended with: before a
-        split it may have blended with only some of the far half, so known hosts count, not only established
+        split it may have blended with only some of the far half, so known groups count, not only established
         ones."""
         now = self._clock()
-        by_host: dict[str, list[int]] = {}
+        by_group: dict[str, list[int]] = {}
         reach: list[float] = []  # for each established peer ahead: the furthest step it can plausibly be at
         apart: list[int] = []  # for each established peer ahead: this node's outer steps since it blended with it
         with self._lock:
@@ -152,15 +161,15 @@ class Standing:
                 track = self._tracks.get(peer_id)
                 if track is None or now - track.first_seen < self.standing_seconds:
                     continue
-                by_host.setdefault(track.host, []).append(step)
+                by_group.setdefault(track.group, []).append(step)
                 if step > own_step + max_staleness and self._established(peer_id, now):
                     assert track.last_blend_step is not None and track.last_blend_time is not None
                     pace = 2 * (now - track.last_blend_time) / max(seconds_per_step, 1e-3)
                     reach.append(track.last_blend_step + max_staleness + pace)
                     apart.append(max(0, own_step - track.last_blend_step))
-        host_steps = [_lower_median(steps) for steps in by_host.values()]
-        ahead = [step for step in host_steps if step > own_step + max_staleness]
-        if not reach or 2 * len(ahead) < len(host_steps) + 1:
+        group_steps = [_lower_median(steps) for steps in by_group.values()]
+        ahead = [step for step in group_steps if step > own_step + max_staleness]
+        if not reach or 2 * len(ahead) < len(group_steps) + 1:
             return None
         target = min(_lower_median(ahead), int(max(reach)))
         return SwarmStep(target, max(apart)) if target > own_step + max_staleness else None
@@ -168,15 +177,22 @@ class Standing:
     # ------------------------------------------------------------------------------------------- decisions
 
     def may_serve(self, peer_id: str) -> bool:
-        """Whether an incoming pairing call from ``peer_id`` may be taken now; a refusal says nothing of the peer."""
+        """Whether an incoming pairing call from ``peer_id`` may be taken now; a refusal says nothing of the peer.
+
+        A stranger: in stranger steps only. An established peer: unless its network group blended with this node
+        within its last G - 1 outer steps (G: the groups of established peers within reach), so that calling in
+        first, every step, from many keys of one group earns that group no more than its turn: one step in G,
+        the share this node's own least-recently-paired-first calls give it."""
         with self._lock:
             now = self._clock()
-            return self._established(peer_id, now) or self._step_admits or not self._established_within_reach
+            if not self._established(peer_id, now):
+                return self._step_admits or not self._established_within_reach
+            return not self._group_paired_within(self._tracks[peer_id].group, self._groups_within_reach - 1)
 
     def order(self, candidates: Sequence[PeerRecord], last_paired: dict[str, int]) -> list[PeerRecord]:
-        """Whom to call, in order: the established peers, least recently paired host first, and at a stranger step
-        one stranger before them (a random host, then a random key of it); with no established peer within reach,
-        every candidate alike, one host at a time.
+        """Whom to call, in order: the established peers, least recently paired group first, and at a stranger step
+        one stranger before them (a random group, then a random key of it); with no established peer within reach,
+        every candidate alike, one group at a time.
 
         Least recently paired first: nodes of equal speed reach their outer steps in lockstep and would otherwise
         keep finding their last partner ready first, splitting the swarm into fixed pairs that never mix. One
@@ -184,15 +200,15 @@ class Standing:
         now = self._clock()
         with self._lock:
             if not self._established_within_reach:
-                return _by_host(candidates, last_paired, self._rng)
+                return _by_group(candidates, last_paired, self._rng)
             established = [p for p in candidates if self._established(p.peer_id, now)]
             strangers = [p for p in candidates if not self._established(p.peer_id, now)]
             admits = self._step_admits
-        ordered = _by_host(established, last_paired, self._rng)
+        ordered = _by_group(established, last_paired, self._rng)
         if admits and strangers:
-            hosts = sorted({p.host for p in strangers})
-            host = self._rng.choice(hosts)
-            ordered.insert(0, self._rng.choice([p for p in strangers if p.host == host]))
+            groups = sorted({p.network_group for p in strangers})
+            group = self._rng.choice(groups)
+            ordered.insert(0, self._rng.choice([p for p in strangers if p.network_group == group]))
         return ordered
 
     # ------------------------------------------------------------------------------------------- internals
@@ -200,6 +216,15 @@ class Standing:
     def _established(self, peer_id: str, now: float) -> bool:
         track = self._tracks.get(peer_id)
         return track is not None and track.blends > 0 and now - track.first_seen >= self.standing_seconds
+
+    def _group_paired_within(self, group: str, steps: int) -> bool:
+        if steps <= 0 or self._step is None:
+            return False
+        last = max(
+            (t.last_blend_step for t in self._tracks.values() if t.group == group and t.last_blend_step is not None),
+            default=None,
+        )
+        return last is not None and self._step - last <= steps
 
     def _enter_step(self, own_step: int) -> None:
         if self._step is not None and own_step <= self._step:
@@ -229,21 +254,21 @@ def _lower_median(values: Sequence[int]) -> int:
     return sorted(values)[(len(values) - 1) // 2]
 
 
-def _by_host(peers: Sequence[PeerRecord], last_paired: dict[str, int], rng: random.Random) -> list[PeerRecord]:
-    """Peers ordered host by host: each host's least recently paired key first, hosts least recently paired first
-    (random among equal hosts, whatever their number of keys); then the hosts' other keys in the same way. Many
-    keys on one host weigh as one."""
+def _by_group(peers: Sequence[PeerRecord], last_paired: dict[str, int], rng: random.Random) -> list[PeerRecord]:
+    """Peers ordered group by group: each group's least recently paired key first, groups least recently paired first
+    (random among equal groups, whatever their number of keys); then the groups' other keys in the same way. Many
+    keys on one group weigh as one."""
     shuffled = list(peers)
     rng.shuffle(shuffled)
     shuffled.sort(key=lambda p: last_paired.get(p.peer_id, -1))
     first: dict[str, PeerRecord] = {}
     rest: list[PeerRecord] = []
     for peer in shuffled:
-        if peer.host in first:
+        if peer.network_group in first:
             rest.append(peer)
         else:
-            first[peer.host] = peer
-    hosts = list(first.values())
-    rng.shuffle(hosts)
-    hosts.sort(key=lambda p: last_paired.get(p.peer_id, -1))
-    return hosts + rest
+            first[peer.network_group] = peer
+    groups = list(first.values())
+    rng.shuffle(groups)
+    groups.sort(key=lambda p: last_paired.get(p.peer_id, -1))
+    return groups + rest

@@ -74,7 +74,7 @@ class RolloutFetcher:
             if p.rollout_round > self._fetched_round.get(p.peer_id, -1) and self._avoid_until.get(p.peer_id, 0) <= now
         ]
         random.shuffle(due)
-        one_per_host = list({p.host: p for p in due}.values())
+        one_per_host = list({p.network_group: p for p in due}.values())
         await asyncio.gather(*(self._fetch(p) for p in one_per_host[:MAX_PARALLEL]))
 
     async def _fetch(self, peer: PeerRecord) -> None:

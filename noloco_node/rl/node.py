@@ -29,6 +29,7 @@ import time
 import torch
 
 from noloco_node import __version__
+from noloco_node.addresses import record_address
 from noloco_node.config.models import DataConfig, TrainConfig
 from noloco_node.config.node_config import NodeConfig
 from noloco_node.config.rl_config import RolloutConfig
@@ -316,7 +317,9 @@ class RolloutNode:
             self.security.transport.close_channels()
 
         components.push_async_callback(stop)
-        self.address = f"{announce_host(self.cfg.grpc_host, self.cfg.announce_host)}:{self.cfg.announce_port or port}"
+        self.address = record_address(
+            announce_host(self.cfg.grpc_host, self.cfg.announce_host), self.cfg.announce_port or port
+        )
 
 
 def run_rl_node(node_cfg: NodeConfig, train_cfg: TrainConfig, data_cfg: DataConfig, rl_cfg: RolloutConfig) -> int:

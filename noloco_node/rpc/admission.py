@@ -8,7 +8,8 @@ a silent caller did before this existed). So:
   many, never take the slots of another, so Info and GetState stay answerable while exchanges are full.
 - **Per proven peer** (security/caller_proof.py): one exchange and one download at a time. **Per remote address**:
   at most ``per_address`` calls of each kind at once (a few honest peers may share a NAT; one host cannot take
-  every slot by minting keys).
+  every slot by minting keys). The address is the caller's network group (noloco_node/addresses.py, given by
+  rpc/call_gate.py): a machine with a whole /24 or /48 is still one address here.
 - **Stalls.** An exchange that moves no byte for ``stall_seconds``, or moves its bytes below the minimum link rate,
   is cut by the watchdog (rpc/transport.py); its peer and its address are *barred* from new exchanges at the cut,
   before the caller hears of it, for ``bar_seconds`` after the first cut and twice as long after each further one
@@ -22,6 +23,8 @@ Memory is bounded: tables of at most ``MAX_TRACKED`` keys, the oldest forgotten 
 
 from __future__ import annotations
 
+import contextlib
+import ipaddress
 import threading
 import time
 from collections import OrderedDict
@@ -34,10 +37,15 @@ MAX_TRACKED = 4096
 
 
 def remote_host(peer: str) -> str:
-    """The host of a grpc ``context.peer()`` string (``ipv4:1.2.3.4:5``, ``ipv6:[::1]:5``, ``unix:...``)."""
+    """The host of a grpc ``context.peer()`` string (``ipv4:1.2.3.4:5``, ``ipv6:[::1]:5``, ``unix:...``); an IPv4
+    caller of a dual-stack server (``ipv6:[::ffff:1.2.3.4]:5``) as its IPv4 address."""
     kind, _, rest = peer.partition(":")
     if kind == "ipv6" and rest.startswith("["):
-        return rest[1 : rest.find("]")] if "]" in rest else rest
+        host = rest[1 : rest.find("]")] if "]" in rest else rest
+        with contextlib.suppress(ValueError):
+            mapped = ipaddress.IPv6Address(host).ipv4_mapped
+            return str(mapped) if mapped is not None else host
+        return host
     if kind == "ipv4":
         return rest.rsplit(":", 1)[0]
     return peer

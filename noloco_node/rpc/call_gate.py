@@ -12,6 +12,7 @@ from typing import Any, NoReturn
 import grpc
 from google.protobuf.message import DecodeError
 
+from noloco_node.addresses import network_group
 from noloco_node.rpc.admission import DOWNLOAD, EXCHANGE, Admission, Refused, Ticket, remote_host
 from noloco_node.rpc.metrics import ExchangeMetrics
 from noloco_node.rpc.transport import GuardedCall, Watchdog
@@ -77,9 +78,10 @@ class CallGate:
         return self.origin(peer) or remote_host(peer)
 
     def admit(self, kind: str, context: grpc.ServicerContext, caller: str | None) -> Ticket:
-        """A slot for this call (admission.py), or RESOURCE_EXHAUSTED at once, before any work."""
+        """A slot for this call (admission.py), or RESOURCE_EXHAUSTED at once, before any work. Slots and bars are
+        per network group of the caller's address (addresses.py): one machine may hold a whole /24 or /48."""
         try:
-            return self.admission.enter(kind, peer=caller, address=self.address_of(context))
+            return self.admission.enter(kind, peer=caller, address=network_group(self.address_of(context)))
         except Refused as refused:
             self.metrics.rejection(f"admission_{refused.reason}")
             self.metrics.outcome("download_busy" if kind == DOWNLOAD else f"refused_{refused.reason}")

@@ -47,6 +47,8 @@ def _sample(flag: Flag, info: Any, default: Any, tmp_path: Path) -> list[str]:
         return [flag.name, "/ip4/127.0.0.1/tcp/4242/p2p/QmSample"]
     if flag.kind is Path:
         return [flag.name, str(tmp_path / flag.dest)]
+    if flag.kind is str and flag.dest.endswith("_host"):
+        return [flag.name, "203.0.113.7"]  # an announced host is an IP (noloco_node/addresses.py)
     if flag.kind is str:
         return [flag.name, f"sample-{flag.dest}"]
     low, high = _bounds(info)

@@ -1,5 +1,5 @@
 """discovery/tunnels.py ``hold_relays``: which relays a member behind a NAT holds. Free keys can offer themselves as
-relays by the hundred, so peers with standing come first, one relay per host, and a relay that cannot be dialed
+relays by the hundred, so peers with standing come first, one relay per network group, and a relay that cannot be dialed
 is passed over. The libp2p daemon is replaced by a recorder of dials (what is tested is the choice; the relaying
 itself runs through real daemons in test_reachability.py and test_nat.py)."""
 
@@ -57,15 +57,16 @@ def hold(
 
 def test_peers_with_standing_are_held_before_strangers_whatever_their_number() -> None:
     strangers = [relay(f"free{i}", f"11.0.0.{i}") for i in range(50)]
-    friends = [relay("a", "11.1.0.1"), relay("b", "11.1.0.2")]
+    friends = [relay("a", "11.1.0.1"), relay("b", "11.5.0.2")]
     for _ in range(5):  # the order of the records does not matter
         kept = hold(strangers + friends, Daemon(), established={"nla", "nlb"})
         assert sorted(kept) == sorted(p.p2p_id for p in friends)
 
 
 def test_one_relay_per_host_while_other_hosts_offer() -> None:
-    same_host = [relay(f"k{i}", "11.2.0.1") for i in range(10)]
-    other = relay("other", "11.2.0.2")
+    # One network group (noloco_node/addresses.py): one address, and the rest of its /24.
+    same_host = [relay(f"k{i}", f"11.2.0.{1 + i % 2}") for i in range(10)]
+    other = relay("other", "11.7.0.2")
     for _ in range(5):
         kept = hold([*same_host, other], Daemon())
         assert len(kept) == RELAYS_HELD and other.p2p_id in kept

@@ -4,6 +4,7 @@ a peer whose payload was refused (set aside for drift, quarantined for what no h
 from __future__ import annotations
 
 import random
+from dataclasses import replace
 
 import grpc
 import pytest
@@ -256,3 +257,36 @@ def test_the_clock_moves_when_half_the_known_hosts_are_ahead_one_with_standing_a
     assert multi.swarm_step(own, claims, 2, 1.0) is None
     claims[honest[0].peer_id] = 50
     assert multi.swarm_step(own, claims, 2, 1.0) == SwarmStep(40, 0)  # both hosts ahead: the lower median of theirs
+
+
+def test_established_keys_of_one_group_calling_in_first_every_step_get_one_step_in_g() -> None:
+    """An attacker that earned standing for 20 keys on one /24 calls in before anyone else at every step: it is
+    served one step in G (G = 4 groups within reach: its own and three honest), its share of the groups, not
+    every step."""
+    clock = Clock()
+    standing, honest = established_swarm(clock)
+    sybils = [record(f"sybil{i}", f"8.8.8.{i + 1}", 7000) for i in range(20)]
+    standing.observe(honest + sybils, 0, 2)
+    clock.now = 62.0
+    for peer in sybils:
+        standing.blended(peer.peer_id, 0)
+    rng = random.Random(3)
+    served = 0
+    steps = range(1, 401)
+    for step in steps:
+        standing.observe([replace(p, outer_step=step) for p in honest + sybils], step, 2)
+        caller = rng.choice(sybils)
+        if standing.may_serve(caller.peer_id):
+            served += 1
+            standing.blended(caller.peer_id, step)
+        else:  # the node pairs with an honest peer (its own call, or theirs)
+            standing.blended(rng.choice(honest).peer_id, step)
+    assert served / len(steps) <= 0.25 + 1e-9, served
+    # And alone, one group is all there is: served every step.
+    alone = Standing(standing_seconds=0, stranger_share=0.1, clock=clock)
+    alone.observe([sybils[0]], 0, 2)
+    alone.blended(sybils[0].peer_id, 0)
+    for step in range(1, 5):
+        alone.observe([replace(sybils[0], outer_step=step)], step, 2)
+        assert alone.may_serve(sybils[0].peer_id)
+        alone.blended(sybils[0].peer_id, step)
