@@ -347,8 +347,10 @@ def compressed_partner_weights(
 
     D_j is the partner's compressed progress and ``own_left_out`` = Delta_i - D_i what this node's own compressed
     progress left out. Each side blends its own progress whole, and adds what its compressed view of the pair lacks,
-    so the pair's sum moves exactly as in uncompressed NoLoCo (eq. 3-5): i blends theta_i with
-    phi_j + D_j + Delta_i - D_i, j with phi_i + D_i + Delta_j - D_j, and the two means add up to theta_i + theta_j.
+    so the pair's sum moves as in uncompressed NoLoCo (eq. 3-5): i blends theta_i with
+    phi_j + D_j + Delta_i - D_i, j with phi_i + D_i + Delta_j - D_j, and the two means add up to theta_i + theta_j,
+    exactly when each side's phi arrives as the other holds it; a phi sent rounded (int8) adds its rounding to the
+    sum, once per phi it sends.
     Only how fast the two approach each other depends on the compression: compressed gossip with error feedback
     (CHOCO-gossip, arXiv 1902.00340). Blending the partner's D_j alone would weigh this node's own progress
     against a fraction of the partner's and halve the outer step; blending both compressed progresses would throw

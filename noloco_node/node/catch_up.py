@@ -11,17 +11,22 @@ Whom a node believes here: a DHT record is signed by its owner, but its owner ma
 step 1,000,000 once made a fresh joiner adopt an attacker's random state, and a member restarting from a good
 checkpoint believe itself 999,924 steps behind and throw it away. So:
 
-- **The swarm's front is claimed by peers with standing** once this node has any (pairing/standing.py), and it is
-  **corroborated by hosts, not keys**: the furthest outer step that peers on at least two
-  hosts claim (keys cost nothing: two records from one address are one claim; with a single host in sight, the
-  furthest step two of its peers claim, or its one peer's), and donors are the peers within one step of it.
+- **The swarm's front is claimed by peers with standing** once this node has any (pairing/standing.py; a
+  restarting member has its checkpoint's standing back before it looks), and it is **corroborated by network
+  groups, not keys**: the furthest outer step that peers in at least two groups claim (noloco_node/addresses.py:
+  keys and names cost nothing, so many records from one address or one /24 are one claim; with a single group in
+  sight, the furthest step two of its peers claim, or its one peer's), and donors are the peers within one step
+  of it. A restarting member takes no front beyond what its own history makes plausible (``plausible_reach``: its
+  last step, plus twice its own pace for the time it was away), whoever claims it.
 - **Only the slow weights are adopted, and they are measured first**, on this node's own validation batches: a
   member adopts them only if they are no worse than its own checkpoint's, a fresh joiner only if they are at least
   ``STATE_IMPROVEMENT`` better than the run's seed (a donor past outer step 0 has learnt something). The counters
-  must be the donor's claimed step and consistent with it. The outer momentum and Adam's moments are rebuilt
-  locally, never taken from the donor (training/replica.py ``adopt_donor_weights``): two free keys once served
-  honest weights with moments of 1 and 0, and both a joiner and a restarting member ended worse than the seed. A
-  state that fails is dropped whole, its donor is not asked again, and the node keeps what it had.
+  must be the donor's claimed step, consistent with it, and short of this run's ``--steps`` (counters at its end
+  would end the node that took them, and its checkpoint would end it again at every restart). The outer momentum
+  and Adam's moments are rebuilt locally, never taken from the donor (training/replica.py
+  ``adopt_donor_weights``): two free keys once served honest weights with moments of 1 and 0, and both a joiner
+  and a restarting member ended worse than the seed. A state that fails is dropped whole, its donor is not asked
+  again, and the node keeps what it had.
 
 Everything here runs on the event loop and awaits the DHT and the donors under deadlines; loading a checkpoint and
 adopting a downloaded state run in threads. One download, over every donor it tries, has a deadline of its own
@@ -75,10 +80,10 @@ WATCH_SECONDS = 1.0  # how often a download in progress is checked for a stop re
 
 
 def credible_front(peers: Sequence[PeerRecord]) -> int | None:
-    """The furthest outer step that peers on enough hosts claim to have reached: the k-th furthest of the hosts'
-    claims (each host's: the lower median of its peers'), k = max(2, half the hosts), so that an outsider needs as
-    many addresses as the honest hosts in sight to move it (many keys on one address are one claim). One host in
-    sight: the furthest step two of its peers claim, or its one peer's. None if no peer is in sight."""
+    """The furthest outer step that peers in enough network groups claim to have reached: the k-th furthest of the
+    groups' claims (each group's: the lower median of its peers'), k = max(2, half the groups), so that an outsider
+    needs as many groups as the honest ones in sight to move it (many keys in one group are one claim). One group
+    in sight: the furthest step two of its peers claim, or its one peer's. None if no peer is in sight."""
     furthest: dict[str, list[int]] = {}
     for peer in peers:
         furthest.setdefault(peer.network_group, []).append(peer.outer_step)
@@ -87,15 +92,18 @@ def credible_front(peers: Sequence[PeerRecord]) -> int | None:
     if len(furthest) == 1:
         claims = sorted(next(iter(furthest.values())), reverse=True)
         return claims[1] if len(claims) > 1 else claims[0]
-    # A host's claim is the lower median of its peers' claims: one liar key beside honest nodes on a shared
-    # address (a NAT, a loopback test) does not make that address claim the liar's step.
+    # A group's claim is the lower median of its peers' claims: one liar key beside honest nodes in a shared
+    # group (a NAT, a loopback test) does not make that group claim the liar's step.
     claims = sorted((sorted(steps)[(len(steps) - 1) // 2] for steps in furthest.values()), reverse=True)
     return claims[max(2, (len(claims) + 1) // 2) - 1]
 
 
-def implausible_counters(got: dict[str, int], donor: PeerRecord, inner_steps: int) -> str | None:
-    """Why the counters a donor sent cannot be the state of the step its record claims, or None."""
+def implausible_counters(got: dict[str, int], donor: PeerRecord, inner_steps: int, total_steps: int) -> str | None:
+    """Why the counters a donor sent cannot be the state of the step its record claims, or cannot be this member's
+    (at or past its own ``--steps``: adopting them would end it), or None."""
     outer, inner = int(got["outer_step"]), int(got["inner_step"])
+    if inner >= total_steps:
+        return f"inner step {inner}, at or past this run's --steps ({total_steps}): it would end this node"
     if abs(outer - donor.outer_step) > 1:
         return f"outer step {outer}, but its record says {donor.outer_step}"
     # At outer step k a replica has taken k phases of H inner steps (the run's last may be shorter), and borrowed
@@ -103,6 +111,18 @@ def implausible_counters(got: dict[str, int], donor: PeerRecord, inner_steps: in
     if not (outer - 1) * inner_steps < inner < (outer + 1) * inner_steps:
         return f"inner step {inner} at outer step {outer} with H = {inner_steps}"
     return None
+
+
+def plausible_reach(history: Sequence[dict[str, Any]], max_staleness: int, now: float) -> int | None:
+    """The furthest outer step the swarm can plausibly have reached since this node's checkpoint, from its own
+    history (outer steps and their wall-clock times): its last step, plus ``max_staleness``, plus twice its own pace
+    for the time since. None without two timed steps to measure a pace on. A restarting member takes no front and no
+    donor beyond it, whoever claims it (the same bound as pairing/standing.py ``swarm_step``)."""
+    timed = [(int(h["outer_step"]), float(h["time"])) for h in history if "time" in h and "outer_step" in h]
+    if len(timed) < 2 or timed[-1][0] <= timed[0][0] or timed[-1][1] <= timed[0][1]:
+        return None
+    seconds_per_step = (timed[-1][1] - timed[0][1]) / (timed[-1][0] - timed[0][0])
+    return timed[-1][0] + max_staleness + int(2 * max(0.0, now - timed[-1][1]) / seconds_per_step)
 
 
 def donors_near(peers: Sequence[PeerRecord], front: int) -> list[PeerRecord]:
@@ -140,6 +160,10 @@ class CatchUp:
     # The pairing strategy's state saved with the checkpoint this node resumed from (the sparse residual); empty
     # when it started otherwise or adopted a donor's state since.
     resumed_strategy_state: dict[str, Any] = field(default_factory=dict)
+    # The standing this node's checkpoint kept (pairing/standing.py ``restore``): restored before any front is
+    # taken, so that a restarting member believes the peers it had standing with.
+    restore_standing: Callable[[Sequence[dict[str, Any]]], None] = lambda _saved: None
+    front_cap: int | None = None  # plausible_reach of the checkpoint's history; None: no cap (a joiner)
 
     def __post_init__(self) -> None:
         self.probation = Probation(self.cfg.data_dir / CHECKPOINT_FILE, self.refused_donors)
@@ -196,7 +220,7 @@ class CatchUp:
             await self._resume(replica, checkpoint)
             if not self.cfg.download_state:
                 return
-            front = credible_front(await self._donor_candidates())
+            front = self._capped(credible_front(await self._donor_candidates()))
             # Further behind than the staleness bound, a node could pair with nobody: it would train alone at the
             # swarm's pace and never catch up (seen in a 3-node tiny swarm: a restart 4 steps behind, solo to the end).
             allowed = min(self.cfg.max_behind, self.cfg.max_staleness)
@@ -233,8 +257,23 @@ class CatchUp:
             )
         await asyncio.to_thread(replica.load_state_dict, payload["replica"])
         self.telemetry.restore_history(payload.get("history", []))
+        self.restore_standing(payload.get("standing", []))
+        self.front_cap = plausible_reach(payload.get("history", []), self.cfg.max_staleness, time.time())
         self.resumed_strategy_state = payload.get("strategy", {})
         log.info("resumed from %s at outer step %d", checkpoint, replica.outer_step)
+
+    def _capped(self, front: int | None) -> int | None:
+        """``front``, no further than this node's own history makes plausible (``plausible_reach``)."""
+        if front is None or self.front_cap is None or front <= self.front_cap:
+            return front
+        log.warning(
+            "peers claim the swarm is at outer step %d; at this node's own pace it can be at %d at most: "
+            "taking donors near %d",
+            front,
+            self.front_cap,
+            self.front_cap,
+        )
+        return self.front_cap
 
     async def _donor_candidates(self) -> list[PeerRecord]:
         try:
@@ -270,7 +309,7 @@ class CatchUp:
                 break
             peers = [p for p in await self._donor_candidates() if p.peer_id not in refused]
             # ``near``: a front the caller corroborated itself (pairing/standing.py swarm_step).
-            front = credible_front(peers) if near is None else near
+            front = self._capped(credible_front(peers) if near is None else near)
             if front is None:
                 return False
             donors = donors_near(peers, front)
@@ -292,7 +331,7 @@ class CatchUp:
                         len(download.done),
                     )
                     continue
-                implausible = implausible_counters(got, donor, self.train_cfg.inner_steps)
+                implausible = implausible_counters(got, donor, self.train_cfg.inner_steps, self.train_cfg.total_steps)
                 if implausible is not None:
                     refused.add(donor.peer_id)
                     download = StateDownload(layout, run_fingerprint=self.run_fingerprint, peer_id=self.peer_id)

@@ -77,7 +77,7 @@ class OuterStepDeps:
     snapshots: Snapshots
     snapshot: LatestSnapshot  # the joiner snapshot that GetState serves
     checkpoints: CheckpointWriter
-    checkpoint_extra: Callable[[], dict[str, Any]]  # run identity and model config, for every checkpoint
+    checkpoint_extra: Callable[[], dict[str, Any]]  # run identity, model config and standing, for every checkpoint
     checkpoint_every: int
     write_status: Callable[[], None]
     loop: asyncio.AbstractEventLoop

@@ -105,6 +105,7 @@ class Trainer:
             download_timeout=self.layout.download_timeout(),
             validation=validation,
             believe=self.standing.believable,
+            restore_standing=self.standing.restore,
             run_start=self.layout.start,
             stopping=lambda: self.stop_requested() or self.stop_event.is_set(),
         )
@@ -138,7 +139,7 @@ class Trainer:
                 snapshots=await asyncio.to_thread(Snapshots, replica),
                 snapshot=self.snapshot,
                 checkpoints=self.checkpoints,
-                checkpoint_extra=self.checkpoint_identity,
+                checkpoint_extra=self.checkpoint_extra,
                 checkpoint_every=self.cfg.checkpoint_every,
                 write_status=self.write_status,
                 loop=asyncio.get_running_loop(),
@@ -230,12 +231,15 @@ class Trainer:
         history = self.telemetry.history_list(KEEP_OUTER_STEPS)
         strategy = self.peering.strategy.checkpoint_state()
         self.checkpoints.submit(
-            lambda: {**self.checkpoint_identity(), "replica": state, "history": history, "strategy": strategy}
+            lambda: {**self.checkpoint_extra(), "replica": state, "history": history, "strategy": strategy}
         )
         self.checkpoints.flush()
 
-    def checkpoint_identity(self) -> dict[str, Any]:
+    def checkpoint_extra(self) -> dict[str, Any]:
+        """What every checkpoint carries besides the state: the run's identity, and the node's standing (its own
+        history with its peers: pairing/standing.py), read as the checkpoint is written."""
         return {
+            "standing": self.standing.checkpoint_state(),
             "run_fingerprint": self.layout.run_fingerprint,
             "run_start": self.layout.start,  # names what differs when a node of other settings finds it
             "model_source": self.layout.source.record(),

@@ -27,7 +27,7 @@ import grpc
 from noloco_node.discovery.dht import PeerRecord
 from noloco_node.pairing.peer_policy import PeerPolicy
 from noloco_node.pairing.standing import Standing
-from noloco_node.rpc.client import ExchangeError, exchange_with
+from noloco_node.rpc.client import CallOwner, ExchangeError, exchange_with
 from noloco_node.rpc.contracts import OutgoingPayload
 from noloco_node.rpc.metrics import ExchangeMetrics
 from noloco_node.rpc.transport import Transport
@@ -144,16 +144,25 @@ class PeerCaller:
         if dial is None:
             self._failed(peer, deadline, ExchangeError(grpc.StatusCode.UNAVAILABLE, "no_path", "no relay to it"))
             return None
+        # The call is owned: whenever this coroutine stops waiting (its deadline passed, its task was cancelled: the
+        # round closed or the node is stopping), the gRPC call is cancelled and its thread is free at once.
+        owner = CallOwner()
         try:
             # The call is bounded by its own gRPC deadline; the outer bound only covers the hand-off to a thread,
             # which is immediate: the executor has a thread for every exchange a node can have in flight.
             payload = await asyncio.wait_for(
-                loop.run_in_executor(self.executor, self._exchange, peer, dial, outgoing, kind, deadline, complete),
+                loop.run_in_executor(
+                    self.executor, self._exchange, peer, dial, outgoing, kind, deadline, complete, owner
+                ),
                 timeout=deadline + 5,
             )
         except (ExchangeError, asyncio.TimeoutError) as error:
+            owner.cancel()
             self._failed(peer, deadline, error)
             return None
+        except asyncio.CancelledError:
+            owner.cancel()
+            raise
         self.policy.succeeded(peer.peer_id, time.monotonic() - started)
         return payload
 
@@ -165,17 +174,19 @@ class PeerCaller:
         kind: str,
         deadline: float,
         complete: Callable[[Payload], Payload] | None,
+        owner: CallOwner,
     ) -> Payload:
         """Exchange thread: the call, holding the published copy it streams; the partner's payload is admitted
         (the norm bound) before this side commits to it (rpc/client.py)."""
+        kind_of = self.settings.kinds[kind]
         if isinstance(outgoing, Published):
             if not outgoing.hold():
                 raise ExchangeError(grpc.StatusCode.ABORTED, "busy", "the offer was withdrawn before the call")
             try:
-                return self._stream(peer, dial, outgoing, self.settings.kinds[kind], deadline, complete)
+                return self._stream(peer, dial, outgoing, kind_of, deadline, complete, owner)
             finally:
                 outgoing.release()
-        return self._stream(peer, dial, outgoing, self.settings.kinds[kind], deadline, complete)
+        return self._stream(peer, dial, outgoing, kind_of, deadline, complete, owner)
 
     def _stream(
         self,
@@ -185,6 +196,7 @@ class PeerCaller:
         kind: PayloadKind,
         deadline: float,
         complete: Callable[[Payload], Payload] | None,
+        owner: CallOwner,
     ) -> Payload:
         settings = self.settings
         admit = self.admit if complete is None else (lambda payload: self.admit(complete(payload)))
@@ -204,6 +216,7 @@ class PeerCaller:
             transport=settings.transport,
             observer=self.observer(),
             admit=admit,
+            owner=owner,
         )
 
     def _failed(self, peer: PeerRecord, deadline: float, error: BaseException) -> None:

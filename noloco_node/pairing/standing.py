@@ -20,8 +20,9 @@ completes first, can have every round taken by one stranger minting keys and ech
 
 What K keys on M addresses can take is in docs/threat-model.md. Standing is remembered after a peer leaves the DHT
 (a partition, a restart), in a bounded table that evicts strangers first and then the longest-gone: an eviction
-only ever takes standing away, so the table cannot be flooded into granting it. Standing is per node and not
-persisted: a restarted node starts with no established peers.
+only ever takes standing away, so the table cannot be flooded into granting it. Standing is per node and is the
+node's own history: the checkpoint keeps its earned part (``checkpoint_state``), so a restarted member believes
+and prefers the peers it had standing with, not whoever's records it sees first (node/catch_up.py).
 """
 
 from __future__ import annotations
@@ -31,6 +32,7 @@ import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 from noloco_node.discovery.dht import PeerRecord
 
@@ -173,6 +175,43 @@ class Standing:
             return None
         target = min(_lower_median(ahead), int(max(reach)))
         return SwarmStep(target, max(apart)) if target > own_step + max_staleness else None
+
+    def checkpoint_state(self) -> list[dict[str, Any]]:
+        """The peers this node has blended with, for its checkpoint: how long each has been known and its blends.
+        Strangers never blended with are left out: they have earned nothing to keep."""
+        now = self._clock()
+        with self._lock:
+            return [
+                {
+                    "peer_id": peer_id,
+                    "group": track.group,
+                    "known_seconds": now - track.first_seen,
+                    "blends": track.blends,
+                    "last_blend_step": track.last_blend_step,
+                }
+                for peer_id, track in self._tracks.items()
+                if track.blends > 0 and track.last_blend_step is not None
+            ]
+
+    def restore(self, saved: Sequence[dict[str, Any]]) -> None:
+        """The standing a checkpoint kept (``checkpoint_state``); entries that do not read as one are skipped (a
+        checkpoint of an older version has none)."""
+        now = self._clock()
+        with self._lock:
+            for entry in saved:
+                try:
+                    track = _Track(
+                        first_seen=now - max(0.0, float(entry["known_seconds"])),
+                        last_seen=now,
+                        group=str(entry["group"]),
+                        blends=int(entry["blends"]),
+                        last_blend_step=int(entry["last_blend_step"]),
+                        last_blend_time=now,
+                    )
+                except (KeyError, TypeError, ValueError):
+                    continue
+                self._tracks[str(entry["peer_id"])] = track
+            self._forget_beyond_limit()
 
     # ------------------------------------------------------------------------------------------- decisions
 

@@ -44,6 +44,33 @@ from noloco_node.wire.receive_buffers import ReceiveBuffers
 log = logging.getLogger(__name__)
 
 
+class CallOwner:
+    """The handle by which whoever waits for a blocking call (an exchange on a worker thread) ends it when it stops
+    waiting: ``cancel`` cancels the gRPC call at once, or, before the call has started, makes it end as it starts.
+    Without it a waiter that timed out or was cancelled left its thread blocked in gRPC until the call's own
+    deadline (an exchange pool's few threads then had no room, and a stopping node waited on them)."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._call: Any = None
+        self.cancelled = False
+
+    def attach(self, call: Any) -> None:
+        """The call has started: ``cancel`` now ends it (at once, if it came first)."""
+        with self._lock:
+            self._call = call
+            cancelled = self.cancelled
+        if cancelled:
+            call.cancel()
+
+    def cancel(self) -> None:
+        with self._lock:
+            self.cancelled = True
+            call = self._call
+        if call is not None:
+            call.cancel()
+
+
 @dataclass
 class Outgoing:
     """A static payload (benchmarks, tests, tools): a manifest and tensors that nothing ever writes, so holding it
@@ -165,6 +192,7 @@ def exchange_with(
     transport: Transport = PLAIN,
     observer: ValueObserver | None = None,
     admit: Callable[[Payload], Payload] | None = None,
+    owner: CallOwner | None = None,
 ) -> Payload:
     """Exchange payloads with the peer at ``address``; returns its verified payload or raises ExchangeError.
 
@@ -177,7 +205,8 @@ def exchange_with(
     ``answers``: the kinds of payload the peer may answer with (wire/frames.py ``PayloadKind``), when more than
     ``expected`` (in the kind's wire dtype) may.
 
-    Blocking (call it from a worker thread); the whole call, connection included, is bounded by ``timeout``. With
+    Blocking (call it from a worker thread); the whole call, connection included, is bounded by ``timeout``, and
+    ``owner`` (CallOwner) ends it sooner when its waiter gives up (it raises ExchangeError CANCELLED then). With
     ``metrics``, the exchange is recorded under ``peer`` (default: the address) whatever its outcome. In a private
     run not one frame is sent before the server has proved membership.
 
@@ -245,6 +274,8 @@ def exchange_with(
                 answered.set()
 
             call = channel.stream_stream(EXCHANGE_METHOD)(frames(), timeout=timeout, metadata=metadata)
+            if owner is not None:
+                owner.attach(call)
             try:
                 if transport.authenticates:
                     problem = server_problem(transport, EXCHANGE_METHOD, nonce, call, address)

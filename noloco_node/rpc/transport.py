@@ -50,19 +50,40 @@ class _PooledChannel:
     Reusing one connection per peer saves the TCP (and TLS) handshakes and, with the kernel keeping its congestion
     window (``net.ipv4.tcp_slow_start_after_idle=0``), the slow start of every exchange: on a 50 ms path that is
     several round trips per call. A call that fails on its connection (not one the peer answered: busy, out of
-    reach, refused) drops the channel from the pool (a restarted or dead peer
-    gets a fresh connection next time); calls still using it finish on it, and it closes when the last goes.
+    reach, refused) drops the channel from the pool (a restarted or dead peer gets a fresh connection next time).
+    A channel that leaves the pool, dropped, idle or the least recently used, is closed as soon as no call is
+    using it: calls still on it finish on it, and the last one out closes it.
     """
 
     def __init__(self, transport: Transport, address: str) -> None:
         self.transport, self.address = transport, address
+        self._entry: _Pooled | None = None
 
     def __enter__(self) -> grpc.Channel:
-        return self.transport._pooled(self.address)
+        self._entry = self.transport._lend(self.address)
+        return self._entry.channel
 
     def __exit__(self, kind: type[BaseException] | None, error: BaseException | None, *_: object) -> None:
-        if kind is not None and _connection_may_be_broken(error):
-            self.transport._drop(self.address)
+        assert self._entry is not None
+        self.transport._give_back(self._entry, broken=kind is not None and _connection_may_be_broken(error))
+
+
+@dataclass
+class _Pooled:
+    """A pooled channel, the calls using it, and whether it has left the pool (closed when the last call ends)."""
+
+    channel: grpc.Channel
+    last_use: float
+    users: int = 0
+    retired: bool = False
+    closed: bool = False
+
+    def to_close(self) -> grpc.Channel | None:
+        """Under the pool's lock: the channel, once, when it is out of the pool and unused; else None."""
+        if self.retired and self.users == 0 and not self.closed:
+            self.closed = True
+            return self.channel
+        return None
 
 
 # A call that ended with one of these says nothing against its connection: the peer answered (busy, out of reach,
@@ -107,12 +128,13 @@ class Transport:
         self.identity = identity  # proves this node's peer id to the servers it calls (caller_proof.py)
         self.channel_options = list(channel_options)
         self._channel_credentials = tls.channel_credentials() if tls else None  # read once: fail at start
-        self._pool: dict[str, tuple[grpc.Channel, float]] = {}  # address -> (channel, last use), in LRU order
+        self._pool: dict[str, _Pooled] = {}  # address -> its channel, least recently used first
+        self._retired: list[_Pooled] = []  # out of the pool, still used by a call: closed by the last one out
         self._pool_lock = threading.Lock()
 
     def forget(self, address: str) -> None:
-        """Close nothing, keep nothing: the next call to ``address`` connects anew (a tunnel's local endpoint that
-        was closed, discovery/tunnels.py, whose port another endpoint may reuse)."""
+        """Keep nothing: the next call to ``address`` connects anew (a tunnel's local endpoint that was closed,
+        discovery/tunnels.py, whose port another endpoint may reuse); the old channel closes once unused."""
         self._drop(address)
 
     @property
@@ -123,28 +145,68 @@ class Transport:
         """A context manager giving the pooled channel to ``address`` (see _PooledChannel)."""
         return _PooledChannel(self, address)
 
-    def _pooled(self, address: str) -> grpc.Channel:
+    def _lend(self, address: str) -> _Pooled:
         now = time.monotonic()
+        retired: list[_Pooled] = []
         with self._pool_lock:
             entry = self._pool.pop(address, None)
-            channel = entry[0] if entry is not None and now - entry[1] < self.POOL_IDLE_SECONDS else None
-            if channel is None:
-                channel = self.new_channel(address)
-            self._pool[address] = (channel, now)
+            if entry is not None and now - entry.last_use >= self.POOL_IDLE_SECONDS:
+                retired.append(entry)
+                entry = None
+            if entry is None:
+                entry = _Pooled(self.new_channel(address), now)
+            entry.last_use = now
+            entry.users += 1
+            self._pool[address] = entry  # newest last
             while len(self._pool) > self.POOL_SIZE:
-                self._pool.pop(next(iter(self._pool)))
-            return channel
+                retired.append(self._pool.pop(next(iter(self._pool))))
+            closing = [self._retire(old) for old in retired]
+        for channel in closing:
+            if channel is not None:
+                channel.close()
+        return entry
+
+    def _give_back(self, entry: _Pooled, *, broken: bool) -> None:
+        with self._pool_lock:
+            entry.users -= 1
+            if broken and not entry.retired:  # out of the pool: the next call connects anew
+                address = next((a for a, pooled in self._pool.items() if pooled is entry), None)
+                if address is not None:
+                    del self._pool[address]
+                closing = self._retire(entry)
+            else:
+                closing = entry.to_close()
+        if closing is not None:
+            closing.close()
+
+    def _retire(self, entry: _Pooled) -> grpc.Channel | None:
+        """Out of the pool (under the lock): the channel to close now if no call uses it, else None (the last
+        call out closes it)."""
+        entry.retired = True
+        self._retired = [e for e in self._retired if not e.closed]
+        closing = entry.to_close()
+        if closing is None:
+            self._retired.append(entry)
+        return closing
 
     def _drop(self, address: str) -> None:
         with self._pool_lock:
-            self._pool.pop(address, None)
+            entry = self._pool.pop(address, None)
+            closing = self._retire(entry) if entry is not None else None
+        if closing is not None:
+            closing.close()
 
     def close_channels(self) -> None:
+        """Close every channel, pooled or retired, in use or not: the node is stopping (a call on one ends
+        CANCELLED, and its thread is free)."""
         with self._pool_lock:
-            channels = [channel for channel, _ in self._pool.values()]
+            entries = [e for e in [*self._pool.values(), *self._retired] if not e.closed]
             self._pool.clear()
-        for channel in channels:
-            channel.close()
+            self._retired.clear()
+            for entry in entries:
+                entry.retired, entry.closed = True, True
+        for entry in entries:
+            entry.channel.close()
 
     def new_channel(self, address: str) -> grpc.Channel:
         """A fresh, unpooled channel (the caller closes it)."""

@@ -362,6 +362,60 @@ def test_a_late_joiner_trains_from_a_donors_state_and_the_donor_never_pauses(
     assert max(phases) < 3.0, phases
 
 
+def test_a_partner_frozen_mid_exchange_holds_no_thread_past_the_nodes_last_step(
+    bootstrap: Bootstrap, tmp_path: Path
+) -> None:
+    """The partner is frozen (SIGSTOP) while bytes of an exchange are flowing: its socket stays open and says
+    nothing, so a call to it blocks until its deadline (20 s here) unless its waiter ends it. The node trains on
+    alone, and leaves within 5 s of its last outer step, with no thread left for the exit's backstop to report."""
+    import signal
+    import threading
+
+    node_port, partner_port = free_port(), free_port()
+    frozen = threading.Event()
+    partner_holder: list[NodeProcess] = []
+
+    last_look = [0.0]
+
+    def freeze_partner_mid_stream(relayed: int) -> None:
+        # In an exchange of the node's last outer step or the one before: a call still open when the run ends.
+        if relayed < 150_000 or frozen.is_set() or not partner_holder or time.monotonic() - last_look[0] < 0.2:
+            return
+        last_look[0] = time.monotonic()
+        if (node.status() or {}).get("outer_step", 0) >= 6:
+            frozen.set()
+            partner_holder[0].process.send_signal(signal.SIGSTOP)
+
+    node_proxy = ThrottlingProxy(node_port, bytes_per_second=150_000, on_bytes=freeze_partner_mid_stream)
+    partner_proxy = ThrottlingProxy(partner_port, bytes_per_second=150_000, on_bytes=freeze_partner_mid_stream)
+    common = [*TRAIN, "--inner-steps", "20", "--wire-dtype", "fp32", "--steps", "160", "--num-shards", "2"]
+    common += ["--pair-timeout", "8", "--exchange-timeout", "20"]
+    node = NodeProcess(
+        "node", bootstrap, tmp_path, *common, "--shard-index", "0", "--grpc-port", str(node_port),
+        "--announce-port", str(node_proxy.port),
+    )  # fmt: skip
+    partner = NodeProcess(
+        "partner", bootstrap, tmp_path, *common, "--shard-index", "1", "--grpc-port", str(partner_port),
+        "--announce-port", str(partner_proxy.port),
+    )  # fmt: skip
+    partner_holder.append(partner)
+    try:
+        assert node.wait(timeout=400) == 0, node.output()[-3000:]
+        exited = time.time()
+        assert frozen.is_set(), "no exchange ever streamed through the proxies"
+        history = node.status()["history"]
+        assert history[-1]["inner_step"] == 160  # it trained to the end
+        assert exited - history[-1]["time"] < 5.0, exited - history[-1]["time"]
+        assert "still running" not in node.output(), node.output()[-3000:]
+    finally:
+        if partner.process.poll() is None:
+            partner.process.send_signal(signal.SIGCONT)
+        node.stop()
+        partner.stop()
+        node_proxy.close()
+        partner_proxy.close()
+
+
 def test_sigterm_leaves_gracefully_checkpoints_and_withdraws_the_record(bootstrap: Bootstrap, tmp_path: Path) -> None:
     import asyncio
     import signal

@@ -192,15 +192,45 @@ def test_the_swarms_front_is_corroborated_by_hosts_not_keys() -> None:
     assert credible_front([*same_host[:2], liar_beside, *liars]) == 6
 
 
-def test_a_donors_counters_must_be_the_step_its_record_claims() -> None:
+def test_a_donors_counters_must_be_the_step_its_record_claims_and_short_of_this_runs_end() -> None:
     from noloco_node.node.catch_up import implausible_counters
 
     donor = record("d", "10.0.0.1", 1, step=12)
-    assert implausible_counters({"outer_step": 12, "inner_step": 12 * 20 + 7}, donor, 20) is None
-    assert implausible_counters({"outer_step": 13, "inner_step": 13 * 20}, donor, 20) is None  # stepped meanwhile
-    assert "record says 12" in (implausible_counters({"outer_step": 1_000_000, "inner_step": 0}, donor, 20) or "")
-    assert "inner step" in (implausible_counters({"outer_step": 12, "inner_step": 50_000_000}, donor, 20) or "")
-    assert "inner step" in (implausible_counters({"outer_step": 12, "inner_step": 3}, donor, 20) or "")
+    total = 10_000
+    assert implausible_counters({"outer_step": 12, "inner_step": 12 * 20 + 7}, donor, 20, total) is None
+    assert implausible_counters({"outer_step": 13, "inner_step": 13 * 20}, donor, 20, total) is None  # stepped
+    claims = implausible_counters({"outer_step": 1_000_000, "inner_step": 0}, donor, 20, total) or ""
+    assert "record says 12" in claims
+    assert "inner step" in (implausible_counters({"outer_step": 12, "inner_step": 50_000_000}, donor, 20, total) or "")
+    assert "inner step" in (implausible_counters({"outer_step": 12, "inner_step": 3}, donor, 20, total) or "")
+    # Consistent with a claim near this run's end, or past it: adopting them would end the node.
+    ahead = record("ahead", "10.0.0.2", 1, step=500)
+    assert "--steps" in (implausible_counters({"outer_step": 500, "inner_step": 500 * 20}, ahead, 20, total) or "")
+    assert implausible_counters({"outer_step": 499, "inner_step": 499 * 20 + 19}, ahead, 20, total) is None
+
+
+def test_a_restarting_member_takes_no_front_beyond_its_own_pace() -> None:
+    from noloco_node.node.catch_up import plausible_reach
+
+    # Outer steps 10-20 took 100 s (10 s each); the checkpoint's last step was 60 s ago.
+    history = [{"outer_step": step, "time": 1000.0 + 10 * (step - 10)} for step in range(10, 21)]
+    assert plausible_reach(history, 4, now=1100.0 + 60) == 20 + 4 + 12  # twice its pace for 60 s
+    assert plausible_reach(history[:1], 4, now=2000.0) is None  # no pace to measure
+    assert plausible_reach([], 4, now=2000.0) is None
+
+
+def test_standing_outlives_a_restart_through_the_checkpoint() -> None:
+    clock = Clock()
+    standing, honest = established_swarm(clock)
+    stranger = record("stranger", "10.9.0.1", 7000)
+    standing.observe([*honest, stranger], 0, 2)
+    saved = standing.checkpoint_state()
+    assert sorted(e["peer_id"] for e in saved) == sorted(p.peer_id for p in honest)  # strangers earned nothing
+    restarted = Standing(standing_seconds=30, stranger_share=0.1, clock=Clock())
+    restarted.restore([*saved, {"peer_id": "garbled"}])
+    assert all(restarted.established(p.peer_id) for p in honest)
+    assert not restarted.believable("stranger")  # only the peers it had standing with are believed
+    assert restarted.believable(honest[0].peer_id)
 
 
 def test_once_a_node_has_peers_with_standing_only_their_claims_count() -> None:
