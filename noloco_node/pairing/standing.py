@@ -7,9 +7,9 @@ completes first, can have every round taken by one stranger minting keys and ech
 - **Standing.** A peer is *established* once this node has seen its record in the DHT for at least
   ``standing_seconds`` and has blended with it at least once (a payload that passed every check). Established peers
   are mixed at random among themselves, as the algorithm needs (least recently paired first, one network group at
-  a time: noloco_node/addresses.py). Their calls in are served too, but a group is served at most one step in G
+  a time: noloco_node/addresses.py). Their calls in are served too, but a group at most twice in 2G outer steps
   (G: the established groups within reach), so that many keys of one group calling first every step take no more
-  than the turn this node's own calls would give that group.
+  than the share of one group.
 - **A bounded share for strangers.** Every other id is a stranger. Strangers are called, and their calls served,
   only in *stranger steps*: a token bucket that admits ``stranger_share`` of this node's outer steps (its phase
   starts at random, so that nodes started together do not open the same steps). Whatever the number of keys and
@@ -30,13 +30,17 @@ from __future__ import annotations
 import random
 import threading
 import time
+from collections import deque
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from noloco_node.discovery.dht import PeerRecord
 
 MAX_REMEMBERED = 4096  # peers remembered; past this strangers are forgotten first, then the longest-gone
+# Calls in from one network group served in any 2G outer steps (G: the established groups within reach): a group's
+# share, 1/G, with room for one repeat (an honest pair that finds nobody else ready pairs again).
+CALLS_IN_PER_WINDOW = 2
 
 
 @dataclass
@@ -46,6 +50,7 @@ class _Track:
     group: str = ""  # the network group of the address its record gave, last seen (addresses.py)
     blends: int = 0  # blends with this node whose payload passed every check
     last_blend_step: int | None = None  # this node's outer step at the last of them
+    recent_blend_steps: deque[int] = field(default_factory=lambda: deque(maxlen=CALLS_IN_PER_WINDOW))
     last_blend_time: float | None = None  # monotonic
 
 
@@ -113,6 +118,7 @@ class Standing:
             track = self._tracks.setdefault(peer_id, _Track(first_seen=now, last_seen=now))
             track.blends += 1
             track.last_blend_step, track.last_blend_time = own_step, now
+            track.recent_blend_steps.append(own_step)
 
     def established(self, peer_id: str) -> bool:
         with self._lock:
@@ -219,14 +225,16 @@ class Standing:
         """Whether an incoming pairing call from ``peer_id`` may be taken now; a refusal says nothing of the peer.
 
         A stranger: in stranger steps only. An established peer: unless its network group blended with this node
-        within its last G - 1 outer steps (G: the groups of established peers within reach), so that calling in
-        first, every step, from many keys of one group earns that group no more than its turn: one step in G,
-        the share this node's own least-recently-paired-first calls give it."""
+        ``CALLS_IN_PER_WINDOW`` times in its last 2G outer steps (G: the groups of established peers within
+        reach), so that calling in first, every step, from many keys of one group earns that group no more than
+        its share, 1/G, of this node's steps."""
         with self._lock:
             now = self._clock()
             if not self._established(peer_id, now):
                 return self._step_admits or not self._established_within_reach
-            return not self._group_paired_within(self._tracks[peer_id].group, self._groups_within_reach - 1)
+            return self._group_blends_within(self._tracks[peer_id].group, 2 * self._groups_within_reach) < (
+                CALLS_IN_PER_WINDOW
+            )
 
     def order(self, candidates: Sequence[PeerRecord], last_paired: dict[str, int]) -> list[PeerRecord]:
         """Whom to call, in order: the established peers, least recently paired group first, and at a stranger step
@@ -256,14 +264,18 @@ class Standing:
         track = self._tracks.get(peer_id)
         return track is not None and track.blends > 0 and now - track.first_seen >= self.standing_seconds
 
-    def _group_paired_within(self, group: str, steps: int) -> bool:
-        if steps <= 0 or self._step is None:
-            return False
-        last = max(
-            (t.last_blend_step for t in self._tracks.values() if t.group == group and t.last_blend_step is not None),
-            default=None,
+    def _group_blends_within(self, group: str, steps: int) -> int:
+        """Blends with ``group`` at this node's last ``steps`` outer steps, the current one included."""
+        if self._step is None or steps <= 0:
+            return 0
+        first = self._step - steps + 1
+        return sum(
+            1
+            for track in self._tracks.values()
+            if track.group == group
+            for step in track.recent_blend_steps
+            if step >= first
         )
-        return last is not None and self._step - last <= steps
 
     def _enter_step(self, own_step: int) -> None:
         if self._step is not None and own_step <= self._step:

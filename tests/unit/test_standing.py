@@ -289,9 +289,9 @@ def test_the_clock_moves_when_half_the_known_hosts_are_ahead_one_with_standing_a
     assert multi.swarm_step(own, claims, 2, 1.0) == SwarmStep(40, 0)  # both hosts ahead: the lower median of theirs
 
 
-def test_established_keys_of_one_group_calling_in_first_every_step_get_one_step_in_g() -> None:
+def test_established_keys_of_one_group_calling_in_first_every_step_get_the_share_of_one_group() -> None:
     """An attacker that earned standing for 20 keys on one /24 calls in before anyone else at every step: it is
-    served one step in G (G = 4 groups within reach: its own and three honest), its share of the groups, not
+    served twice in 2G steps (G = 4 groups within reach: its own and three honest), its share of the groups, not
     every step."""
     clock = Clock()
     standing, honest = established_swarm(clock)
@@ -320,3 +320,14 @@ def test_established_keys_of_one_group_calling_in_first_every_step_get_one_step_
         alone.observe([replace(sybils[0], outer_step=step)], step, 2)
         assert alone.may_serve(sybils[0].peer_id)
         alone.blended(sybils[0].peer_id, step)
+
+
+def test_an_honest_pair_may_pair_again_once_before_it_must_wait() -> None:
+    clock = Clock()
+    standing, honest = established_swarm(clock)  # three honest groups: G = 3, a window of 6 outer steps
+    pair = honest[0].peer_id
+    for step, served in ((10, True), (11, True), (12, False), (15, False), (16, True)):
+        standing.observe([replace(p, outer_step=step) for p in honest], step, 2)
+        assert standing.may_serve(pair) is served, step
+        if served:
+            standing.blended(pair, step)
