@@ -13,6 +13,7 @@ import math
 import shutil
 import signal
 import time
+from collections import Counter
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -34,9 +35,10 @@ def _progress_line(statuses: list[dict[str, Any] | None]) -> str:
 
 
 def summarize(out_dir: Path, num_nodes: int) -> dict[str, Any]:
+    statuses = [read_status(out_dir / f"node{i}") for i in range(num_nodes)]
+    names = {s["peer_id"]: f"node{i}" for i, s in enumerate(statuses) if s and s.get("peer_id")}
     nodes = []
-    for i in range(num_nodes):
-        status = read_status(out_dir / f"node{i}")
+    for i, status in enumerate(statuses):
         if not status or not status.get("history"):
             nodes.append({"node": f"node{i}", "outer_steps": 0})
             continue
@@ -53,6 +55,9 @@ def summarize(out_dir: Path, num_nodes: int) -> dict[str, Any]:
                 "final_val_loss": history[-1]["val_loss"],
                 "final_val_ppl": math.exp(history[-1]["val_loss"]),
                 "blends": sum(1 for h in history if h["partner"]),
+                # Whom it blended with, and how often: NoLoCo mixes by pairing with a random peer every outer step,
+                # so a swarm of fixed pairs shows here as one partner taking every blend.
+                "partners": dict(Counter(names.get(h["partner"], h["partner"]) for h in history if h["partner"])),
                 "solo_steps": sum(1 for h in history if not h["partner"]),
                 "wait_seconds": sum(h["wait_seconds"] for h in history),
                 "train_seconds": sum(h["train_seconds"] for h in history),
@@ -64,18 +69,24 @@ def summarize(out_dir: Path, num_nodes: int) -> dict[str, Any]:
     return {"nodes": nodes}
 
 
+def spread(partners: dict[str, int]) -> str:
+    """``node1 5, node2 4`` (most first), or ``-``."""
+    return ", ".join(f"{name[-8:]} {count}" for name, count in Counter(partners).most_common()) or "-"
+
+
 def summary_table(summary: dict[str, Any]) -> str:
     rows = [
-        "| node | outer steps | val loss (first -> final) | ppl | blends | solo | waited s | sent MB |",
-        "|---|---:|---:|---:|---:|---:|---:|---:|",
+        "| node | outer steps | val loss (first -> final) | ppl | blends | solo | partners | waited s | sent MB |",
+        "|---|---:|---:|---:|---:|---:|---|---:|---:|",
     ]
     for n in summary["nodes"]:
         if not n.get("outer_steps"):
-            rows.append(f"| {n['node']} | 0 | - | - | - | - | - | - |")
+            rows.append(f"| {n['node']} | 0 | - | - | - | - | - | - | - |")
             continue
         rows.append(
             f"| {n['node']} | {n['outer_steps']} | {n['first_val_loss']:.3f} -> {n['final_val_loss']:.3f} | "
-            f"{n['final_val_ppl']:.2f} | {n['blends']} | {n['solo_steps']} | {n['wait_seconds']:.1f} | "
+            f"{n['final_val_ppl']:.2f} | {n['blends']} | {n['solo_steps']} | {spread(n['partners'])} | "
+            f"{n['wait_seconds']:.1f} | "
             f"{n['bytes_sent'] / 1e6:.1f} |"
         )
     return "\n".join(rows)

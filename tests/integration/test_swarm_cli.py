@@ -57,5 +57,9 @@ def test_swarm_runs_shows_progress_and_stops_cleanly_on_ctrl_c(tmp_path: Path) -
     assert summary["exit_codes"] == [0, 0, 0]
     for node in summary["nodes"]:
         assert node["blends"] >= 2 and node["final_val_loss"] < node["first_val_loss"]
+        # Whom it blended with, by node name, adding up to its blends; shown in the table too.
+        assert sum(node["partners"].values()) == node["blends"], node["partners"]
+        assert set(node["partners"]) <= {"node0", "node1", "node2"} - {node["node"]}, node["partners"]
+    assert "| partners |" in output
     for i in range(3):  # each node left a final checkpoint on its way out
         assert (out / f"node{i}" / "checkpoint.pt").exists()
