@@ -311,8 +311,8 @@ class Tunnels:
         """Keep connections to up to RELAYS_HELD reachable, relaying members; the relays to name in this node's
         record. Whoever relays can cut this node off (never alter what it forwards: security/payload_seal.py), and
         free keys can offer themselves as relays by the hundred, so the choice is not left to chance alone: peers
-        this node has standing with (``established``, pairing/standing.py) first, one relay per host, those already
-        held before new ones of the same rank."""
+        this node has standing with (``established``, pairing/standing.py) first, one relay per network group
+        (noloco_node/addresses.py), those already held before new ones of the same rank."""
         from hivemind.p2p import PeerID
 
         self.learn(peers)

@@ -4,8 +4,9 @@
 Runs on the node's event loop as a supervised task; each blocking gRPC call runs on the fetcher's own small thread
 pool under a deadline, so a dead or slow peer costs one thread for at most ``timeout`` seconds and blocks nobody:
 the trainer waits at most ``--external-wait`` for the pool, then takes whatever it holds. A peer whose batch is
-refused is not asked again for ``AVOID_SECONDS``. Each poll asks at most one key per host, in random order, so
-keys minted by the hundred on one machine take no more of the fetches than one honest peer.
+refused is not asked again for ``AVOID_SECONDS``. Each poll asks at most one key per network group (a /24 or /48:
+noloco_node/addresses.py), in random order, so keys minted by the hundred on one machine or subnet take no more of
+the fetches than one honest peer.
 """
 
 from __future__ import annotations

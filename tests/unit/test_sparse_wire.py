@@ -98,6 +98,11 @@ def test_the_pair_sum_moves_as_without_compression() -> None:
     seen = [compressed_partner_weights(phi[1 - i], sent[1 - i], left_out[i]) for i in range(2)]
     theta = [phi[i][0] + progress[i][0] for i in range(2)]
     assert torch.allclose(seen[0][0] + seen[1][0], theta[0] + theta[1], atol=1e-5)
+    # The sum holds for any D (or none): each side's view must also carry what the partner sent and nothing else
+    # of the partner's progress, so that a view without D_j (phi_j + Delta_i, say) fails here.
+    for i in range(2):
+        assert torch.allclose(seen[i][0], phi[1 - i][0] + sent[1 - i][0] + left_out[i][0], atol=1e-6)
+        assert not torch.allclose(seen[i][0], phi[1 - i][0] + progress[i][0], atol=1e-4)
 
 
 def test_a_round_trip_through_frames_decodes_what_the_codec_kept() -> None:
