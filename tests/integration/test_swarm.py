@@ -200,6 +200,10 @@ def test_a_peer_killed_mid_exchange_costs_the_survivor_one_round(bootstrap: Boot
         "20",
         "--num-shards",
         "2",
+        # Neither trains before the other is live: a victim that starts a second late would otherwise download the
+        # survivor's state as a joiner, and be killed in that download instead of in an exchange.
+        "--wait-for-peers",
+        "1",
     ]
     survivor = NodeProcess(
         "survivor",
@@ -389,7 +393,7 @@ def test_a_partner_frozen_mid_exchange_holds_no_thread_past_the_nodes_last_step(
     node_proxy = ThrottlingProxy(node_port, bytes_per_second=150_000, on_bytes=freeze_partner_mid_stream)
     partner_proxy = ThrottlingProxy(partner_port, bytes_per_second=150_000, on_bytes=freeze_partner_mid_stream)
     common = [*TRAIN, "--inner-steps", "20", "--wire-dtype", "fp32", "--steps", "160", "--num-shards", "2"]
-    common += ["--pair-timeout", "8", "--exchange-timeout", "20"]
+    common += ["--pair-timeout", "8", "--exchange-timeout", "20", "--wait-for-peers", "1"]
     node = NodeProcess(
         "node", bootstrap, tmp_path, *common, "--shard-index", "0", "--grpc-port", str(node_port),
         "--announce-port", str(node_proxy.port),
