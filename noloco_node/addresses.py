@@ -35,15 +35,10 @@ def canonical_address(address: str) -> str | None:
         return f"{address!r} is not host:port"
     bracketed = host.startswith("[") and host.endswith("]")
     literal = host[1:-1] if bracketed else host
-    try:
-        ip = ipaddress.ip_address(literal)
-    except ValueError:
-        return f"{host!r} is not an IP address (a record names the IP peers dial, not a name)"
-    if ip.version == 6 and ip.ipv4_mapped is not None:
-        return f"{host!r} is an IPv4 address written as IPv6: write {ip.ipv4_mapped}"
-    if str(ip) != literal:
-        return f"{host!r} is not written canonically: write {ip}"
-    if (ip.version == 6) != bracketed:
+    problem = ip_literal_problem(literal)
+    if problem is not None:
+        return problem
+    if (":" in literal) != bracketed:
         return f"{host!r}: an IPv6 address is written in brackets, an IPv4 address without"
     return None
 
