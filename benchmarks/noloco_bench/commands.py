@@ -85,6 +85,11 @@ def add_bench_parsers(commands: Any) -> None:
         help="cut the honest nodes into two halves this long, a tenth of the way in (network namespaces: root); "
         "give the run enough --steps to outlast it",
     )
+    outsider.add_argument(
+        "--namespaces",
+        action="store_true",
+        help="run on a network of namespaces (root): a /24 per honest node, and one for all the attackers",
+    )
     outsider.add_argument("--out", type=Path, help="keep logs and checkpoints here (default: a temporary folder)")
 
     straggler = benches.add_parser(
@@ -271,7 +276,10 @@ def run_bench(args: argparse.Namespace) -> int:
             out = args.out or Path(scratch)
             print(
                 run_outsider_bench(
-                    SwarmShape(args.nodes, args.model, args.steps, args.inner_steps, args.partition_seconds), out=out
+                    SwarmShape(
+                        args.nodes, args.model, args.steps, args.inner_steps, args.partition_seconds, args.namespaces
+                    ),
+                    out=out,
                 ).report()
             )
         return 0

@@ -9,6 +9,11 @@ construction (it *is* the caller's model), and a blend with it is a wasted round
 All the keys are made before the clock starts (on a machine shared with the swarm the outsider must not spend the
 nodes' CPU on keys) and sign their records through one DHT peer (:class:`ManyKeysSigner`). Run as
 ``python -m noloco_bench.echo_flood``; prints what it did as JSON.
+
+With a long ``--key-life`` it is the *patient* Sybil: its keys stay past the standing period and try to become
+established peers. With ``--spellings`` it also writes every other record's address in another spelling of the same IP
+(zero-padded octets, IPv4-mapped IPv6, a name), so that one address would count as many machines to a reader that
+weighed the strings peers write (noloco_node/addresses.py: readers refuse such records).
 """
 
 from __future__ import annotations
@@ -146,12 +151,14 @@ class EchoFlood:
         key_life: float,
         keys: int,
         call_in: bool = True,
+        spellings: bool = False,
     ) -> None:
         self.targets_now = targets_now
         self.model_cfg = model_cfg
         self.hosts = list(hosts)
         self.key_every, self.key_life = key_every, key_life
         self.call_in = call_in
+        self.spellings = spellings
         self._keys = [fresh_identity() for _ in range(keys)]
         self._reader = fresh_identity()  # reads the honest nodes' weights with GetState, as anyone may
         self.dht = hivemind.DHT(
@@ -237,7 +244,9 @@ class EchoFlood:
                 live = [(identity, address) for identity, address, *_ in self._live]
             if targets:
                 step = max(t.outer_step for t in targets)
-                for identity, address in live:
+                for number, (identity, address) in enumerate(live):
+                    if self.spellings and number % 2:  # every other key: the rest keep their canonical address
+                        address = other_spelling(address, number // 2)
                     record = PeerRecord(identity.peer_id, address, targets[0].run_fingerprint, step, step * 20, True)
                     value = {**record.to_value(), "updated": get_dht_time()}
                     self.dht.store(
@@ -286,6 +295,16 @@ class EchoFlood:
         return {"report": dict(self.report), "peer_ids": self.peer_ids}
 
 
+def other_spelling(address: str, number: int) -> str:
+    """``address`` (``a.b.c.d:port``) in one of the spellings that dial the same socket but are not its canonical
+    one: the octets zero-padded, the IPv4-mapped IPv6 form, or a name (``localhost`` for 127.0.0.1)."""
+    host, port = address.rsplit(":", 1)
+    spellings = [".".join(f"{int(octet):03d}" for octet in host.split(".")), f"[::ffff:{host}]"]
+    if host == "127.0.0.1":
+        spellings.append("localhost")
+    return f"{spellings[number % len(spellings)]}:{port}"
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """``python -m noloco_bench.echo_flood``: the flood as a process of its own, at the lowest CPU priority."""
     parser = attacker_arguments(main.__doc__)
@@ -293,6 +312,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--key-every", type=float, default=3.0, help="a new key this often (s)")
     parser.add_argument("--key-life", type=float, default=30.0, help="each key serves this long (s)")
     parser.add_argument("--no-call-in", action="store_true", help="only answer, never call the honest nodes")
+    parser.add_argument("--keys", type=int, help="mint this many keys (default: enough for --seconds)")
+    parser.add_argument(
+        "--spellings", action="store_true", help="write every other record's address in another spelling of its IP"
+    )
     parser.add_argument(
         "--ready-within", type=float, default=60.0, help="at most this long (s) to read the weights it echoes"
     )
@@ -307,8 +330,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         hosts=args.hosts.split(","),
         key_every=args.key_every,
         key_life=args.key_life,
-        keys=int(args.seconds / args.key_every) + 2,
+        keys=args.keys or int(args.seconds / args.key_every) + 2,
         call_in=not args.no_call_in,
+        spellings=args.spellings,
     )
     done = threading.Event()
     for signum in (signal.SIGINT, signal.SIGTERM):

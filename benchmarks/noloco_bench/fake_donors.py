@@ -121,32 +121,37 @@ class FakeDonor:
 
 def main(argv: Sequence[str] | None = None) -> int:
     """``python -m noloco_bench.fake_donors``: one donor of random weights and ``--poisoned`` donors of the honest
-    nodes' own weights with poisoned Adam moments (two keys: a "corroborated" front), until stopped; prints their
-    peer ids and how often each was asked, as JSON."""
+    nodes' own weights with counters of outer step 1,000,000 (two keys on two addresses: a "corroborated" front
+    whose state measures well), until stopped; prints their peer ids and how often each was asked, as JSON."""
     parser = argparse.ArgumentParser(description=main.__doc__)
     parser.add_argument("--data-dir", type=Path, action="append", required=True, help="an honest node's data dir")
     parser.add_argument("--initial-peer", action="append", required=True, help="a DHT multiaddress of the swarm")
     parser.add_argument("--model", default="tiny")
     parser.add_argument("--inner-steps", type=int, default=50)
     parser.add_argument("--random-host", default="127.0.0.1", help="the address the random donor serves on")
-    parser.add_argument("--poisoned-host", default="127.0.0.3", help="the address the poisoned donors serve on")
+    parser.add_argument(
+        "--poisoned-host",
+        default="127.0.0.3",
+        help="comma-separated addresses the poisoned donors serve on, one after another (several: several groups)",
+    )
     parser.add_argument("--poisoned", type=int, default=2)
     args = parser.parse_args(argv)
     os.nice(19)
     model_cfg = model_config_for(args.model, vocab_size=256, max_seq_len=64)
     status = read_status_document(args.data_dir[0]) or {}
     honest = targets_from_status_files(args.data_dir)
+    hosts = args.poisoned_host.split(",")
     donors = [FakeDonor(args.initial_peer, status["run_fingerprint"], model_cfg, host=args.random_host)]
     donors += [
         FakeDonor(
             args.initial_peer,
             status["run_fingerprint"],
             model_cfg,
-            host=args.poisoned_host,
+            host=hosts[number % len(hosts)],
             honest=lambda: next(iter(honest()), None),
             inner_steps=args.inner_steps,
         )
-        for _ in range(args.poisoned)
+        for number in range(args.poisoned)
     ]
     done = threading.Event()
     for signum in (signal.SIGINT, signal.SIGTERM):

@@ -10,20 +10,29 @@ Two runs of the same swarm (same nodes, model, data, seed and inner steps):
    names, runs the norm-bound ratchet with random and scaled weights, holds 200 idle TCP connections per node
    and, through a signed DHT record, offers a random state as the run's outer step 1,000,000; two more keys on
    another address offer the honest nodes' own weights with poisoned Adam moments as the same step (a
-   "corroborated" front; bench/fake_donors.py); and a flood of fresh keys from two more addresses
-   (bench/echo_flood.py) answers and calls the honest nodes with their own weights. Halfway through both
-   runs one honest node is stopped and restarted from its checkpoint (where a fake donor could capture it).
+   "corroborated" front; bench/fake_donors.py); two more keys on two more addresses offer the honest nodes' own
+   weights as that step (the counters donors: a front that measures well, whose counters would end an adopter);
+   a flood of fresh keys from two more addresses (bench/echo_flood.py) answers and calls the honest nodes with
+   their own weights; and a patient Sybil keeps 16 keys on eight more addresses past the standing period, half of
+   them advertised under other spellings of their IP. A third of the way through both runs the first honest
+   node is killed and a newcomer takes its place (a joiner, with an empty data directory); halfway, the last one
+   is stopped and restarted from its checkpoint (where a fake donor could capture either).
 
-With ``--partition-seconds`` (root) both runs take place on a network of namespaces (bench/shaped_network.py, no
-added delay): a host per honest node, and one for every attacking process, which speak from five addresses of its
-link. A tenth of the way in, the router cuts the honest nodes into two halves for that long (the attackers reach
-both), then heals: the report adds how many outer steps each node took from the heal to its first blend across
-the old split, and counts quarantines (drift is not hostility: none is expected).
+With ``--namespaces`` or ``--partition-seconds`` (root) both runs take place on a network of namespaces
+(bench/shaped_network.py, no added delay) whose addresses are public as far as the nodes can tell (100.81.0.0/16,
+carrier-grade NAT space no internet router forwards): a host, and so a /24 network group, per honest node, and one
+for every attacking process, which speak from fourteen addresses of its one /24, as an outsider with an address
+range does. On 127.0.0.1 instead every loopback address is a group of its own (noloco_node/addresses.py), the
+honest nodes share one and the attackers hold thirteen. With ``--partition-seconds``, a tenth of the way in, the
+router cuts the honest nodes into two halves for that long (the attackers reach both), then heals: the report adds
+how many outer steps each node took from the heal to its first blend across the old split, and counts quarantines
+(drift is not hostility: none is expected).
 
 The report: for each run, the honest nodes' blends per minute and per outer step (with each other, and with the
-outsider's keys), their final validation loss at the same inner step, crashes, and whether the restarted node
-downloaded a state, and after a partition the outer steps to merge again and the quarantines; then what the
-outsider and the flood saw.
+outsider's keys), the attackers' share of the blends next to their share of the network groups, the final
+validation loss at the same inner step, crashes, what the joiner and the restarted node downloaded and whether
+they trained to the end, and after a partition the outer steps to merge again and the quarantines; then what the
+outsider, the flood and the patient Sybil saw.
 """
 
 from __future__ import annotations
@@ -41,9 +50,13 @@ from typing import Any
 
 from noloco_bench.cpu_group import CpuGroup, outsider_cpu
 from noloco_bench.shaped_network import ShapedNetwork, shaped_network
-from noloco_node.launcher.local_swarm import LocalSwarm
+from noloco_node.addresses import host_of_address, network_group
+from noloco_node.launcher.local_swarm import LocalSwarm, NodeSlot
 
 EXIT_GRACE_SECONDS = 120.0  # a node that trained its last step has left well within this
+# The namespaces' addresses: carrier-grade NAT space (RFC 6598), which no internet router forwards but which
+# noloco_node/addresses.py weighs as public (a /24 per group), so each host is a network group as on the internet.
+PUBLIC_SUBNET = "100.81"
 
 
 @dataclass
@@ -56,8 +69,12 @@ class SwarmRun:
     final_val_losses: list[float] = field(default_factory=list)
     crashes: list[int] = field(default_factory=list)
     restart: str = "not restarted"  # what the node restarted halfway did: resumed, or downloaded (from whom)
+    joiner: str = "no joiner"  # what the newcomer a third of the way in downloaded, and whether it finished
+    honest_groups: set[str] = field(default_factory=set)  # the network groups of the honest nodes' addresses
+    attacker_groups: set[str] = field(default_factory=set)  # ... and of every address an attacker speaks from
     outsider: dict[str, Any] = field(default_factory=dict)
     flood: dict[str, Any] = field(default_factory=dict)
+    sybil: dict[str, Any] = field(default_factory=dict)
     hung_exits: int = 0  # nodes still running EXIT_GRACE_SECONDS after every node trained its last step
     quarantines: int = 0  # honest peers quarantined by honest nodes (quarantine is for what no honest peer sends)
     # per node: outer steps and seconds from the heal to its first blend across the old split (None: never)
@@ -68,6 +85,17 @@ class SwarmRun:
         return 60 * self.blends / self.seconds if self.seconds else math.nan
 
     @property
+    def attacker_share(self) -> float:
+        """The share of the honest nodes' blends that went to an attacker's key."""
+        return (self.blends - self.honest_blends) / self.blends if self.blends else 0.0
+
+    @property
+    def attacker_group_share(self) -> float:
+        """The attackers' share of the network groups the honest nodes could pair with."""
+        groups = self.honest_groups | self.attacker_groups
+        return len(self.attacker_groups - self.honest_groups) / len(groups) if groups else 0.0
+
+    @property
     def mean_val_loss(self) -> float:
         return statistics.mean(self.final_val_losses) if self.final_val_losses else math.nan
 
@@ -75,8 +103,15 @@ class SwarmRun:
         return (
             f"{self.label:>16}: {self.seconds:6.1f} s, {self.blends:4d} blends in {self.outer_steps:4d} outer steps "
             f"({self.blends_per_minute:6.1f}/min, {self.blends / max(1, self.outer_steps):.0%} of steps; with honest "
-            f"nodes {self.honest_blends / max(1, self.outer_steps):.0%}), final val "
-            f"loss {self.mean_val_loss:.4f}, crashes {len(self.crashes)}; the node restarted halfway {self.restart}"
+            f"nodes {self.honest_blends / max(1, self.outer_steps):.0%}"
+            + (
+                f"; attackers' keys {self.attacker_share:.0%} of blends with {self.attacker_group_share:.0%} of the "
+                f"network groups"
+                if self.attacker_groups
+                else ""
+            )
+            + f"), final val loss {self.mean_val_loss:.4f}, crashes {len(self.crashes)}; the joiner {self.joiner}; "
+            f"the node restarted halfway {self.restart}"
             + (
                 f"; after the heal, outer steps (and seconds) to each node's first blend across the split: "
                 f"{', '.join('never' if m is None else f'{m[0]} ({m[1]:g} s)' for m in self.merged_after)} "
@@ -99,6 +134,11 @@ class SwarmShape:
     steps: int
     inner_steps: int
     partition_seconds: float = 0.0
+    namespaces: bool = False  # on a network of namespaces even without a partition
+
+    @property
+    def on_network(self) -> bool:
+        return self.namespaces or self.partition_seconds > 0
 
     @property
     def halves(self) -> tuple[tuple[int, ...], tuple[int, ...]]:
@@ -125,8 +165,11 @@ class OutsiderBenchResult:
                 self.attacked.line(),
                 f"with the outsider: {rate:.0%} of the blend rate (target >= 80%), {honest:.0%} of the honest-honest "
                 f"blends per outer step (target >= 70%), final val loss {loss:+.2%} (target within 5%)",
+                f"with the outsider: attackers' keys took {self.attacked.attacker_share:.0%} of the blends with "
+                f"{self.attacked.attacker_group_share:.0%} of the network groups (target: no more than that share)",
                 f"the outsider saw: {json.dumps(self.attacked.outsider, sort_keys=True)}",
                 f"the fresh-key flood: {json.dumps(self.attacked.flood.get('report', {}), sort_keys=True)}",
+                f"the patient Sybil: {json.dumps(self.attacked.sybil.get('report', {}), sort_keys=True)}",
             ]
         )
 
@@ -153,25 +196,35 @@ class Placement:
     payloads: str = "127.0.0.3"  # forged, ratchet, random and scaled payloads
     flood: tuple[str, ...] = ("127.0.0.4", "127.0.0.5")
     random_donor: str = "127.0.0.1"
-    poisoned_donors: str = "127.0.0.3"
+    poisoned_donors: tuple[str, ...] = ("127.0.0.3", "127.0.0.6")
+    sybil: tuple[str, ...] = tuple(f"127.0.0.{7 + k}" for k in range(8))
+
+    @property
+    def addresses(self) -> set[str]:
+        return {self.outsider, self.payloads, *self.flood, self.random_donor, *self.poisoned_donors, *self.sybil}
 
 
 def _attackers(
     swarm: LocalSwarm, placement: Placement, model: str, inner_steps: int, cpu: CpuGroup
 ) -> dict[str, subprocess.Popen[str]]:
-    """Start the three attacking processes (the outsider, the fake donors, the fresh-key flood), each at the lowest
-    CPU priority and together in the CPU group of the outsider's host (bench/cpu_group.py)."""
+    """Start the four attacking processes (the outsider, the fake donors, the fresh-key flood, the patient Sybil),
+    each at the lowest CPU priority and together in the CPU group of the outsider's host (bench/cpu_group.py)."""
     data_dirs = [item for s in swarm.slots for item in ("--data-dir", str(s.data_dir))]
     commands = {
         "donors": [
             *("-m", "noloco_bench.fake_donors", "--model", model, "--inner-steps", str(inner_steps)),
-            *("--random-host", placement.random_donor, "--poisoned-host", placement.poisoned_donors),
+            *("--random-host", placement.random_donor, "--poisoned-host", ",".join(placement.poisoned_donors)),
             *(item for maddr in swarm.maddrs for item in ("--initial-peer", maddr)),
         ],
         "flood": [
             # --seconds sizes its key ring (a key every 3 s, all made before it starts): it is stopped long before
             *("-m", "noloco_bench.echo_flood", "--model", model, "--seconds", "900"),
             *("--hosts", ",".join(placement.flood), "--key-life", "12"),
+        ],
+        "sybil": [
+            # Two keys per address, all made at once and kept: they stay far past --standing-seconds (10 s here).
+            *("-m", "noloco_bench.echo_flood", "--model", model, "--seconds", "900", "--keys", "16"),
+            *("--hosts", ",".join(placement.sybil), "--key-every", "0.5", "--key-life", "100000", "--spellings"),
         ],
         "outsider": [
             *("-m", "noloco_bench.outsider", "--model", model, "--seconds", "100000"),
@@ -215,7 +268,7 @@ def _run(
         stand_in = cpu.stand_in()  # in both runs: the nodes get the same CPU with and without the outsider
         if attack:
             attackers = _attackers(swarm, placement, shape.model, inner_steps, cpu)
-        restarted = False
+        restarted = joined = False
         finished_at: float | None = None
         while swarm.running():
             time.sleep(0.5)
@@ -237,6 +290,11 @@ def _run(
                 partition.__exit__(None, None, None)
                 partition, healed = None, time.time()
             apart = partition is not None
+            newcomer = swarm.slots[0]
+            if not joined and not apart and progress[0] >= steps // 3 and newcomer.process is not None:
+                swarm.kill(newcomer)  # gone for good; a newcomer with an empty data dir takes its place
+                swarm.replace(newcomer)
+                joined = True
             alive = victim.process is not None and victim.process.poll() is None
             if not restarted and not apart and progress[-1] >= steps // 2 and alive:
                 assert victim.process is not None
@@ -259,9 +317,12 @@ def _run(
             stand_in.kill()
             stand_in.wait()
         swarm.stop()
-    run.outsider, run.flood = reports.get("outsider", {}), reports.get("flood", {})
+    run.outsider, run.flood, run.sybil = (reports.get(name, {}) for name in ("outsider", "flood", "sybil"))
     statuses = [swarm.status(slot) or {} for slot in swarm.slots]
-    honest_ids = {status.get("peer_id") for status in statuses}
+    honest_ids = {status.get("peer_id") for status in statuses} | _first_lives_ids(swarm)
+    run.honest_groups = {network_group(host_of_address(s["address"])) for s in statuses if s.get("address")}
+    if attack:
+        run.attacker_groups = {network_group(address) for address in placement.addresses}
     half_of = {statuses[i].get("peer_id"): h for h, half in enumerate(shape.halves) for i in half}
     for slot, status in zip(swarm.slots, statuses, strict=True):
         history = [h for h in status.get("history", []) if h["inner_step"] <= steps]
@@ -279,16 +340,40 @@ def _run(
         )
         if healed:
             run.merged_after.append(steps_to_merge(history, healed, half_of, status.get("peer_id")))
-    victim = swarm.slots[-1]
-    if victim.lives > 1:
-        log = (base / f"node{victim.index}.life{victim.lives}.log").read_text()
-        if "joined a run in progress: state of outer step" in log:
-            source = log.split("joined a run in progress: state of outer step")[1].split()[2]
-            fake = any(peer_id.endswith(source) for peer_id in reports.get("donors", {}).get("peer_ids", []))
-            run.restart = f"downloaded a state from {'A FAKE DONOR' if fake else 'an honest peer'}"
-        else:
-            run.restart = "resumed its checkpoint"
+    donors = reports.get("donors", {}).get("peer_ids", [])
+    if swarm.slots[-1].lives > 1:
+        run.restart = _second_life(swarm, swarm.slots[-1], statuses[-1], steps, donors, "resumed its checkpoint")
+    if swarm.slots[0].lives > 1:
+        run.joiner = _second_life(swarm, swarm.slots[0], statuses[0], steps, donors, "DOWNLOADED NOTHING")
     return run
+
+
+def _first_lives_ids(swarm: LocalSwarm) -> set[str]:
+    """The peer ids of lives that ended (the node killed for the joiner): honest partners too."""
+    ids: set[str] = set()
+    for slot in swarm.slots:
+        for life in range(1, slot.lives):
+            log = (swarm.base / f"node{slot.index}.life{life}.log").read_text(errors="replace")
+            ids.update(line.split(" up: run ")[0].split()[-1] for line in log.splitlines() if " up: run " in line)
+    return ids
+
+
+def _second_life(
+    swarm: LocalSwarm, slot: NodeSlot, status: dict[str, Any], steps: int, donors: list[str], otherwise: str
+) -> str:
+    """What a node's last life did: downloaded a state (from an honest peer or a fake donor) or ``otherwise``, and
+    whether it trained to the end (its last inner step at ``steps``, no crash)."""
+    log = (swarm.base / f"node{slot.index}.life{slot.lives}.log").read_text(errors="replace")
+    if "joined a run in progress: state of outer step" in log:
+        source = log.split("joined a run in progress: state of outer step")[1].split()[2]
+        fake = any(peer_id.endswith(source) for peer_id in donors)
+        start = f"downloaded a state from {'A FAKE DONOR' if fake else 'an honest peer'}"
+    else:
+        start = otherwise
+    history = status.get("history", [])
+    end = history[-1]["inner_step"] if history else 0
+    finished = end == steps and not slot.crashes
+    return f"{start} and {'trained to the end' if finished else f'STOPPED AT INNER STEP {end} of {steps}'}"
 
 
 def steps_to_merge(
@@ -337,11 +422,15 @@ def run_outsider_bench(shape: SwarmShape, *, out: Path) -> OutsiderBenchResult:
         cpu = stack.enter_context(outsider_cpu())
         net: ShapedNetwork | None = None
         placement = Placement()
-        if shape.partition_seconds:
-            net = stack.enter_context(shaped_network(shape.nodes + 1, rate_mbit=1000, rtt_ms=0, prefix="nlout"))
-            host = shape.nodes  # the attackers' host: its main address and four more on its link
-            main, payloads, flood_a, flood_b, donors = net.address(host), *net.add_addresses(host, 4)
-            placement = Placement(tuple(net.exec_prefix(host)), main, payloads, (flood_a, flood_b), main, donors)
+        if shape.on_network:
+            net = stack.enter_context(
+                shaped_network(shape.nodes + 1, rate_mbit=1000, rtt_ms=0, prefix="nlout", subnet=PUBLIC_SUBNET)
+            )
+            host = shape.nodes  # the attackers' host: its main address and thirteen more of its /24
+            main, payloads, flood_a, flood_b, donor_a, donor_b, *sybil = net.address(host), *net.add_addresses(host, 13)
+            placement = Placement(
+                tuple(net.exec_prefix(host)), main, payloads, (flood_a, flood_b), main, (donor_a, donor_b), tuple(sybil)
+            )
         quiet = _run(out / "quiet", "without outsider", shape, attack=False, network=net, cpu=cpu)
         attacked = _run(
             out / "attacked", "with outsider", shape, attack=True, network=net, placement=placement, cpu=cpu

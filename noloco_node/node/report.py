@@ -158,6 +158,7 @@ def node_status(node: ReportedNode) -> NodeStatus:
         bytes_received=counters["bytes_received"],
         exchange_outcomes=counters["outcomes"],
         rejected_payloads=counters["rejected"],
+        calls_in_use=counters["calls_in_use"],
         background_errors=counters["background_errors"],
         exchanges=[ExchangeRecord(**entry) for entry in counters["recent"][-20:]],
         peers=node.telemetry.known_peers(),

@@ -186,6 +186,11 @@ class NodeStatus(BaseModel):
     bytes_received: int
     exchange_outcomes: dict[str, int] = Field(description="Exchanges by outcome since start.")
     rejected_payloads: dict[str, int] = Field(description="Refused payloads by reason since start.")
+    calls_in_use: dict[str, int] = Field(
+        default_factory=dict,
+        description="Calls this node's server is serving now, by kind (exchange, download, info, rollouts): how "
+        "many of the slots of each kind are held.",
+    )
     background_errors: dict[str, int] = Field(
         default_factory=dict, description="Background work of the pairing strategy that ended with an error, by task."
     )

@@ -56,6 +56,7 @@ class CallGate:
         self.min_link_rate = min_link_rate
         self.stall_seconds = stall_seconds
         self.complaints = Complaints()
+        metrics.count_calls_in_use(admission.in_use)
 
     def caller(self, method: str, context: grpc.ServicerContext, *, required: bool) -> str | None:
         """The caller's proven peer id (None when this service verifies none, or for an optional proof that was

@@ -16,9 +16,12 @@ import threading
 import time
 from collections import Counter as CounterDict
 from collections import deque
+from collections.abc import Callable, Iterator
 from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, disable_created_metrics
+from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.registry import Collector
 
 # Series named *_created (one per label set, the time it was first seen) double the output and no dashboard of this
 # project reads them.
@@ -54,6 +57,17 @@ class ExchangeMetrics:
         )
         self._lock = threading.Lock()
         self.recent: deque[dict[str, Any]] = deque(maxlen=keep_recent)
+        self._calls_in_use: Callable[[], dict[str, int]] = dict
+        self.registry.register(_CallsInUse(lambda: self._calls_in_use()))
+
+    def count_calls_in_use(self, source: Callable[[], dict[str, int]]) -> None:
+        """Read the calls being served, by kind, from ``source`` (the server's admission) when asked."""
+        self._calls_in_use = source
+
+    @property
+    def calls_in_use(self) -> dict[str, int]:
+        """Calls being served now, by kind (exchange, download, info, rollouts); empty without a server."""
+        return self._calls_in_use()
 
     @property
     def outcomes(self) -> CounterDict[str]:
@@ -119,8 +133,22 @@ class ExchangeMetrics:
             "background_errors": dict(self.background_errors),
             "bytes_sent": self.bytes_sent,
             "bytes_received": self.bytes_received,
+            "calls_in_use": self.calls_in_use,
             "recent": recent,
         }
+
+
+class _CallsInUse(Collector):
+    """``noloco_calls_in_use{kind}``: a gauge read from the admission's slots at each scrape."""
+
+    def __init__(self, source: Callable[[], dict[str, int]]) -> None:
+        self._source = source
+
+    def collect(self) -> Iterator[GaugeMetricFamily]:
+        gauge = GaugeMetricFamily("noloco_calls_in_use", "Calls being served now, by kind.", labels=["kind"])
+        for kind, count in sorted(self._source().items()):
+            gauge.add_metric([kind], count)
+        yield gauge
 
 
 def _by_label(counter: Counter, label: str) -> dict[str, int]:

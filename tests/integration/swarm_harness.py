@@ -130,3 +130,15 @@ def run_attacker(
     )
     assert attacker.returncode == 0, attacker.stderr[-3000:]
     return started, json.loads(attacker.stdout.strip().splitlines()[-1])
+
+
+def wait_for_steps_after(nodes: list[NodeProcess], moment: float, timeout: float = 60.0) -> None:
+    """Wait until each of ``nodes`` has ended two outer steps after ``moment`` (Unix time): the step it was in at
+    that moment (one an attacker held, say) has ended, and one more."""
+    deadline = time.monotonic() + timeout
+    while True:
+        ended = [sum(1 for h in (n.status() or {}).get("history", []) if h["time"] > moment) for n in nodes]
+        if all(count >= 2 for count in ended):
+            return
+        assert time.monotonic() < deadline, f"outer steps ended after {moment:.1f}: {ended}"
+        time.sleep(0.2)

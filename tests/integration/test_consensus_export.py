@@ -53,10 +53,12 @@ def test_consensus_of_three_live_nodes_is_no_worse_than_its_members(bootstrap: B
             )
         )  # fmt: skip
         deadline = time.monotonic() + 60
-        while " up: run " not in nodes[-1].output() and time.monotonic() < deadline:
-            assert nodes[-1].process.poll() is None, nodes[-1].output()[-2000:]
+        while not (status := nodes[-1].status()) or not status["status_url"]:
+            assert nodes[-1].process.poll() is None and time.monotonic() < deadline, nodes[-1].output()[-2000:]
             time.sleep(0.5)
-        time.sleep(2.0)  # its record (with its shard) reaches the DHT
+        # The next joiner picks its shard from the records it finds: this one's must be in the DHT first.
+        while status["peer_id"] not in (listed := _cli("peers", "--url", status["status_url"], timeout=60)).stdout:
+            assert time.monotonic() < deadline, listed.stdout + listed.stderr
     shards = [json.loads((node.data_dir / "shard.json").read_text())["shard"] for node in nodes]
     assert sorted(shards) == [0, 1, 2], shards
     try:

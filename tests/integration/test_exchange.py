@@ -8,7 +8,6 @@ plays that role in a swarm); everything between the two sides is the real server
 from __future__ import annotations
 
 import threading
-import time
 from collections.abc import Iterator
 
 import grpc
@@ -199,20 +198,21 @@ def test_a_stream_cut_half_way_changes_nothing(served) -> None:
     holder = Holder(params(1, (2_000_000,)))
     address, metrics = served(holder)
     named = params(2, (2_000_000,))
-    stop = threading.Event()
+    stop, half_sent = threading.Event(), threading.Event()
 
     def half_then_stall() -> Iterator[bytes]:
         for i, frame in enumerate(
             iter_frames(outgoing(named, "caller").manifest, [t for _, t in named], chunk_bytes=2**20)
         ):
             if i == 4:  # the manifest and 3 of 8 chunks have gone out
+                half_sent.set()
                 stop.wait(30)
                 return
             yield frame
 
     with grpc.insecure_channel(address, options=CHANNEL_OPTIONS) as channel:
         call = channel.stream_stream(EXCHANGE_METHOD)(half_then_stall(), timeout=30)
-        time.sleep(1.0)
+        assert half_sent.wait(10)
         call.cancel()  # the caller vanishes mid-stream
         stop.set()
     assert holder.released.wait(10)

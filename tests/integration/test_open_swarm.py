@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from .swarm_harness import Bootstrap, NodeProcess, run_attacker, stop_all
+from .swarm_harness import Bootstrap, NodeProcess, run_attacker, stop_all, wait_for_steps_after
 
 TRAIN = ["--model", "tiny", "--seq-len", "64", "--batch-size", "8", "--eval-batches", "2"]
 WINDOW = 15.0  # seconds of each window
@@ -30,7 +30,7 @@ def _steps(nodes: list[NodeProcess], start: float, end: float) -> list[dict]:
 def _flood(nodes: list[NodeProcess], hosts: str) -> tuple[list[dict], dict]:
     args = ("--hosts", hosts, "--key-life", str(KEY_LIFE), "--ready-within", str(READY_WITHIN))
     _, seen = run_attacker("noloco_bench.echo_flood", nodes, WINDOW, *args, preparation=READY_WITHIN)
-    time.sleep(2.0)  # a step the flood held may end after it exits
+    wait_for_steps_after(nodes, time.time())  # a step the flood held may end after it exits
     return _steps(nodes, seen["began"], time.time()), seen  # from when it had weights to echo
 
 

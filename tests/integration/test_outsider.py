@@ -31,7 +31,7 @@ from noloco_node.config.node_config import SecurityConfig
 from noloco_node.rpc.client import fetch_info
 from noloco_node.rpc.transport import Transport
 
-from .swarm_harness import Bootstrap, NodeProcess, run_attacker, stop_all
+from .swarm_harness import Bootstrap, NodeProcess, run_attacker, stop_all, wait_for_steps_after
 
 TRAIN = ["--model", "tiny", "--seq-len", "64", "--batch-size", "8", "--eval-batches", "2"]
 MODEL = model_config_for("tiny", vocab_size=256, max_seq_len=64)
@@ -307,8 +307,8 @@ def test_a_lock_hog_and_slot_exhaustion_leave_honest_nodes_blending_and_answerin
                 "noloco_bench.outsider", nodes, window, "--attacks", attacks, "--source", source
             )
             # Its window starts after its own start-up, and a step it held may end after it exits: every outer step
-            # that ended from its start until a moment after its exit is counted.
-            time.sleep(3.0)
+            # that ended from its start until the step in progress at its exit ended is counted.
+            wait_for_steps_after(nodes, time.time())
             return steps_in(started, time.time()), seen
 
         # The lock hog alone (from an address of its own): a valid manifest, then silence, again and again.

@@ -314,7 +314,7 @@ def test_slow_loris_streams_are_cut_and_the_node_serves_again(bootstrap: Bootstr
             )
             for key, frames in ((loris, []), (second, manifest_only(second)))
         ]
-        time.sleep(1.0)
+        _wait_for(lambda: (node.status() or {}).get("calls_in_use", {}).get("exchange") == 2, 30, "both slots held")
         third = fresh_identity()
         code, details = exchange_status(address, manifest_only(third), prove(third, EXCHANGE_METHOD, status["peer_id"]))
         assert code == grpc.StatusCode.RESOURCE_EXHAUSTED and "exchange slots" in details, details

@@ -71,17 +71,21 @@ def test_three_nodes_discover_each_other_exchange_and_learn(bootstrap: Bootstrap
 def test_two_nodes_blend_exactly_as_the_algorithm_says(
     bootstrap: Bootstrap, tmp_path: Path, mode: str, wire_dtype: str, blend_momenta: bool
 ) -> None:
-    """After one exchange each node's phi/delta equal noloco_pair_step on the tensors the two nodes held, as the
-    wire delivers them. sync in fp32 with --blend-momenta: exact theta, phi and delta, each under the norm bound;
-    at a pair's first outer step both momenta are zero and both phi equal, so the mean momentum is each node's own
-    (tests/unit/test_algorithm.py checks the blend of different momenta). stream in int8: phi swapped in bf16
-    during the phase, the progress theta - phi through the int8 codec (wire/quantize.py) at the outer step, and
-    the partner's theta rebuilt from both in fp32."""
+    """Each node's checkpointed phi/delta equal noloco_pair_step on the tensors the two nodes held, as the wire
+    delivers them, replayed here step for step.
+
+    sync in fp32 with --blend-momenta, two outer steps: node1 steps 4x slower (a drill), so node0 trains on while it
+    waits at the first (--train-while-waiting, the steps borrowed from the next phase) and blends its fresher theta
+    with node1's as sent, while both compute the mean momentum from the thetas they *sent* (``sent_theta``); at
+    the second both have reached --steps and send what they hold. stream in int8, one outer step: phi swapped in
+    bf16 during the phase, the progress theta - phi through the int8 codec (wire/quantize.py) at the outer step,
+    and the partner's theta rebuilt from both in fp32."""
     threads = torch.get_num_threads()
+    total = 20 if mode == "sync" else 10
     args = [
         *TRAIN,
         "--steps",
-        "10",
+        str(total),
         "--inner-steps",
         "10",
         "--wire-dtype",
@@ -105,22 +109,33 @@ def test_two_nodes_blend_exactly_as_the_algorithm_says(
         "5",
         *("--device", "cpu"),  # the replay below is on the CPU: a GPU's phases would differ in their last bits
     ]
-    nodes = [NodeProcess(f"node{i}", bootstrap, tmp_path, *args, "--shard-index", str(i)) for i in range(2)]
+    slow = Drill(slow_factor=4.0).environment() if mode == "sync" else None
+    nodes = [
+        NodeProcess(f"node{i}", bootstrap, tmp_path, *args, "--shard-index", str(i), env=slow if i == 1 else None)
+        for i in range(2)
+    ]
     try:
         assert [node.wait(timeout=300) for node in nodes] == [0, 0], nodes[0].output()[-2000:]
     finally:
         stop_all(nodes)
     statuses = [node.status() for node in nodes]
-    assert statuses[0]["history"][0]["partner"] == statuses[1]["peer_id"]
-    assert statuses[1]["history"][0]["partner"] == statuses[0]["peer_id"]
+    histories = [status["history"] for status in statuses]
+    assert [len(h) for h in histories] == [total // 10] * 2
+    for i, history in enumerate(histories):
+        assert all(h["partner"] == statuses[1 - i]["peer_id"] for h in history), history
+    waited = [[h["steps_while_waiting"] for h in history] for history in histories]
+    if mode == "sync":
+        # What this test is for: node0 blended a theta newer than the one it sent.
+        assert waited[0][0] > 0, waited
 
-    # Replay each node's inner phase here (same seed, shard and thread count: bit-identical), then blend.
+    # Replay each node's phases here (same seed, shard and thread count: bit-identical), with the steps each took
+    # while waiting, then blend as the wire delivered.
     corpus = load_corpus(DataConfig())
     train_cfg = TrainConfig(
         model_size="tiny",
         seq_len=64,
         batch_size=8,
-        total_steps=10,
+        total_steps=total,
         inner_steps=10,
         seed=5,
         eval_batches=4,
@@ -131,39 +146,55 @@ def test_two_nodes_blend_exactly_as_the_algorithm_says(
     from noloco_node.training.replica import Replica
 
     torch.set_num_threads(threads)
-    replicas = []
+    replicas, phases = [], []
     for shard_index in range(2):
         shard = ReplicaShard(corpus.train, replica=shard_index, num_replicas=2, seq_len=64, seed=5)
         replica = Replica(model_cfg, train_cfg, [shard])
-        next(InnerLoop(replica, total_steps=10, inner_steps=10).phases())  # the same one phase the node ran
         replicas.append(replica)
+        phases.append(InnerLoop(replica, total_steps=total, inner_steps=10).phases())
+    for outer in range(total // 10):
+        sent = []
+        for i, replica in enumerate(replicas):
+            next(phases[i])  # the phase the node ran (less the steps it borrowed for it at the last outer step)
+            sent.append([t.clone() for t in replica.fast_weights()])
+            for _ in range(waited[i][outer]):
+                replica.train_step()
+        blended = []
+        for i, replica in enumerate(replicas):
+            partner = replicas[1 - i]
+            partner_theta = sent[1 - i]
+            if mode == "stream":
+                phi_seen = [p.to(torch.bfloat16).to(torch.float32) for p in partner.phi]
+                progress = [t - p for t, p in zip(partner_theta, partner.phi, strict=True)]
+                progress_seen = [
+                    quantize.dequantize(quantize.quantize(d, wire_dtype), d.numel(), wire_dtype).view_as(d)
+                    for d in progress
+                ]
+                partner_theta = [p + d for p, d in zip(phi_seen, progress_seen, strict=True)]
+            received = (
+                (partner_theta, list(partner.phi), list(partner.delta)) if blend_momenta else (partner_theta, [], [])
+            )
+            blended.append(
+                noloco_pair_step(
+                    replica.fast_weights(),
+                    replica.phi,
+                    replica.delta,
+                    received,
+                    alpha=0.5,
+                    beta=0.7,
+                    gamma=0.7,
+                    blend_momenta=blend_momenta,
+                    sent_theta=sent[i] if waited[i][outer] else None,
+                )
+            )
+        for replica, (new_phi, new_delta) in zip(replicas, blended, strict=True):
+            replica.apply_outer_step(new_phi, new_delta)
     for i, replica in enumerate(replicas):
-        partner = replicas[1 - i]
-        partner_theta = list(partner.fast_weights())
-        if mode == "stream":
-            phi_seen = [p.to(torch.bfloat16).to(torch.float32) for p in partner.phi]
-            progress = [t - p for t, p in zip(partner_theta, partner.phi, strict=True)]
-            progress_seen = [
-                quantize.dequantize(quantize.quantize(d, wire_dtype), d.numel(), wire_dtype).view_as(d)
-                for d in progress
-            ]
-            partner_theta = [p + d for p, d in zip(phi_seen, progress_seen, strict=True)]
-        sent = (partner_theta, list(partner.phi), list(partner.delta)) if blend_momenta else (partner_theta, [], [])
-        want_phi, want_delta = noloco_pair_step(
-            replica.fast_weights(),
-            replica.phi,
-            replica.delta,
-            sent,
-            alpha=0.5,
-            beta=0.7,
-            gamma=0.7,
-            blend_momenta=blend_momenta,
-        )
         saved = torch.load(nodes[i].data_dir / "checkpoint.pt", weights_only=True)["replica"]
-        assert saved["outer_step"] == 1
-        for name, got, want in zip(saved["param_names"], saved["phi"], want_phi, strict=True):
+        assert saved["outer_step"] == total // 10
+        for name, got, want in zip(saved["param_names"], saved["phi"], replica.phi, strict=True):
             assert torch.equal(got, want), f"phi of {name} on node {i}"
-        for name, got, want in zip(saved["param_names"], saved["delta"], want_delta, strict=True):
+        for name, got, want in zip(saved["param_names"], saved["delta"], replica.delta, strict=True):
             assert torch.equal(got, want), f"delta of {name} on node {i}"
 
 

@@ -134,3 +134,20 @@ def test_a_call_whose_receiver_cannot_be_built_gives_its_slot_back() -> None:
         with pytest.raises(RuntimeError):
             next(service.Exchange(iter(()), Context()))  # type: ignore[arg-type]
     assert service.admission.in_use().get(EXCHANGE, 0) == 0 and node.closed == 10
+
+
+def test_the_slots_held_are_read_by_status_and_metrics_at_each_read() -> None:
+    from prometheus_client import generate_latest
+
+    from noloco_node.rpc.call_gate import CallGate
+    from noloco_node.rpc.metrics import ExchangeMetrics
+
+    metrics = ExchangeMetrics()
+    assert metrics.calls_in_use == {}  # no server yet
+    gate = CallGate(metrics, Admission(slots={EXCHANGE: 2, DOWNLOAD: 1, INFO: 1}))
+    ticket = gate.admission.enter(EXCHANGE, peer="a", address="10.0.0.1")
+    assert metrics.snapshot()["calls_in_use"] == {EXCHANGE: 1, DOWNLOAD: 0, INFO: 0}
+    assert b'noloco_calls_in_use{kind="exchange"} 1.0' in generate_latest(metrics.registry)
+    gate.admission.leave(ticket)
+    assert metrics.calls_in_use[EXCHANGE] == 0
+    assert b'noloco_calls_in_use{kind="exchange"} 0.0' in generate_latest(metrics.registry)
