@@ -183,11 +183,20 @@ def _non_finite_tensors(slot: NodeSlot) -> list[str]:
 
 
 def _calibrate(base: Path, nodes: int, model: str, inner_steps: int, minutes: float) -> int:
-    """The inner steps this swarm trains in ``minutes`` on this machine: a 30 s trial, then scaled. Both runs
-    train exactly that many steps, so that they follow the same learning-rate schedule."""
+    """The inner steps this swarm trains in ``minutes`` on this machine: a 30 s trial once every node trains, then
+    scaled. Both runs train exactly that many steps, so that they follow the same learning-rate schedule."""
     swarm = LocalSwarm(base, nodes, _node_args(model, UNBOUNDED_STEPS, inner_steps))
     try:
-        time.sleep(30.0)
+        # Six nodes starting on two cores take most of a minute to come up: the trial starts when all train.
+        deadline = time.monotonic() + 300
+        while time.monotonic() < deadline and not all(
+            (swarm.status(slot) or {}).get("inner_step", 0) > 0 for slot in swarm.slots
+        ):
+            swarm.poll()
+            if any(slot.crashes for slot in swarm.slots):
+                break
+            time.sleep(0.5)
+        time.sleep(30.0)  # the trial: a window of training, not a synchronisation
     finally:
         swarm.stop()
     rates = [steps_per_second((swarm.status(slot) or {}).get("history", [])) for slot in swarm.slots]

@@ -10,7 +10,8 @@ docs/rl.md's promises run it):
   reason.
 
 ``python -m noloco_bench.rollout_liar --bootstrap MADDR --run-name NAME --lie wrong --seconds 30`` prints one JSON
-line at the end: the batches it served.
+line at the end: the batches it served. ``--lie wrong,round,...`` runs several liars in one process, each a member
+of its own (its own key, DHT peer and server), and prints a line for each.
 """
 
 from __future__ import annotations
@@ -98,10 +99,18 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--bootstrap", nargs="+", required=True)
     parser.add_argument("--run-name", required=True)
-    parser.add_argument("--lie", choices=LIES, default="wrong")
+    parser.add_argument("--lie", default="wrong", help=f"comma-separated, of: {', '.join(LIES)}")
     parser.add_argument("--seconds", type=float, default=30.0)
     args = parser.parse_args()
-    print(json.dumps(asyncio.run(lie(args.bootstrap, args.run_name, args.lie, args.seconds))), flush=True)
+    kinds = args.lie.split(",")
+    if unknown := [kind for kind in kinds if kind not in LIES]:
+        parser.error(f"--lie: unknown {', '.join(unknown)} (choose from {', '.join(LIES)})")
+
+    async def all_of_them() -> list[dict]:
+        return await asyncio.gather(*(lie(args.bootstrap, args.run_name, kind, args.seconds) for kind in kinds))
+
+    for report in asyncio.run(all_of_them()):
+        print(json.dumps(report), flush=True)
 
 
 if __name__ == "__main__":

@@ -11,6 +11,8 @@ import re
 import subprocess
 import sys
 
+import pytest
+
 
 def _seconds(out: str, label: str, section: str) -> float:
     block = out.split(section, 1)[1]
@@ -66,6 +68,7 @@ def test_bench_exchange_prints_the_ratio_to_raw_tcp() -> None:
     assert re.search(r"peak RSS added by exchanging: caller \d+ MB, served side \d+ MB", out)
 
 
+@pytest.mark.slow  # a benchmark's smoke run: `make test-slow` (docs/testing.md)
 def test_bench_exchange_compares_wire_dtypes_in_one_run() -> None:
     """Several wire dtypes, each exchanged by real processes on the same path in one run: the bytes are the codec's
     (wire/quantize.py), the times measured, and the last column the quotient of the printed times."""

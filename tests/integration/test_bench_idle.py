@@ -3,9 +3,12 @@ runs the same code with another --mode)."""
 
 from __future__ import annotations
 
+import pytest
+
 from noloco_bench.idle import run_idle_bench
 
 
+@pytest.mark.slow  # a benchmark's smoke run: `make test-slow` (docs/testing.md)
 def test_bench_idle_measures_each_mode_and_a_bare_reference() -> None:
     result = run_idle_bench(nodes=2, steps=60, model="tiny", seq_len=64, modes=("sync", "stream"))
     assert [mode.mode for mode in result.modes] == ["sync", "stream"]

@@ -68,6 +68,7 @@ def _kilobytes(out: str) -> float:
     return float(re.search(r"tiny \((\d+) KB in bf16\)", out).group(1))
 
 
+@pytest.mark.slow  # a benchmark's smoke run: `make test-slow` (docs/testing.md)
 def test_bench_race_smoke(tmp_path: Path) -> None:
     """NoLoCo's nodes (stream; sync differs only by --mode) against DiLoCo's gloo ranks (2H differs only by H); the
     report's arithmetic over other runs is the unit tests' (tests/unit/test_bench_race.py)."""

@@ -6,7 +6,10 @@ import re
 import subprocess
 import sys
 
+import pytest
 
+
+@pytest.mark.slow  # a benchmark's smoke run: `make test-slow` (docs/testing.md)
 def test_bench_status_prints_the_polled_to_quiet_ratio() -> None:
     done = subprocess.run(
         [sys.executable, "-m", "noloco_node", "bench", "status", "--window", "3", "--rounds", "1"],

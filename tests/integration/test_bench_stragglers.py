@@ -7,7 +7,10 @@ import re
 import subprocess
 import sys
 
+import pytest
 
+
+@pytest.mark.slow  # a benchmark's smoke run: `make test-slow` (docs/testing.md)
 def test_bench_stragglers_smoke() -> None:
     step_seconds = 0.05
     done = subprocess.run(

@@ -14,6 +14,7 @@ from .shaping import SHAPING_NEEDS, can_shape, leftover_namespaces
 pytestmark = pytest.mark.skipif(not can_shape(), reason=f"bench sync {SHAPING_NEEDS}")
 
 
+@pytest.mark.slow  # a benchmark's smoke run: `make test-slow` (docs/testing.md)
 def test_bench_sync_smoke_measures_a_shaped_network() -> None:
     rate_mbit, rtt_ms, size_mb = 40.0, 40.0, 0.5
     done = subprocess.run(

@@ -27,7 +27,7 @@ def test_chaos_six_nodes_killed_and_restarted_at_random(tmp_path) -> None:
 
 
 def test_a_five_times_slower_node_does_not_slow_the_others() -> None:
-    result = run_straggler_bench(nodes=3, slow_factor=5.0, steps=400, model="tiny", reference=False)
+    result = run_straggler_bench(nodes=3, slow_factor=5.0, steps=200, model="tiny", reference=False)
     print(result.report())
     # It really was slow: against the normal nodes' mean, not their slowest, which in a 3-node sync swarm is often
     # the odd one out waiting out its rounds (15.6 against 28.4 once, with the straggler at 8.2).
@@ -36,5 +36,5 @@ def test_a_five_times_slower_node_does_not_slow_the_others() -> None:
     # at nearly every outer step. (The throughput ratio depends on how 2 shared cores are split; it is what
     # `noloco-node bench straggler` prints, and the README quotes. A bound on it here failed at 0.756 once, so the
     # run without the straggler, which only that ratio needs, is not made here.)
-    assert result.normal_outer_steps >= 30, result.report()  # 20 each, fewer for a node that joined by download
+    assert result.normal_outer_steps >= 15, result.report()  # 10 each, fewer for a node that joined by download
     assert result.normal_blends >= 0.75 * result.normal_outer_steps, result.report()

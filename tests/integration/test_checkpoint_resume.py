@@ -10,7 +10,7 @@ from pathlib import Path
 
 import torch
 
-STEPS = 400
+STEPS = 200
 
 
 def train_command(checkpoint_dir: Path) -> list[str]:

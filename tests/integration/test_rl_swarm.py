@@ -46,7 +46,7 @@ def _liar(bootstrap: Bootstrap, lie: str) -> subprocess.Popen[str]:
     return subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 
 
-# The malformations a hostile peer's batch is refused for, each from a process of its own (tests/unit/
+# The malformations a hostile peer's batch is refused for, each from a member of its own (tests/unit/
 # test_rl_rollouts.py refuses every reason; these cross real gRPC and the DHT).
 MALFORMED = ("group_size", "unknown_family", "completion_too_long", "round", "peer")
 
@@ -55,7 +55,7 @@ def test_rollouts_are_shared_scored_by_the_receiver_liars_earn_nothing_and_a_dea
     bootstrap: Bootstrap, tmp_path
 ):
     nodes = [_rl_node(f"n{i}", bootstrap, tmp_path) for i in range(3)]
-    liars = [_liar(bootstrap, lie) for lie in ("wrong", *MALFORMED)]
+    liars = [_liar(bootstrap, ",".join(("wrong", *MALFORMED)))]  # six members in one process
     try:
         # Every node trains on its peers' rollouts, each scored here, and refuses every malformed batch whole.
         _wait_for(
