@@ -13,6 +13,10 @@ dials or is called from, never by a string the peer chose:
   line gets, is one group). Loopback, private and link-local addresses are each a group of their own: a LAN
   swarm's machines are many to each other, and an outsider on the internet cannot be reached at such an address.
   Honest members in one group (a shared NAT, one hosting subnet) share its weight, its limits and its bars.
+- **A member reached through relays has no address of its own** to weigh: peers dial its relay, and the address
+  its record names is whatever it wrote. Every such member counts as one group together (``PeerRecord.
+  network_group``, discovery/dht.py): free records that say "reach me through a relay" buy one group, not one
+  per address they name. Its calls in are weighed by the address its relay saw (below).
 
 Every place that weighs peers uses ``network_group``: partner choice and the stranger share (pairing/standing.py),
 the swarm's front and donors (node/catch_up.py), relays (discovery/tunnels.py), the RL fetcher (rl/fetcher.py), and

@@ -83,6 +83,10 @@ MAX_START_ENTRIES = 32  # what a start record may say: the model's few entries a
 MODEL_START_KEYS = frozenset({"model", "config", "weights", "tokenizer", "seed"})
 
 
+# The one network group of every member reached through relays (not dialled at the address its record names).
+RELAYED_GROUP = "relayed"
+
+
 @dataclass(frozen=True)
 class PeerRecord:
     """What a node advertises about itself."""
@@ -137,8 +141,9 @@ class PeerRecord:
     @property
     def network_group(self) -> str:
         """The network group of the address peers dial (addresses.py): what counts as one machine, however many
-        keys it holds."""
-        return network_group(host_of_address(self.address))
+        keys it holds. A member reached only through relays is dialled at no address of its own: the address its
+        record names is a string it chose, so every such member weighs as one group together (``RELAYED_GROUP``)."""
+        return network_group(host_of_address(self.address)) if self.reachable else RELAYED_GROUP
 
     def to_value(self) -> dict[str, Any]:
         value = asdict(self)

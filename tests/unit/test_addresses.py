@@ -6,9 +6,15 @@ import random
 
 import pytest
 
-from noloco_node.addresses import canonical_address, ip_literal_problem, network_group, record_address
+from noloco_node.addresses import (
+    canonical_address,
+    host_of_address,
+    ip_literal_problem,
+    network_group,
+    record_address,
+)
 from noloco_node.config.node_config import NodeConfig
-from noloco_node.discovery.dht import PeerRecord
+from noloco_node.discovery.dht import RELAYED_GROUP, PeerRecord
 from noloco_node.node.catch_up import credible_front
 from noloco_node.pairing.standing import Standing
 from noloco_node.rpc.admission import remote_host
@@ -98,3 +104,20 @@ def test_many_keys_in_one_network_group_weigh_as_one_machine() -> None:
     claims = [PeerRecord(f"liar{i}", f"8.8.8.{i + 1}:7000", "run", outer_step=10**6) for i in range(40)]
     honest_claims = [PeerRecord(name, address, "run", outer_step=5) for name, address in honest_addresses]
     assert credible_front([*claims, *honest_claims]) == 5
+
+
+def test_members_reached_through_relays_weigh_as_one_group_whatever_address_they_write() -> None:
+    """An unreachable member is dialled through a relay, never at the address its record names: 40 such records
+    naming 40 public /24s are one claim on the front, beside two honest hosts."""
+    relayed = [
+        PeerRecord(f"nat{i}", f"{i + 20}.1.1.1:7000", "run", outer_step=10**6, reachable=False, relays=("QmRelay",))
+        for i in range(40)
+    ]
+    assert {r.network_group for r in relayed} == {RELAYED_GROUP}
+    honest = [
+        PeerRecord(name, address, "run", outer_step=5)
+        for name, address in (("a", "9.9.9.9:7000"), ("b", "1.1.1.1:7000"))
+    ]
+    assert credible_front([*relayed, *honest]) == 5
+    # With the address its record names, each would have been a group of its own, and the front theirs.
+    assert len({network_group(host_of_address(r.address)) for r in relayed}) == 40
