@@ -137,6 +137,27 @@ class EchoSession:
         return None
 
 
+def _start_dht(initial_peers: Sequence[str], host: str, signer: ManyKeysSigner, tries: int = 3) -> hivemind.DHT:
+    """The flood's one DHT peer, on its first address (reachable wherever its records are). Its p2pd runs at nice 19
+    like the flood, in the attackers' half core: on a machine busy with a test suite hivemind's default 15 s for the
+    daemon to come up ran out once, and beside three other attackers starting theirs its first dial of the
+    bootstrap peer failed once ("failed to connect to bootstrap peers"): given 60 s, and tried again."""
+    for attempt in range(1, tries + 1):
+        try:
+            return hivemind.DHT(
+                initial_peers=list(initial_peers),
+                host_maddrs=[f"/ip4/{host}/tcp/0"],
+                record_validators=[signer],
+                startup_timeout=60,
+                start=True,
+            )
+        except Exception as error:  # hivemind raises its daemon's failures as plain exceptions
+            if attempt == tries:
+                raise
+            print(f"the flood's DHT did not start ({error}); trying again", file=sys.stderr, flush=True)
+    raise AssertionError("unreachable")
+
+
 class EchoFlood:
     """The flood, from ``hosts`` (loopback addresses of the outsider's own), until ``stop``."""
 
@@ -161,15 +182,7 @@ class EchoFlood:
         self.spellings = spellings
         self._keys = [fresh_identity() for _ in range(keys)]
         self._reader = fresh_identity()  # reads the honest nodes' weights with GetState, as anyone may
-        self.dht = hivemind.DHT(
-            initial_peers=list(initial_peers),
-            host_maddrs=[f"/ip4/{hosts[0]}/tcp/0"],  # its first address: reachable wherever its records are
-            record_validators=[ManyKeysSigner(self._keys)],
-            # Its p2pd runs at nice 19 like the flood: on a machine busy with a test suite, hivemind's default 15 s
-            # for the daemon to come up ran out once.
-            startup_timeout=60,
-            start=True,
-        )
+        self.dht = _start_dht(initial_peers, hosts[0], ManyKeysSigner(self._keys))
         self._weights: dict[str, tuple[int, list[torch.Tensor]]] = {}
         self._live: list[tuple[NodeIdentity, str, grpc.Server, EchoServer, float]] = []
         self._relays = Relays()
