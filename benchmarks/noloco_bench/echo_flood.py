@@ -137,27 +137,6 @@ class EchoSession:
         return None
 
 
-def _start_dht(initial_peers: Sequence[str], host: str, signer: ManyKeysSigner, tries: int = 3) -> hivemind.DHT:
-    """The flood's one DHT peer, on its first address (reachable wherever its records are). Its p2pd runs at nice 19
-    like the flood, in the attackers' half core: on a machine busy with a test suite hivemind's default 15 s for the
-    daemon to come up ran out once, and beside three other attackers starting theirs its first dial of the
-    bootstrap peer failed once ("failed to connect to bootstrap peers"): given 60 s, and tried again."""
-    for attempt in range(1, tries + 1):
-        try:
-            return hivemind.DHT(
-                initial_peers=list(initial_peers),
-                host_maddrs=[f"/ip4/{host}/tcp/0"],
-                record_validators=[signer],
-                startup_timeout=60,
-                start=True,
-            )
-        except Exception as error:  # hivemind raises its daemon's failures as plain exceptions
-            if attempt == tries:
-                raise
-            print(f"the flood's DHT did not start ({error}); trying again", file=sys.stderr, flush=True)
-    raise AssertionError("unreachable")
-
-
 class EchoFlood:
     """The flood, from ``hosts`` (loopback addresses of the outsider's own), until ``stop``."""
 
@@ -182,7 +161,15 @@ class EchoFlood:
         self.spellings = spellings
         self._keys = [fresh_identity() for _ in range(keys)]
         self._reader = fresh_identity()  # reads the honest nodes' weights with GetState, as anyone may
-        self.dht = _start_dht(initial_peers, hosts[0], ManyKeysSigner(self._keys))
+        self.dht = hivemind.DHT(
+            initial_peers=list(initial_peers),
+            host_maddrs=[f"/ip4/{hosts[0]}/tcp/0"],  # its first address: reachable wherever its records are
+            record_validators=[ManyKeysSigner(self._keys)],
+            # Its p2pd runs at nice 19 like the flood: on a machine busy with a test suite, hivemind's default 15 s
+            # for the daemon to come up ran out once.
+            startup_timeout=60,
+            start=True,
+        )
         self._weights: dict[str, tuple[int, list[torch.Tensor]]] = {}
         self._live: list[tuple[NodeIdentity, str, grpc.Server, EchoServer, float]] = []
         self._relays = Relays()
@@ -326,6 +313,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--key-life", type=float, default=30.0, help="each key serves this long (s)")
     parser.add_argument("--no-call-in", action="store_true", help="only answer, never call the honest nodes")
     parser.add_argument("--keys", type=int, help="mint this many keys (default: enough for --seconds)")
+    parser.add_argument("--initial-peer", action="append", help="a DHT multiaddress of the swarm (default: the nodes')")
     parser.add_argument(
         "--spellings", action="store_true", help="write every other record's address in another spelling of its IP"
     )
@@ -335,11 +323,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parser.parse_args(argv)
     os.nice(19)
     model_cfg = model_config_for(args.model, vocab_size=args.vocab_size, max_seq_len=args.seq_len)
-    first = read_status_document(args.data_dir[0]) or {}
+    # The swarm's bootstrap peers when given; else every honest node's DHT addresses (one of them may be gone).
+    statuses = [read_status_document(data_dir) or {} for data_dir in args.data_dir]
+    initial_peers = args.initial_peer or [maddr for status in statuses for maddr in status.get("dht_maddrs", [])]
     flood = EchoFlood(
         targets_from_status_files(args.data_dir),
         model_cfg,
-        initial_peers=first.get("dht_maddrs", []),
+        initial_peers=initial_peers,
         hosts=args.hosts.split(","),
         key_every=args.key_every,
         key_life=args.key_life,

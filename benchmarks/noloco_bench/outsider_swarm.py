@@ -210,21 +210,23 @@ def _attackers(
     """Start the four attacking processes (the outsider, the fake donors, the fresh-key flood, the patient Sybil),
     each at the lowest CPU priority and together in the CPU group of the outsider's host (bench/cpu_group.py)."""
     data_dirs = [item for s in swarm.slots for item in ("--data-dir", str(s.data_dir))]
+    bootstrap = [item for maddr in swarm.maddrs for item in ("--initial-peer", maddr)]
     commands = {
         "donors": [
             *("-m", "noloco_bench.fake_donors", "--model", model, "--inner-steps", str(inner_steps)),
             *("--random-host", placement.random_donor, "--poisoned-host", ",".join(placement.poisoned_donors)),
-            *(item for maddr in swarm.maddrs for item in ("--initial-peer", maddr)),
+            *bootstrap,
         ],
         "flood": [
             # --seconds sizes its key ring (a key every 3 s, all made before it starts): it is stopped long before
             *("-m", "noloco_bench.echo_flood", "--model", model, "--seconds", "900"),
-            *("--hosts", ",".join(placement.flood), "--key-life", "12"),
+            *("--hosts", ",".join(placement.flood), "--key-life", "12", *bootstrap),
         ],
         "sybil": [
             # Two keys per address, all made at once and kept: they stay far past --standing-seconds (10 s here).
             *("-m", "noloco_bench.echo_flood", "--model", model, "--seconds", "900", "--keys", "16"),
             *("--hosts", ",".join(placement.sybil), "--key-every", "0.5", "--key-life", "100000", "--spellings"),
+            *bootstrap,
         ],
         "outsider": [
             *("-m", "noloco_bench.outsider", "--model", model, "--seconds", "100000"),
