@@ -60,7 +60,12 @@ class NodeProcess:
         self.name = name
         self.data_dir = base / name
         self.data_dir.mkdir(parents=True, exist_ok=True)
+        # A node restarted under the same name logs to a file of its own: an earlier life's log is kept.
         self.log_path = base / f"{name}.log"
+        lives = 1
+        while self.log_path.exists():
+            lives += 1
+            self.log_path = base / f"{name}.life{lives}.log"
         if "--run-name" not in args:
             args = (*args, *bootstrap.run_args())
         self.process = launch_node(

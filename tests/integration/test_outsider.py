@@ -237,6 +237,8 @@ def test_a_corroborated_poisoned_donor_harms_neither_a_joiner_nor_a_restarting_m
         _wait_for(
             lambda: fakes <= {p["peer_id"] for p in (peer.status() or {}).get("peers", [])}, 60, "the donors' records"
         )
+        # What this test is about: a member that had standing with its peer keeps it through its restart.
+        _wait_for(lambda: _live(member.status())["security"]["established_peers"] >= 1, 60, "the member's standing")
         member.stop()
         (member.data_dir / "status.json").unlink()
         member = NodeProcess("member", bootstrap, tmp_path, *args, "--shard-index", "0")
