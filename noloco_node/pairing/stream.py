@@ -8,7 +8,9 @@ theta_j = phi_j + Delta_j, where only Delta_j, the phase's progress, waits for t
 1. at the start of a phase a node publishes its *phase payload* (phi, and delta with --blend-momenta, in bf16), and
    a background task swaps phase payloads with one ready peer (peers calling in do the same). The first complete
    swap *reserves* the pair for this phase on both sides; a node swaps with one peer at a time (its swap lock is
-   only ever tried, so two nodes calling each other get a quick refusal and retry).
+   only ever tried, so two nodes calling each other get a quick refusal and retry). While other peers are known,
+   a phase does not swap with the last partner for its first min(--pair-timeout, phase)/2 seconds, calling or
+   called (sync mode's rule for its rounds): partners rotate instead of locking into fixed pairs.
 2. At the outer step the node publishes its *progress* Delta = theta - phi in the run's wire dtype and exchanges it
    with the reserved partner alone, in a pairing round like sync's (either side may call; the first exchange both
    sides commit settles the round on both). The partner's theta is rebuilt as phi_j + Delta_j (:meth:`StreamPairing.
@@ -67,6 +69,8 @@ class Phase:
     partner: Payload | None = None  # the reserved partner's phase payload, until its progress arrives
     open: bool = True  # False once this node has stopped waiting for a reservation: no new one
     reserved: threading.Event = field(default_factory=threading.Event)
+    # Until this time the last partner is not swapped with again (``StreamPairing._repeat_grace``).
+    repeat_after: float = 0.0
 
 
 class StreamPairing(PairingStrategy):
@@ -80,6 +84,8 @@ class StreamPairing(PairingStrategy):
         self._round: PairingRound | None = None
         # The run's live peers as last looked up, so that the progress exchange starts without a DHT lookup.
         self._records: dict[str, PeerRecord] = {}
+        self._last_partner: str | None = None
+        self._repeat_grace = 0.0
         # The sparse wire's residual: what of this node's progress no partner has received yet (wire/sparse.py).
         progress = ctx.offers["progress"].kind
         self.feedback = (
@@ -108,6 +114,8 @@ class StreamPairing(PairingStrategy):
             if phase is None or not phase.open or phase.partner is not None:
                 return None
             if abs(partner_outer_step - phase.outer_step) > self.ctx.max_staleness:
+                return None
+            if not self._may_swap_with(phase, partner_id):
                 return None
             if not self._swap_lock.acquire(blocking=False):
                 return None
@@ -160,6 +168,11 @@ class StreamPairing(PairingStrategy):
         rebuilt = [theta.view(-1) for theta in thetas]
         return Payload(manifest, tensors, buffers=[*phase_buffers, *progress_buffers, *rebuilt], pool=pool)
 
+    def _may_swap_with(self, phase: Phase, peer_id: str) -> bool:
+        """Whether a phase swap with ``peer_id`` may reserve ``phase`` now: not with the last partner before the
+        phase's ``repeat_after``, calling or called."""
+        return peer_id != self._last_partner or time.monotonic() >= phase.repeat_after
+
     def _reserve(self, phase: Phase, payload: Payload) -> bool:
         """The first complete phase swap of this phase reserves its partner; any other is let go."""
         with self._guard:
@@ -184,8 +197,9 @@ class StreamPairing(PairingStrategy):
     def _begin_phase(self, phi: Sequence[torch.Tensor], delta: Sequence[torch.Tensor], outer_step: int) -> None:
         kind = "phase" if outer_step % self.ctx.phi_every == 0 else "reservation"
         offer = self.ctx.offers[kind].publish({"phi": phi, "delta": delta}, outer_step)
+        phase = Phase(outer_step, kind, offer, repeat_after=time.monotonic() + self._repeat_grace)
         with self._guard:
-            previous, self._phase = self._phase, Phase(outer_step, kind, offer)
+            previous, self._phase = self._phase, phase
         if previous is not None:
             self._end_phase(previous)
 
@@ -211,6 +225,7 @@ class StreamPairing(PairingStrategy):
             phase.open = False  # no reservation from here on
             reserved = phase.partner
         if reserved is None:
+            self._last_partner, self._repeat_grace = None, 0.0
             return None  # nobody swapped phase payloads with this node: a solo step
         progress = algorithm.phase_progress(replica.fast_weights(), replica.phi)
         residual, left_out = None, None
@@ -229,6 +244,13 @@ class StreamPairing(PairingStrategy):
             leftover, phase.partner = phase.partner, None  # not consumed: the progress never came
         if leftover is not None:
             leftover.release()
+        # As in sync mode (sync.py, ``repeat_after``): while others are known, the next phase does not swap with this
+        # partner again for a moment. Two nodes that just blended open their next phases at the same instant, while
+        # a pair that blended a moment later is still inside its reserved phase: without it each finds only its
+        # last partner open, and offset pairs lock (4 nodes: two fixed pairs, 60 of 60 outer steps).
+        others = set(self._records) - {partner.peer_id if partner is not None else None}
+        self._repeat_grace = min(ctx.pair_timeout / 2, phase_seconds / 2) if others else 0.0
+        self._last_partner = partner.peer_id if partner is not None else None
         if partner is not None:
             ctx.caller.paired(partner.peer_id, replica.outer_step)
             if self.feedback is not None and residual is not None and left_out is not None:
@@ -305,6 +327,8 @@ class StreamPairing(PairingStrategy):
             ctx.telemetry.on_peers(live)
             self._records = {p.peer_id: p for p in live}
             for peer in ctx.caller.order(ctx.caller.choosable(live, phase.outer_step)):
+                if not self._may_swap_with(phase, peer.peer_id):
+                    continue
                 if not (phase.open and phase.partner is None) or not self._swap_lock.acquire(blocking=False):
                     break  # reserved meanwhile (a peer called in), or a peer is swapping with us right now
                 try:
