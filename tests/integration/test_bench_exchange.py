@@ -35,6 +35,7 @@ def _close(printed: int, numerator: float, denominator: float, numerator_roundin
     return round(100 * low) - 1 <= printed <= round(100 * high) + 1
 
 
+@pytest.mark.slow  # a benchmark's smoke run: `make test-slow` (docs/testing.md)
 def test_bench_exchange_prints_the_ratio_to_raw_tcp() -> None:
     done = subprocess.run(
         [sys.executable, "-m", "noloco_node", "bench", "exchange", "--model", "small", "--repeats", "1"],

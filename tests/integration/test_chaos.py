@@ -26,6 +26,7 @@ def test_chaos_six_nodes_killed_and_restarted_at_random(tmp_path) -> None:
     assert chaos.mean_val_loss <= clean.mean_val_loss * 1.05
 
 
+@pytest.mark.slow  # a straggler soak beside `noloco-node bench stragglers`: `make test-slow` (docs/testing.md)
 def test_a_five_times_slower_node_does_not_slow_the_others() -> None:
     result = run_straggler_bench(nodes=3, slow_factor=5.0, steps=200, model="tiny", reference=False)
     print(result.report())

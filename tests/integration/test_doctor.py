@@ -9,6 +9,7 @@ import socket
 import subprocess
 import sys
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -136,10 +137,26 @@ def test_a_peer_dials_the_ports_back_and_a_closed_or_misdirected_forward_fails(
             if (witness.status() or {}).get("outer_step") is not None:
                 break
             time.sleep(1)
-        grpc_port, dht_port = free_port(), free_port()
-        ports = ["--grpc-port", str(grpc_port), "--dht-host-maddrs", f"/ip4/127.0.0.1/tcp/{dht_port}"]
-        args = ("--bootstrap", *bootstrap.maddrs, *run, *ports)
-        code, checks = doctor(tmp_path, *args)
+        closed = free_port()  # nothing listens there: a forward never set up
+
+        def run_doctor(name: str, *extra: str) -> tuple[int, dict[str, dict[str, Any]], int, int]:
+            grpc_port, dht_port = free_port(), free_port()
+            ports = ["--grpc-port", str(grpc_port), "--dht-host-maddrs", f"/ip4/127.0.0.1/tcp/{dht_port}"]
+            (tmp_path / name).mkdir()
+            code, checks = doctor(tmp_path / name, "--bootstrap", *bootstrap.maddrs, *run, *ports, *extra)
+            return code, checks, grpc_port, dht_port
+
+        # The three runs are independent (ports and data dirs of their own): at once, the witness answers each.
+        with socket.socket() as elsewhere, ThreadPoolExecutor(3) as pool:
+            elsewhere.bind(("127.0.0.1", 0))  # another process answers at this port: a forward to the wrong machine
+            elsewhere.listen()
+            other = elsewhere.getsockname()[1]
+            runs = [
+                pool.submit(run_doctor, "open"),
+                pool.submit(run_doctor, "closed", "--announce-port", str(closed)),
+                pool.submit(run_doctor, "wrong", "--announce-port", str(other)),
+            ]
+            (code, checks, grpc_port, dht_port), closed_run, wrong_run = (run.result() for run in runs)
         assert checks["run"]["level"] == "ok", checks["run"]
         assert checks["reachable"]["level"] == "ok"
         opened = checks["gRPC port from outside"]
@@ -148,19 +165,14 @@ def test_a_peer_dials_the_ports_back_and_a_closed_or_misdirected_forward_fails(
         assert dht["level"] == "ok" and f"127.0.0.1:{dht_port}" in dht["detail"], dht
         assert code == 0, checks
 
-        closed = free_port()  # nothing listens there: a forward never set up
-        code, checks = doctor(tmp_path, *args, "--announce-port", str(closed))
+        code, checks, grpc_port, _ = closed_run
         failed = checks["gRPC port from outside"]
         assert code == 1 and failed["level"] == "fail"
         assert f"could not open a connection to 127.0.0.1:{closed} (Connection refused)" in failed["detail"]
         assert f"open TCP {closed} in the firewall" in failed["fix"]
         assert f"forward it to this machine's port {grpc_port}" in failed["fix"]
 
-        with socket.socket() as elsewhere:  # another process answers at the announced port
-            elsewhere.bind(("127.0.0.1", 0))
-            elsewhere.listen()
-            other = elsewhere.getsockname()[1]
-            code, checks = doctor(tmp_path, *args, "--announce-port", str(other))
+        code, checks, grpc_port, _ = wrong_run
         wrong = checks["gRPC port from outside"]
         assert code == 1 and wrong["level"] == "fail", wrong
         assert "but not to this machine: something else answers there" in wrong["detail"]

@@ -55,7 +55,7 @@ from .swarm_harness import Bootstrap, NodeProcess, stop_all
 
 TWIN = [
     *("--model", "tiny", "--seq-len", "64", "--batch-size", "8", "--eval-batches", "2"),
-    *("--steps", "350", "--inner-steps", "50", "--shard-index", "0", "--mode", "overlap", "--wire-dtype", "int8"),
+    *("--steps", "250", "--inner-steps", "50", "--shard-index", "0", "--mode", "overlap", "--wire-dtype", "int8"),
     # Bit-identical twins need deterministic training: on a GPU, CUDA's backward kernels sum in no fixed order.
     *("--device", "cpu"),
     # The attack's payloads claim outer step 1 however long it runs: within reach for the whole run, every input
@@ -66,6 +66,10 @@ TWIN = [
 # the attacker. The attack starts once the first outer step is done (inner step 50: the norm bound has a phase to
 # measure) and took 9-10 s here, 61-68 inner steps (it prints them): 350 steps leave it 34 s, 3.5 times that.
 PACED = Drill(step_time_seconds=0.15).environment()
+# Examples per kind of input: each mutation is a rule, and a few of its draws show whether the rule holds (16 a
+# mutation and 120 requests found nothing these do not).
+EXAMPLES_PER_MUTATION = 8
+REQUEST_EXAMPLES = 60
 WIRE = "int8"
 # What a refused input may be answered with: each names what was wrong (the tests check the message too).
 PRECISE = {
@@ -299,7 +303,7 @@ def test_fuzzed_payloads_are_refused_precisely_and_change_nothing(twins: list[No
     attacked, twin = twins
     # One fresh key per exchange example (a quarantine would hide what follows), made while the nodes start up, so
     # that the attack runs at full speed while the attacked node trains.
-    strangers = [fresh_identity() for _ in range(16 * len(MUTATIONS) + 120)]
+    strangers = [fresh_identity() for _ in range(EXAMPLES_PER_MUTATION * len(MUTATIONS) + REQUEST_EXAMPLES)]
     deadline = time.monotonic() + 120
     while not ((status := attacked.status()) and status["address"] and status["inner_step"] >= 50):
         assert time.monotonic() < deadline and attacked.process.poll() is None, attacked.output()[-3000:]
@@ -323,7 +327,11 @@ def test_fuzzed_payloads_are_refused_precisely_and_change_nothing(twins: list[No
 
     def exchange(mutation: str) -> None:
         @settings(
-            max_examples=16, deadline=None, database=None, derandomize=True, suppress_health_check=list(HealthCheck)
+            max_examples=EXAMPLES_PER_MUTATION,
+            deadline=None,
+            database=None,
+            derandomize=True,
+            suppress_health_check=list(HealthCheck),
         )
         @given(data=st.data())
         def one(data: st.DataObject) -> None:
@@ -337,7 +345,13 @@ def test_fuzzed_payloads_are_refused_precisely_and_change_nothing(twins: list[No
 
         one()
 
-    @settings(max_examples=120, deadline=None, database=None, derandomize=True, suppress_health_check=list(HealthCheck))
+    @settings(
+        max_examples=REQUEST_EXAMPLES,
+        deadline=None,
+        database=None,
+        derandomize=True,
+        suppress_health_check=list(HealthCheck),
+    )
     @given(
         raw=st.one_of(
             st.binary(max_size=200),
@@ -391,7 +405,9 @@ def test_fuzzed_payloads_are_refused_precisely_and_change_nothing(twins: list[No
     )
     print(f"fuzz: node RSS {rss[0]:.0f} MB before, max {max(rss):.0f} MB during")
     assert not bad, bad[:20]
-    assert tried >= 380 and all(code != "OK" for (m, code) in outcomes if m in MUTATIONS)
+    assert tried >= EXAMPLES_PER_MUTATION * len(MUTATIONS) and all(
+        code != "OK" for (m, code) in outcomes if m in MUTATIONS
+    )
     assert set(m for m, _ in outcomes) >= set(MUTATIONS)  # every kind of input was tried
     assert ended_at > started_at  # it kept training under attack
     assert max(rss) - rss[0] < 100, rss  # bounded: oversized declarations never allocate
@@ -399,12 +415,15 @@ def test_fuzzed_payloads_are_refused_precisely_and_change_nothing(twins: list[No
     assert attacked.wait(timeout=300) == 0 and twin.wait(timeout=300) == 0, attacked.output()[-3000:]
     final = attacked.status()
     rejected = final["rejected_payloads"] if final else {}
-    assert sum(rejected.values()) >= 200 and rejected.get("norm_bound", 0) >= 40, rejected  # huge, random, negated
-    # NaN and infinite values quantize to NaN or infinite scales: with bad_scale, at least 32 such refusals.
-    assert rejected.get("bad_scales", 0) >= 32 and rejected.get("bad_codes", 0) >= 16, sorted(rejected.items())
-    assert rejected.get("wire_dtype", 0) >= 16 and rejected.get("checksum", 0) >= 1, rejected
+    per_kind = EXAMPLES_PER_MUTATION
+    # Most mutations are refused by the node and counted; norm_bound: huge, random and negated weights.
+    assert sum(rejected.values()) >= 12 * per_kind and rejected.get("norm_bound", 0) >= 5 * per_kind // 2, rejected
+    # NaN and infinite values quantize to NaN or infinite scales: with bad_scale, two mutations' worth of refusals.
+    assert rejected.get("bad_scales", 0) >= 2 * per_kind and rejected.get("bad_codes", 0) >= per_kind, rejected
+    assert rejected.get("wire_dtype", 0) >= per_kind and rejected.get("checksum", 0) >= 1, rejected
     for reason in ("unsealed", "wrong_signer", "bad_seal"):  # bad_seal: altered after sealing, and replayed
-        assert rejected.get(reason, 0) >= (16 if reason == "bad_seal" else 8), (reason, sorted(rejected.items()))
+        least = per_kind if reason == "bad_seal" else per_kind // 2
+        assert rejected.get(reason, 0) >= least, (reason, sorted(rejected.items()))
     assert not any(h["partner"] for h in final["history"])  # nothing was ever blended
     mine = torch.load(attacked.data_dir / "checkpoint.pt", weights_only=True)["replica"]
     theirs = torch.load(twin.data_dir / "checkpoint.pt", weights_only=True)["replica"]

@@ -10,6 +10,8 @@ from pathlib import Path
 
 import pytest
 
+from noloco_node.node.fault_injection import Drill
+
 from .swarm_harness import Bootstrap, NodeProcess, run_attacker, stop_all, wait_for_steps_after
 
 TRAIN = ["--model", "tiny", "--seq-len", "64", "--batch-size", "8", "--eval-batches", "2"]
@@ -109,18 +111,26 @@ def test_a_caller_that_refuses_the_servers_payload_leaves_both_sides_unblended(
     bootstrap: Bootstrap, tmp_path: Path
 ) -> None:
     """n0 refuses every payload (a norm bound of 1e-9); n1 is an ordinary node. When n0 calls, n1 has admitted
-    n0's payload before n0 judges n1's: n1 must not blend with a partner that did not blend with it."""
-    args = [*TRAIN, "--steps", "100000", "--inner-steps", "10", "--pair-timeout", "2", "--avoid-seconds", "0.2"]
-    refusing = NodeProcess("n0", bootstrap, tmp_path, *args, "--shard-index", "0", "--norm-bound", "1e-9")
-    ordinary = NodeProcess("n1", bootstrap, tmp_path, *args, "--shard-index", "1")
+    n0's payload before n0 judges n1's: n1 must not blend with a partner that did not blend with it.
+
+    n0 trains three times slower, so n1 is already waiting in its round when n0 reaches its outer step; n1's calls
+    to n0 found no round open and have backed off, so n0 calls first."""
+    args = [*TRAIN, "--steps", "100000", "--inner-steps", "10", "--avoid-seconds", "0.2"]
+    slow = Drill(slow_factor=3.0).environment()
+    refusing = NodeProcess(
+        "n0", bootstrap, tmp_path, *args, "--shard-index", "0", "--pair-timeout", "2", "--norm-bound", "1e-9", env=slow
+    )
+    ordinary = NodeProcess("n1", bootstrap, tmp_path, *args, "--shard-index", "1", "--pair-timeout", "10")
     nodes = [refusing, ordinary]
     try:
+        served_at = None  # n1's outer step when n0's call was served and not committed
         deadline = time.monotonic() + 120
         while time.monotonic() < deadline:
-            statuses = [n.status() for n in nodes]
-            served = (statuses[1] or {}).get("exchange_outcomes", {}).get("not_committed", 0)
-            if served >= 1 and all(s and s["outer_step"] >= 5 for s in statuses):
-                break
+            statuses = [n.status() or {} for n in nodes]
+            if served_at is None and statuses[1].get("exchange_outcomes", {}).get("not_committed", 0) >= 1:
+                served_at = statuses[1]["outer_step"]
+            if served_at is not None and statuses[1]["outer_step"] > served_at:
+                break  # the round n1 served in has ended: its history says whether it blended
             time.sleep(0.5)
         statuses = [n.status() for n in nodes]
         assert all(statuses), statuses
@@ -128,8 +138,7 @@ def test_a_caller_that_refuses_the_servers_payload_leaves_both_sides_unblended(
         outcomes = statuses[1]["exchange_outcomes"]  # type: ignore[index]
         print(f"n0 refused {statuses[0]['rejected_payloads']}; n1's exchanges {outcomes}")  # type: ignore[index]
         # n0 called n1, n1 admitted and served it, and n0 refused n1's payload: the exchange was not committed.
-        # (Each refusal sets the other aside for a while, so under load such calls are few: 2-3 a minute.)
-        assert outcomes.get("not_committed", 0) >= 1, outcomes
+        assert served_at is not None and outcomes.get("not_committed", 0) >= 1, outcomes
         assert statuses[0]["rejected_payloads"].get("norm_bound", 0) >= 1  # type: ignore[index]
         for status, other in zip(statuses, reversed(ids), strict=True):
             blends = [h for h in status["history"] if h["partner"] == other]  # type: ignore[index]

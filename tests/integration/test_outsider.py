@@ -272,6 +272,7 @@ def test_a_corroborated_poisoned_donor_harms_neither_a_joiner_nor_a_restarting_m
             donor.close()
 
 
+@pytest.mark.slow  # two 20 s attack windows; the fast tier cuts a slow-loris in test_security: `make test-slow`
 def test_a_lock_hog_and_slot_exhaustion_leave_honest_nodes_blending_and_answering(
     bootstrap: Bootstrap, tmp_path: Path
 ) -> None:

@@ -16,6 +16,8 @@ import zlib
 from collections.abc import Callable
 from pathlib import Path
 
+import pytest
+
 from ..hf_models import save_model
 from .swarm_harness import Bootstrap, NodeProcess, stop_all
 
@@ -105,6 +107,7 @@ def test_rollouts_are_shared_scored_by_the_receiver_liars_earn_nothing_and_a_dea
         assert node.process.returncode == 0, node.output()[-3000:]
 
 
+@pytest.mark.slow  # the fast tier shares rollouts in the test above: `make test-slow` (docs/testing.md)
 def test_nodes_of_other_models_share_rollouts_and_a_node_alone_or_with_j_zero_trains_on_its_own(
     bootstrap: Bootstrap, tmp_path
 ):

@@ -205,7 +205,7 @@ def test_tls_peers_exchange_and_a_plaintext_peer_is_refused(bootstrap: Bootstrap
     for name in ("a", "b"):
         cert, key = write_node_cert(certs, name, ca_dir=certs)
         tls_args.append(["--tls-cert", str(cert), "--tls-key", str(key), "--tls-ca", str(certs / "ca.pem")])
-    common = [*TRAIN, "--steps", "200", "--inner-steps", "20", "--pair-timeout", "4"]
+    common = [*TRAIN, "--steps", "100", "--inner-steps", "20", "--pair-timeout", "4"]
     nodes = [
         NodeProcess("tls0", bootstrap, tmp_path, *common, "--shard-index", "0", *tls_args[0]),
         NodeProcess("tls1", bootstrap, tmp_path, *common, "--shard-index", "1", *tls_args[1]),

@@ -43,6 +43,7 @@ def check_outputs(out: Path, replicas: int, steps: int) -> dict:
     return metrics
 
 
+@pytest.mark.slow  # the simulator runs in the fast tier in the seed study below: `make test-slow`
 def test_compare_with_an_odd_number_of_replicas(tmp_path: Path) -> None:
     done = run_compare(
         tmp_path, "--replicas", "3", "--steps", "40", "--inner-steps", "10", "--seq-len", "64", "--eval-batches", "2"

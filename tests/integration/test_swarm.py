@@ -512,67 +512,43 @@ def test_sigterm_leaves_gracefully_checkpoints_and_withdraws_the_record(bootstra
 def test_a_data_dir_of_another_run_is_refused_by_name(tmp_path: Path) -> None:
     import subprocess
     import sys
+    from concurrent.futures import ThreadPoolExecutor
 
-    data_dir = tmp_path / "node"
-    subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "noloco_node",
-            "--log-level",
-            "ERROR",
-            "train",
-            "--checkpoint-dir",
-            str(data_dir),
-            "--steps",
-            "2",
-            "--seq-len",
-            "64",
-        ],
-        check=True,
-        timeout=120,
-    )
-    done = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "noloco_node",
-            "--log-level",
-            "ERROR",
-            "join",
+    def node(*args: str) -> subprocess.CompletedProcess[str]:
+        command = [sys.executable, "-m", "noloco_node", "--log-level", "ERROR", *args, "--seq-len", "64"]
+        return subprocess.run(command, capture_output=True, text=True, timeout=120, check=False)
+
+    def another_runs_checkpoint() -> subprocess.CompletedProcess[str]:
+        """A checkpoint `train` wrote, then a node of a run told to use its directory."""
+        data_dir = str(tmp_path / "node")
+        assert node("train", "--checkpoint-dir", data_dir, "--steps", "2").returncode == 0
+        return node("join", "--data-dir", data_dir, "--steps", "10")
+
+    def own_checkpoint_with_another_setting() -> subprocess.CompletedProcess[str]:
+        """A node's own checkpoint, resumed with a run-wide setting changed."""
+        args = (
             "--data-dir",
-            str(data_dir),
-            "--steps",
-            "10",
-            "--seq-len",
-            "64",
-        ],
-        capture_output=True,
-        text=True,
-        timeout=120,
-        check=False,
-    )
-    assert done.returncode == 2, done.stderr[-2000:]
-    assert "checkpoint.pt belongs to run" in done.stderr and "use another --data-dir" in done.stderr
-
-    # A node's own checkpoint, resumed with a run-wide setting changed: the message names the setting.
-    def join(data_dir: Path, steps: str) -> subprocess.CompletedProcess[str]:
-        return subprocess.run(
-            [
-                *(sys.executable, "-m", "noloco_node", "--log-level", "ERROR", "join", "--data-dir", str(data_dir)),
-                *("--steps", steps, "--inner-steps", "5", "--warmup-steps", "2", "--seq-len", "64"),
-                *("--status-port", "0"),
-            ],
-            capture_output=True,
-            text=True,
-            timeout=120,
-            check=False,
+            str(tmp_path / "joined"),
+            "--inner-steps",
+            "5",
+            "--warmup-steps",
+            "2",
+            "--status-port",
+            "0",
         )
+        assert node("join", *args, "--steps", "10").returncode == 0
+        return node("join", *args, "--steps", "20")
 
-    assert join(tmp_path / "joined", "10").returncode == 0
-    done = join(tmp_path / "joined", "20")
-    assert done.returncode == 2, done.stderr[-2000:]
-    assert "(total_steps 10 (now: 20))" in done.stderr, done.stderr[-2000:]
+    with ThreadPoolExecutor(2) as pool:  # two independent pairs of runs
+        other_run, other_setting = (
+            case.result()
+            for case in [pool.submit(another_runs_checkpoint), pool.submit(own_checkpoint_with_another_setting)]
+        )
+    assert other_run.returncode == 2, other_run.stderr[-2000:]
+    assert "checkpoint.pt belongs to run" in other_run.stderr and "use another --data-dir" in other_run.stderr
+    # The message names the setting.
+    assert other_setting.returncode == 2, other_setting.stderr[-2000:]
+    assert "(total_steps 10 (now: 20))" in other_setting.stderr, other_setting.stderr[-2000:]
 
 
 def test_a_node_left_out_of_reach_catches_up_and_blends_again(bootstrap: Bootstrap, tmp_path: Path) -> None:
