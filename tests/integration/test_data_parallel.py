@@ -10,6 +10,8 @@ import sys
 import time
 from pathlib import Path
 
+import pytest
+
 from .swarm_harness import Bootstrap, NodeProcess
 
 TRAIN = [
@@ -68,6 +70,7 @@ def test_a_two_process_member_blends_as_one_replica(bootstrap: Bootstrap, tmp_pa
             member.kill()
 
 
+@pytest.mark.slow  # the fast tier runs a two-process member in the test above: `make test-slow`
 def test_sigterm_stops_every_rank_of_a_member_at_the_same_step(bootstrap: Bootstrap, tmp_path: Path) -> None:
     member, log = _member(bootstrap, tmp_path, "--steps", "100000", "--pair-timeout", "2", "--log-every", "0")
     try:

@@ -55,7 +55,7 @@ from .swarm_harness import Bootstrap, NodeProcess, stop_all
 
 TWIN = [
     *("--model", "tiny", "--seq-len", "64", "--batch-size", "8", "--eval-batches", "2"),
-    *("--steps", "250", "--inner-steps", "50", "--shard-index", "0", "--mode", "overlap", "--wire-dtype", "int8"),
+    *("--steps", "200", "--inner-steps", "50", "--shard-index", "0", "--mode", "overlap", "--wire-dtype", "int8"),
     # Bit-identical twins need deterministic training: on a GPU, CUDA's backward kernels sum in no fixed order.
     *("--device", "cpu"),
     # The attack's payloads claim outer step 1 however long it runs: within reach for the whole run, every input

@@ -51,6 +51,7 @@ def test_members_behind_nats_blend_at_nearly_every_step_through_relays(tmp_path:
     assert figures.exit_codes == (0,) * len(members), figures.exit_codes
 
 
+@pytest.mark.slow  # the relay path runs in the fast tier in test_reachability.py: `make test-slow`
 def test_a_member_behind_a_firewall_is_found_out_by_a_dial_back_and_called_through_its_relay(tmp_path: Path) -> None:
     """A public address of its own, but nothing comes in (a cloud VM whose security group is closed): its witness
     sees its calls come from its announced address, as for a reachable member, and only the witness's dial-back

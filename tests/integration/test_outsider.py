@@ -363,6 +363,7 @@ sys.stdin.read()  # until the test closes our stdin
 """
 
 
+@pytest.mark.slow  # a descriptor soak: `make test-slow` (docs/testing.md)
 def test_two_thousand_idle_connections_under_a_1024_descriptor_limit_do_not_stop_the_node(
     bootstrap: Bootstrap, tmp_path: Path
 ) -> None:

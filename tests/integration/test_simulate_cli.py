@@ -75,6 +75,7 @@ def test_compare_with_an_odd_number_of_replicas(tmp_path: Path) -> None:
     assert "[         noloco] step    10/40" in done.stderr  # progress while it runs
 
 
+@pytest.mark.slow  # a simulator study of 20 s; its methods have unit tests (test_wire_methods.py): `make test-slow`
 def test_seed_study_reports_mean_and_spread_over_seeds_per_replica_count(tmp_path: Path) -> None:
     done = run_compare(
         tmp_path, "--seeds", "2", "--replica-counts", "2,3", "--steps", "20", "--inner-steps", "10",
