@@ -79,6 +79,11 @@ class PayloadAdmission:
     def _check(self, payload: Payload) -> None:
         # Since when the two replicas last shared weights: the norm bound allows for their drift meanwhile.
         steps_apart = self.standing.steps_apart(payload.peer_id)
+        if self.layout.phi_every > 1 and {"theta", "phi"} & set(payload.parts):
+            # A sparse run shares slow weights once every phi_every outer steps; in the steps between, a blend
+            # takes the partner's phi to be this node's own, so nothing pulls the replicas' phis together and they
+            # drift as replicas apart for that long (measured: 0.50 apart against a bound of one phase of 0.45).
+            steps_apart = max(steps_apart or 0, self.layout.phi_every)
         measured = self._measured_distances(payload)
         if measured is not None:  # measured chunk by chunk while it arrived: nothing left to compute
             self.security.admit_distances(payload, measured, steps_apart)

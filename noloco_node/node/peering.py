@@ -111,6 +111,7 @@ class Peering:
             max_staleness=cfg.max_staleness,
             exchange_ceiling=layout.exchange_ceiling(),
             phi_every=layout.phi_every,
+            observe_sent=security.norm_guard.observe_sent,
         )
         strategy = STRATEGIES[cfg.mode](context)
         served = ServedNode(

@@ -46,6 +46,7 @@ from noloco_node import algorithm
 from noloco_node.discovery.dht import PeerRecord
 from noloco_node.pairing.strategy import PairingContext, PairingStrategy
 from noloco_node.pairing.sync import PairingRound, RoundSession, run_round
+from noloco_node.security.payload_guard import relative_norm
 from noloco_node.training.replica import Replica
 from noloco_node.wire import sparse
 from noloco_node.wire.frames import PayloadError
@@ -168,6 +169,11 @@ class StreamPairing(PairingStrategy):
         rebuilt = [theta.view(-1) for theta in thetas]
         return Payload(manifest, tensors, buffers=[*phase_buffers, *progress_buffers, *rebuilt], pool=pool)
 
+    def _spent(self, phase: Phase) -> bool:
+        """Whether the phase's reserved partner payload was used by a progress exchange (whatever its outcome)."""
+        with self._guard:
+            return phase.partner is None
+
     def _may_swap_with(self, phase: Phase, peer_id: str) -> bool:
         """Whether a phase swap with ``peer_id`` may reserve ``phase`` now: not with the last partner before the
         phase's ``repeat_after``, calling or called."""
@@ -231,13 +237,15 @@ class StreamPairing(PairingStrategy):
         residual, left_out = None, None
         if self.feedback is not None:  # sent compressed: what it leaves out waits for the next partner
             encoded, decoded, residual = self.feedback.compress(progress)
+            if ctx.observe_sent is not None:  # before the exchange: the partner's code is checked against it
+                ctx.observe_sent(relative_norm(decoded, replica.phi))
             left_out = [whole.sub_(sent) for whole, sent in zip(progress, decoded, strict=True)]
             progress = encoded
         offer = ctx.offers["progress"].publish({"progress": progress}, replica.outer_step)
         del progress
         current = PairingRound(replica.outer_step, offer, only_partner=reserved.peer_id)
         self._round = current
-        seeker = self._exchange_progress(current, reserved.peer_id, reserved.outer_step)
+        seeker = self._exchange_progress(current, phase, reserved.peer_id, reserved.outer_step)
         partner = run_round(ctx, current, seeker, train_step)
         self._round = None
         with self._guard:
@@ -338,13 +346,19 @@ class StreamPairing(PairingStrategy):
                 if payload is not None and self._reserve(phase, payload):
                     break
 
-    async def _exchange_progress(self, current: PairingRound, partner_id: str, partner_step: int) -> None:
+    async def _exchange_progress(self, current: PairingRound, phase: Phase, partner_id: str, partner_step: int) -> None:
         """Call the reserved partner with this node's progress until the round is settled; stop early when the
-        partner is gone or already past this phase (it went on alone: nobody will answer). The first call goes to
-        the address known from the phase swap, without waiting for a DHT lookup."""
+        partner is gone or already past this phase (it went on alone: nobody will answer), or when the reservation
+        is spent: its phase payload completes one progress (:meth:`complete_payload`), so an exchange that used it
+        and did not settle (refused, or cut before both sides committed) leaves nothing to pair with on this side,
+        and the partner's retries would only be refused until --pair-timeout. The first call goes to the address
+        known from the phase swap, without waiting for a DHT lookup."""
         ctx = self.ctx
         record, missing_since = self._records.get(partner_id), None
         while current.open:
+            if self._spent(phase):
+                current.stop_waiting()  # an exchange still in flight may settle the round
+                return
             if record is not None and record.address and current.lock.acquire(blocking=False):
                 try:
                     if not current.open:

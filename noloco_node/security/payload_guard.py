@@ -138,6 +138,9 @@ class NormGuard:
         self.fixed = fixed
         self.factor = factor
         self._per_lr: deque[float] = deque(maxlen=window)  # movement per unit of learning rate, per phase
+        # A sparse run: the size of the progress this node sent, per unit of learning rate, per phase (observe_sent)
+        self._sent_per_lr: deque[float] = deque(maxlen=window)
+        self._phase_lr = 0.0
         self._partner_lr = 0.0
         self._lock = threading.Lock()
         self.last_distance: float | None = None
@@ -151,7 +154,18 @@ class NormGuard:
         if math.isfinite(movement) and phase_lr > 0 and math.isfinite(partner_lr):
             with self._lock:
                 self._per_lr.append(movement / phase_lr)
-                self._partner_lr = partner_lr
+                self._phase_lr, self._partner_lr = phase_lr, partner_lr
+
+    def observe_sent(self, size: float) -> None:
+        """Trainer thread, a sparse run: ``size`` = ||D|| / ||phi|| of the progress this node is about to send
+        for the phase it last observed (wire/sparse.py's top-k code with error feedback). An honest partner's
+        code is as large as this node's, not as its phase's movement: the code carries what earlier exchanges left
+        out, concentrated on a 64th of the values, so its L2 norm is several times a phase's movement (sqrt(64) in
+        a steady state: it carries the phase's L1 mass on 1/64 of the coordinates). The bound follows the larger of
+        the two."""
+        with self._lock:
+            if math.isfinite(size) and self._phase_lr > 0:
+                self._sent_per_lr.append(size / self._phase_lr)
 
     def observe_phase(
         self, distance: float, steps: int, inner_steps: int, phase_lr: float, partner_lr: float
@@ -183,7 +197,8 @@ class NormGuard:
         with self._lock:
             if not self._per_lr:
                 return None
-            return min(CEILING, self.factor * max(self._per_lr) * self._partner_lr)
+            largest = max(max(self._per_lr), max(self._sent_per_lr, default=0.0))
+            return min(CEILING, self.factor * largest * self._partner_lr)
 
     @property
     def basis(self) -> str:

@@ -88,6 +88,25 @@ def test_in_the_warmup_a_partner_further_along_is_allowed_its_larger_learning_ra
     assert late_partner >= late_lr
 
 
+def test_a_sparse_run_bounds_a_partners_code_by_the_size_of_its_own() -> None:
+    """The top-k code of a sparse run carries what earlier exchanges left out on a 64th of the values: an honest
+    partner's is several times a phase's movement. The bound follows the larger of the movement and the size of what
+    this node itself sent, so an honest code passes and one twice as large as the node's own times the factor does
+    not."""
+    guard = NormGuard(factor=3.0)
+    guard.observe_own_movement(0.02, phase_lr=1e-3, partner_lr=1e-3)
+    assert guard.bound() == pytest.approx(0.06)
+    with pytest.raises(PayloadError):
+        guard.admit(0.15, "partner")  # an honest code, refused by the movement alone
+    guard.observe_sent(0.16)
+    assert guard.bound() == pytest.approx(0.48)
+    guard.admit(0.15, "partner")
+    with pytest.raises(PayloadError):
+        guard.admit(0.96, "partner")
+    guard.observe_sent(float("nan"))  # nothing learnt from a size that is not one
+    assert guard.bound() == pytest.approx(0.48)
+
+
 def test_complaints_are_logged_once_per_peer_and_reason_per_interval(caplog: pytest.LogCaptureFixture) -> None:
     complaints = Complaints(interval=0.2)
     with caplog.at_level(logging.WARNING):
