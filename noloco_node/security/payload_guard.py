@@ -25,6 +25,10 @@ replicas, H = 20 and 50), ``d / max(recent own movement)`` stayed below 1.3, hen
 Whatever the movement, the bound never exceeds ``CEILING`` (0.9): weights as far from this node's as zero is
 (d = 1, and random weights sit at d >= 1) are nobody's honest partner, and early in a run, when a tiny model's
 first phases move it by up to 46% of its norm, 3x the movement alone would admit them.
+A sparse run (wire/sparse.py) differs twice: a partner's progress crosses as a top-k code that carries what earlier
+exchanges left out, so its norm is several times a phase's movement (``observe_sent``: the size of this node's own
+code counts like a movement), and its phi crosses once every --phi-every outer steps, between which nothing pulls
+the replicas' phi together (node/payload_admission.py allows that drift for a payload that carries phi).
 Until this node has finished one phase it has no bound: a payload that arrives then (an overlap offer in the
 first phase) is kept unjudged and judged by the trainer, with the bound of its first phase, before it is blended
 (node/served.py, node/outer_step.py); ``admit`` itself refuses as *not ready* (ABORTED, never held against the

@@ -10,6 +10,8 @@ import threading
 import time
 from pathlib import Path
 
+import pytest
+
 
 def test_swarm_runs_shows_progress_and_stops_cleanly_on_ctrl_c(tmp_path: Path) -> None:
     out = tmp_path / "swarm"
@@ -63,3 +65,33 @@ def test_swarm_runs_shows_progress_and_stops_cleanly_on_ctrl_c(tmp_path: Path) -
     assert "| partners |" in output
     for i in range(3):  # each node left a final checkpoint on its way out
         assert (out / f"node{i}" / "checkpoint.pt").exists()
+
+
+@pytest.mark.slow  # 60 outer steps of a swarm, about 2 minutes each: `make test-slow` (docs/testing.md)
+@pytest.mark.parametrize(("nodes", "wire"), [(3, "int8"), (4, "int8"), (3, "sparse"), (4, "sparse")])
+def test_an_honest_stream_swarm_blends_at_nearly_every_step_with_rotating_partners(
+    tmp_path: Path, nodes: int, wire: str
+) -> None:
+    """Stream mode as the README recommends it, 60 outer steps: every node blends at >= 90% of the outer steps it
+    took (a node that caught up with the swarm skipped some), and no partner takes more than a random choice's share
+    plus 15 points (NoLoCo's convergence rests on mixing: fixed pairs are separate runs)."""
+    out = tmp_path / "swarm"
+    done = subprocess.run(
+        [
+            *(sys.executable, "-m", "noloco_node", "swarm", "--nodes", str(nodes), "--out", str(out)),
+            *("--steps", "1200", "--inner-steps", "20", "--mode", "stream", "--wire-dtype", wire),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        check=False,
+    )
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    summary = json.loads((out / "summary.json").read_text())
+    print(done.stdout[-1500:])
+    fair_share = 1 / (nodes - 1) + 0.15
+    for node in summary["nodes"]:
+        taken = node["blends"] + node["solo_steps"]
+        assert node["blends"] >= 0.9 * taken, node
+        assert max(node["partners"].values()) <= fair_share * node["blends"], node
+        assert not node["rejected"], node
