@@ -70,6 +70,13 @@ PACED = Drill(step_time_seconds=0.15).environment()
 # mutation and 120 requests found nothing these do not).
 EXAMPLES_PER_MUTATION = 8
 REQUEST_EXAMPLES = 60
+# The same draws every run, no example database, no deadline (a call's time is the node's, not hypothesis's).
+REPRODUCIBLE: dict = {
+    "deadline": None,
+    "database": None,
+    "derandomize": True,
+    "suppress_health_check": list(HealthCheck),
+}
 WIRE = "int8"
 # What a refused input may be answered with: each names what was wrong (the tests check the message too).
 PRECISE = {
@@ -326,13 +333,7 @@ def test_fuzzed_payloads_are_refused_precisely_and_change_nothing(twins: list[No
     bad: list[str] = []
 
     def exchange(mutation: str) -> None:
-        @settings(
-            max_examples=EXAMPLES_PER_MUTATION,
-            deadline=None,
-            database=None,
-            derandomize=True,
-            suppress_health_check=list(HealthCheck),
-        )
+        @settings(max_examples=EXAMPLES_PER_MUTATION, **REPRODUCIBLE)
         @given(data=st.data())
         def one(data: st.DataObject) -> None:
             # A fresh key each time (any stranger can make one and prove it): a quarantine would hide what follows.
@@ -345,13 +346,7 @@ def test_fuzzed_payloads_are_refused_precisely_and_change_nothing(twins: list[No
 
         one()
 
-    @settings(
-        max_examples=REQUEST_EXAMPLES,
-        deadline=None,
-        database=None,
-        derandomize=True,
-        suppress_health_check=list(HealthCheck),
-    )
+    @settings(max_examples=REQUEST_EXAMPLES, **REPRODUCIBLE)
     @given(
         raw=st.one_of(
             st.binary(max_size=200),
