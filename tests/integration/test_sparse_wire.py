@@ -136,7 +136,8 @@ def test_three_sparse_nodes_blend_over_many_phases_and_refuse_no_honest_payload(
     blends = [sum(1 for h in status["history"] if h["partner"]) for status in statuses]
     # The outer steps each node took: one that fell behind under load downloads a peer's state and skips some.
     taken = [len(status["history"]) for status in statuses]
-    print(f"blends of the outer steps taken: {blends} of {taken}; refused: {[s['rejected_payloads'] for s in statuses]}")
+    refused = [s["rejected_payloads"] for s in statuses]
+    print(f"blends of the outer steps taken: {blends} of {taken}; refused: {refused}")
     for node, status in zip(nodes, statuses, strict=True):
         assert status["rejected_payloads"] == {}, (node.name, status["rejected_payloads"])
         assert "payload_guard: refused" not in node.output(), node.output()[-3000:]
