@@ -69,18 +69,22 @@ def test_a_port_held_by_another_process_and_a_model_too_large_for_this_machine_f
 def test_on_a_card_of_given_memory_the_plan_names_what_fits_and_refuses_what_does_not(tmp_path: Path) -> None:
     """--gpu-memory plans for a card this machine does not have: the memory model, before anything is loaded."""
     shape = ("--seq-len", "1024", "--batch-size", "256")
-    code, checks = doctor(tmp_path, "--model", "125m", *shape, "--gpu-memory", "24")
+    (tmp_path / "fits").mkdir()
+    (tmp_path / "refused").mkdir()
+    with ThreadPoolExecutor(2) as pool:  # two independent plans, at once
+        fitting = pool.submit(doctor, tmp_path / "fits", "--model", "125m", *shape, "--gpu-memory", "24")
+        too_large = pool.submit(doctor, tmp_path / "refused", "--model", "6.8b", *shape, "--gpu-memory", "80")
+        (_, checks), (refused_code, refused_checks) = fitting.result(), too_large.result()
     plan, fits = checks["step plan"], checks["what fits"]
     assert plan["level"] == "ok" and "micro-batch 16 x 1024 tokens, 16 accumulated" in plan["detail"]
     assert "of 24.0 GiB" in plan["detail"]
     assert "125m micro-batch 16" in fits["detail"] and "1.3b does not fit" in fits["detail"]
     # 6.8b on one H100 (80 GiB): refused with the numbers.
-    code, checks = doctor(tmp_path, "--model", "6.8b", *shape, "--gpu-memory", "80")
-    refused = checks["step plan"]
-    assert code == 1 and refused["level"] == "fail"
+    refused = refused_checks["step plan"]
+    assert refused_code == 1 and refused["level"] == "fail"
     assert "does not fit: 128.0 GiB for weights, gradients and Adam (8.59B parameters x 16 B)" in refused["detail"]
     assert "over 85% of 80.0 GiB" in refused["detail"] and "smaller --model" in refused["fix"]
-    assert "1.3b micro-batch 8" in checks["what fits"]["detail"]
+    assert "1.3b micro-batch 8" in refused_checks["what fits"]["detail"]
 
 
 def test_a_gpu_with_a_cpu_build_of_torch_is_a_failure(tmp_path: Path) -> None:

@@ -19,6 +19,7 @@ from .swarm_harness import Bootstrap, NodeProcess, stop_all
 transformers = pytest.importorskip("transformers")  # a dev dependency: CI installs it, so this runs there
 
 
+@pytest.mark.slow  # --init-from has unit tests in the fast tier (tests/unit/test_init_from.py): `make test-slow`
 def test_two_nodes_continue_a_saved_qwen2_and_refuse_a_node_started_from_another_revision(
     bootstrap: Bootstrap, tmp_path: Path
 ) -> None:

@@ -53,6 +53,7 @@ def _liar(bootstrap: Bootstrap, lie: str) -> subprocess.Popen[str]:
 MALFORMED = ("group_size", "unknown_family", "completion_too_long", "round", "peer")
 
 
+@pytest.mark.slow  # RL over real gRPC stays in the fast tier (test_rollout_service.py): `make test-slow`
 def test_rollouts_are_shared_scored_by_the_receiver_liars_earn_nothing_and_a_dead_peer_blocks_nobody(
     bootstrap: Bootstrap, tmp_path
 ):
