@@ -35,6 +35,7 @@ def _digests(log: str) -> dict[int, tuple[int, str]]:
     return {int(rank): (int(step), digest) for rank, step, digest in found}
 
 
+@pytest.mark.slow  # a torchrun member of two ranks (its layout has unit tests): `make test-slow`
 def test_a_two_process_member_blends_as_one_replica(bootstrap: Bootstrap, tmp_path: Path) -> None:
     # Each starts training once it sees the other: on a fast machine a plain node could otherwise finish its 120
     # steps while torchrun still starts the member.

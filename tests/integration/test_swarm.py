@@ -332,6 +332,7 @@ def test_overlap_mode_blends_without_waiting_for_partners(bootstrap: Bootstrap, 
         assert history[-1]["val_loss"] < history[0]["val_loss"] - 0.3
 
 
+@pytest.mark.slow  # joiners download and train in the fast tier (test_outsider.py, test_catch_up.py): `make test-slow`
 def test_a_late_joiner_trains_from_a_donors_state_and_the_donor_never_pauses(
     bootstrap: Bootstrap, tmp_path: Path
 ) -> None:
