@@ -15,8 +15,9 @@ theta_j = phi_j + Delta_j, where only Delta_j, the phase's progress, waits for t
    with the reserved partner alone, in a pairing round like sync's (either side may call; the first exchange both
    sides commit settles the round on both). The partner's theta is rebuilt as phi_j + Delta_j (:meth:`StreamPairing.
    complete_payload`) and checked under the norm bound like any partner's weights.
-3. No reservation by the outer step, the partner gone or already past this step, or no progress within
-   --pair-timeout: a solo step.
+3. No reservation by the outer step, the partner gone or already past this step, no progress within
+   --pair-timeout, or the reservation spent by a progress exchange that did not settle (refused, or cut before
+   both sides committed: a phase payload completes one progress): a solo step.
 
 The blend is exact NoLoCo up to the rounding of phi (bf16) and Delta (the wire dtype): the simulator's
 ``noloco-stream`` methods measure that cost (docs/algorithm-study.md). On the critical path there is only Delta,
