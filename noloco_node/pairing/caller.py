@@ -27,7 +27,7 @@ import grpc
 from noloco_node.discovery.dht import PeerRecord
 from noloco_node.pairing.peer_policy import PeerPolicy
 from noloco_node.pairing.standing import Standing
-from noloco_node.rpc.client import CallOwner, ExchangeError, exchange_with
+from noloco_node.rpc.client import UNACKNOWLEDGED, CallOwner, ExchangeError, exchange_with, settle_with
 from noloco_node.rpc.contracts import OutgoingPayload
 from noloco_node.rpc.metrics import ExchangeMetrics
 from noloco_node.rpc.transport import Transport
@@ -37,6 +37,8 @@ from noloco_node.wire.published import Published
 from noloco_node.wire.receive_buffers import ReceiveBuffers
 
 log = logging.getLogger(__name__)
+
+SETTLE_SECONDS = 5.0  # a Settle answer is a table lookup: the time is the network's
 
 
 @dataclass
@@ -133,10 +135,12 @@ class PeerCaller:
         outgoing: OutgoingPayload,
         kind: str = "weights",
         complete: Callable[[Payload], Payload] | None = None,
+        unacknowledged: Callable[[], None] | None = None,
     ) -> Payload | None:
         """One exchange of payloads of ``kind`` with ``peer``; its admitted payload, or None (busy, failed, refused:
         recorded). ``complete`` makes the partner's payload whole before it is admitted (a stream run's progress,
-        pairing/stream.py)."""
+        pairing/stream.py); ``unacknowledged`` is told when this side committed and heard no acknowledgement (the
+        peer may have blended: :meth:`settle` asks)."""
         deadline = self.policy.deadline(peer.peer_id)
         started = time.monotonic()
         loop = asyncio.get_running_loop()
@@ -159,12 +163,39 @@ class PeerCaller:
         except (ExchangeError, asyncio.TimeoutError) as error:
             owner.cancel()
             self._failed(peer, deadline, error)
+            if unacknowledged is not None and isinstance(error, ExchangeError) and error.reason == UNACKNOWLEDGED:
+                unacknowledged()
             return None
         except asyncio.CancelledError:
             owner.cancel()
             raise
         self.policy.succeeded(peer.peer_id, time.monotonic() - started)
         return payload
+
+    async def settle(self, peer: PeerRecord, outer_step: int) -> bool | None:
+        """Whether ``peer`` blended this node's payload of ``outer_step`` in an exchange whose acknowledgement never
+        came (rpc/settle_serving.py), or None when it did not say (unreachable, still exchanging: ask again)."""
+        dial = await self.paths.prepare(peer)
+        if dial is None:
+            return None
+        settings = self.settings
+        timeout = SETTLE_SECONDS
+
+        def ask() -> bool:
+            return settle_with(
+                dial,
+                settings.run_fingerprint,
+                outer_step,
+                timeout=timeout,
+                transport=settings.transport,
+                peer_id=peer.peer_id,
+            )
+
+        try:
+            return await asyncio.wait_for(asyncio.get_running_loop().run_in_executor(self.executor, ask), timeout + 5)
+        except (grpc.RpcError, ExchangeError, asyncio.TimeoutError) as error:
+            log.info("settling with %s: no answer yet (%s)", peer.peer_id[-8:], error)
+            return None
 
     def _exchange(
         self,

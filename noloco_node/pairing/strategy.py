@@ -34,7 +34,7 @@ import torch
 from noloco_node.discovery.dht import Discovery
 from noloco_node.observability.telemetry import Telemetry
 from noloco_node.pairing.caller import PeerCaller
-from noloco_node.rpc.contracts import ExchangeSession
+from noloco_node.rpc.contracts import ExchangeSession, NoSettleRecordError
 from noloco_node.training.replica import Replica
 from noloco_node.wire.codecs import ENCODED_WIRE_DTYPES, encode_into, wire_num_bytes
 from noloco_node.wire.frames import WIRE_DTYPES, PayloadKind, build_manifest
@@ -142,6 +142,11 @@ class PairingStrategy(ABC):
     def open_session(self, partner_id: str, partner_outer_step: int, kind: str) -> ExchangeSession | None:
         """A session for an incoming exchange of payloads of ``kind`` from ``partner_id`` (a proven id), or None:
         busy (ABORTED)."""
+
+    def settle(self, partner_id: str, partner_outer_step: int) -> bool | None:
+        """gRPC thread: a partner that never heard this node's acknowledgement asks whether this node blended its
+        payload (rpc/contracts.py ``PeerNode.settle``). Only stream mode keeps the record to answer from."""
+        raise NoSettleRecordError(f"a {self.mode} run settles no exchange late (only stream mode does)")
 
     def complete_payload(self, payload: Payload) -> Payload:
         """gRPC or exchange thread, before the norm check: the payload to blend, made whole from what this strategy

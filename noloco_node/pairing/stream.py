@@ -24,9 +24,11 @@ The blend is exact NoLoCo up to the rounding of phi (bf16) and Delta (the wire d
 which quantizes well (its blocks scale to the progress, not to the weights): int8 is a quarter of the fp32 weights.
 
 With ``--wire-dtype sparse`` the progress is sent top-k coded with error feedback (wire/sparse.py: the residual is
-this strategy's, committed only when a partner took the progress), phi crosses in int8 in one phase of
-``--phi-every`` and a reservation (an empty phase payload) in the others, and the partner is blended as
-:func:`compressed_partner` makes it: the pair's sum moves as in NoLoCo (algorithm.compressed_partner_weights).
+this strategy's, committed only when a partner took the progress; after an acknowledgement lost in flight the
+caller asks the server, :meth:`StreamPairing.settle`, and both residuals are set by the answer), phi crosses in
+int8 in one phase of ``--phi-every`` and a reservation (an empty phase payload) in the others, and the partner is
+blended as :func:`compressed_partner` makes it: the pair's sum moves as in NoLoCo
+(algorithm.compressed_partner_weights).
 """
 
 from __future__ import annotations
@@ -37,6 +39,8 @@ import random
 import threading
 import time
 from collections.abc import Callable, Sequence
+from concurrent.futures import Future
+from concurrent.futures import wait as wait_for
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -45,6 +49,7 @@ import torch
 
 from noloco_node import algorithm
 from noloco_node.discovery.dht import PeerRecord
+from noloco_node.pairing.caller import SETTLE_SECONDS
 from noloco_node.pairing.strategy import PairingContext, PairingStrategy
 from noloco_node.pairing.sync import PairingRound, RoundSession, run_round
 from noloco_node.security.payload_guard import relative_norm
@@ -59,6 +64,18 @@ log = logging.getLogger(__name__)
 # How long the partner's record may be missing from every DHT lookup before the node stops waiting for it: about
 # three lookups (discovery/dht.py shares one lookup among the callers of a second).
 PARTNER_MISSING_SECONDS = 3.0
+SETTLE_RETRY_SECONDS = 1.0  # between Settle questions to a partner that did not answer (still exchanging, unreachable)
+
+
+@dataclass
+class ServedRound:
+    """The last progress exchange this node settled as the server: a partner that never heard the acknowledgement
+    asks about it (:meth:`StreamPairing.settle`), and a sparse run takes back its residual's commit then."""
+
+    peer_id: str
+    outer_step: int  # the partner's, in its progress payload
+    left_out: list[torch.Tensor] | None  # what that commit added to the residual; None once taken back (or dense)
+    generation: int  # the residual's (wire/sparse.py), when committed
 
 
 @dataclass
@@ -88,6 +105,14 @@ class StreamPairing(PairingStrategy):
         self._records: dict[str, PeerRecord] = {}
         self._last_partner: str | None = None
         self._repeat_grace = 0.0
+        # An acknowledgement lost in flight (rpc/settle_serving.py). As the caller: the partner whose
+        # acknowledgement of this round's progress never came, and whether this round settled by this node's own
+        # call. As the server: the last round it settled, and a Settle that came before the trainer took the round.
+        self._unacknowledged_by: str | None = None
+        self._settled_by_call = False
+        self._served: ServedRound | None = None
+        self._disowned: tuple[str, int] | None = None
+        self._settling: Future[None] | None = None  # the question about the last unacknowledged exchange
         # The sparse wire's residual: what of this node's progress no partner has received yet (wire/sparse.py).
         progress = ctx.offers["progress"].kind
         self.feedback = (
@@ -125,6 +150,33 @@ class StreamPairing(PairingStrategy):
                 self._swap_lock.release()
                 return None
         return PhaseSession(self, phase, partner_id)
+
+    def settle(self, partner_id: str, partner_outer_step: int) -> bool | None:
+        """Whether this node blended ``partner_id``'s progress of ``partner_outer_step``, asked by that partner after
+        its acknowledgement was lost; the partner did not blend this node's, so a sparse run takes back what its
+        residual counted as received (once, however often it is asked). None while an exchange with it is in
+        flight. Answers from the current round (not yet taken by the trainer) or the last one served."""
+        with self._guard:
+            current = self._round
+            if current is not None and current.only_partner == partner_id:
+                taken = current.partner
+                if taken is not None:  # settled; the trainer has not taken it yet, and will not commit for it
+                    if taken.peer_id != partner_id or taken.outer_step != partner_outer_step:
+                        return False
+                    if self._disowned is None:
+                        self.ctx.caller.settings.metrics.outcome("settle_taken_back")
+                    self._disowned = (partner_id, partner_outer_step)
+                    return True
+                if current.lock.locked():
+                    return None
+            served = self._served
+            if served is None or (served.peer_id, served.outer_step) != (partner_id, partner_outer_step):
+                return False
+            if served.left_out is not None and self.feedback is not None:
+                self.feedback.take_back(served.left_out, served.generation)
+                self.ctx.caller.settings.metrics.outcome("settle_taken_back")
+                served.left_out = None
+            return True
 
     def complete_payload(self, payload: Payload) -> Payload:
         """A progress payload becomes the partner's whole payload: theta = phi + Delta (fp32), with the phi (and
@@ -235,8 +287,12 @@ class StreamPairing(PairingStrategy):
             self._last_partner, self._repeat_grace = None, 0.0
             return None  # nobody swapped phase payloads with this node: a solo step
         progress = algorithm.phase_progress(replica.fast_weights(), replica.phi)
-        residual, left_out = None, None
+        residual, left_out, generation = None, None, 0
         if self.feedback is not None:  # sent compressed: what it leaves out waits for the next partner
+            if self._settling is not None:  # the answer about the last lost acknowledgement settles the residual
+                wait_for([self._settling], timeout=max(ctx.pair_timeout, SETTLE_RETRY_SECONDS) + 2 * SETTLE_SECONDS)
+                self._settling = None
+            generation = self.feedback.generation
             encoded, decoded, residual = self.feedback.compress(progress)
             if ctx.observe_sent is not None:  # before the exchange: the partner's code is checked against it
                 ctx.observe_sent(relative_norm(decoded, replica.phi))
@@ -245,14 +301,30 @@ class StreamPairing(PairingStrategy):
         offer = ctx.offers["progress"].publish({"progress": progress}, replica.outer_step)
         del progress
         current = PairingRound(replica.outer_step, offer, only_partner=reserved.peer_id)
+        self._unacknowledged_by, self._settled_by_call = None, False
         self._round = current
         seeker = self._exchange_progress(current, phase, reserved.peer_id, reserved.outer_step)
         partner = run_round(ctx, current, seeker, train_step)
-        self._round = None
         with self._guard:
+            self._round = None
+            disowned = partner is not None and self._disowned == (partner.peer_id, partner.outer_step)
+            self._disowned = None
+            served = partner is not None and not self._settled_by_call
+            self._served = (
+                ServedRound(partner.peer_id, partner.outer_step, None if disowned else left_out, generation)
+                if partner is not None and served
+                else None
+            )
             leftover, phase.partner = phase.partner, None  # not consumed: the progress never came
         if leftover is not None:
             leftover.release()
+        if partner is None and self._unacknowledged_by == reserved.peer_id and left_out is not None:
+            # This node committed and never heard whether the partner did: ask it (its answer settles both
+            # residuals), while the trainer goes on with this step alone.
+            self._settling = ctx.spawn(
+                self._settle_late(reserved.peer_id, replica.outer_step, left_out, generation),
+                "settling an unacknowledged exchange",
+            )
         # As in sync mode (sync.py, ``repeat_after``): while others are known, the next phase does not swap with this
         # partner again for a moment. Two nodes that just blended open their next phases at the same instant, while
         # a pair that blended a moment later is still inside its reserved phase: without it each finds only its
@@ -263,7 +335,8 @@ class StreamPairing(PairingStrategy):
         if partner is not None:
             ctx.caller.paired(partner.peer_id, replica.outer_step)
             if self.feedback is not None and residual is not None and left_out is not None:
-                self.feedback.commit(residual)
+                if not disowned:  # the partner said it did not take this node's code before the trainer got here
+                    self.feedback.commit(residual)
                 compressed_partner(partner, replica.names, replica.phi, left_out)
         return partner
 
@@ -291,7 +364,10 @@ class StreamPairing(PairingStrategy):
         self._begin_phase(new_phi, new_delta, next_outer_step)
 
     def checkpoint_state(self) -> dict[str, Any]:
-        return {} if self.feedback is None else {"sparse_residual": self.feedback.residual}
+        if self.feedback is None:
+            return {}
+        self.feedback.fold()
+        return {"sparse_residual": self.feedback.residual}
 
     def restore(self, state: dict[str, Any]) -> None:
         residual = state.get("sparse_residual")
@@ -365,12 +441,16 @@ class StreamPairing(PairingStrategy):
                     if not current.open:
                         return
                     payload = await ctx.caller.call(
-                        record, current.offer, kind="progress", complete=self.complete_payload
+                        record,
+                        current.offer,
+                        kind="progress",
+                        complete=self.complete_payload,
+                        unacknowledged=lambda: setattr(self, "_unacknowledged_by", partner_id),
                     )
                 finally:
                     current.lock.release()
                 if payload is not None:
-                    current.settle(payload)
+                    self._settled_by_call = current.settle(payload)
                     return
             await asyncio.sleep(random.uniform(0.05, 0.2))  # the partner's round is not open yet, or it calls us
             try:
@@ -384,6 +464,30 @@ class StreamPairing(PairingStrategy):
             if gone or (record is not None and record.outer_step > partner_step):
                 current.stop_waiting()
                 return
+
+    async def _settle_late(
+        self, partner_id: str, outer_step: int, left_out: list[torch.Tensor], generation: int
+    ) -> None:
+        """This node committed its progress of ``outer_step`` and never heard the partner's acknowledgement: ask
+        the partner whether it blended (rpc/settle_serving.py) until it answers, for --pair-timeout at most (its
+        record of the round lasts its next phase); the next outer step's compression waits for the answer.
+        Blended: the residual is committed now, as it would have been (the partner has taken back its own). Not
+        blended, or no answer: the residual stays as it was, and with no answer this node's code may reach the
+        swarm twice (counted: ``settle_unanswered``)."""
+        assert self.feedback is not None
+        ctx = self.ctx
+        metrics = ctx.caller.settings.metrics
+        give_up = time.monotonic() + max(ctx.pair_timeout, SETTLE_RETRY_SECONDS)
+        while time.monotonic() < give_up and not ctx.stopping.is_set():
+            record = self._records.get(partner_id)
+            blended = None if record is None else await ctx.caller.settle(record, outer_step)
+            if blended is not None:
+                if blended:
+                    self.feedback.commit_late(left_out, generation)
+                metrics.outcome("settled_blended" if blended else "settled_not_blended")
+                return
+            await asyncio.sleep(random.uniform(0.5, 1.0) * SETTLE_RETRY_SECONDS)
+        metrics.outcome("settle_unanswered")
 
 
 class PhaseSession:

@@ -22,6 +22,7 @@ from noloco_node.rpc.contracts import (
     GET_ROLLOUTS_METHOD,
     INFO_METHOD,
     OUTER_STEP_HEADER,
+    SETTLE_METHOD,
     OutgoingPayload,
 )
 from noloco_node.rpc.metrics import ExchangeMetrics
@@ -158,8 +159,16 @@ def _outer_step_of(error: grpc.RpcError) -> int | None:
     return None
 
 
+# The reason of an exchange whose acknowledgement never came (the call ended otherwise after this side's commit):
+# the server may or may not have blended. Counted as an outcome; a stream run asks the server (settle_with).
+UNACKNOWLEDGED = "unacknowledged"
+
+
 def _acknowledged(responses: Iterator[bytes], call: Any, address: str) -> None:
-    """The server's acknowledgement of this side's commit (it has blended): or ExchangeError, and nothing blends."""
+    """The server's acknowledgement of this side's commit (it has blended): or ExchangeError, and nothing blends.
+    A refusal the server sent (a verdict without commit, ABORTED, a stream it ended) is ``not_committed``: it did
+    not blend. A call that ended any other way after the commit (cut, timed out, cancelled, garbled) is
+    ``UNACKNOWLEDGED``: whether the server blended is not known here."""
     try:
         ack = read_verdict(next(responses))
     except StopIteration:
@@ -167,10 +176,11 @@ def _acknowledged(responses: Iterator[bytes], call: Any, address: str) -> None:
             grpc.StatusCode.ABORTED, "not_committed", f"{address} ended without acknowledging"
         ) from None
     except grpc.RpcError as error:
-        raise _call_error(error, address, "not_committed") from None
+        aborted = hasattr(error, "code") and error.code() == grpc.StatusCode.ABORTED
+        raise _call_error(error, address, "not_committed" if aborted else UNACKNOWLEDGED) from None
     except PayloadError as error:
         call.cancel()
-        raise ExchangeError(error.code, "not_committed", f"{address}: {error.message}") from None
+        raise ExchangeError(error.code, UNACKNOWLEDGED, f"{address}: {error.message}") from None
     if not ack.commit:
         raise ExchangeError(grpc.StatusCode.ABORTED, "not_committed", f"{address} did not commit: {ack.reason}")
 
@@ -200,7 +210,7 @@ def exchange_with(
     checks it (it returns the payload to blend, or raises PayloadError); this side then sends its commit (or its
     refusal, and raises) and returns the payload only on the peer's acknowledgement, which the peer sends after it
     has blended with this side's payload. The one case left is an acknowledgement lost on its way back: then the
-    peer has blended and this side has not.
+    peer may have blended and this side has not (ExchangeError ``UNACKNOWLEDGED``; :func:`settle_with` asks).
 
     ``answers``: the kinds of payload the peer may answer with (wire/frames.py ``PayloadKind``), when more than
     ``expected`` (in the kind's wire dtype) may.
@@ -304,7 +314,7 @@ def exchange_with(
                 decided.set()
         outcome = "completed"
     except ExchangeError as error:
-        outcome = "busy" if error.reason == "busy" else "failed"
+        outcome = error.reason if error.reason in ("busy", UNACKNOWLEDGED) else "failed"
         raise
     finally:
         receiver.release_observer()
@@ -369,6 +379,22 @@ def fetch_info(address: str, *, timeout: float, transport: Transport = PLAIN, pe
         if problem is not None:
             raise ExchangeError(grpc.StatusCode.UNAUTHENTICATED, "unauthenticated_peer", f"{address}: {problem}")
         return reply
+
+
+def settle_with(
+    address: str, run_fingerprint: str, outer_step: int, *, timeout: float, transport: Transport, peer_id: str
+) -> bool:
+    """Whether the node ``peer_id`` at ``address`` blended this node's payload of ``outer_step`` in an exchange whose
+    acknowledgement never came (rpc/settle_serving.py); the server then takes back what it counted as received
+    here. Every failure is a grpc.RpcError (UNAVAILABLE: still exchanging, ask again) or ExchangeError."""
+    metadata, nonce = transport.sign(SETTLE_METHOD, peer_id)
+    request = pb.SettleRequest(run_fingerprint=run_fingerprint, outer_step=outer_step)
+    with transport.channel(address) as channel:
+        reply, call = pb_grpc.PeerStub(channel).Settle.with_call(request, timeout=timeout, metadata=metadata)
+        problem = transport.server_problem(SETTLE_METHOD, nonce, call)
+        if problem is not None:
+            raise ExchangeError(grpc.StatusCode.UNAUTHENTICATED, "unauthenticated_peer", f"{address}: {problem}")
+        return reply.blended
 
 
 def fetch_rollouts(

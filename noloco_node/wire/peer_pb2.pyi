@@ -104,6 +104,20 @@ class StateRequest(_message.Message):
     from_offset: int
     def __init__(self, run_fingerprint: _Optional[str] = ..., peer_id: _Optional[str] = ..., from_tensor: _Optional[int] = ..., outer_step: _Optional[int] = ..., from_offset: _Optional[int] = ...) -> None: ...
 
+class SettleRequest(_message.Message):
+    __slots__ = ("run_fingerprint", "outer_step")
+    RUN_FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
+    OUTER_STEP_FIELD_NUMBER: _ClassVar[int]
+    run_fingerprint: str
+    outer_step: int
+    def __init__(self, run_fingerprint: _Optional[str] = ..., outer_step: _Optional[int] = ...) -> None: ...
+
+class SettleReply(_message.Message):
+    __slots__ = ("blended",)
+    BLENDED_FIELD_NUMBER: _ClassVar[int]
+    blended: bool
+    def __init__(self, blended: _Optional[bool] = ...) -> None: ...
+
 class InfoRequest(_message.Message):
     __slots__ = ("dial_back",)
     DIAL_BACK_FIELD_NUMBER: _ClassVar[int]

@@ -24,6 +24,7 @@ sent (the stream pairing holds one per node, pairing/stream.py).
 from __future__ import annotations
 
 import math
+import threading
 
 import torch
 
@@ -193,10 +194,19 @@ class ErrorFeedback:
 
     :meth:`compress` changes nothing; the caller :meth:`commit`\\ s the residual it returned once a partner has
     taken what was sent (an exchange that fails, or a solo step, sends nothing and leaves the residual as it was).
-    Committed residuals are never written in place, so another thread may read one (the checkpoint writer)."""
+    A committed residual is the one before plus what that exchange left out (``progress - decoded``), so an outcome
+    learnt later, after an acknowledgement lost in flight (pairing/stream.py), is settled by adding that part
+    (:meth:`commit_late`) or subtracting it (:meth:`take_back`) whenever it is learnt: any thread may, and the
+    trainer folds it in before its next compression. Committed residuals are never written in place, so another
+    thread may read one (the checkpoint writer)."""
 
     def __init__(self, shapes: list[torch.Size] | list[tuple[int, ...]]) -> None:
         self.residual = [torch.zeros(shape, dtype=torch.float32) for shape in shapes]
+        self._late: list[tuple[float, list[torch.Tensor]]] = []  # (sign, left-out part) learnt since the last fold
+        self._late_lock = threading.Lock()
+        # Counts resets: an outcome learnt late about an exchange before the last reset belongs to a state left
+        # behind, and is dropped.
+        self.generation = 0
 
     @torch.no_grad()
     def compress(
@@ -205,6 +215,7 @@ class ErrorFeedback:
         """(encoded, decoded, residual after sending them) of ``progress`` plus the residual, per tensor."""
         if len(progress) != len(self.residual):
             raise ValueError(f"{len(progress)} progress tensors for {len(self.residual)} residuals")
+        self.fold()
         encoded, decoded, residual = [], [], []
         for step, kept_back in zip(progress, self.residual, strict=True):
             total = step.to("cpu", torch.float32) + kept_back
@@ -218,6 +229,38 @@ class ErrorFeedback:
     def commit(self, residual: list[torch.Tensor]) -> None:
         self.residual = residual
 
+    def commit_late(self, left_out: list[torch.Tensor], generation: int) -> None:
+        """An exchange not committed here (in ``generation``) turned out to have been taken by the partner:
+        ``left_out`` (its ``progress - decoded``) joins the residual, as :meth:`commit` would have made it."""
+        self._learnt(1.0, left_out, generation)
+
+    def take_back(self, left_out: list[torch.Tensor], generation: int) -> None:
+        """An exchange committed here (in ``generation``) turned out not to have been taken by the partner: that
+        commit is undone."""
+        self._learnt(-1.0, left_out, generation)
+
+    def _learnt(self, sign: float, left_out: list[torch.Tensor], generation: int) -> None:
+        with self._late_lock:
+            if generation == self.generation:
+                self._late.append((sign, left_out))
+
+    @torch.no_grad()
+    def fold(self) -> None:
+        """Trainer thread, never between a :meth:`compress` and its :meth:`commit`: the outcomes learnt late
+        become part of the residual (a new list: the old one may still be read)."""
+        with self._late_lock:
+            late, self._late = self._late, []
+        if not late:
+            return
+        residual = [kept_back.clone() for kept_back in self.residual]
+        for sign, left_out in late:
+            for kept_back, part in zip(residual, left_out, strict=True):
+                kept_back.add_(part.to(kept_back.device, kept_back.dtype), alpha=sign)
+        self.residual = residual
+
     def reset(self) -> None:
         """Another state adopted (a donor's, or a rollback): this residual was progress of the state left behind."""
+        with self._late_lock:
+            self._late = []
+            self.generation += 1
         self.residual = [torch.zeros_like(kept_back) for kept_back in self.residual]

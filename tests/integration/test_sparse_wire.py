@@ -16,27 +16,31 @@ from noloco_node.training.loop import InnerLoop
 from noloco_node.training.replica import Replica
 from noloco_node.wire import quantize, sparse
 
+from .ack_proxy import AckDroppingProxy
 from .swarm_harness import Bootstrap, NodeProcess, stop_all
+from .throttling_proxy import free_port
 
 STEPS, H, SEED = 20, 10, 5
+THREADS = torch.get_num_threads()
+
+
+ARGS = [
+    *("--model", "tiny", "--seq-len", "64", "--batch-size", "8", "--eval-batches", "4"),
+    *("--steps", str(STEPS), "--inner-steps", str(H), "--seed", str(SEED)),
+    *("--mode", "stream", "--wire-dtype", "sparse", "--phi-every", "2"),
+    # Idle while waiting for the partner: the blend then uses the weights sent, which the replay can know.
+    "--no-train-while-waiting",
+    *("--pair-timeout", "30", "--alone-grace", "30", "--wait-for-peers", "1"),
+    *("--torch-threads", str(THREADS), "--num-shards", "2"),
+    *("--device", "cpu"),  # the replay below is on the CPU: a GPU's phases would differ in their last bits
+]
 
 
 def test_two_sparse_nodes_blend_exactly_with_and_without_phi(bootstrap: Bootstrap, tmp_path: Path) -> None:
     """--phi-every 2: outer step 0's phase payloads carry phi in int8, outer step 1's are reservations (the partner's
     phi is taken to be one's own). Each node's phi, delta and residual after both outer steps equal a replay of the
     two phases here with the sparse codec and the node's own error feedback."""
-    threads = torch.get_num_threads()
-    args = [
-        *("--model", "tiny", "--seq-len", "64", "--batch-size", "8", "--eval-batches", "4"),
-        *("--steps", str(STEPS), "--inner-steps", str(H), "--seed", str(SEED)),
-        *("--mode", "stream", "--wire-dtype", "sparse", "--phi-every", "2"),
-        # Idle while waiting for the partner: the blend then uses the weights sent, which the replay can know.
-        "--no-train-while-waiting",
-        *("--pair-timeout", "30", "--alone-grace", "30", "--wait-for-peers", "1"),
-        *("--torch-threads", str(threads), "--num-shards", "2"),
-        *("--device", "cpu"),  # the replay below is on the CPU: a GPU's phases would differ in their last bits
-    ]
-    nodes = [NodeProcess(f"node{i}", bootstrap, tmp_path, *args, "--shard-index", str(i)) for i in range(2)]
+    nodes = [NodeProcess(f"node{i}", bootstrap, tmp_path, *ARGS, "--shard-index", str(i)) for i in range(2)]
     try:
         assert [node.wait(timeout=300) for node in nodes] == [0, 0], nodes[0].output()[-3000:]
     finally:
@@ -45,8 +49,51 @@ def test_two_sparse_nodes_blend_exactly_with_and_without_phi(bootstrap: Bootstra
     for i, status in enumerate(statuses):
         partners = [h["partner"] for h in status["history"]]
         assert partners == [statuses[1 - i]["peer_id"]] * 2, f"node{i} blended with {partners}"
+    both = ((True, True), (True, True))
+    _assert_checkpoints_replayed(nodes, [both, both])
 
-    # Replay both phases of each node here (same seed, shard and thread count: bit-identical).
+
+def test_an_acknowledgement_lost_in_flight_is_settled_in_both_residuals(bootstrap: Bootstrap, tmp_path: Path) -> None:
+    """node0 reaches node1 only through a proxy that loses the acknowledgement of the first progress exchange
+    (node1 cannot reach node0 at all, so node0 calls): at outer step 0 node1 blends, node0 commits and hears
+    nothing, goes on alone and asks node1 (Settle). Both residuals are then what they would be had each known
+    the other's outcome: node0's committed (node1 took its code), node1's not (node0 never took node1's). The
+    checkpoints equal a replay of exactly that, and outer step 1 blends normally."""
+    grpc_ports = [free_port(), free_port()]
+    proxy = AckDroppingProxy(grpc_ports[1], drops=1)
+    unreachable = free_port()  # nothing listens there: node1's calls to node0 fail
+    announced = [unreachable, proxy.port]
+    nodes = [
+        NodeProcess(
+            f"node{i}",
+            bootstrap,
+            tmp_path,
+            *ARGS,
+            *("--shard-index", str(i), "--grpc-port", str(grpc_ports[i]), "--announce-port", str(announced[i])),
+            "--no-check-reachability",  # node0 must keep announcing the port nobody answers on
+        )
+        for i in range(2)
+    ]
+    try:
+        assert [node.wait(timeout=300) for node in nodes] == [0, 0], nodes[0].output()[-3000:]
+    finally:
+        stop_all(nodes)
+        proxy.close()
+    assert proxy.dropped == 1
+    statuses = [node.status() for node in nodes]
+    partners = [[h["partner"] for h in status["history"]] for status in statuses]
+    assert partners == [[None, statuses[1]["peer_id"]], [statuses[0]["peer_id"]] * 2], partners
+    outcomes = [status["exchange_outcomes"] for status in statuses]
+    assert outcomes[0].get("unacknowledged") == 1 and outcomes[0].get("settled_blended") == 1, outcomes[0]
+    assert outcomes[1].get("settle_taken_back") == 1, outcomes[1]
+    # Outer step 0: node0 alone but committed (late), node1 blended but not committed (taken back).
+    _assert_checkpoints_replayed(nodes, [((False, True), (True, False)), ((True, True), (True, True))])
+
+
+def _assert_checkpoints_replayed(nodes: list[NodeProcess], steps: list[tuple[tuple[bool, bool], ...]]) -> None:
+    """Replays both nodes' phases here (same seed, shard and thread count: bit-identical) and compares each node's
+    checkpoint with it. ``steps``: per outer step, per node, (whether it blended with the other, whether its
+    residual took the commit of what it sent)."""
     corpus = load_corpus(DataConfig())
     train_cfg = TrainConfig(
         model_size="tiny",
@@ -59,7 +106,7 @@ def test_two_sparse_nodes_blend_exactly_with_and_without_phi(bootstrap: Bootstra
         device="cpu",
     )
     model = SeededDecoder(model_config_for("tiny", vocab_size=256, max_seq_len=64), seed=SEED)
-    torch.set_num_threads(threads)
+    torch.set_num_threads(THREADS)
     replicas, phases = [], []
     for shard_index in range(2):
         shard = ReplicaShard(corpus.train, replica=shard_index, num_replicas=2, seq_len=64, seed=SEED)
@@ -67,7 +114,8 @@ def test_two_sparse_nodes_blend_exactly_with_and_without_phi(bootstrap: Bootstra
         replicas.append(replica)
         phases.append(InnerLoop(replica, total_steps=STEPS, inner_steps=H).phases())
     feedback = [sparse.ErrorFeedback([p.shape for p in replicas[0].phi]) for _ in range(2)]
-    for sends_phi in (True, False):  # outer step 0 sends phi, outer step 1 a reservation
+    for outer_step, outcome in enumerate(steps):
+        sends_phi = outer_step % 2 == 0  # --phi-every 2: outer step 0 sends phi, outer step 1 a reservation
         for phase in phases:
             next(phase)
         sent = []
@@ -76,7 +124,7 @@ def test_two_sparse_nodes_blend_exactly_with_and_without_phi(bootstrap: Bootstra
             _, decoded, residual = feedback[i].compress(progress)
             left_out = [whole - part for whole, part in zip(progress, decoded, strict=True)]
             sent.append((decoded, left_out, residual))
-        blended = []
+        stepped = []
         for i, replica in enumerate(replicas):
             partner = replicas[1 - i]
             if sends_phi:  # int8 on the wire
@@ -86,25 +134,26 @@ def test_two_sparse_nodes_blend_exactly_with_and_without_phi(bootstrap: Bootstra
             else:
                 seen_phi = list(replica.phi)
             partner_theta = compressed_partner_weights(seen_phi, sent[1 - i][0], sent[i][1])
-            blended.append(
+            stepped.append(
                 noloco_pair_step(
                     replica.fast_weights(),
                     replica.phi,
                     replica.delta,
-                    (partner_theta, seen_phi, []),
+                    (partner_theta, seen_phi, []) if outcome[i][0] else None,
                     alpha=0.5,
                     beta=0.7,
                     gamma=0.7,
                 )
             )
         for i, replica in enumerate(replicas):
-            replica.apply_outer_step(*blended[i])
-            feedback[i].commit(sent[i][2])
+            replica.apply_outer_step(*stepped[i])
+            if outcome[i][1]:
+                feedback[i].commit(sent[i][2])
 
     for i, (node, replica) in enumerate(zip(nodes, replicas, strict=True)):
         saved = torch.load(node.data_dir / "checkpoint.pt", weights_only=True)
         state = saved["replica"]
-        assert state["outer_step"] == 2
+        assert state["outer_step"] == len(steps)
         for name, got, want in zip(state["param_names"], state["phi"], replica.phi, strict=True):
             assert torch.equal(got, want), f"phi of {name} on node {i}"
         for name, got, want in zip(state["param_names"], state["delta"], replica.delta, strict=True):

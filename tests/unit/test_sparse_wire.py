@@ -87,6 +87,51 @@ def test_error_feedback_loses_nothing_over_outer_steps() -> None:
     assert all(torch.equal(a, b) for a, b in zip(before, feedback.residual, strict=True))
 
 
+def test_an_outcome_learnt_late_leaves_the_residual_as_if_known_at_once() -> None:
+    """After a lost acknowledgement each side learns the other's outcome later, when later exchanges have already
+    moved the residual: committing late (the partner did take the code) or taking a commit back (it did not) then
+    gives the very residual a node that knew at once would hold; an outcome from before a reset is dropped."""
+    generator = torch.Generator().manual_seed(3)
+    shapes = [(2048,), (64,)]
+    steps = [[torch.randn(s, generator=generator) for s in shapes] for _ in range(3)]
+
+    def run(first_committed: bool, learnt: str | None) -> list[torch.Tensor]:
+        feedback = sparse.ErrorFeedback(shapes)
+        generation = feedback.generation
+        _, decoded, residual = feedback.compress(steps[0])
+        left_out = [whole - sent for whole, sent in zip(steps[0], decoded, strict=True)]
+        if first_committed:
+            feedback.commit(residual)
+        for progress in steps[1:]:
+            if learnt == "between":  # learnt while the next phase trains, before its compression
+                if first_committed:
+                    feedback.take_back(left_out, generation)
+                else:
+                    feedback.commit_late(left_out, generation)
+                learnt = None
+            _, _, residual = feedback.compress(progress)
+            feedback.commit(residual)
+        feedback.fold()
+        return feedback.residual
+
+    knew_delivered = run(True, None)
+    knew_lost = run(False, None)
+    # The code was delivered although this side did not commit: committing late gives the same residual.
+    assert all(torch.allclose(a, b, atol=1e-6) for a, b in zip(run(False, "between"), knew_delivered, strict=True))
+    # The code was not taken although this side committed: taking it back gives the same residual.
+    assert all(torch.allclose(a, b, atol=1e-6) for a, b in zip(run(True, "between"), knew_lost, strict=True))
+    assert not all(torch.allclose(a, b, atol=1e-6) for a, b in zip(knew_delivered, knew_lost, strict=True))
+
+    feedback = sparse.ErrorFeedback(shapes)
+    generation = feedback.generation
+    _, decoded, residual = feedback.compress(steps[0])
+    feedback.commit(residual)
+    feedback.reset()  # a donor's state adopted: the old exchange's outcome is about a state left behind
+    feedback.take_back([whole - sent for whole, sent in zip(steps[0], decoded, strict=True)], generation)
+    feedback.fold()
+    assert all(not bool(r.any()) for r in feedback.residual)
+
+
 def test_the_pair_sum_moves_as_without_compression() -> None:
     """i blends with phi_j + D_j + (Delta_i - D_i), j with phi_i + D_i + (Delta_j - D_j): the two add up to the two
     fast weights, whatever the codec left out."""
