@@ -258,6 +258,10 @@ class PeerCaller:
         elif isinstance(error, ExchangeError) and error.bad_payload is not None:
             if error.bad_payload.blames_sender:
                 self.bad_payload(peer.peer_id, error.bad_payload)
+        elif reason == UNACKNOWLEDGED:
+            # The peer answered with its payload and took this side's commit; only its last frame was lost. Not a
+            # peer to set aside: a stream run asks it what it did (settle), and its next phase pairs with it again.
+            log.warning("exchange with %s: no acknowledgement (%s)", peer.peer_id[-8:], error)
         elif reason != "busy":
             avoid = self.policy.failed(peer.peer_id)
             log.warning(

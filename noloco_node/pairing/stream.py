@@ -74,8 +74,9 @@ class ServedRound:
 
     peer_id: str
     outer_step: int  # the partner's, in its progress payload
-    left_out: list[torch.Tensor] | None  # what that commit added to the residual; None once taken back (or dense)
-    generation: int  # the residual's (wire/sparse.py), when committed
+    # The residual before and after that commit (wire/sparse.py); None once taken back, or in a dense run.
+    residuals: tuple[list[torch.Tensor], list[torch.Tensor]] | None
+    generation: int  # the residual's, when committed
 
 
 @dataclass
@@ -172,10 +173,10 @@ class StreamPairing(PairingStrategy):
             served = self._served
             if served is None or (served.peer_id, served.outer_step) != (partner_id, partner_outer_step):
                 return False
-            if served.left_out is not None and self.feedback is not None:
-                self.feedback.take_back(served.left_out, served.generation)
+            if served.residuals is not None and self.feedback is not None:
+                self.feedback.take_back(*served.residuals, served.generation)
                 self.ctx.caller.settings.metrics.outcome("settle_taken_back")
-                served.left_out = None
+                served.residuals = None
             return True
 
     def complete_payload(self, payload: Payload) -> Payload:
@@ -287,13 +288,14 @@ class StreamPairing(PairingStrategy):
             self._last_partner, self._repeat_grace = None, 0.0
             return None  # nobody swapped phase payloads with this node: a solo step
         progress = algorithm.phase_progress(replica.fast_weights(), replica.phi)
-        residual, left_out, generation = None, None, 0
+        residual, before, left_out, generation = None, None, None, 0
         if self.feedback is not None:  # sent compressed: what it leaves out waits for the next partner
             if self._settling is not None:  # the answer about the last lost acknowledgement settles the residual
                 wait_for([self._settling], timeout=max(ctx.pair_timeout, SETTLE_RETRY_SECONDS) + 2 * SETTLE_SECONDS)
                 self._settling = None
             generation = self.feedback.generation
             encoded, decoded, residual = self.feedback.compress(progress)
+            before = self.feedback.residual  # what compress started from: the commit replaces it by ``residual``
             if ctx.observe_sent is not None:  # before the exchange: the partner's code is checked against it
                 ctx.observe_sent(relative_norm(decoded, replica.phi))
             left_out = [whole.sub_(sent) for whole, sent in zip(progress, decoded, strict=True)]
@@ -311,18 +313,24 @@ class StreamPairing(PairingStrategy):
             self._disowned = None
             served = partner is not None and not self._settled_by_call
             self._served = (
-                ServedRound(partner.peer_id, partner.outer_step, None if disowned else left_out, generation)
+                ServedRound(
+                    partner.peer_id,
+                    partner.outer_step,
+                    None if disowned or before is None or residual is None else (before, residual),
+                    generation,
+                )
                 if partner is not None and served
                 else None
             )
             leftover, phase.partner = phase.partner, None  # not consumed: the progress never came
         if leftover is not None:
             leftover.release()
-        if partner is None and self._unacknowledged_by == reserved.peer_id and left_out is not None:
+        unacknowledged = self._unacknowledged_by == reserved.peer_id
+        if partner is None and unacknowledged and before is not None and residual is not None:
             # This node committed and never heard whether the partner did: ask it (its answer settles both
             # residuals), while the trainer goes on with this step alone.
             self._settling = ctx.spawn(
-                self._settle_late(reserved.peer_id, replica.outer_step, left_out, generation),
+                self._settle_late(reserved.peer_id, replica.outer_step, (before, residual), generation),
                 "settling an unacknowledged exchange",
             )
         # As in sync mode (sync.py, ``repeat_after``): while others are known, the next phase does not swap with this
@@ -466,7 +474,11 @@ class StreamPairing(PairingStrategy):
                 return
 
     async def _settle_late(
-        self, partner_id: str, outer_step: int, left_out: list[torch.Tensor], generation: int
+        self,
+        partner_id: str,
+        outer_step: int,
+        residuals: tuple[list[torch.Tensor], list[torch.Tensor]],
+        generation: int,
     ) -> None:
         """This node committed its progress of ``outer_step`` and never heard the partner's acknowledgement: ask
         the partner whether it blended (rpc/settle_serving.py) until it answers, for --pair-timeout at most (its
@@ -483,7 +495,7 @@ class StreamPairing(PairingStrategy):
             blended = None if record is None else await ctx.caller.settle(record, outer_step)
             if blended is not None:
                 if blended:
-                    self.feedback.commit_late(left_out, generation)
+                    self.feedback.commit_late(*residuals, generation)
                 metrics.outcome("settled_blended" if blended else "settled_not_blended")
                 return
             await asyncio.sleep(random.uniform(0.5, 1.0) * SETTLE_RETRY_SECONDS)

@@ -194,15 +194,16 @@ class ErrorFeedback:
 
     :meth:`compress` changes nothing; the caller :meth:`commit`\\ s the residual it returned once a partner has
     taken what was sent (an exchange that fails, or a solo step, sends nothing and leaves the residual as it was).
-    A committed residual is the one before plus what that exchange left out (``progress - decoded``), so an outcome
-    learnt later, after an acknowledgement lost in flight (pairing/stream.py), is settled by adding that part
-    (:meth:`commit_late`) or subtracting it (:meth:`take_back`) whenever it is learnt: any thread may, and the
-    trainer folds it in before its next compression. Committed residuals are never written in place, so another
-    thread may read one (the checkpoint writer)."""
+    An outcome learnt later, after an acknowledgement lost in flight (pairing/stream.py), is settled whenever it is
+    learnt, from any thread: :meth:`commit_late` (the partner did take the code) or :meth:`take_back` (it did not),
+    each given the residual before and after that exchange's commit. The trainer folds it in before its next
+    compression: the residual becomes the one it should be exactly when nothing was committed since, and otherwise
+    moves by the difference (the residual is linear in what was sent). Committed residuals are never written in
+    place, so another thread may read one (the checkpoint writer)."""
 
     def __init__(self, shapes: list[torch.Size] | list[tuple[int, ...]]) -> None:
         self.residual = [torch.zeros(shape, dtype=torch.float32) for shape in shapes]
-        self._late: list[tuple[float, list[torch.Tensor]]] = []  # (sign, left-out part) learnt since the last fold
+        self._late: list[tuple[list[torch.Tensor], list[torch.Tensor]]] = []  # (from, to) learnt since the last fold
         self._late_lock = threading.Lock()
         # Counts resets: an outcome learnt late about an exchange before the last reset belongs to a state left
         # behind, and is dropped.
@@ -229,20 +230,21 @@ class ErrorFeedback:
     def commit(self, residual: list[torch.Tensor]) -> None:
         self.residual = residual
 
-    def commit_late(self, left_out: list[torch.Tensor], generation: int) -> None:
-        """An exchange not committed here (in ``generation``) turned out to have been taken by the partner:
-        ``left_out`` (its ``progress - decoded``) joins the residual, as :meth:`commit` would have made it."""
-        self._learnt(1.0, left_out, generation)
+    def commit_late(self, before: list[torch.Tensor], after: list[torch.Tensor], generation: int) -> None:
+        """An exchange not committed here (in ``generation``) turned out to have been taken by the partner: the
+        residual moves from ``before`` to ``after`` (what :meth:`compress` returned for it), as the commit would
+        have made it."""
+        self._learnt(before, after, generation)
 
-    def take_back(self, left_out: list[torch.Tensor], generation: int) -> None:
-        """An exchange committed here (in ``generation``) turned out not to have been taken by the partner: that
-        commit is undone."""
-        self._learnt(-1.0, left_out, generation)
+    def take_back(self, before: list[torch.Tensor], after: list[torch.Tensor], generation: int) -> None:
+        """An exchange committed here (in ``generation``, from ``before`` to ``after``) turned out not to have been
+        taken by the partner: that commit is undone."""
+        self._learnt(after, before, generation)
 
-    def _learnt(self, sign: float, left_out: list[torch.Tensor], generation: int) -> None:
+    def _learnt(self, start: list[torch.Tensor], end: list[torch.Tensor], generation: int) -> None:
         with self._late_lock:
             if generation == self.generation:
-                self._late.append((sign, left_out))
+                self._late.append((start, end))
 
     @torch.no_grad()
     def fold(self) -> None:
@@ -250,13 +252,14 @@ class ErrorFeedback:
         become part of the residual (a new list: the old one may still be read)."""
         with self._late_lock:
             late, self._late = self._late, []
-        if not late:
-            return
-        residual = [kept_back.clone() for kept_back in self.residual]
-        for sign, left_out in late:
-            for kept_back, part in zip(residual, left_out, strict=True):
-                kept_back.add_(part.to(kept_back.device, kept_back.dtype), alpha=sign)
-        self.residual = residual
+        for start, end in late:
+            if self.residual is start:  # nothing committed since: exactly what it should have been
+                self.residual = end
+            else:
+                self.residual = [
+                    (kept + later.to(kept.device) - earlier.to(kept.device))
+                    for kept, earlier, later in zip(self.residual, start, end, strict=True)
+                ]
 
     def reset(self) -> None:
         """Another state adopted (a donor's, or a rollback): this residual was progress of the state left behind."""

@@ -1,9 +1,9 @@
 """A user-space TCP proxy in front of a node's gRPC port that loses an exchange's acknowledgement in flight: it
-reads the HTTP/2 frames of plain-text gRPC both ways, and on the first ``drops`` exchanges whose caller sends a
-stream run's progress payload it forwards everything up to the server's acknowledgement (the verdict frame after
-its payload), withholds that frame and what follows, and closes the caller's connection. The server has blended by
-then; the caller has committed and hears nothing (rpc/client.py ``UNACKNOWLEDGED``). Everything else, other calls
-included, is forwarded as it is."""
+reads the HTTP/2 frames of plain-text gRPC both ways, and on ``drops`` exchanges whose caller sends a stream run's
+progress payload, after the first ``skip`` such exchanges, it forwards everything up to the server's
+acknowledgement (the verdict frame after its payload), withholds that frame and what follows, and closes the
+caller's connection. The server has blended by then; the caller has committed and hears nothing (rpc/client.py
+``UNACKNOWLEDGED``). Everything else, other calls included, is forwarded as it is."""
 
 from __future__ import annotations
 
@@ -53,10 +53,12 @@ def _frame(message: bytes) -> pb.Frame | None:
 
 
 class AckDroppingProxy:
-    """Listens on 127.0.0.1:<port> and forwards to 127.0.0.1:<target_port>, losing ``drops`` progress acks."""
+    """Listens on 127.0.0.1:<port> and forwards to 127.0.0.1:<target_port>, losing ``drops`` progress acks after
+    ``skip`` progress exchanges."""
 
-    def __init__(self, target_port: int, *, drops: int) -> None:
+    def __init__(self, target_port: int, *, skip: int = 0, drops: int) -> None:
         self.target_port = target_port
+        self.skip_left = skip
         self.drops_left = drops
         self.dropped = 0
         self.port = free_port()
@@ -105,8 +107,7 @@ class AckDroppingProxy:
                     frame = _frame(message)
                     manifest = frame.manifest if frame is not None and frame.HasField("manifest") else None
                     progress = manifest is not None and any(t.name.startswith("progress/") for t in manifest.tensors)
-                    if progress and self.drops_left > 0:
-                        self.drops_left -= 1
+                    if progress:
                         progress_streams.add(stream)
             writer.write(header + payload)
             await writer.drain()
@@ -122,7 +123,12 @@ class AckDroppingProxy:
             if kind == DATA and stream in progress_streams:
                 for message in streams.setdefault(stream, _Messages()).feed(_data_payload(flags, payload)):
                     frame = _frame(message)
-                    if frame is not None and frame.HasField("verdict"):
+                    if frame is None or not frame.HasField("verdict"):
+                        continue
+                    if self.skip_left > 0:  # an acknowledgement that reaches the caller (or a refusal)
+                        self.skip_left -= 1
+                    elif self.drops_left > 0:
+                        self.drops_left -= 1
                         # Lost: the caller hears nothing more on this connection. What the server still sends
                         # is read and dropped, so that its side of the call ends as if delivered.
                         self.dropped += 1

@@ -88,46 +88,58 @@ def test_error_feedback_loses_nothing_over_outer_steps() -> None:
 
 
 def test_an_outcome_learnt_late_leaves_the_residual_as_if_known_at_once() -> None:
-    """After a lost acknowledgement each side learns the other's outcome later, when later exchanges have already
-    moved the residual: committing late (the partner did take the code) or taking a commit back (it did not) then
-    gives the very residual a node that knew at once would hold; an outcome from before a reset is dropped."""
+    """After a lost acknowledgement each side learns the other's outcome later. Committing late (the partner did
+    take the code) or taking a commit back (it did not) before the next compression gives exactly the residual of a
+    node that knew at once; learnt after later exchanges, the residual is again all the progress of the exchanges
+    that happened that no partner took (up to rounding: a solo step's progress is not sent later); an outcome from
+    before a reset is dropped."""
     generator = torch.Generator().manual_seed(3)
     shapes = [(2048,), (64,)]
     steps = [[torch.randn(s, generator=generator) for s in shapes] for _ in range(3)]
 
-    def run(first_committed: bool, learnt: str | None) -> list[torch.Tensor]:
+    def run(first_committed: bool, learnt_after: int | None) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        """(residual, what partners took) after three exchanges; the first one's outcome turns out to be the other
+        one, learnt after ``learnt_after`` more exchanges (None: never, the outcome was as committed)."""
         feedback = sparse.ErrorFeedback(shapes)
         generation = feedback.generation
-        _, decoded, residual = feedback.compress(steps[0])
-        left_out = [whole - sent for whole, sent in zip(steps[0], decoded, strict=True)]
+        _, first, after = feedback.compress(steps[0])
+        before = feedback.residual
         if first_committed:
-            feedback.commit(residual)
-        for progress in steps[1:]:
-            if learnt == "between":  # learnt while the next phase trains, before its compression
+            feedback.commit(after)
+        delivered = first_committed if learnt_after is None else not first_committed
+        taken = [code.clone() if delivered else torch.zeros_like(code) for code in first]
+        for k, progress in enumerate(steps[1:]):
+            if learnt_after == k:
                 if first_committed:
-                    feedback.take_back(left_out, generation)
+                    feedback.take_back(before, after, generation)
                 else:
-                    feedback.commit_late(left_out, generation)
-                learnt = None
-            _, _, residual = feedback.compress(progress)
+                    feedback.commit_late(before, after, generation)
+            _, decoded, residual = feedback.compress(progress)
             feedback.commit(residual)
+            taken = [sum_ + code for sum_, code in zip(taken, decoded, strict=True)]
         feedback.fold()
-        return feedback.residual
+        return feedback.residual, taken
 
-    knew_delivered = run(True, None)
-    knew_lost = run(False, None)
-    # The code was delivered although this side did not commit: committing late gives the same residual.
-    assert all(torch.allclose(a, b, atol=1e-6) for a, b in zip(run(False, "between"), knew_delivered, strict=True))
-    # The code was not taken although this side committed: taking it back gives the same residual.
-    assert all(torch.allclose(a, b, atol=1e-6) for a, b in zip(run(True, "between"), knew_lost, strict=True))
-    assert not all(torch.allclose(a, b, atol=1e-6) for a, b in zip(knew_delivered, knew_lost, strict=True))
+    delivered, lost = run(True, None)[0], run(False, None)[0]
+    assert not all(torch.allclose(a, b, atol=1e-6) for a, b in zip(delivered, lost, strict=True))
+    # Learnt before the next compression: exactly as if known at once.
+    assert all(torch.equal(a, b) for a, b in zip(run(False, 0)[0], delivered, strict=True))
+    assert all(torch.equal(a, b) for a, b in zip(run(True, 0)[0], lost, strict=True))
+    # Learnt one exchange later (other codes were sent meanwhile): nothing lost, nothing counted twice.
+    for first_committed in (False, True):
+        residual, taken = run(first_committed, 1)
+        exchanged = steps if not first_committed else steps[1:]  # the first was taken after all, or never
+        for k in range(len(shapes)):
+            progress = sum(step[k] for step in exchanged)
+            assert torch.allclose(residual[k] + taken[k], progress, atol=1e-5), (first_committed, k)
 
     feedback = sparse.ErrorFeedback(shapes)
     generation = feedback.generation
-    _, decoded, residual = feedback.compress(steps[0])
-    feedback.commit(residual)
+    _, _, after = feedback.compress(steps[0])
+    before = feedback.residual
+    feedback.commit(after)
     feedback.reset()  # a donor's state adopted: the old exchange's outcome is about a state left behind
-    feedback.take_back([whole - sent for whole, sent in zip(steps[0], decoded, strict=True)], generation)
+    feedback.take_back(before, after, generation)
     feedback.fold()
     assert all(not bool(r.any()) for r in feedback.residual)
 
