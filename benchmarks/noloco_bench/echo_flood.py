@@ -12,12 +12,16 @@ nodes' CPU on keys) and sign their records through one DHT peer (:class:`ManyKey
 
 With a long ``--key-life`` it is the *patient* Sybil: its keys stay past the standing period and try to become
 established peers. With ``--spellings`` it also writes every other record's address in another spelling of the same IP
-(zero-padded octets, IPv4-mapped IPv6, a name), so that one address would count as many machines to a reader that
-weighed the strings peers write (noloco_node/addresses.py: readers refuse such records).
+(zero-padded octets, IPv4-mapped IPv6, a name; an IPv6 address written out in full or in capitals), so that one
+address would count as many machines to a reader that weighed the strings peers write (noloco_node/addresses.py:
+readers refuse such records). Its hosts may be IPv6 addresses too (many networks of one site's prefix, bench
+outsider --namespaces): keys there answer the honest nodes' calls and do not call in (the bench's nodes listen on
+IPv4).
 """
 
 from __future__ import annotations
 
+import ipaddress
 import json
 import os
 import signal
@@ -45,6 +49,7 @@ from noloco_bench.outsider import (
     targets_from_status_files,
     theta_names,
 )
+from noloco_node.addresses import host_of_address, record_address
 from noloco_node.config.models import ModelConfig, model_config_for
 from noloco_node.discovery.dht import PeerRecord, owner_subkey, peers_key
 from noloco_node.observability.status_file import read_status_document
@@ -221,9 +226,10 @@ class EchoFlood:
                 return
             host = self.hosts[number % len(self.hosts)]
             echo = EchoServer(identity, self.model_cfg, self._fingerprint(), self._echo)
-            server, port = start_server(echo, ExchangeMetrics(), bind=f"{host}:0", max_calls_per_address=64)
+            server, port = start_server(echo, ExchangeMetrics(), bind=record_address(host, 0), max_calls_per_address=64)
             with self._lock:
-                self._live.append((identity, f"{host}:{port}", server, echo, time.monotonic() + self.key_life))
+                expires = time.monotonic() + self.key_life
+                self._live.append((identity, record_address(host, port), server, echo, expires))
                 self.peer_ids.append(identity.peer_id)
                 expired = [entry for entry in self._live if entry[4] < time.monotonic()]
                 self._live = [entry for entry in self._live if entry[4] >= time.monotonic()]
@@ -269,7 +275,9 @@ class EchoFlood:
                 for identity, address in live:
                     if known is None or self._stop.is_set():
                         break
-                    source = address.rsplit(":", 1)[0]
+                    source = host_of_address(address)
+                    if ":" in source:  # an IPv6 key: the nodes it would call listen on IPv4
+                        continue
                     relay = self._relays.to(target, source)
                     # Its commit goes with its payload: it never looks at what it gets back.
                     frames = [
@@ -296,9 +304,13 @@ class EchoFlood:
 
 
 def other_spelling(address: str, number: int) -> str:
-    """``address`` (``a.b.c.d:port``) in one of the spellings that dial the same socket but are not its canonical
-    one: the octets zero-padded, the IPv4-mapped IPv6 form, or a name (``localhost`` for 127.0.0.1)."""
-    host, port = address.rsplit(":", 1)
+    """``address`` (``a.b.c.d:port`` or ``[v6]:port``) in one of the spellings that dial the same socket but are not
+    its canonical one: the octets zero-padded, the IPv4-mapped IPv6 form, or a name (``localhost`` for 127.0.0.1);
+    an IPv6 address written out in full, or in capitals."""
+    host, port = host_of_address(address), address.rsplit(":", 1)[1]
+    if ":" in host:
+        spellings = [f"[{ipaddress.ip_address(host).exploded}]", f"[{host.upper()}]"]
+        return f"{spellings[number % len(spellings)]}:{port}"
     spellings = [".".join(f"{int(octet):03d}" for octet in host.split(".")), f"[::ffff:{host}]"]
     if host == "127.0.0.1":
         spellings.append("localhost")
@@ -308,7 +320,9 @@ def other_spelling(address: str, number: int) -> str:
 def main(argv: Sequence[str] | None = None) -> int:
     """``python -m noloco_bench.echo_flood``: the flood as a process of its own, at the lowest CPU priority."""
     parser = attacker_arguments(main.__doc__)
-    parser.add_argument("--hosts", default="127.0.0.2", help="comma-separated loopback addresses of the outsider")
+    parser.add_argument(
+        "--hosts", default="127.0.0.2", help="comma-separated addresses of the outsider (the first one IPv4: its DHT)"
+    )
     parser.add_argument("--key-every", type=float, default=3.0, help="a new key this often (s)")
     parser.add_argument("--key-life", type=float, default=30.0, help="each key serves this long (s)")
     parser.add_argument("--no-call-in", action="store_true", help="only answer, never call the honest nodes")

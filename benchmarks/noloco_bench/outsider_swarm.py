@@ -14,7 +14,8 @@ Two runs of the same swarm (same nodes, model, data, seed and inner steps):
    weights as that step (the counters donors: a front that measures well, whose counters would end an adopter);
    a flood of fresh keys from two more addresses (bench/echo_flood.py) answers and calls the honest nodes with
    their own weights; and a patient Sybil keeps 16 keys on eight more addresses past the standing period, half of
-   them advertised under other spellings of their IP. A third of the way through both runs the first honest
+   them advertised under other spellings of their IP, and on a network of namespaces 8 keys more on eight IPv6
+   addresses, each in another /64 of the attackers' one /48. A third of the way through both runs the first honest
    node is killed and a newcomer takes its place (a joiner, with an empty data directory); halfway, the last one
    is stopped and restarted from its checkpoint (where a fake donor could capture either).
 
@@ -22,7 +23,9 @@ With ``--namespaces`` or ``--partition-seconds`` (root) both runs take place on 
 (bench/shaped_network.py, no added delay) whose addresses are public as far as the nodes can tell (100.81.0.0/16,
 carrier-grade NAT space no internet router forwards): a host, and so a /24 network group, per honest node, and one
 for every attacking process, which speak from fourteen addresses of its one /24, as an outsider with an address
-range does. On 127.0.0.1 instead every loopback address is a group of its own (noloco_node/addresses.py), the
+range does, and from eight IPv6 addresses, each in another /64 of the host's one /48 (2a0d:81:N::/48, global unicast
+space that never leaves the namespaces; the nodes listen on IPv4, so these keys are called and do not call in).
+On 127.0.0.1 instead every loopback address is a group of its own (noloco_node/addresses.py), the
 honest nodes share one and the attackers hold thirteen. With ``--partition-seconds``, a tenth of the way in, the
 router cuts the honest nodes into two halves for that long (the attackers reach both), then heals: the report adds
 how many outer steps each node took from the heal to its first blend across the old split, and counts quarantines
@@ -55,8 +58,11 @@ from noloco_node.launcher.local_swarm import LocalSwarm, NodeSlot
 
 EXIT_GRACE_SECONDS = 120.0  # a node that trained its last step has left well within this
 # The namespaces' addresses: carrier-grade NAT space (RFC 6598), which no internet router forwards but which
-# noloco_node/addresses.py weighs as public (a /24 per group), so each host is a network group as on the internet.
+# noloco_node/addresses.py weighs as public (a /24 per group), so each host is a network group as on the internet;
+# and IPv6 global unicast space (a /48 per host), which never leaves the namespaces.
 PUBLIC_SUBNET = "100.81"
+PUBLIC_SUBNET6 = "2a0d:81"
+SYBIL_KEYS = 16  # on the Sybil's IPv4 addresses; one more per IPv6 address
 
 
 @dataclass
@@ -79,6 +85,8 @@ class SwarmRun:
     quarantines: int = 0  # honest peers quarantined by honest nodes (quarantine is for what no honest peer sends)
     # per node: outer steps and seconds from the heal to its first blend across the old split (None: never)
     merged_after: list[tuple[int, float] | None] = field(default_factory=list)
+    sybil6_keys: int = 0  # the patient Sybil's keys on IPv6 addresses of its one /48 (a network of namespaces)
+    sybil6_blends: int = 0  # the honest nodes' blends with them
 
     @property
     def blends_per_minute(self) -> float:
@@ -108,6 +116,11 @@ class SwarmRun:
                 f"; attackers' keys {self.attacker_share:.0%} of blends with {self.attacker_group_share:.0%} of the "
                 f"network groups"
                 if self.attacker_groups
+                else ""
+            )
+            + (
+                f", of which {self.sybil6_blends} with the Sybil's {self.sybil6_keys} keys on IPv6 networks of one /48"
+                if self.sybil6_keys
                 else ""
             )
             + f"), final val loss {self.mean_val_loss:.4f}, crashes {len(self.crashes)}; the joiner {self.joiner}; "
@@ -198,10 +211,12 @@ class Placement:
     random_donor: str = "127.0.0.1"
     poisoned_donors: tuple[str, ...] = ("127.0.0.3", "127.0.0.6")
     sybil: tuple[str, ...] = tuple(f"127.0.0.{7 + k}" for k in range(8))
+    sybil6: tuple[str, ...] = ()  # the Sybil's IPv6 addresses (a network of namespaces only)
 
     @property
     def addresses(self) -> set[str]:
-        return {self.outsider, self.payloads, *self.flood, self.random_donor, *self.poisoned_donors, *self.sybil}
+        attackers = {self.outsider, self.payloads, *self.flood, self.random_donor, *self.poisoned_donors}
+        return attackers | {*self.sybil, *self.sybil6}
 
 
 def _attackers(
@@ -223,9 +238,12 @@ def _attackers(
             *("--hosts", ",".join(placement.flood), "--key-life", "12", *bootstrap),
         ],
         "sybil": [
-            # Two keys per address, all made at once and kept: they stay far past --standing-seconds (10 s here).
-            *("-m", "noloco_bench.echo_flood", "--model", model, "--seconds", "900", "--keys", "16"),
-            *("--hosts", ",".join(placement.sybil), "--key-every", "0.5", "--key-life", "100000", "--spellings"),
+            # Two keys per IPv4 address and one per IPv6 address, all made at once and kept: they stay far past
+            # --standing-seconds (10 s here). Keys go to the hosts in turn: the IPv6 ones after two rounds.
+            *("-m", "noloco_bench.echo_flood", "--model", model, "--seconds", "900"),
+            *("--keys", str(SYBIL_KEYS + len(placement.sybil6))),
+            *("--hosts", ",".join(_sybil_hosts(placement)), "--key-every", "0.5", "--key-life", "100000"),
+            "--spellings",
             *bootstrap,
         ],
         "outsider": [
@@ -242,6 +260,13 @@ def _attackers(
         )
         for name, command in commands.items()
     }
+
+
+def _sybil_hosts(placement: Placement) -> list[str]:
+    """The Sybil's hosts in the order its keys take them (echo_flood.py: key k on host k modulo their number): each
+    IPv4 address twice, then each IPv6 address once."""
+    per_address = SYBIL_KEYS // len(placement.sybil)
+    return [*(placement.sybil * per_address), *placement.sybil6]
 
 
 def _run(
@@ -342,6 +367,12 @@ def _run(
         )
         if healed:
             run.merged_after.append(steps_to_merge(history, healed, half_of, status.get("peer_id")))
+    if attack and placement.sybil6:  # its last keys, one per IPv6 address (_sybil_hosts)
+        sybil6_ids = set(run.sybil.get("peer_ids", [])[-len(placement.sybil6) :])
+        run.sybil6_keys = len(sybil6_ids)
+        run.sybil6_blends = sum(
+            1 for status in statuses for h in status.get("history", []) if h["partner"] in sybil6_ids
+        )
     donors = reports.get("donors", {}).get("peer_ids", [])
     if swarm.slots[-1].lives > 1:
         run.restart = _second_life(swarm, swarm.slots[-1], statuses[-1], steps, donors, "resumed its checkpoint")
@@ -426,12 +457,26 @@ def run_outsider_bench(shape: SwarmShape, *, out: Path) -> OutsiderBenchResult:
         placement = Placement()
         if shape.on_network:
             net = stack.enter_context(
-                shaped_network(shape.nodes + 1, rate_mbit=1000, rtt_ms=0, prefix="nlout", subnet=PUBLIC_SUBNET)
+                shaped_network(
+                    shape.nodes + 1,
+                    rate_mbit=1000,
+                    rtt_ms=0,
+                    prefix="nlout",
+                    subnet=PUBLIC_SUBNET,
+                    subnet6=PUBLIC_SUBNET6,
+                )
             )
             host = shape.nodes  # the attackers' host: its main address and thirteen more of its /24
             main, payloads, flood_a, flood_b, donor_a, donor_b, *sybil = net.address(host), *net.add_addresses(host, 13)
             placement = Placement(
-                tuple(net.exec_prefix(host)), main, payloads, (flood_a, flood_b), main, (donor_a, donor_b), tuple(sybil)
+                tuple(net.exec_prefix(host)),
+                main,
+                payloads,
+                (flood_a, flood_b),
+                main,
+                (donor_a, donor_b),
+                tuple(sybil),
+                tuple(net.add_addresses6(host, 8)),
             )
         quiet = _run(out / "quiet", "without outsider", shape, attack=False, network=net, cpu=cpu)
         attacked = _run(

@@ -7,16 +7,18 @@ round trip) and jitter that this kernel's missing netem cannot. So a byte from h
 upload, the delay, and j's download: the path of two peers on different home links. With no delay and no jitter
 the router's kernel forwards instead (bench outsider: hosts to cut apart, no latency to emulate).
 
-Host i has address 10.81.i.2 (i < 250; ``subnet`` changes the 10.81). With ``control_plane``, each host also has
-a second, unshaped and undelayed link to a bridge in the router's namespace, address 10.82.i.2 (the bridge:
-10.82.255.1), for a benchmark's control traffic whose volume does not scale with its emulation (bench race: the
-DHT). Needs root, iproute2 and /dev/net/tun. The namespaces are named
-``{prefix}-h{i}`` and ``{prefix}-r``; everything is removed on exit, and stale leftovers of a killed run are
-removed on entry.
+Host i has address 10.81.i.2 (i < 250; ``subnet`` changes the 10.81). With ``subnet6`` (a /32 such as ``2a0d:81``)
+host i also has the IPv6 address {subnet6}:i::2 on a /48 of its own ({subnet6}:i::/48, a site's block), forwarded
+by the router's kernel (only without delay and jitter: the delaying router carries IPv4). With ``control_plane``,
+each host also has a second, unshaped and undelayed link to a bridge in the router's namespace, address 10.82.i.2
+(the bridge: 10.82.255.1), for a benchmark's control traffic whose volume does not scale with its emulation (bench
+race: the DHT). Needs root, iproute2 and /dev/net/tun. The namespaces are named ``{prefix}-h{i}`` and
+``{prefix}-r``; everything is removed on exit, and stale leftovers of a killed run are removed on entry.
 """
 
 from __future__ import annotations
 
+import ipaddress
 import os
 import subprocess
 import sys
@@ -38,6 +40,7 @@ class ShapedNetwork:
     prefix: str
     control_plane: bool = False
     subnet: str = "10.81"  # host i is {subnet}.i.2, its router side {subnet}.i.1
+    subnet6: str | None = None  # host i is {subnet6}:i::2 in {subnet6}:i::/48, its router side {subnet6}:i::1
 
     def link(self, host: int) -> str:
         """The /24 of ``host``'s link: its address and its router side."""
@@ -87,6 +90,20 @@ class ShapedNetwork:
         added = [f"{self.subnet}.{host}.{3 + k}" for k in range(count)]
         for address in added:
             _run("ip", "-n", self.namespace(host), "addr", "add", f"{address}/24", "dev", self.device(host))
+        return added
+
+    def address6(self, host: int) -> str:
+        """``host``'s IPv6 address (only with ``subnet6``)."""
+        return str(ipaddress.ip_address(f"{self.subnet6}:{host:x}::2"))
+
+    def add_addresses6(self, host: int, count: int) -> list[str]:
+        """``count`` more IPv6 addresses for ``host``, each in another /64 of its /48 ({subnet6}:{host}:1::2,
+        :2::2, ...): one site that speaks from many of its networks. Returns them."""
+        added = [str(ipaddress.ip_address(f"{self.subnet6}:{host:x}:{k:x}::2")) for k in range(1, count + 1)]
+        for address in added:
+            _run("ip", "-n", self.namespace(host), "addr", "add", f"{address}/64", "dev", self.device(host), "nodad")
+            network = ipaddress.ip_network(f"{address}/64", strict=False)
+            _run("ip", "-n", self.router, "-6", "route", "add", str(network), "dev", f"{self.prefix}r{host}")
         return added
 
     @contextmanager
@@ -160,6 +177,7 @@ def shaped_network(
     mtu: int = MTU,
     control_plane: bool = False,
     subnet: str = "10.81",
+    subnet6: str | None = None,
 ) -> Iterator[ShapedNetwork]:
     """``mtu``: the links' MTU. Large by default, because the delaying router forwards packet by packet in Python
     and fast links need few packets; at a rate of a few Mbit/s or less take 1500, so that tbf's burst of two
@@ -168,14 +186,19 @@ def shaped_network(
         raise PermissionError("a shaped network needs root (network namespaces, tc, a TUN device)")
     if not 1 <= hosts < 250:
         raise ValueError(f"hosts must be in [1, 250), not {hosts}")
-    net = ShapedNetwork(hosts, rate_mbit, rtt_ms, jitter_ms, prefix, control_plane, subnet)
+    if subnet6 is not None and (rtt_ms or jitter_ms):
+        raise ValueError(
+            "IPv6 is forwarded by the router's kernel, without delay: subnet6 needs rtt_ms = jitter_ms = 0"
+        )
+    net = ShapedNetwork(hosts, rate_mbit, rtt_ms, jitter_ms, prefix, control_plane, subnet, subnet6)
     _remove(prefix)
     delayer: subprocess.Popen[str] | None = None
     try:
         router = net.router
         _run("ip", "netns", "add", router)
         _run("ip", "netns", "exec", router, "sysctl", "-qw", "net.ipv4.ip_forward=1",
-             "net.ipv4.conf.all.rp_filter=0", "net.ipv4.conf.default.rp_filter=0")  # fmt: skip
+             "net.ipv4.conf.all.rp_filter=0", "net.ipv4.conf.default.rp_filter=0",
+             "net.ipv6.conf.all.forwarding=1")  # fmt: skip
         _run("ip", "-n", router, "link", "set", "lo", "up")
         for host in range(hosts):
             ns, dev, peer = net.namespace(host), net.device(host), f"{prefix}r{host}"
@@ -189,6 +212,11 @@ def shaped_network(
             _run("ip", "-n", ns, "link", "set", "lo", "up")
             _run("ip", "-n", router, "link", "set", peer, "up", "mtu", str(mtu))
             _run("ip", "-n", ns, "route", "add", "default", "via", net.router_address(host))
+            if subnet6 is not None:
+                own, router_side = net.address6(host), str(ipaddress.ip_address(f"{subnet6}:{host:x}::1"))
+                _run("ip", "-n", ns, "addr", "add", f"{own}/64", "dev", dev, "nodad")
+                _run("ip", "-n", router, "addr", "add", f"{router_side}/64", "dev", peer, "nodad")
+                _run("ip", "-n", ns, "-6", "route", "add", "default", "via", router_side)
             # Long-lived connections keep their congestion window between exchanges (a node's channels are
             # pooled): the setting a deployment guide recommends for nodes; the bench also reports cold rounds.
             _run("ip", "netns", "exec", ns, "sysctl", "-qw", "net.ipv4.tcp_slow_start_after_idle=0")

@@ -156,13 +156,13 @@ def _assert_checkpoints_replayed(nodes: list[NodeProcess], steps: list[tuple[tup
 def test_three_sparse_nodes_blend_over_many_phases_and_refuse_no_honest_payload(
     bootstrap: Bootstrap, tmp_path: Path
 ) -> None:
-    """Three honest nodes, --phi-every 2 (phases that send phi in int8 alternate with reservations), 24 outer steps:
+    """Three honest nodes, --phi-every 2 (phases that send phi in int8 alternate with reservations), 18 outer steps:
     no payload is refused. The norm bound once refused honest codes (a code carries what earlier exchanges left out,
     several times a phase's movement) and slow weights that drifted between two phi phases; each refusal set the
     partner aside for 30 s, and such swarms blended at under a third of their steps."""
     args = [
         *("--model", "tiny", "--seq-len", "64", "--batch-size", "8", "--eval-batches", "2"),
-        *("--steps", "240", "--inner-steps", "10", "--num-shards", "3"),
+        *("--steps", "180", "--inner-steps", "10", "--num-shards", "3"),
         *("--mode", "stream", "--wire-dtype", "sparse", "--phi-every", "2", "--wait-for-peers", "2"),
     ]
     nodes = [NodeProcess(f"node{i}", bootstrap, tmp_path, *args, "--shard-index", str(i)) for i in range(3)]

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import ipaddress
 import random
 
 import pytest
@@ -121,3 +122,23 @@ def test_members_reached_through_relays_weigh_as_one_group_whatever_address_they
     assert credible_front([*relayed, *honest]) == 5
     # With the address its record names, each would have been a group of its own, and the front theirs.
     assert len({network_group(host_of_address(r.address)) for r in relayed}) == 40
+
+
+def test_the_patient_sybils_spellings_are_refused_and_its_ipv6_networks_are_one_group() -> None:
+    """bench outsider's Sybil (noloco_bench/echo_flood.py) writes every other record in another spelling of its IP
+    and, on a network of namespaces, speaks from eight /64s of one /48 (shaped_network.py): every spelling is
+    refused as a record's address, and its IPv6 addresses weigh as one machine."""
+    from noloco_bench.echo_flood import other_spelling
+    from noloco_bench.shaped_network import ShapedNetwork
+
+    for address in ("100.81.3.5:4000", "127.0.0.1:4000", "[2a0d:81:3:1::2]:4000"):
+        assert canonical_address(address) is None
+        spellings = {other_spelling(address, number) for number in range(3)}
+        assert len(spellings) >= 2, spellings
+        for spelling in spellings:
+            assert canonical_address(spelling) is not None, spelling
+    net = ShapedNetwork(4, 1000, 0, 0, "nlx", subnet="100.81", subnet6="2a0d:81")
+    sybil6 = [str(ipaddress.ip_address(f"2a0d:81:3:{k:x}::2")) for k in range(1, 9)]
+    assert {network_group(address) for address in sybil6} == {"2a0d:81:3::/48"}
+    assert network_group(net.address6(3)) == "2a0d:81:3::/48"
+    assert len({network_group(net.address6(host)) for host in range(4)}) == 4  # a /48 per host, as a site's
