@@ -162,13 +162,25 @@ def _outer_step_of(error: grpc.RpcError) -> int | None:
 # The reason of an exchange whose acknowledgement never came (the call ended otherwise after this side's commit):
 # the server may or may not have blended. Counted as an outcome; a stream run asks the server (settle_with).
 UNACKNOWLEDGED = "unacknowledged"
+# How a call ends when the path or the server failed rather than the server deciding: after this side's commit, in
+# doubt. Every other status is one the server sent on purpose before blending (a refusal of this side's payload,
+# a verdict it did not hear in time).
+_IN_DOUBT = {
+    grpc.StatusCode.UNAVAILABLE,
+    grpc.StatusCode.DEADLINE_EXCEEDED,
+    grpc.StatusCode.CANCELLED,
+    grpc.StatusCode.UNKNOWN,
+    grpc.StatusCode.INTERNAL,
+    grpc.StatusCode.DATA_LOSS,
+}
 
 
 def _acknowledged(responses: Iterator[bytes], call: Any, address: str) -> None:
     """The server's acknowledgement of this side's commit (it has blended): or ExchangeError, and nothing blends.
-    A refusal the server sent (a verdict without commit, ABORTED, a stream it ended) is ``not_committed``: it did
-    not blend. A call that ended any other way after the commit (cut, timed out, cancelled, garbled) is
-    ``UNACKNOWLEDGED``: whether the server blended is not known here."""
+    A server whose round closed before the commit says so (``busy``: it could not pair now, nothing failed); one
+    that refused this side's payload or did not hear the verdict in time ends the call with a status
+    (``not_committed``, or the refusal's own reason). A call that ended otherwise after the commit (cut, timed out,
+    cancelled, garbled) is ``UNACKNOWLEDGED``: whether the server blended is not known here."""
     try:
         ack = read_verdict(next(responses))
     except StopIteration:
@@ -176,13 +188,13 @@ def _acknowledged(responses: Iterator[bytes], call: Any, address: str) -> None:
             grpc.StatusCode.ABORTED, "not_committed", f"{address} ended without acknowledging"
         ) from None
     except grpc.RpcError as error:
-        aborted = hasattr(error, "code") and error.code() == grpc.StatusCode.ABORTED
-        raise _call_error(error, address, "not_committed" if aborted else UNACKNOWLEDGED) from None
+        in_doubt = not hasattr(error, "code") or error.code() in _IN_DOUBT
+        raise _call_error(error, address, UNACKNOWLEDGED if in_doubt else "not_committed") from None
     except PayloadError as error:
         call.cancel()
         raise ExchangeError(error.code, UNACKNOWLEDGED, f"{address}: {error.message}") from None
     if not ack.commit:
-        raise ExchangeError(grpc.StatusCode.ABORTED, "not_committed", f"{address} did not commit: {ack.reason}")
+        raise ExchangeError(grpc.StatusCode.ABORTED, "busy", f"{address} did not commit: {ack.reason}")
 
 
 def exchange_with(
