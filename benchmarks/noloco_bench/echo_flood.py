@@ -15,8 +15,8 @@ established peers. With ``--spellings`` it also writes every other record's addr
 (zero-padded octets, IPv4-mapped IPv6, a name; an IPv6 address written out in full or in capitals), so that one
 address would count as many machines to a reader that weighed the strings peers write (noloco_node/addresses.py:
 readers refuse such records). Its hosts may be IPv6 addresses too (many networks of one site's prefix, bench
-outsider --namespaces): keys there answer the honest nodes' calls and do not call in (the bench's nodes listen on
-IPv4).
+outsider --namespaces): keys there call in at the IPv6 address ``--ipv6-of`` gives for a node's IPv4 one (the
+nodes announce IPv4 and listen on both), or only answer when it gives none.
 """
 
 from __future__ import annotations
@@ -24,12 +24,14 @@ from __future__ import annotations
 import ipaddress
 import json
 import os
+import random
 import signal
 import sys
 import threading
 import time
 from collections import Counter
 from collections.abc import Callable, Sequence
+from dataclasses import replace
 
 import grpc
 import hivemind
@@ -157,6 +159,7 @@ class EchoFlood:
         keys: int,
         call_in: bool = True,
         spellings: bool = False,
+        ipv6_of: dict[str, str] | None = None,
     ) -> None:
         self.targets_now = targets_now
         self.model_cfg = model_cfg
@@ -164,6 +167,7 @@ class EchoFlood:
         self.key_every, self.key_life = key_every, key_life
         self.call_in = call_in
         self.spellings = spellings
+        self.ipv6_of = ipv6_of or {}  # a node's IPv4 address -> its IPv6 one, where its IPv6 keys call it
         self._keys = [fresh_identity() for _ in range(keys)]
         self._reader = fresh_identity()  # reads the honest nodes' weights with GetState, as anyone may
         self.dht = hivemind.DHT(
@@ -270,21 +274,27 @@ class EchoFlood:
         while self.call_in and not self._stop.is_set():
             with self._lock:
                 live = [(identity, address) for identity, address, *_ in self._live]
+            # In a new order each round: a round of calls by every key takes longer than a short run, and the keys
+            # made last (the IPv6 ones) would otherwise never get their turn.
+            random.shuffle(live)
             for target in self.targets_now():
                 known = self._echo(target.peer_id)
                 for identity, address in live:
                     if known is None or self._stop.is_set():
                         break
-                    source = host_of_address(address)
-                    if ":" in source:  # an IPv6 key: the nodes it would call listen on IPv4
-                        continue
-                    relay = self._relays.to(target, source)
+                    source, to = host_of_address(address), target
+                    if ":" in source:  # an IPv6 key calls the node's IPv6 address, if it has one
+                        host, port = host_of_address(target.address), target.address.rsplit(":", 1)[1]
+                        if host not in self.ipv6_of:
+                            continue
+                        to = replace(target, address=record_address(self.ipv6_of[host], int(port)))
+                    relay = self._relays.to(to, source)
                     # Its commit goes with its payload: it never looks at what it gets back.
                     frames = [
                         *payload_frames(target, self.model_cfg, known[1], peer_id=identity.peer_id),
                         verdict_frame(commit=True),
                     ]
-                    code, _ = send_exchange(relay, target, frames, identity, timeout=10)
+                    code, _ = send_exchange(relay, to, frames, identity, timeout=10)
                     self.report[f"called {code.name}"] += 1
             self._stop.wait(0.2)
 
@@ -332,6 +342,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         "--spellings", action="store_true", help="write every other record's address in another spelling of its IP"
     )
     parser.add_argument(
+        "--ipv6-of", default="", help="v4=v6,...: where the IPv6 keys call each node (default: they only answer)"
+    )
+    parser.add_argument(
         "--ready-within", type=float, default=60.0, help="at most this long (s) to read the weights it echoes"
     )
     args = parser.parse_args(argv)
@@ -350,6 +363,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         keys=args.keys or int(args.seconds / args.key_every) + 2,
         call_in=not args.no_call_in,
         spellings=args.spellings,
+        ipv6_of=dict(pair.split("=", 1) for pair in args.ipv6_of.split(",") if pair),
     )
     done = threading.Event()
     for signum in (signal.SIGINT, signal.SIGTERM):

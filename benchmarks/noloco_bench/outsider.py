@@ -40,6 +40,7 @@ import grpc
 import torch
 from cryptography.hazmat.primitives.asymmetric import rsa
 
+from noloco_node.addresses import host_of_address
 from noloco_node.config.models import ModelConfig, model_config_for
 from noloco_node.model.decoder import LlamaDecoder, named_parameters_ordered
 from noloco_node.model.source import SeededDecoder
@@ -104,8 +105,9 @@ class SourceBoundRelay:
     that a node sees the outsider at an address of its own. Daemon threads; ``close`` stops it."""
 
     def __init__(self, target: str, source: str = "127.0.0.2") -> None:
-        host, port = target.rsplit(":", 1)
+        host, port = host_of_address(target), target.rsplit(":", 1)[1]
         self.target, self.source = (host, int(port)), source
+        self.family = socket.AF_INET6 if ":" in source else socket.AF_INET
         self._listener = socket.create_server(("127.0.0.1", 0))
         self.address = f"127.0.0.1:{self._listener.getsockname()[1]}"
         self._closed = threading.Event()
@@ -117,7 +119,7 @@ class SourceBoundRelay:
                 client, _ = self._listener.accept()
             except OSError:
                 return
-            upstream = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+            upstream = socket.socket(self.family, socket.SOCK_STREAM)
             try:
                 upstream.bind((self.source, 0))
                 upstream.connect(self.target)

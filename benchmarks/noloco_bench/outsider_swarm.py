@@ -24,7 +24,7 @@ With ``--namespaces`` or ``--partition-seconds`` (root) both runs take place on 
 carrier-grade NAT space no internet router forwards): a host, and so a /24 network group, per honest node, and one
 for every attacking process, which speak from fourteen addresses of its one /24, as an outsider with an address
 range does, and from eight IPv6 addresses, each in another /64 of the host's one /48 (2a0d:81:N::/48, global unicast
-space that never leaves the namespaces; the nodes listen on IPv4, so these keys are called and do not call in).
+space that never leaves the namespaces; the nodes announce IPv4 and listen on IPv6 too, where these keys call in).
 On 127.0.0.1 instead every loopback address is a group of its own (noloco_node/addresses.py), the
 honest nodes share one and the attackers hold thirteen. With ``--partition-seconds``, a tenth of the way in, the
 router cuts the honest nodes into two halves for that long (the attackers reach both), then heals: the report adds
@@ -212,6 +212,8 @@ class Placement:
     poisoned_donors: tuple[str, ...] = ("127.0.0.3", "127.0.0.6")
     sybil: tuple[str, ...] = tuple(f"127.0.0.{7 + k}" for k in range(8))
     sybil6: tuple[str, ...] = ()  # the Sybil's IPv6 addresses (a network of namespaces only)
+    # The honest nodes' IPv4 address -> IPv6 address, where the Sybil's IPv6 keys call them (namespaces only).
+    honest6: tuple[tuple[str, str], ...] = ()
 
     @property
     def addresses(self) -> set[str]:
@@ -243,7 +245,7 @@ def _attackers(
             *("-m", "noloco_bench.echo_flood", "--model", model, "--seconds", "900"),
             *("--keys", str(SYBIL_KEYS + len(placement.sybil6))),
             *("--hosts", ",".join(_sybil_hosts(placement)), "--key-every", "0.5", "--key-life", "100000"),
-            "--spellings",
+            *("--spellings", "--ipv6-of", ",".join(f"{v4}={v6}" for v4, v6 in placement.honest6)),
             *bootstrap,
         ],
         "outsider": [
@@ -281,7 +283,14 @@ def _run(
 ) -> SwarmRun:
     run = SwarmRun(label)
     steps, inner_steps = shape.steps, shape.inner_steps
-    swarm = LocalSwarm(base, shape.nodes, _node_args(shape.model, steps, inner_steps), network=network)
+    # On a network with IPv6, the nodes announce their IPv4 address and listen on both (as a dual-stack host does):
+    # the Sybil's IPv6 keys call in from their networks.
+    dual_stack = (
+        [["--grpc-host", "[::]", "--announce-host", network.address(i)] for i in range(shape.nodes)]
+        if network is not None and network.subnet6 is not None
+        else None
+    )
+    swarm = LocalSwarm(base, shape.nodes, _node_args(shape.model, steps, inner_steps), dual_stack, network=network)
     attackers: dict[str, subprocess.Popen[str]] = {}
     stopping = False
     stand_in: subprocess.Popen[bytes] | None = None
@@ -477,6 +486,7 @@ def run_outsider_bench(shape: SwarmShape, *, out: Path) -> OutsiderBenchResult:
                 (donor_a, donor_b),
                 tuple(sybil),
                 tuple(net.add_addresses6(host, 8)),
+                tuple((net.address(i), net.address6(i)) for i in range(shape.nodes)),
             )
         quiet = _run(out / "quiet", "without outsider", shape, attack=False, network=net, cpu=cpu)
         attacked = _run(

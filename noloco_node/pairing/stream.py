@@ -51,7 +51,7 @@ from noloco_node import algorithm
 from noloco_node.discovery.dht import PeerRecord
 from noloco_node.pairing.caller import SETTLE_SECONDS
 from noloco_node.pairing.strategy import PairingContext, PairingStrategy
-from noloco_node.pairing.sync import PairingRound, RoundSession, run_round
+from noloco_node.pairing.sync import PairingRound, RepeatGrace, RoundSession, run_round
 from noloco_node.security.payload_guard import relative_norm
 from noloco_node.training.replica import Replica
 from noloco_node.wire import sparse
@@ -89,8 +89,7 @@ class Phase:
     partner: Payload | None = None  # the reserved partner's phase payload, until its progress arrives
     open: bool = True  # False once this node has stopped waiting for a reservation: no new one
     reserved: threading.Event = field(default_factory=threading.Event)
-    # Until this time the last partner is not swapped with again (``StreamPairing._repeat_grace``).
-    repeat_after: float = 0.0
+    repeat: RepeatGrace = field(default_factory=RepeatGrace)  # the last partner waits its turn (sync.py)
 
 
 class StreamPairing(PairingStrategy):
@@ -104,8 +103,8 @@ class StreamPairing(PairingStrategy):
         self._round: PairingRound | None = None
         # The run's live peers as last looked up, so that the progress exchange starts without a DHT lookup.
         self._records: dict[str, PeerRecord] = {}
-        self._last_partner: str | None = None
-        self._repeat_grace = 0.0
+        # The last round's partner, whether others were known then, and the phase's length: the next phase's grace.
+        self._last_round: tuple[str | None, bool, float] = (None, False, 0.0)
         # An acknowledgement lost in flight (rpc/settle_serving.py). As the caller: the partner whose
         # acknowledgement of this round's progress never came, and whether this round settled by this node's own
         # call. As the server: the last round it settled, and a Settle that came before the trainer took the round.
@@ -143,7 +142,7 @@ class StreamPairing(PairingStrategy):
                 return None
             if abs(partner_outer_step - phase.outer_step) > self.ctx.max_staleness:
                 return None
-            if not self._may_swap_with(phase, partner_id):
+            if not phase.repeat.allows(partner_id):
                 return None
             if not self._swap_lock.acquire(blocking=False):
                 return None
@@ -228,11 +227,6 @@ class StreamPairing(PairingStrategy):
         with self._guard:
             return phase.partner is None
 
-    def _may_swap_with(self, phase: Phase, peer_id: str) -> bool:
-        """Whether a phase swap with ``peer_id`` may reserve ``phase`` now: not with the last partner before the
-        phase's ``repeat_after``, calling or called."""
-        return peer_id != self._last_partner or time.monotonic() >= phase.repeat_after
-
     def _reserve(self, phase: Phase, payload: Payload) -> bool:
         """The first complete phase swap of this phase reserves its partner; any other is let go."""
         with self._guard:
@@ -257,7 +251,9 @@ class StreamPairing(PairingStrategy):
     def _begin_phase(self, phi: Sequence[torch.Tensor], delta: Sequence[torch.Tensor], outer_step: int) -> None:
         kind = "phase" if outer_step % self.ctx.phi_every == 0 else "reservation"
         offer = self.ctx.offers[kind].publish({"phi": phi, "delta": delta}, outer_step)
-        phase = Phase(outer_step, kind, offer, repeat_after=time.monotonic() + self._repeat_grace)
+        last_partner, others, phase_seconds = self._last_round
+        repeat = RepeatGrace.starting_now(last_partner, others, self.ctx.pair_timeout, phase_seconds)
+        phase = Phase(outer_step, kind, offer, repeat=repeat)
         with self._guard:
             previous, self._phase = self._phase, phase
         if previous is not None:
@@ -285,7 +281,7 @@ class StreamPairing(PairingStrategy):
             phase.open = False  # no reservation from here on
             reserved = phase.partner
         if reserved is None:
-            self._last_partner, self._repeat_grace = None, 0.0
+            self._last_round = (None, False, phase_seconds)
             return None  # nobody swapped phase payloads with this node: a solo step
         progress = algorithm.phase_progress(replica.fast_weights(), replica.phi)
         residual, before, left_out, generation = None, None, None, 0
@@ -333,13 +329,10 @@ class StreamPairing(PairingStrategy):
                 self._settle_late(reserved.peer_id, replica.outer_step, (before, residual), generation),
                 "settling an unacknowledged exchange",
             )
-        # As in sync mode (sync.py, ``repeat_after``): while others are known, the next phase does not swap with this
-        # partner again for a moment. Two nodes that just blended open their next phases at the same instant, while
-        # a pair that blended a moment later is still inside its reserved phase: without it each finds only its
-        # last partner open, and offset pairs lock (4 nodes: two fixed pairs, 60 of 60 outer steps).
-        others = set(self._records) - {partner.peer_id if partner is not None else None}
-        self._repeat_grace = min(ctx.pair_timeout / 2, phase_seconds / 2) if others else 0.0
-        self._last_partner = partner.peer_id if partner is not None else None
+        # The next phase's grace for this partner (sync.py RepeatGrace): a pair that blended a moment later than this
+        # one is still inside its reserved phase, so without it each finds only its last partner open.
+        others = bool(set(self._records) - {partner.peer_id if partner is not None else None})
+        self._last_round = (partner.peer_id if partner is not None else None, others, phase_seconds)
         if partner is not None:
             ctx.caller.paired(partner.peer_id, replica.outer_step)
             if self.feedback is not None and residual is not None and left_out is not None:
@@ -420,7 +413,7 @@ class StreamPairing(PairingStrategy):
             ctx.telemetry.on_peers(live)
             self._records = {p.peer_id: p for p in live}
             for peer in ctx.caller.order(ctx.caller.choosable(live, phase.outer_step)):
-                if not self._may_swap_with(phase, peer.peer_id):
+                if not phase.repeat.allows(peer.peer_id):
                     continue
                 if not (phase.open and phase.partner is None) or not self._swap_lock.acquire(blocking=False):
                     break  # reserved meanwhile (a peer called in), or a peer is swapping with us right now

@@ -25,6 +25,7 @@ import time
 from collections.abc import Callable, Coroutine
 from concurrent.futures import Future, InvalidStateError
 from concurrent.futures import TimeoutError as FutureTimeout
+from dataclasses import dataclass
 from typing import Any
 
 from noloco_node.pairing.strategy import PairingContext, PairingStrategy
@@ -43,6 +44,28 @@ class Stage(enum.Enum):
     CLOSED = "closed"  # the trainer has taken the answer; nothing changes any more
 
 
+@dataclass(frozen=True)
+class RepeatGrace:
+    """The last partner waits its turn, in every mode: while other peers may become ready, a node does not pair with
+    its last partner again before ``until`` (monotonic), calling or called. Two nodes that just blended open their
+    next rounds (or phases) at the same instant and would otherwise stay locked in the same pairs (stream, 4 nodes:
+    two fixed pairs at 60 of 60 outer steps)."""
+
+    last_partner: str | None = None
+    until: float = 0.0
+
+    @classmethod
+    def starting_now(
+        cls, last_partner: str | None, others: bool, pair_timeout: float, phase_seconds: float
+    ) -> RepeatGrace:
+        """Half a phase (at most half of --pair-timeout) from now while ``others`` may become ready; else none."""
+        seconds = min(pair_timeout / 2, phase_seconds / 2) if last_partner is not None and others else 0.0
+        return cls(last_partner, time.monotonic() + seconds)
+
+    def allows(self, peer_id: str) -> bool:
+        return peer_id != self.last_partner or time.monotonic() >= self.until
+
+
 class PairingRound:
     """One outer step's chance to pair: at most one exchange at a time, the first complete one wins."""
 
@@ -51,18 +74,14 @@ class PairingRound:
         outer_step: int,
         offer: Published,
         *,
-        last_partner: str | None = None,
-        repeat_after: float = 0.0,
+        repeat: RepeatGrace = RepeatGrace(),
         only_partner: str | None = None,
     ) -> None:
         self.outer_step = outer_step
         self.offer = offer  # held by the round until it closes
         # Stream mode: the partner chosen during the phase is the only one this round exchanges with.
         self.only_partner = only_partner
-        # The last partner is not taken again before this (monotonic) time when others may become ready: nodes
-        # that blend together restart together and would otherwise stay phase-locked in the same pairs forever.
-        self.last_partner = last_partner
-        self.repeat_after = repeat_after
+        self.repeat = repeat
         self.stage = Stage.OPEN
         self.partner: Payload | None = None
         self.waiting_over: Future[None] = Future()  # the trainer stops waiting: paired, alone, timed out, stopped
@@ -76,7 +95,7 @@ class PairingRound:
     def may_pair_with(self, peer_id: str) -> bool:
         if self.only_partner is not None:
             return peer_id == self.only_partner
-        return peer_id != self.last_partner or time.monotonic() >= self.repeat_after
+        return self.repeat.allows(peer_id)
 
     def try_session(self, partner_id: str, partner_outer_step: int, max_staleness: int) -> RoundSession | None:
         """A session for an incoming call, or None (busy, closing, too far apart, or a too-early repeat)."""
@@ -205,17 +224,15 @@ class SyncPairing(PairingStrategy):
         ctx = self.ctx
         assert ctx.loop is not None
         offer = ctx.offers["weights"].publish(replica.weights(), replica.outer_step)
-        current = PairingRound(replica.outer_step, offer)
-        if self._known_peers - {self._last_partner, None}:
-            # Others exist: give them a moment to become ready before blending with the last partner again.
-            grace = min(ctx.pair_timeout / 2, phase_seconds / 2)
-            current.last_partner, current.repeat_after = self._last_partner, time.monotonic() + grace
+        others = bool(self._known_peers - {self._last_partner, None})
+        repeat = RepeatGrace.starting_now(self._last_partner, others, ctx.pair_timeout, phase_seconds)
+        current = PairingRound(replica.outer_step, offer, repeat=repeat)
         self._round = current
         ctx.spawn(ctx.publish_record(), "publishing the DHT record")  # ready: say so
         partner = run_round(ctx, current, self._seek_partner(current), train_step)
         self._round = None
+        self._last_partner = partner.peer_id if partner is not None else None
         if partner is not None:
-            self._last_partner = partner.peer_id
             ctx.caller.paired(partner.peer_id, replica.outer_step)
         return partner
 

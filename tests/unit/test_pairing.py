@@ -14,7 +14,7 @@ import torch
 from noloco_node.pairing.overlap import OfferBook
 from noloco_node.pairing.strategy import OfferPublisher
 from noloco_node.pairing.stream import StreamPairing
-from noloco_node.pairing.sync import PairingRound, Stage
+from noloco_node.pairing.sync import PairingRound, RepeatGrace, Stage
 from noloco_node.wire import peer_pb2 as pb
 from noloco_node.wire.frames import PayloadError, PayloadKind, TensorLayout
 from noloco_node.wire.payload import Payload
@@ -113,13 +113,16 @@ def test_closing_gives_up_on_an_exchange_that_outlives_its_bound_and_its_copy_st
 
 
 def test_the_last_partner_waits_its_turn_while_others_may_come() -> None:
-    current = round_at(last_partner="old", repeat_after=time.monotonic() + 3600)
+    current = round_at(repeat=RepeatGrace.starting_now("old", True, pair_timeout=7200, phase_seconds=7200))
     assert current.try_session("old", 5, max_staleness=0) is None
     other = current.try_session("new", 5, max_staleness=0)
     assert other is not None
     other.release()
-    current.repeat_after = time.monotonic()  # its turn has come
+    current.repeat = RepeatGrace("old", time.monotonic())  # its turn has come
     assert current.try_session("old", 5, max_staleness=0) is not None
+    # Nobody else may become ready (or no partner last time): no grace at all.
+    assert RepeatGrace.starting_now("old", False, 7200, 7200).allows("old")
+    assert not RepeatGrace.starting_now("old", True, 7200, 7200).allows("old")
 
 
 def test_offer_book_keeps_the_nearest_offer_within_the_staleness_bound_both_ways() -> None:
