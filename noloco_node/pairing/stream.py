@@ -103,8 +103,8 @@ class StreamPairing(PairingStrategy):
         self._round: PairingRound | None = None
         # The run's live peers as last looked up, so that the progress exchange starts without a DHT lookup.
         self._records: dict[str, PeerRecord] = {}
-        # The last round's partner, whether others were known then, and the phase's length: the next phase's grace.
-        self._last_round: tuple[str | None, bool, float] = (None, False, 0.0)
+        # The last round's partner and the grace the next phase gives it (sync.py RepeatGrace).
+        self._last_round: tuple[str | None, float] = (None, 0.0)
         # An acknowledgement lost in flight (rpc/settle_serving.py). As the caller: the partner whose
         # acknowledgement of this round's progress never came, and whether this round settled by this node's own
         # call. As the server: the last round it settled, and a Settle that came before the trainer took the round.
@@ -251,9 +251,7 @@ class StreamPairing(PairingStrategy):
     def _begin_phase(self, phi: Sequence[torch.Tensor], delta: Sequence[torch.Tensor], outer_step: int) -> None:
         kind = "phase" if outer_step % self.ctx.phi_every == 0 else "reservation"
         offer = self.ctx.offers[kind].publish({"phi": phi, "delta": delta}, outer_step)
-        last_partner, others, phase_seconds = self._last_round
-        repeat = RepeatGrace.starting_now(last_partner, others, self.ctx.pair_timeout, phase_seconds)
-        phase = Phase(outer_step, kind, offer, repeat=repeat)
+        phase = Phase(outer_step, kind, offer, repeat=RepeatGrace.starting_now(*self._last_round))
         with self._guard:
             previous, self._phase = self._phase, phase
         if previous is not None:
@@ -281,7 +279,7 @@ class StreamPairing(PairingStrategy):
             phase.open = False  # no reservation from here on
             reserved = phase.partner
         if reserved is None:
-            self._last_round = (None, False, phase_seconds)
+            self._last_round = (None, 0.0)
             return None  # nobody swapped phase payloads with this node: a solo step
         progress = algorithm.phase_progress(replica.fast_weights(), replica.phi)
         residual, before, left_out, generation = None, None, None, 0
@@ -331,8 +329,9 @@ class StreamPairing(PairingStrategy):
             )
         # The next phase's grace for this partner (sync.py RepeatGrace): a pair that blended a moment later than this
         # one is still inside its reserved phase, so without it each finds only its last partner open.
-        others = bool(set(self._records) - {partner.peer_id if partner is not None else None})
-        self._last_round = (partner.peer_id if partner is not None else None, others, phase_seconds)
+        last_partner = partner.peer_id if partner is not None else None
+        others = bool(set(self._records) - {last_partner})
+        self._last_round = (last_partner, RepeatGrace.seconds(last_partner, others, ctx.pair_timeout, phase_seconds))
         if partner is not None:
             ctx.caller.paired(partner.peer_id, replica.outer_step)
             if self.feedback is not None and residual is not None and left_out is not None:

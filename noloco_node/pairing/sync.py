@@ -54,12 +54,14 @@ class RepeatGrace:
     last_partner: str | None = None
     until: float = 0.0
 
+    @staticmethod
+    def seconds(last_partner: str | None, others: bool, pair_timeout: float, phase_seconds: float) -> float:
+        """The grace after a round with ``last_partner``: half a phase (at most half of --pair-timeout) while
+        ``others`` may become ready; none after a solo step or with nobody else."""
+        return min(pair_timeout / 2, phase_seconds / 2) if last_partner is not None and others else 0.0
+
     @classmethod
-    def starting_now(
-        cls, last_partner: str | None, others: bool, pair_timeout: float, phase_seconds: float
-    ) -> RepeatGrace:
-        """Half a phase (at most half of --pair-timeout) from now while ``others`` may become ready; else none."""
-        seconds = min(pair_timeout / 2, phase_seconds / 2) if last_partner is not None and others else 0.0
+    def starting_now(cls, last_partner: str | None, seconds: float) -> RepeatGrace:
         return cls(last_partner, time.monotonic() + seconds)
 
     def allows(self, peer_id: str) -> bool:
@@ -225,7 +227,8 @@ class SyncPairing(PairingStrategy):
         assert ctx.loop is not None
         offer = ctx.offers["weights"].publish(replica.weights(), replica.outer_step)
         others = bool(self._known_peers - {self._last_partner, None})
-        repeat = RepeatGrace.starting_now(self._last_partner, others, ctx.pair_timeout, phase_seconds)
+        grace = RepeatGrace.seconds(self._last_partner, others, ctx.pair_timeout, phase_seconds)
+        repeat = RepeatGrace.starting_now(self._last_partner, grace)
         current = PairingRound(replica.outer_step, offer, repeat=repeat)
         self._round = current
         ctx.spawn(ctx.publish_record(), "publishing the DHT record")  # ready: say so

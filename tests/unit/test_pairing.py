@@ -113,7 +113,7 @@ def test_closing_gives_up_on_an_exchange_that_outlives_its_bound_and_its_copy_st
 
 
 def test_the_last_partner_waits_its_turn_while_others_may_come() -> None:
-    current = round_at(repeat=RepeatGrace.starting_now("old", True, pair_timeout=7200, phase_seconds=7200))
+    current = round_at(repeat=RepeatGrace.starting_now("old", RepeatGrace.seconds("old", True, 7200, 7200)))
     assert current.try_session("old", 5, max_staleness=0) is None
     other = current.try_session("new", 5, max_staleness=0)
     assert other is not None
@@ -121,8 +121,8 @@ def test_the_last_partner_waits_its_turn_while_others_may_come() -> None:
     current.repeat = RepeatGrace("old", time.monotonic())  # its turn has come
     assert current.try_session("old", 5, max_staleness=0) is not None
     # Nobody else may become ready (or no partner last time): no grace at all.
-    assert RepeatGrace.starting_now("old", False, 7200, 7200).allows("old")
-    assert not RepeatGrace.starting_now("old", True, 7200, 7200).allows("old")
+    assert RepeatGrace.seconds("old", False, 7200, 7200) == 0 and RepeatGrace.seconds(None, True, 7200, 7200) == 0
+    assert RepeatGrace.seconds("old", True, 10, 7200) == 5  # at most half the pair timeout
 
 
 def test_offer_book_keeps_the_nearest_offer_within_the_staleness_bound_both_ways() -> None:
