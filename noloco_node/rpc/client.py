@@ -382,15 +382,22 @@ def server_problem(transport: Transport, method: str, nonce: str, call: Any, add
     return ExchangeError(grpc.StatusCode.UNAUTHENTICATED, "unauthenticated_peer", f"{address}: {problem}")
 
 
-def fetch_info(address: str, *, timeout: float, transport: Transport = PLAIN, peer_id: str = "") -> pb.InfoReply:
-    """The Info of the node ``peer_id`` at ``address`` (the proofs are made for that node alone)."""
-    metadata, nonce = transport.sign(INFO_METHOD, peer_id)
+def _unary(address: str, method: str, request: Any, *, timeout: float, transport: Transport, peer_id: str) -> Any:
+    """One unary call of ``method`` to the node ``peer_id`` at ``address``, with the proofs made for that node alone;
+    its reply once the server has proved membership (a private run)."""
+    metadata, nonce = transport.sign(method, peer_id)
     with transport.channel(address) as channel:
-        reply, call = pb_grpc.PeerStub(channel).Info.with_call(pb.InfoRequest(), timeout=timeout, metadata=metadata)
-        problem = transport.server_problem(INFO_METHOD, nonce, call)
+        stub = getattr(pb_grpc.PeerStub(channel), method.rsplit("/", 1)[1])
+        reply, call = stub.with_call(request, timeout=timeout, metadata=metadata)
+        problem = transport.server_problem(method, nonce, call)
         if problem is not None:
             raise ExchangeError(grpc.StatusCode.UNAUTHENTICATED, "unauthenticated_peer", f"{address}: {problem}")
         return reply
+
+
+def fetch_info(address: str, *, timeout: float, transport: Transport = PLAIN, peer_id: str = "") -> pb.InfoReply:
+    """The Info of the node ``peer_id`` at ``address``."""
+    return _unary(address, INFO_METHOD, pb.InfoRequest(), timeout=timeout, transport=transport, peer_id=peer_id)
 
 
 def settle_with(
@@ -399,14 +406,9 @@ def settle_with(
     """Whether the node ``peer_id`` at ``address`` blended this node's payload of ``outer_step`` in an exchange whose
     acknowledgement never came (rpc/settle_serving.py); the server then takes back what it counted as received
     here. Every failure is a grpc.RpcError (UNAVAILABLE: still exchanging, ask again) or ExchangeError."""
-    metadata, nonce = transport.sign(SETTLE_METHOD, peer_id)
     request = pb.SettleRequest(run_fingerprint=run_fingerprint, outer_step=outer_step)
-    with transport.channel(address) as channel:
-        reply, call = pb_grpc.PeerStub(channel).Settle.with_call(request, timeout=timeout, metadata=metadata)
-        problem = transport.server_problem(SETTLE_METHOD, nonce, call)
-        if problem is not None:
-            raise ExchangeError(grpc.StatusCode.UNAUTHENTICATED, "unauthenticated_peer", f"{address}: {problem}")
-        return reply.blended
+    reply = _unary(address, SETTLE_METHOD, request, timeout=timeout, transport=transport, peer_id=peer_id)
+    return bool(reply.blended)
 
 
 def fetch_rollouts(
@@ -415,11 +417,5 @@ def fetch_rollouts(
     """The rollouts of round ``round_`` of the node ``peer_id`` at ``address`` (rpc/rollout_serving.py), unchecked:
     the caller decodes and checks them (rl/rollouts.py). A reply over the channel's message limit is
     RESOURCE_EXHAUSTED; every failure is a grpc.RpcError."""
-    metadata, nonce = transport.sign(GET_ROLLOUTS_METHOD, peer_id)
     request = pb.RolloutRequest(run_fingerprint=run_fingerprint, round=round_)
-    with transport.channel(address) as channel:
-        reply, call = pb_grpc.PeerStub(channel).GetRollouts.with_call(request, timeout=timeout, metadata=metadata)
-        problem = transport.server_problem(GET_ROLLOUTS_METHOD, nonce, call)
-        if problem is not None:
-            raise ExchangeError(grpc.StatusCode.UNAUTHENTICATED, "unauthenticated_peer", f"{address}: {problem}")
-        return reply
+    return _unary(address, GET_ROLLOUTS_METHOD, request, timeout=timeout, transport=transport, peer_id=peer_id)

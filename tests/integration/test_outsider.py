@@ -152,6 +152,9 @@ def test_the_norm_bound_is_not_ratcheted_from_a_cold_start_nor_after_a_restart(
         node.stop()
 
 
+# The corroborated donor's test below keeps a joiner and a restarting member among donors in the fast tier;
+# bench outsider runs this fake donor with every other attack: `make test-slow`.
+@pytest.mark.slow
 def test_a_fake_donor_is_adopted_neither_by_a_joiner_nor_by_a_restarting_member(
     bootstrap: Bootstrap, tmp_path: Path
 ) -> None:

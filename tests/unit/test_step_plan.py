@@ -76,6 +76,7 @@ def test_grouped_query_attention_reads_shared_heads_without_copies() -> None:
     assert torch.allclose(out, reference, atol=1e-5)
 
 
+@pytest.mark.slow  # torch.compile from a cold cache takes 25 s on 2 CPUs (4 s warm): `make test-slow`
 def test_compiled_blocks_compute_what_eager_blocks_do() -> None:
     cfg = model_config_for("tiny", vocab_size=256, max_seq_len=16, num_layers=1)
     model = LlamaDecoder(cfg)
