@@ -220,7 +220,7 @@ class NodeConfig(StrictSettings):
         ge=0,
         le=1,
         description="Share of outer steps in which strangers are called and served, however many keys and addresses "
-        "they come from (every step while no peer with standing is within reach).",
+        "they come from (every step while no peer with standing is in view).",
     )
     checkpoint_every: int = Field(1, ge=1, description="Outer steps between checkpoints.")
     num_shards: int = Field(16, ge=1, description="How many shards the corpus is dealt into.")

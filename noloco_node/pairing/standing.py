@@ -14,9 +14,11 @@ completes first, can have every round taken by one stranger minting keys and ech
   only in *stranger steps*: a token bucket that admits ``stranger_share`` of this node's outer steps (its phase
   starts at random, so that nodes started together do not open the same steps). Whatever the number of keys and
   addresses, strangers take at most that share of a node's rounds. Among strangers a network group is chosen
-  first, then one of its keys, so a thousand keys on one address, or on one /24, weigh as one. A node with no
-  established peer within reach (a new swarm, a joiner, a restart) admits strangers at every step: it has no one
-  better to pair with.
+  first, then one of its keys, so a thousand keys on one address, or on one /24, weigh as one. A node none of whose
+  established peers is live (a new swarm, a joiner, a partition) admits strangers at every step: it has no one
+  better to pair with. One whose established peers are live but out of reach (it fell behind, or they did) does
+  not: it catches up with them (node/outer_step.py downloads a state after a few solo steps), and keeping it
+  behind buys an attacker no more than the stranger share.
 
 What K keys on M addresses can take is in docs/threat-model.md. Standing is remembered after a peer leaves the DHT
 (a partition, a restart), in a bounded table that evicts strangers first and then the longest-gone: an eviction
@@ -84,10 +86,13 @@ class Standing:
         self._step: int | None = None
         self._tokens = self._rng.random()  # a random phase: nodes started together open different steps
         self._step_admits = True
-        self._established_within_reach = False
+        # Strangers are let in at every step only while no peer with standing is live at all (a new swarm, a joiner,
+        # a partition): one whose established peers are live but out of reach catches up with them instead
+        # (node/outer_step.py), and an attacker that keeps it behind gains no more than the stranger share.
+        self._established_live = False
         self._groups_within_reach = 0  # network groups of the established peers within reach
         self._had_established = False
-        self.stranger_steps = 0  # outer steps that admitted strangers while established peers were within reach
+        self.stranger_steps = 0  # outer steps that admitted strangers while established peers were live
 
     # ------------------------------------------------------------------------------------------- what is known
 
@@ -102,12 +107,9 @@ class Standing:
                 else:
                     track.last_seen, track.group = now, peer.network_group
             self._forget_beyond_limit()
-            groups = {
-                p.network_group
-                for p in peers
-                if abs(p.outer_step - own_step) <= max_staleness and self._established(p.peer_id, now)
-            }
-            self._established_within_reach = bool(groups)
+            established = [p for p in peers if self._established(p.peer_id, now)]
+            groups = {p.network_group for p in established if abs(p.outer_step - own_step) <= max_staleness}
+            self._established_live = bool(established)
             self._groups_within_reach = len(groups)
             self._enter_step(own_step)
 
@@ -231,14 +233,14 @@ class Standing:
         with self._lock:
             now = self._clock()
             if not self._established(peer_id, now):
-                return self._step_admits or not self._established_within_reach
+                return self._step_admits or not self._established_live
             return self._group_blends_within(self._tracks[peer_id].group, 2 * self._groups_within_reach) < (
                 CALLS_IN_PER_WINDOW
             )
 
     def order(self, candidates: Sequence[PeerRecord], last_paired: dict[str, int]) -> list[PeerRecord]:
         """Whom to call, in order: the established peers, least recently paired group first, and at a stranger step
-        one stranger before them (a random group, then a random key of it); with no established peer within reach,
+        one stranger before them (a random group, then a random key of it); with no established peer live,
         every candidate alike, one group at a time.
 
         Least recently paired first: nodes of equal speed reach their outer steps in lockstep and would otherwise
@@ -246,7 +248,7 @@ class Standing:
         stranger only, before the peers that answered before: a record costs nothing to publish."""
         now = self._clock()
         with self._lock:
-            if not self._established_within_reach:
+            if not self._established_live:
                 return _by_group(candidates, last_paired, self._rng)
             established = [p for p in candidates if self._established(p.peer_id, now)]
             strangers = [p for p in candidates if not self._established(p.peer_id, now)]
@@ -286,7 +288,7 @@ class Standing:
         self._step_admits = self._tokens >= 1.0
         if self._step_admits:
             self._tokens -= 1.0
-            if self._established_within_reach:
+            if self._established_live:
                 self.stranger_steps += 1
 
     def _forget_beyond_limit(self) -> None:

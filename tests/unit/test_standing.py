@@ -76,7 +76,10 @@ def test_a_fresh_key_flood_takes_at_most_the_stranger_share_of_steps_from_one_or
         assert first_is_stranger >= 19 and served_stranger >= 19  # strangers are not shut out either
 
 
-def test_without_established_peers_within_reach_strangers_are_let_in_at_every_step() -> None:
+def test_without_established_peers_in_view_strangers_are_let_in_at_every_step_but_not_when_they_are_ahead() -> None:
+    """Nobody with standing in view (a new swarm, a joiner, a partition): strangers at every step. Established peers
+    in view but beyond reach (this node fell behind): the stranger share only, while the node catches up; an
+    attacker that keeps it behind (records at its step) buys no more than that."""
     clock = Clock()
     standing = Standing(standing_seconds=30, stranger_share=0.1, clock=clock)
     strangers = [record(f"s{i}", "10.0.0.9", 7000 + i) for i in range(3)]
@@ -84,10 +87,15 @@ def test_without_established_peers_within_reach_strangers_are_let_in_at_every_st
         standing.observe(strangers, step, 2)
         assert standing.may_serve("s0")
         assert len(standing.order(strangers, {})) == 3  # nobody better: every candidate, one host at a time
-    established, honest = established_swarm(clock)
+    established, honest = established_swarm(clock, share=0.0)
     far = [record(p.peer_id, p.address.split(":")[0], 7000, step=50) for p in honest]  # all beyond max_staleness
-    established.observe([*far, *strangers], 10, 2)
-    assert established.may_serve("a-stranger")
+    near = [record(f"s{i}", "10.0.0.9", 7000 + i, step=10) for i in range(3)]
+    for step in range(10, 20):
+        established.observe([*far, *near], step, 2)
+        assert not established.may_serve("s0")
+        assert established.order(near, {}) == []  # whom to call: nobody within reach has standing
+    established.observe(near, 20, 2)  # the established peers gone from view (a partition): strangers again
+    assert established.may_serve("s0")
 
 
 def test_a_thousand_keys_on_one_host_weigh_as_one_host() -> None:
