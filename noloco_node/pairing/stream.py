@@ -74,7 +74,8 @@ class ServedRound:
 
     peer_id: str
     outer_step: int  # the partner's, in its progress payload
-    # The residual before and after that commit (wire/sparse.py); None once taken back, or in a dense run.
+    # The residual before and after that commit (wire/sparse.py); None once taken back, or in a dense run. Held
+    # until the next round: one fp32 copy of the model (the residual before) that would otherwise be freed.
     residuals: tuple[list[torch.Tensor], list[torch.Tensor]] | None
     generation: int  # the residual's, when committed
 
