@@ -8,13 +8,12 @@ caller's connection. The server has blended by then; the caller has committed an
 from __future__ import annotations
 
 import asyncio
-import threading
 
 from google.protobuf.message import DecodeError
 
 from noloco_node.wire import peer_pb2 as pb
 
-from .throttling_proxy import free_port
+from .throttling_proxy import LoopbackProxy
 
 PREFACE = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n"
 DATA = 0x0
@@ -52,27 +51,15 @@ def _frame(message: bytes) -> pb.Frame | None:
         return None
 
 
-class AckDroppingProxy:
+class AckDroppingProxy(LoopbackProxy):
     """Listens on 127.0.0.1:<port> and forwards to 127.0.0.1:<target_port>, losing ``drops`` progress acks after
     ``skip`` progress exchanges."""
 
     def __init__(self, target_port: int, *, skip: int = 0, drops: int) -> None:
-        self.target_port = target_port
         self.skip_left = skip
         self.drops_left = drops
         self.dropped = 0
-        self.port = free_port()
-        self._loop = asyncio.new_event_loop()
-        self._started = threading.Event()
-        self._thread = threading.Thread(target=self._run, daemon=True)
-        self._thread.start()
-        assert self._started.wait(10)
-
-    def _run(self) -> None:
-        asyncio.set_event_loop(self._loop)
-        self._server = self._loop.run_until_complete(asyncio.start_server(self._handle, "127.0.0.1", self.port))
-        self._started.set()
-        self._loop.run_forever()
+        super().__init__(target_port)
 
     async def _handle(self, client_reader: asyncio.StreamReader, client_writer: asyncio.StreamWriter) -> None:
         try:
@@ -138,15 +125,3 @@ class AckDroppingProxy:
                         return
             writer.write(header + payload)
             await writer.drain()
-
-    def close(self) -> None:
-        async def shut_down() -> None:
-            self._server.close()
-            relays = [task for task in asyncio.all_tasks() if task is not asyncio.current_task()]
-            for task in relays:
-                task.cancel()
-            await asyncio.gather(*relays, return_exceptions=True)
-
-        asyncio.run_coroutine_threadsafe(shut_down(), self._loop).result(timeout=5)
-        self._loop.call_soon_threadsafe(self._loop.stop)
-        self._thread.join(timeout=5)

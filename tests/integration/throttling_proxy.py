@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import socket
 import threading
+from abc import ABC, abstractmethod
 from collections.abc import Callable
 
 
@@ -16,25 +17,14 @@ def free_port() -> int:
         return probe.getsockname()[1]
 
 
-class ThrottlingProxy:
-    """Listens on 127.0.0.1:<port> and forwards to 127.0.0.1:<target_port> at ``bytes_per_second`` per direction."""
+class LoopbackProxy(ABC):
+    """Listens on 127.0.0.1:<port> and hands each connection to ``_handle`` (a subclass forwards it to
+    127.0.0.1:<target_port> its own way), on an event loop of its own in a daemon thread. A subclass sets its own
+    fields before calling ``__init__``: connections may come as soon as it returns."""
 
-    def __init__(
-        self,
-        target_port: int,
-        *,
-        bytes_per_second: int,
-        on_bytes: Callable[[int], None] | None = None,
-        cut_after_bytes: int | None = None,
-    ):
+    def __init__(self, target_port: int) -> None:
         self.target_port = target_port
-        self.cut_after_bytes = cut_after_bytes
-        self.cuts = 0
-        self.rate = bytes_per_second
-        self.on_bytes = on_bytes
         self.port = free_port()
-        self.relayed = 0
-        self.refusing = False  # interrupt(): the path is broken, connections are accepted and closed at once
         self._loop = asyncio.new_event_loop()
         self._started = threading.Event()
         self._thread = threading.Thread(target=self._run, daemon=True)
@@ -46,6 +36,49 @@ class ThrottlingProxy:
         self._server = self._loop.run_until_complete(asyncio.start_server(self._handle, "127.0.0.1", self.port))
         self._started.set()
         self._loop.run_forever()
+
+    @abstractmethod
+    async def _handle(self, client_reader: asyncio.StreamReader, client_writer: asyncio.StreamWriter) -> None:
+        """One connection from a client, forwarded to the target in this proxy's way."""
+
+    def _cancel_relays(self) -> None:
+        """On the proxy's loop: end every relayed connection."""
+
+        async def cancel() -> None:
+            relays = [task for task in asyncio.all_tasks() if task is not asyncio.current_task()]
+            for task in relays:
+                task.cancel()
+            await asyncio.gather(*relays, return_exceptions=True)
+
+        asyncio.run_coroutine_threadsafe(cancel(), self._loop).result(timeout=5)
+
+    def close(self) -> None:
+        """Stop listening and end every relayed connection on the proxy's loop before stopping it: a loop stopped
+        with relays still pending left their coroutines to be closed later, on a closed loop."""
+        self._loop.call_soon_threadsafe(self._server.close)
+        self._cancel_relays()
+        self._loop.call_soon_threadsafe(self._loop.stop)
+        self._thread.join(timeout=5)
+
+
+class ThrottlingProxy(LoopbackProxy):
+    """Listens on 127.0.0.1:<port> and forwards to 127.0.0.1:<target_port> at ``bytes_per_second`` per direction."""
+
+    def __init__(
+        self,
+        target_port: int,
+        *,
+        bytes_per_second: int,
+        on_bytes: Callable[[int], None] | None = None,
+        cut_after_bytes: int | None = None,
+    ):
+        self.cut_after_bytes = cut_after_bytes
+        self.cuts = 0
+        self.rate = bytes_per_second
+        self.on_bytes = on_bytes
+        self.relayed = 0
+        self.refusing = False  # interrupt(): the path is broken, connections are accepted and closed at once
+        super().__init__(target_port)
 
     async def _pipe(
         self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, other: asyncio.StreamWriter
@@ -89,30 +122,8 @@ class ThrottlingProxy:
 
     def interrupt(self) -> None:
         """Break the path: every relayed connection is cut and new ones are closed as they come, until restore()."""
-
-        async def cut() -> None:
-            self.refusing = True
-            relays = [task for task in asyncio.all_tasks() if task is not asyncio.current_task()]
-            for task in relays:
-                task.cancel()
-            await asyncio.gather(*relays, return_exceptions=True)
-
-        asyncio.run_coroutine_threadsafe(cut(), self._loop).result(timeout=5)
+        self.refusing = True
+        self._cancel_relays()
 
     def restore(self) -> None:
         self.refusing = False
-
-    def close(self) -> None:
-        """Stop listening and end every relayed connection on the proxy's loop before stopping it: a loop stopped
-        with relays still pending left their coroutines to be closed later, on a closed loop."""
-
-        async def shut_down() -> None:
-            self._server.close()
-            relays = [task for task in asyncio.all_tasks() if task is not asyncio.current_task()]
-            for task in relays:
-                task.cancel()
-            await asyncio.gather(*relays, return_exceptions=True)
-
-        asyncio.run_coroutine_threadsafe(shut_down(), self._loop).result(timeout=5)
-        self._loop.call_soon_threadsafe(self._loop.stop)
-        self._thread.join(timeout=5)
