@@ -108,9 +108,9 @@ class NodeProcess:
         stop_gracefully(self.process, 30)
 
 
-def stop_all(nodes: Iterable[NodeProcess]) -> None:
-    """Stop a test's nodes gracefully, all at once."""
-    stop_together([node.process for node in nodes], 30)
+def stop_all(nodes: Iterable[NodeProcess]) -> list[int]:
+    """Stop a test's nodes gracefully, all at once; returns their exit codes (-9: killed, not gracefully)."""
+    return stop_together([node.process for node in nodes], 30)
 
 
 def run_attacker(

@@ -18,6 +18,7 @@ from noloco_node.pairing.peer_policy import PeerPolicy
 from noloco_node.rpc.transport import GuardedCall, Watchdog
 from noloco_node.security.payload_guard import Complaints, NormGuard, relative_distance
 from noloco_node.training.replica import learning_rate
+from noloco_node.wire import sparse
 from noloco_node.wire.frames import PayloadError
 
 
@@ -88,23 +89,57 @@ def test_in_the_warmup_a_partner_further_along_is_allowed_its_larger_learning_ra
     assert late_partner >= late_lr
 
 
-def test_a_sparse_run_bounds_a_partners_code_by_the_size_of_its_own() -> None:
+def test_a_sparse_run_bounds_a_partners_code_by_the_size_of_its_own_or_of_a_steady_state_code() -> None:
     """The top-k code of a sparse run carries what earlier exchanges left out on a 64th of the values: an honest
     partner's is several times a phase's movement. The bound follows the larger of the movement and the size of what
-    this node itself sent, so an honest code passes and one twice as large as the node's own times the factor does
-    not."""
+    this node itself sent, times the factor, and is never below a steady-state code (8 phases' movement): a node whose
+    own residual is young (a joiner, a node that caught up) sends small codes and would refuse its partners'."""
     guard = NormGuard(factor=3.0)
-    guard.observe_own_movement(0.02, phase_lr=1e-3, partner_lr=1e-3)
-    assert guard.bound() == pytest.approx(0.06)
+    guard.observe_own_movement(0.01, phase_lr=1e-3, partner_lr=1e-3)
+    assert guard.bound() == pytest.approx(0.03)
     with pytest.raises(PayloadError):
-        guard.admit(0.15, "partner")  # an honest code, refused by the movement alone
-    guard.observe_sent(0.16)
-    assert guard.bound() == pytest.approx(0.48)
-    guard.admit(0.15, "partner")
+        guard.admit(0.05, "partner")  # an honest code, refused by the movement alone (a dense run's bound)
+    guard.observe_sent(0.004)  # this node's own residual is young: its code is smaller than its movement
+    assert guard.bound() == pytest.approx(8 * 0.01)
+    guard.admit(0.05, "partner")  # a code of 5 phases' movement from a partner whose residual is older
     with pytest.raises(PayloadError):
-        guard.admit(0.96, "partner")
+        guard.admit(0.09, "partner")
+    guard.observe_sent(0.04)  # its own residual has grown: the factor applies to its own code's size
+    assert guard.bound() == pytest.approx(0.12)
+    guard.admit(0.11, "partner")
+    with pytest.raises(PayloadError):
+        guard.admit(0.25, "partner")
     guard.observe_sent(float("nan"))  # nothing learnt from a size that is not one
-    assert guard.bound() == pytest.approx(0.48)
+    assert guard.bound() == pytest.approx(0.12)
+
+
+def test_an_established_partners_code_passes_the_bound_of_a_node_whose_residual_is_young() -> None:
+    """The real codec with error feedback, on progress that keeps one direction from phase to phase (a persistent
+    gradient): the code of a partner whose residual has taken 150 commits is 6.3 phases' movement, a fresh one 0.34.
+    The node with the fresh residual, bounded by its own movement and code alone (3 x 1 phase), would refuse it;
+    the steady-state floor admits it. Both movements are one unit per unit of learning rate."""
+    torch.manual_seed(0)
+    size = 1 << 16
+    direction = torch.randn(size)
+    phi = torch.randn(size) * 20
+    phase_norm = float(direction.norm())
+
+    def code_after(commits: int) -> float:
+        feedback = sparse.ErrorFeedback([(size,)])
+        for _ in range(commits):
+            _, decoded, residual = feedback.compress([direction.clone()])
+            feedback.commit(residual)
+        _, decoded, _ = feedback.compress([direction.clone()])
+        return float(decoded[0].norm()) / float(phi.norm())
+
+    movement = phase_norm / float(phi.norm())
+    established, young = code_after(150), code_after(0)
+    assert established > 6 * movement and young < 0.4 * movement, (established / movement, young / movement)
+    guard = NormGuard(factor=3.0)
+    guard.observe_own_movement(movement, phase_lr=1.0, partner_lr=1.0)
+    guard.observe_sent(young)
+    assert 3 * movement < established < guard.bound()  # refused by the node's own movement and code, not now
+    guard.admit(established, "an established partner")
 
 
 def test_complaints_are_logged_once_per_peer_and_reason_per_interval(caplog: pytest.LogCaptureFixture) -> None:
