@@ -15,7 +15,9 @@ The attacks (numbered as in the issue that measured them):
 4. holding the pairing round (a valid manifest, then silence: :func:`hog_once`) and the server slots (silent
    streams: :func:`silent_stream`);
 5. idle TCP connections by the thousand (:func:`idle_connections`);
-6. replayed membership proofs need a private run and a captured proof; tests/integration/test_security.py has it.
+6. replayed membership proofs need a private run and a captured proof; tests/integration/test_security.py has it;
+7. (stream mode, sparse wire; only when asked for: ``--attacks reserve``) a key that reserves each of a node's
+   phases with an empty phase swap and never delivers a progress (:func:`reserve_once`).
 """
 
 from __future__ import annotations
@@ -54,7 +56,16 @@ from noloco_node.security.identity import NodeIdentity, _wrap
 from noloco_node.security.payload_seal import PayloadSeal, call_binding
 from noloco_node.training.checkpoints import state_layout
 from noloco_node.wire import peer_pb2 as pb
-from noloco_node.wire.frames import ChunkView, PayloadDigest, PayloadError, build_manifest, decode_frame, iter_frames
+from noloco_node.wire.frames import (
+    ChunkView,
+    PayloadDigest,
+    PayloadError,
+    build_manifest,
+    decode_frame,
+    iter_frames,
+    read_verdict,
+    verdict_frame,
+)
 
 CLAIMED_STEP = 1_000_000
 
@@ -362,6 +373,42 @@ def hog_once(address: str, target: Target, model_cfg: ModelConfig | None, *, hol
     return code
 
 
+def reserve_once(address: str, target: Target, identity: NodeIdentity, *, timeout: float = 10.0) -> str:
+    """Attack 7 (stream mode, sparse wire): a phase swap that carries no tensors (a reservation), sealed and
+    committed like an honest one, so that the target reserves its phase for ``identity``, which then never
+    delivers a progress (it has no DHT record, and answers nothing). Returns ``reserved`` when the target
+    acknowledged the swap, else the status code name (or ``not_committed``)."""
+    manifest = build_manifest(
+        [],
+        wire_dtype="int8",
+        run_fingerprint=target.run_fingerprint,
+        peer_id=identity.peer_id,
+        outer_step=target.outer_step,
+    )
+    proof = prove(identity, EXCHANGE_METHOD, target.peer_id)
+    frames = sealed(list(iter_frames(manifest, [])), identity, target.peer_id, proof)
+    theirs_ended = threading.Event()
+
+    def requests() -> Iterator[bytes]:
+        yield from frames
+        if theirs_ended.wait(timeout):  # the target's phase payload has arrived whole: commit to it
+            yield verdict_frame(commit=True)
+
+    with grpc.insecure_channel(address, options=CHANNEL_OPTIONS) as channel:
+        call = channel.stream_stream(EXCHANGE_METHOD)(requests(), timeout=timeout, metadata=proof)
+        try:
+            for raw in call:
+                if theirs_ended.is_set():
+                    return "reserved" if read_verdict(raw).commit else "not_committed"
+                if isinstance(decode_frame(raw), pb.End):
+                    theirs_ended.set()
+        except grpc.RpcError as error:
+            return error.code().name
+        finally:
+            theirs_ended.set()
+    return "no_acknowledgement"
+
+
 def silent_stream(address: str, target: Target, hold: float = 60.0) -> str:
     """Attack 4, on the slots: a stream that sends nothing at all."""
     return hog_once(address, target, None, hold=hold)
@@ -427,9 +474,12 @@ class OutsiderReport:
     silent: Counter[str] = field(default_factory=Counter)
     idle_connections: int = 0
     probes: Counter[str] = field(default_factory=Counter)  # Info / GetState asked of the honest nodes
+    reservations: Counter[str] = field(default_factory=Counter)  # phase swaps that reserve and never deliver
 
 
-ATTACKS = ("hog", "silent", "payloads", "idle")  # the fake donor is a FakeDonor of its own
+ATTACKS = ("hog", "silent", "payloads", "idle", "reserve")  # the fake donor is a FakeDonor of its own
+# Attacks a plain `bench outsider` leaves out: "reserve" needs a stream run with the sparse wire.
+STREAM_ATTACKS = ("reserve",)
 
 
 class Outsider:
@@ -443,7 +493,7 @@ class Outsider:
         targets_now: Callable[[], list[Target]],
         model_cfg: ModelConfig,
         *,
-        attacks: Sequence[str] = ATTACKS,
+        attacks: Sequence[str] = tuple(a for a in ATTACKS if a not in STREAM_ATTACKS),
         silent_streams: int = 10,
         idle: int = 200,
         every: float = 10.0,
@@ -488,6 +538,8 @@ class Outsider:
             self._spawn(self._probe_loop, target.peer_id)
             if "idle" in self.attacks:
                 self._sockets += idle_connections(self._relay(target), self.idle)
+            if "reserve" in self.attacks:
+                self._spawn(self._reserve_loop, target.peer_id)
         self.report.idle_connections = len(self._sockets)
 
     def _spawn(self, loop: Callable[[str], None], peer_id: str) -> None:
@@ -527,6 +579,14 @@ class Outsider:
             except ExchangeError as error:
                 self.report.ratchet[f"phi download {error.reason}"] += 1
             self._stop.wait(self.every)
+
+    def _reserve_loop(self, peer_id: str) -> None:
+        """One key (made for this target) tries to reserve each of the target's phases as it opens."""
+        identity = fresh_identity()
+        while not self._stop.is_set() and (target := self._current(peer_id)) is not None:
+            outcome = reserve_once(self._relay(target, self.payload_source), target, identity)
+            self.report.reservations[outcome] += 1
+            self._stop.wait(0.2)
 
     def _probe_loop(self, peer_id: str) -> None:
         prober = fresh_identity()  # an honest-looking caller at the honest nodes' address
@@ -582,7 +642,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     (on a machine it shares with the swarm it stands for a host of its own, so it must not take the nodes' CPU).
     Prints its report as JSON."""
     parser = attacker_arguments(main.__doc__)
-    parser.add_argument("--attacks", default=",".join(ATTACKS))
+    parser.add_argument("--attacks", default=",".join(a for a in ATTACKS if a not in STREAM_ATTACKS))
     parser.add_argument("--silent-streams", type=int, default=10)
     parser.add_argument("--idle", type=int, default=200)
     parser.add_argument("--source", default="127.0.0.2", help="the address the outsider comes from")

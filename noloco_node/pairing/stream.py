@@ -17,7 +17,12 @@ theta_j = phi_j + Delta_j, where only Delta_j, the phase's progress, waits for t
    complete_payload`) and checked under the norm bound like any partner's weights.
 3. No reservation by the outer step, the partner gone or already past this step, no progress within
    --pair-timeout, or the reservation spent by a progress exchange that did not settle (refused, or cut before
-   both sides committed: a phase payload completes one progress): a solo step.
+   both sides committed: a phase payload completes one progress): a solo step. A reserved partner that delivered
+   no progress while its record said it was still at the phase (by --pair-timeout), or that had no record in the
+   DHT at all (by PARTNER_MISSING_SECONDS), held this node's phase for nothing: it is set aside
+   (``undelivered``, the doubling avoidance of a refused payload), and no phase is swapped with a peer set aside.
+   The wait itself stays --pair-timeout: an honest partner that reserved early in its phase and late in this
+   node's delivers up to a phase later, while this node trains on.
 
 The blend is exact NoLoCo up to the rounding of phi (bf16) and Delta (the wire dtype): the simulator's
 ``noloco-stream`` methods measure that cost (docs/algorithm-study.md). On the critical path there is only Delta,
@@ -50,6 +55,7 @@ import torch
 from noloco_node import algorithm
 from noloco_node.discovery.dht import PeerRecord
 from noloco_node.pairing.caller import SETTLE_SECONDS
+from noloco_node.pairing.peer_policy import UNDELIVERED
 from noloco_node.pairing.strategy import PairingContext, PairingStrategy
 from noloco_node.pairing.sync import PairingRound, RepeatGrace, RoundSession, run_round
 from noloco_node.security.payload_guard import relative_norm
@@ -111,6 +117,7 @@ class StreamPairing(PairingStrategy):
         # call. As the server: the last round it settled, and a Settle that came before the trainer took the round.
         self._unacknowledged_by: str | None = None
         self._settled_by_call = False
+        self._partner_left = False  # this round's reserved partner went on past this phase, or left the swarm
         self._served: ServedRound | None = None
         self._disowned: tuple[str, int] | None = None
         self._settling: Future[None] | None = None  # the question about the last unacknowledged exchange
@@ -144,6 +151,8 @@ class StreamPairing(PairingStrategy):
             if abs(partner_outer_step - phase.outer_step) > self.ctx.max_staleness:
                 return None
             if not phase.repeat.allows(partner_id):
+                return None
+            if self.ctx.caller.policy.avoided(partner_id):  # set aside (one that never delivered, say): no phase
                 return None
             if not self._swap_lock.acquire(blocking=False):
                 return None
@@ -298,7 +307,7 @@ class StreamPairing(PairingStrategy):
         offer = ctx.offers["progress"].publish({"progress": progress}, replica.outer_step)
         del progress
         current = PairingRound(replica.outer_step, offer, only_partner=reserved.peer_id)
-        self._unacknowledged_by, self._settled_by_call = None, False
+        self._unacknowledged_by, self._settled_by_call, self._partner_left = None, False, False
         self._round = current
         seeker = self._exchange_progress(current, phase, reserved.peer_id, reserved.outer_step)
         partner = run_round(ctx, current, seeker, train_step)
@@ -320,6 +329,8 @@ class StreamPairing(PairingStrategy):
             leftover, phase.partner = phase.partner, None  # not consumed: the progress never came
         if leftover is not None:
             leftover.release()
+            if not self._partner_left and not ctx.stopping.is_set():
+                self._undelivered(reserved.peer_id, replica.outer_step)
         unacknowledged = self._unacknowledged_by == reserved.peer_id
         if partner is None and unacknowledged and before is not None and residual is not None:
             # This node committed and never heard whether the partner did: ask it (its answer settles both
@@ -340,6 +351,26 @@ class StreamPairing(PairingStrategy):
                     self.feedback.commit(residual)
                 compressed_partner(partner, replica.names, replica.phi, left_out)
         return partner
+
+    def _undelivered(self, partner_id: str, outer_step: int) -> None:
+        """The reserved partner's progress never reached this round (no exchange used the reservation) while its
+        record said it was still at this phase, or while it had no record at all: it held this node's phase and
+        gave nothing. Set aside like a peer
+        whose payload was refused: not called, and no phase swap with it (:meth:`open_session`), for avoid_seconds,
+        doubling. Not a failed call's avoidance, which a peer's Info answering again lifts. An honest partner gets
+        here only by delivering nothing within --pair-timeout of this node's outer step: a partner more than a phase
+        behind."""
+        policy = self.ctx.caller.policy
+        if policy.avoided(partner_id):  # a failed call to it set it aside already
+            return
+        avoid = policy.failed(partner_id, UNDELIVERED)
+        self.ctx.caller.settings.metrics.outcome(UNDELIVERED)
+        log.warning(
+            "outer step %d: %s reserved this phase and delivered no progress; set aside for %.0fs",
+            outer_step,
+            partner_id[-8:],
+            avoid,
+        )
 
     def _await_reservation(self, phase: Phase, train_step: Callable[[], bool] | None) -> None:
         """Not reserved at the phase's end (the first phase, an odd swarm, every peer taken, or a slow link still
@@ -433,6 +464,7 @@ class StreamPairing(PairingStrategy):
         known from the phase swap, without waiting for a DHT lookup."""
         ctx = self.ctx
         record, missing_since = self._records.get(partner_id), None
+        listed = record is not None  # a partner never listed in the DHT this round cannot have left it
         while current.open:
             if self._spent(phase):
                 current.stop_waiting()  # an exchange still in flight may settle the round
@@ -459,10 +491,13 @@ class StreamPairing(PairingStrategy):
             except (TimeoutError, OSError):
                 continue
             record = next((p for p in live if p.peer_id == partner_id), None)
+            listed = listed or record is not None
             now = time.monotonic()
             missing_since = None if record is not None else (missing_since or now)
             gone = missing_since is not None and now - missing_since >= PARTNER_MISSING_SECONDS
-            if gone or (record is not None and record.outer_step > partner_step):
+            past = record is not None and record.outer_step > partner_step
+            if gone or past:
+                self._partner_left = past or listed  # it went on alone, or left: nothing was held back on purpose
                 current.stop_waiting()
                 return
 

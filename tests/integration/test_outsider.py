@@ -357,6 +357,40 @@ def test_a_lock_hog_and_slot_exhaustion_leave_honest_nodes_blending_and_answerin
         stop_all(nodes)
 
 
+def test_a_key_that_reserves_each_phase_and_never_delivers_holds_one_phase_per_set_aside(
+    bootstrap: Bootstrap, tmp_path: Path
+) -> None:
+    """Stream mode, sparse wire: the outsider reserves each of both nodes' phases with an empty phase swap (one key
+    per node, no DHT record) and never sends a progress. Each node waits for the reserved partner once, sets the key
+    aside (undelivered) and refuses its swaps from then on: within the attack window (shorter than the 30 s set
+    aside) each key holds at most one phase of each node, and the nodes keep blending with each other. Before the
+    set-aside, such a key held every phase it reserved and the node stepped alone at every one."""
+    args = [*TRAIN, "--steps", "100000", "--inner-steps", "10", "--pair-timeout", "3"]
+    args += ["--mode", "stream", "--wire-dtype", "sparse", "--phi-every", "2"]
+    nodes = [NodeProcess(f"n{i}", bootstrap, tmp_path, *args, "--shard-index", str(i)) for i in range(2)]
+    try:
+        for n in nodes:
+            _wait_for(lambda n=n: (s := n.status()) and s["address"] and s["outer_step"] >= 2 and s, 120, n.name)
+        window = 20.0
+        started, seen = run_attacker("noloco_bench.outsider", nodes, window, "--attacks", "reserve")
+        wait_for_steps_after(nodes, time.time())
+        ended = time.time()
+        steps = {n.name: [h for h in n.status()["history"] if started < h["time"] <= ended] for n in nodes}
+        lives = [_live(n.status()) for n in nodes]
+    finally:
+        stop_all(nodes)
+    summary = {name: f"{sum(1 for h in hs if h['partner'])}/{len(hs)} blended" for name, hs in steps.items()}
+    print(f"under the reserving key ({window:.0f} s): {summary}; the outsider saw {seen['reservations']}")
+    assert 1 <= seen["reservations"].get("reserved", 0) <= len(nodes), seen  # it got in, once per node at most
+    for live in lives:
+        assert live["exchange_outcomes"].get("undelivered", 0) <= 1, live["exchange_outcomes"]
+    honest = {n["peer_id"] for n in lives}
+    for name, hs in steps.items():
+        assert len(hs) >= 10, (name, len(hs))
+        with_honest = sum(1 for h in hs if h["partner"] in honest)
+        assert with_honest >= 0.7 * len(hs), (name, summary)
+
+
 HOLD_IDLE_CONNECTIONS = """
 import sys, time
 from noloco_bench.outsider import idle_connections

@@ -12,9 +12,11 @@ import pytest
 import torch
 
 from noloco_node.pairing.overlap import OfferBook
+from noloco_node.pairing.peer_policy import UNDELIVERED, PeerPolicy
 from noloco_node.pairing.strategy import OfferPublisher
 from noloco_node.pairing.stream import StreamPairing
 from noloco_node.pairing.sync import PairingRound, RepeatGrace, Stage
+from noloco_node.rpc.metrics import ExchangeMetrics
 from noloco_node.wire import peer_pb2 as pb
 from noloco_node.wire.frames import PayloadError, PayloadKind, TensorLayout
 from noloco_node.wire.payload import Payload
@@ -215,7 +217,10 @@ def stream_pairing(progress_dtype: str = "bf16", phi_every: int = 1) -> StreamPa
         peer_id=lambda: "self",
         offers={kind.name: OfferPublisher(kind, run_fingerprint="run", peer_id=lambda: "self") for kind in kinds},
         phi_every=phi_every,
-        caller=SimpleNamespace(settings=SimpleNamespace(receive_buffers=ReceiveBuffers(max_idle_bytes=0))),
+        caller=SimpleNamespace(
+            settings=SimpleNamespace(receive_buffers=ReceiveBuffers(max_idle_bytes=0), metrics=ExchangeMetrics()),
+            policy=PeerPolicy(exchange_timeout=60.0, min_deadline=5.0, avoid_seconds=30.0),
+        ),
         loop=None,
         max_staleness=1,
     )
@@ -246,6 +251,25 @@ def test_stream_reserves_the_first_phase_swap_and_rebuilds_its_partners_theta_fr
     with pytest.raises(PayloadError) as again:  # one progress per reservation
         strategy.complete_payload(Payload(pb.Manifest(peer_id="b", outer_step=3), {"progress/w": progress}))
     assert again.value.reason == "no_phase_payload"
+
+
+def test_a_reserved_partner_that_delivers_nothing_is_set_aside_and_swaps_no_phase_meanwhile() -> None:
+    """A peer that reserved a phase and delivered no progress is set aside (counted ``undelivered``) and refused
+    at the next phase swap, whoever calls; its Info answering again does not lift it (only a failed path's
+    avoidance is lifted that way); other peers still swap."""
+    strategy = stream_pairing()
+    policy = strategy.ctx.caller.policy
+    strategy._begin_phase([torch.zeros(3, 2)], [torch.zeros(3, 2)], 3)
+    strategy._undelivered("holder", 3)
+    assert policy.avoided("holder") and strategy.ctx.caller.settings.metrics.outcomes[UNDELIVERED] == 1
+    assert not policy.answered_again("holder")
+    strategy._undelivered("holder", 3)  # already set aside (a failed call to it, say): not doubled
+    assert strategy.ctx.caller.settings.metrics.outcomes[UNDELIVERED] == 1
+    strategy._begin_phase([torch.zeros(3, 2)], [torch.zeros(3, 2)], 4)
+    assert strategy.ready() and strategy.open_session("holder", 4, "phase") is None
+    session = strategy.open_session("honest", 4, "phase")
+    assert session is not None
+    session.release()
 
 
 def test_stream_refuses_progress_of_another_phase_than_the_swapped_one() -> None:
