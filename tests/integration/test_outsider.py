@@ -357,6 +357,7 @@ def test_a_lock_hog_and_slot_exhaustion_leave_honest_nodes_blending_and_answerin
         stop_all(nodes)
 
 
+@pytest.mark.slow
 def test_a_key_that_reserves_each_phase_and_never_delivers_holds_one_phase_per_set_aside(
     bootstrap: Bootstrap, tmp_path: Path
 ) -> None:
