@@ -61,12 +61,13 @@ def _check_same_shapes(reference: TensorList, other: TensorList, what: str) -> N
             raise ValueError(f"{what}[{k}] has shape {tuple(got.shape)}, expected {tuple(ref.shape)}")
 
 
-def _group_mean(own: torch.Tensor, others: Sequence[torch.Tensor]) -> torch.Tensor:
-    """fp32 mean of one tensor over the group (own first), into a fresh buffer."""
+def _group_mean(own: torch.Tensor, others: Sequence[torch.Tensor], weight: float = 1.0) -> torch.Tensor:
+    """fp32 mean of one tensor over the group (own first, each other counted ``weight`` times), into a fresh
+    buffer."""
     total = own.to(torch.float32, copy=True)
     for other in others:
-        total.add_(other.to(torch.float32))
-    return total.div_(1 + len(others))
+        total.add_(other.to(torch.float32), alpha=weight)
+    return total.div_(1 + weight * len(others))
 
 
 @torch.no_grad()
@@ -80,6 +81,7 @@ def noloco_outer_step(
     alpha: float,
     beta: float,
     gamma: float,
+    peer_weight: float = 1.0,
 ) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
     """One NoLoCo outer step of one replica; returns ``(new_phi, new_delta)`` as fresh fp32 tensors.
 
@@ -92,6 +94,8 @@ def noloco_outer_step(
             peers' fast weights); otherwise one entry per peer.
         alpha, beta, gamma: momentum decay, step size on the group's mean fast-minus-slow, and pull towards the
             group's mean slow weights.
+        peer_weight: how many replicas each peer counts as in the group's means (1: NoLoCo's plain mean; a node
+            gives a partner without standing less: pairing/standing.py STRANGER_WEIGHT).
 
     The caller sets ``theta = new_phi`` to start the next inner phase. Inputs are never modified.
     """
@@ -113,12 +117,12 @@ def noloco_outer_step(
     new_delta: list[torch.Tensor] = []
     for k in range(len(theta)):
         phi_k = phi[k].to(torch.float32)
-        mean_theta = _group_mean(theta[k], [peer[k] for peer in peer_thetas])
+        mean_theta = _group_mean(theta[k], [peer[k] for peer in peer_thetas], peer_weight)
         if fast_path:
             # beta*(mean(theta) - mean(phi)) - beta*(phi - mean(phi)) == beta*(mean(theta) - phi)
             step = mean_theta.sub_(phi_k).mul_(beta)
         else:
-            mean_phi = _group_mean(phi[k], [peer[k] for peer in peer_phis])
+            mean_phi = _group_mean(phi[k], [peer[k] for peer in peer_phis], peer_weight)
             mean_fast_minus_slow = mean_theta.sub_(mean_phi)
             pull = phi_k - mean_phi
             step = mean_fast_minus_slow.mul_(beta).sub_(pull, alpha=gamma)
@@ -140,6 +144,7 @@ def noloco_pair_step(
     gamma: float,
     blend_momenta: bool = False,
     sent_theta: TensorList | None = None,
+    partner_weight: float = 1.0,
 ) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
     """One replica's outer step with at most one partner, as a node takes it; returns ``(new_phi, new_delta)``.
 
@@ -151,7 +156,8 @@ def noloco_pair_step(
     ("blend weights and momenta") the delta it keeps is the mean of both sides' new deltas computed from what
     the two sides *sent* each other (eq. 4 from each side), the only thetas both know: the partner computes the
     same two from the same tensors, so both keep the same momentum, up to the wire's rounding, however many steps
-    either took while waiting.
+    either took while waiting. ``partner_weight`` < 1 (a partner without standing) counts the partner as that
+    much of a replica in the group's means, on this side only: the two sides then keep different momenta.
     """
     if partner is None:
         return noloco_outer_step(theta, phi, delta, [], [], alpha=alpha, beta=beta, gamma=gamma)
@@ -159,20 +165,17 @@ def noloco_pair_step(
     if blend_momenta and not (partner_phi and partner_delta):
         raise ValueError("blending momenta needs the partner's phi and delta")
     peer_phis = [partner_phi] if partner_phi else []
-    new_phi, new_delta = noloco_outer_step(
-        theta, phi, delta, [partner_theta], peer_phis, alpha=alpha, beta=beta, gamma=gamma
-    )
+    weights = {"alpha": alpha, "beta": beta, "gamma": gamma, "peer_weight": partner_weight}
+    new_phi, new_delta = noloco_outer_step(theta, phi, delta, [partner_theta], peer_phis, **weights)
     if not blend_momenta:
         return new_phi, new_delta
     sent = theta if sent_theta is None else sent_theta
     if sent is not theta:
-        _, new_delta = noloco_outer_step(
-            sent, phi, delta, [partner_theta], peer_phis, alpha=alpha, beta=beta, gamma=gamma
-        )
+        _, new_delta = noloco_outer_step(sent, phi, delta, [partner_theta], peer_phis, **weights)
     _, theirs = noloco_outer_step(
         partner_theta, partner_phi, partner_delta, [sent], [phi], alpha=alpha, beta=beta, gamma=gamma
     )
-    return new_phi, mean_weights([new_delta, theirs])
+    return new_phi, [_group_mean(mine, [other], partner_weight) for mine, other in zip(new_delta, theirs, strict=True)]
 
 
 @torch.no_grad()
@@ -274,8 +277,7 @@ def warn_on_unstable_hyperparameters(alpha: float, beta: float, gamma: float, *,
 def mean_weights(replica_weights: Sequence[TensorList]) -> list[torch.Tensor]:
     """The equal-weight fp32 mean of several replicas' tensors, parameter by parameter (fresh tensors).
 
-    Used for a consensus model of live peers (consensus.py) and for a pair's mean outer momentum
-    (:func:`noloco_pair_step` with ``blend_momenta``).
+    Used for a consensus model of live peers (consensus.py).
     """
     first = replica_weights[0]
     for p, replica in enumerate(replica_weights[1:], start=1):

@@ -32,7 +32,7 @@ from noloco_node.config.models import OuterConfig, TrainConfig
 from noloco_node.node.probation import Probation
 from noloco_node.node.report import ProgressLog
 from noloco_node.observability.telemetry import KEEP_OUTER_STEPS, Telemetry
-from noloco_node.pairing.standing import SwarmStep
+from noloco_node.pairing.standing import STRANGER_WEIGHT, SwarmStep
 from noloco_node.pairing.strategy import PairingStrategy
 from noloco_node.security.payload_guard import MAX_DRIFT_STEPS, NormGuard, relative_distance
 from noloco_node.training.checkpoints import CheckpointWriter, Snapshots, replica_state_of
@@ -229,7 +229,7 @@ class OuterStep:
         extra_seconds, extra_steps = (extra.seconds, len(extra.losses)) if extra is not None else (0.0, 0)
         waited = time.monotonic() - wait_started - extra_seconds
         blend_started = time.monotonic()
-        self._blend(partner, sent if extra is not None and extra.losses else None)
+        weight = self._blend(partner, sent if extra is not None and extra.losses else None)
         blend_seconds = time.monotonic() - blend_started
         if partner is not None:
             partner.release()  # blended: its buffers can take the next outer step's payload
@@ -256,6 +256,7 @@ class OuterStep:
             "val_loss": val_loss,
             "partner": partner.peer_id if partner else None,
             "partner_step": partner.outer_step if partner else None,
+            "partner_weight": weight,
             "train_seconds": phase.seconds + extra_seconds,
             "phase_steps": len(phase.losses) + extra_steps,
             "steps_while_waiting": extra_steps,
@@ -359,13 +360,15 @@ class OuterStep:
         own_since, front_since = self._behind_since
         return (self.deps.replica.outer_step - own_since) * 2 < front - front_since
 
-    def _blend(self, partner: Payload | None, sent_theta: list[torch.Tensor] | None = None) -> None:
+    def _blend(self, partner: Payload | None, sent_theta: list[torch.Tensor] | None = None) -> float | None:
         """The outer step over the group that answered: this node plus the partner, or this node alone.
-        ``sent_theta``: the fast weights the partner got, when this node trained on while waiting."""
+        ``sent_theta``: the fast weights the partner got, when this node trained on while waiting. Returns the
+        partner's weight in the blend (pairing/standing.py STRANGER_WEIGHT), None for a solo step."""
         deps, replica = self.deps, self.deps.replica
-        received = None
+        received, weight = None, 1.0
         if partner is not None:
             received = partner_tensors(partner, replica.names, send_phi=deps.send_phi, send_delta=deps.send_delta)
+            weight = 1.0 if deps.believe(partner.peer_id) else STRANGER_WEIGHT
         # theta on the host: gathered once per outer step (the norm bound measured it), again only when the node
         # trained on while it waited. The blend runs on the host: on an H100 machine it took 2.7 s at 1.3b (16
         # cores), and one parameter at a time on the GPU 8.9 s, its copies over PCIe costing more than the maths.
@@ -380,9 +383,11 @@ class OuterStep:
             gamma=deps.outer_cfg.effective_gamma,
             blend_momenta=deps.send_delta,
             sent_theta=sent_theta,
+            partner_weight=weight,
         )
         deps.strategy.after_blend(new_phi, new_delta, fast, replica.phi, replica.outer_step + 1)
         replica.apply_outer_step(new_phi, new_delta)
+        return weight if partner is not None else None
 
 
 def phase_learning_rates(

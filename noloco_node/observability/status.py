@@ -50,6 +50,11 @@ class OuterStepRecord(BaseModel):
     val_loss: float
     partner: str | None = Field(description="Peer id blended with, or null for a solo step.")
     partner_step: int | None = None
+    partner_weight: float | None = Field(
+        None,
+        description="How many replicas the partner counted as in this blend: 1, or less for a partner without "
+        "standing once the node has established peers (pairing/standing.py); null for a solo step.",
+    )
     train_seconds: float = Field(description="Wall time of the inner phase and of the steps taken while waiting.")
     phase_steps: int | None = Field(
         None,

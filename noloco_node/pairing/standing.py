@@ -19,6 +19,9 @@ completes first, can have every round taken by one stranger minting keys and ech
   better to pair with. One whose established peers are live but out of reach (it fell behind, or they did) does
   not: it catches up with them (node/outer_step.py downloads a state after a few solo steps), and keeping it
   behind buys an attacker no more than the stranger share.
+- **A bounded weight for strangers.** Once a node has established peers, a partner without standing counts as
+  ``STRANGER_WEIGHT`` of a replica in its blend: a stranger step moves it a third of the way to the stranger's
+  weights, not half (an honest newcomer mixes in a little more slowly; it joined from a peer's state anyway).
 
 What K keys on M addresses can take is in docs/threat-model.md. Standing is remembered after a peer leaves the DHT
 (a partition, a restart), in a bounded table that evicts strangers first and then the longest-gone: an eviction
@@ -43,6 +46,10 @@ MAX_REMEMBERED = 4096  # peers remembered; past this strangers are forgotten fir
 # Calls in from one network group served in any 2G outer steps (G: the established groups within reach): a group's
 # share, 1/G, with room for one repeat (an honest pair that finds nobody else ready pairs again).
 CALLS_IN_PER_WINDOW = 2
+# How many replicas a partner without standing counts as in this node's blend (algorithm.noloco_pair_step), once the
+# node has established peers (``believable``): its pull on this node's weights is a third of the gap instead of a
+# half, so that what a stranger's step can move is bounded by the weight as well as by the stranger share.
+STRANGER_WEIGHT = 0.5
 
 
 @dataclass

@@ -65,6 +65,24 @@ def test_blended_momenta_hand_worked_value(gamma: float) -> None:
     assert new_delta[0].item() == pytest.approx(0.575)
 
 
+def test_a_partner_without_standing_counts_as_half_a_replica_on_this_side() -> None:
+    # Mine: theta 2, phi 1, delta 0.5; partner theta 4 (phi 3, delta -1), weight 0.5: mean theta (2 + 0.5*4) / 1.5.
+    # delta = 0.25 + 0.7*(8/3 - 1) = 1.41667 (1.65 at full weight); the pull on phi is a third of the gap, not half.
+    mine, partner = (t(2.0), t(1.0), t(0.5)), (t(4.0), t(3.0), t(-1.0))
+    cfg = {"alpha": 0.5, "beta": 0.7, "gamma": 0.7}
+    new_phi, new_delta = algorithm.noloco_pair_step(*mine, partner, **cfg, partner_weight=0.5)
+    assert new_delta[0].item() == pytest.approx(0.25 + 0.7 * (8 / 3 - 1))
+    assert new_phi[0].item() == pytest.approx(1.0 + 0.25 + 0.7 * (8 / 3 - 1))
+    full_phi, _ = algorithm.noloco_pair_step(*mine, partner, **cfg)
+    solo_phi, _ = algorithm.noloco_pair_step(*mine, None, **cfg)
+    pull, full_pull = new_phi[0] - solo_phi[0], full_phi[0] - solo_phi[0]
+    assert pull.item() == pytest.approx(0.7 * (4.0 - 2.0) / 3) and full_pull.item() == pytest.approx(0.7 * 1.0)
+    # With blended momenta the partner's momentum counts half too: (mine + 0.5 * theirs) / 1.5, mine computed at
+    # weight 0.5 (1.41667), theirs as the partner computes it at full weight (-0.5 + 0.7*(3 - 3) = -0.5).
+    _, blended = algorithm.noloco_pair_step(*mine, partner, **cfg, blend_momenta=True, partner_weight=0.5)
+    assert blended[0].item() == pytest.approx((0.25 + 0.7 * (8 / 3 - 1) + 0.5 * -0.5) / 1.5)
+
+
 def test_both_sides_of_a_pair_keep_the_same_momentum_and_their_own_phi() -> None:
     mine = (random_params(1), random_params(2), random_params(3))
     theirs = (random_params(4), random_params(5), random_params(6))
