@@ -207,7 +207,12 @@ class NodeConfig(StrictSettings):
         "weights with the partner's: a partner that finishes its phase later costs this node no idle time. Off: the "
         "trainer idles and blends the weights it sent, exactly.",
     )
-    record_ttl: float = Field(20.0, gt=1.0, description="DHT record lifetime (s); refreshed at a third of it.")
+    record_ttl: float = Field(
+        20.0,
+        gt=1.0,
+        le=600.0,  # discovery/dht.py MAX_RECORD_TTL: peers refuse records that outlive it
+        description="DHT record lifetime (s); refreshed at a third of it.",
+    )
     avoid_seconds: float = Field(30.0, ge=0, description="How long a peer that failed is not chosen.")
     standing_seconds: float = Field(
         120.0,

@@ -23,17 +23,20 @@ import ctypes
 import hashlib
 import logging
 import os
+import random
 import re
 import signal
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
 from typing import Any
 
 import hivemind
 from hivemind.dht.crypto import RSASignatureValidator
+from hivemind.dht.validation import DHTRecord, RecordValidatorBase
 from hivemind.utils.crypto import RSAPublicKey
+from hivemind.utils.serializer import MSGPackSerializer
 from hivemind.utils.timed_storage import get_dht_time
 
 from noloco_node.addresses import canonical_address, host_of_address, network_group
@@ -45,6 +48,15 @@ from noloco_node.security.identity import NodeIdentity, peer_id_of
 log = logging.getLogger(__name__)
 
 _PR_SET_PDEATHSIG = 1
+
+
+class BoundedRecords(RecordValidatorBase):
+    """Every DHT peer of a run (bootstrap peers and nodes) refuses to store, and every reader drops, an entry larger
+    than MAX_STORED_VALUE_BYTES or expiring more than MAX_RECORD_TTL from now. Writing costs nothing, so without it
+    one key could hold entries that outlive any refresh and answers larger than the transport carries."""
+
+    def validate(self, record: DHTRecord) -> bool:
+        return len(record.value) <= MAX_STORED_VALUE_BYTES and record.expiration_time <= get_dht_time() + MAX_RECORD_TTL
 
 
 class TiedDHT(hivemind.DHT):
@@ -72,7 +84,15 @@ class TiedDHT(hivemind.DHT):
 
 
 DEFAULT_RECORD_TTL = 30.0
+MAX_RECORD_TTL = 600.0  # the longest lifetime a record may be stored for: a record expiring later is refused
 MAX_LIVE_PEERS = 1024  # records a node considers at once: a flood of fake ones cannot grow its tables
+# A peer record as its writer stores it (msgpack, before the DHT's signature): readers and writers refuse larger
+# ones. An honest record is 150-300 bytes; 8 relay multiaddrs and 8 relay ids of today's lengths stay under 1.5 KB.
+MAX_RECORD_BYTES = 2048
+# Anything this DHT stores or returns, signature included: a start record (32 short entries at most) fits.
+MAX_STORED_VALUE_BYTES = 4096
+# A record dated (``updated``) further ahead of the reader's clock is refused: no honest clock is that far off.
+MAX_RECORD_AHEAD_SECONDS = 300.0
 DEFAULT_DHT_TIMEOUT = 10.0
 DHT_SILENCE_SECONDS = 5.0  # a DHT peer that did not answer is skipped by lookups for this long (no doubling)
 # live_peers() callers within this long of a lookup's start share its answer: a lookup fetches every record from
@@ -169,6 +189,28 @@ def _short_texts(value: Any) -> tuple[str, ...]:
     return tuple(_short_text(item) for item in value)
 
 
+def record_bytes(value: Any) -> int:
+    """The size of a record as stored (msgpack), or more than MAX_RECORD_BYTES for what msgpack cannot encode."""
+    try:
+        return len(MSGPackSerializer.dumps(value))
+    except (TypeError, ValueError, OverflowError):
+        return MAX_RECORD_BYTES + 1
+
+
+def kept_records(
+    records: list[PeerRecord], preferred: Callable[[str], bool], limit: int = MAX_LIVE_PEERS
+) -> list[PeerRecord]:
+    """At most ``limit`` of ``records``: the ``preferred`` peers' first, then a random sample of the rest. Records
+    cost nothing to publish, so which are kept must not be their writers' choice: readers once kept the newest by the
+    date each writer gave, and a flood dated in the future pushed out every honest record."""
+    if len(records) <= limit:
+        return records
+    first = [r for r in records if preferred(r.peer_id)]
+    others = [r for r in records if not preferred(r.peer_id)]
+    random.shuffle(others)
+    return (first + others)[:limit]
+
+
 def peers_key(run_fingerprint: str) -> str:
     return f"noloco/{run_fingerprint}/peers"
 
@@ -259,7 +301,7 @@ class Discovery:
             "initial_peers": list(initial_peers) or None,
             "host_maddrs": list(host_maddrs),
             "client_mode": client_mode,  # a reader only (`noloco-node peers`): dials out, accepts nothing
-            "record_validators": [RSASignatureValidator(self.identity.private_key)],
+            "record_validators": [RSASignatureValidator(self.identity.private_key), BoundedRecords()],
             # A silent DHT peer is skipped for 5 s flat: hivemind's default doubles it without a cap, which kept
             # the far side of a healed partition out of lookups for long after (docs/threat-model.md, 8).
             "blacklist_time": DHT_SILENCE_SECONDS,
@@ -272,6 +314,8 @@ class Discovery:
         self._lookup: tuple[float, asyncio.Task[list[PeerRecord]]] | None = None  # (started, the shared lookup)
         # Peers listed from their own answers while the DHT lags (node/report.py's watch decides whom)
         self.vouched: VouchedRecords[PeerRecord] = VouchedRecords(record_ttl)
+        # Peers whose records are kept first when a lookup finds more than MAX_LIVE_PEERS (the node's standing)
+        self.preferred: Callable[[str], bool] = lambda _peer_id: False
 
     @classmethod
     def of_node(
@@ -340,6 +384,9 @@ class Discovery:
         value = PeerRecord(**{**asdict(record), "updated": now}).to_value()
         if self.secret is not None:
             value["mac"] = record_mac(self.secret, self.key, self.subkey, value)
+        size = record_bytes(value)
+        if size > MAX_RECORD_BYTES:  # readers would drop it: say so here, where it can be fixed
+            raise ValueError(f"this node's DHT record is {size} bytes, over the {MAX_RECORD_BYTES} readers accept")
         future = self._require().store(self.key, value, expiration, subkey=self.subkey, return_future=True)
         stored = bool(await self._await(future, "store"))
         self._lookup = None  # the next lookup sees this node's own record as it now is
@@ -383,7 +430,8 @@ class Discovery:
         return await self.publish(tombstone)
 
     async def live_peers(self, *, include_self: bool = False) -> list[PeerRecord]:
-        """Every unexpired, well-formed, non-tombstone record of this run, newest first (at most MAX_LIVE_PEERS).
+        """Every unexpired, well-formed, non-tombstone record of this run, in no particular order (at most
+        MAX_LIVE_PEERS: the ``preferred`` peers' first, then a random sample of the rest).
 
         Callers within LOOKUP_SHARING_SECONDS of a lookup's start share its answer (and its failure)."""
         loop = asyncio.get_running_loop()
@@ -406,11 +454,14 @@ class Discovery:
         if found is None or not isinstance(found.value, dict):
             return []
         records = []
+        latest = get_dht_time() + MAX_RECORD_AHEAD_SECONDS
         for subkey, entry in found.value.items():
             value = getattr(entry, "value", None)
             peer_id = self._owners.peer_id(subkey) if isinstance(subkey, str) else None
             if peer_id is None:
                 continue  # not written under an owner key: anyone could have written it
+            if record_bytes(value) > MAX_RECORD_BYTES:
+                continue
             if self.secret is not None and not (
                 isinstance(value, dict) and record_mac_ok(self.secret, self.key, subkey, value)
             ):
@@ -418,9 +469,10 @@ class Discovery:
             record = PeerRecord.from_value(peer_id, value)
             if record is None or record.leaving or record.run_fingerprint != self.run_fingerprint:
                 continue
+            if record.updated > latest:
+                continue  # dated in the future: not an honest clock
             records.append(record)
-        # Records cost nothing to publish: past this many, the oldest are not even looked at (bounded tables).
-        return sorted(records, key=lambda r: r.updated, reverse=True)[:MAX_LIVE_PEERS]
+        return kept_records(records, lambda peer_id: peer_id == self.peer_id or self.preferred(peer_id))
 
     def shutdown(self) -> None:
         if self.dht is not None:

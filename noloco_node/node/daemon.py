@@ -99,6 +99,7 @@ class Node:
         self.dht_maddrs: list[str] = []
         self.metrics = ExchangeMetrics()
         self.standing = Standing(standing_seconds=node_cfg.standing_seconds, stranger_share=node_cfg.stranger_share)
+        self.discovery.preferred = self.standing.established  # kept first when a lookup finds too many records
         self.reach = Reach(
             node_cfg, self.discovery, self.security.transport, self.metrics, established=self.standing.established
         )

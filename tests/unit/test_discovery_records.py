@@ -1,11 +1,22 @@
-"""Peer records read from the DHT are parsed defensively; run fingerprints separate incompatible runs."""
+"""Peer records read from the DHT are parsed defensively and bounded in size, lifetime and number; run fingerprints
+separate incompatible runs."""
 
 from __future__ import annotations
 
 import pytest
+from hivemind.dht.validation import DHTRecord
+from hivemind.utils.timed_storage import get_dht_time
 
 from noloco_node.config.models import model_config_for
-from noloco_node.discovery.dht import PeerRecord
+from noloco_node.discovery.dht import (
+    MAX_RECORD_BYTES,
+    MAX_RECORD_TTL,
+    MAX_STORED_VALUE_BYTES,
+    BoundedRecords,
+    PeerRecord,
+    kept_records,
+    record_bytes,
+)
 from noloco_node.model.source import SeededDecoder, run_fingerprint
 
 
@@ -81,3 +92,33 @@ def test_run_wide_settings_are_in_the_fingerprint_and_a_mismatch_is_named() -> N
     refusal = RunStart("peer-b", other.run_fingerprint, other.start).refusal("r", base.start)
     assert "trains with other run-wide settings" in refusal
     assert "inner_steps 30 (this node: 20)" in refusal and "model" not in refusal.split(":", 1)[1], refusal
+
+
+def test_past_the_limit_preferred_records_are_kept_first_and_the_rest_sampled_whatever_their_dates() -> None:
+    """1,100 records dated an hour ahead and two honest ones: the honest one this node prefers (standing) is always
+    kept, and which of the rest are kept does not follow their dates (readers used to keep the newest)."""
+    flood = [PeerRecord(f"f{i}", f"127.0.0.2:{9000 + i}", "run", updated=10_000.0 + i) for i in range(1100)]
+    honest = [PeerRecord(p, "127.0.0.1:7000", "run", updated=100.0) for p in ("established", "stranger")]
+    kept_stranger = 0
+    for _ in range(20):
+        kept = kept_records([*flood, *honest], lambda peer_id: peer_id == "established", limit=1024)
+        ids = {r.peer_id for r in kept}
+        assert len(kept) == 1024 and "established" in ids
+        kept_stranger += "stranger" in ids
+        assert min(r.updated for r in kept if r.peer_id.startswith("f")) < 10_000.0 + 1100 - 1024  # not the newest
+    assert 10 <= kept_stranger <= 20  # kept with probability 1023/1101 each time, not never
+    assert kept_records(honest, lambda _peer_id: False) == honest  # under the limit: everything, as it came
+
+
+def test_records_too_large_or_too_long_lived_are_refused_by_every_dht_peer_and_by_readers() -> None:
+    validator = BoundedRecords()
+    now = get_dht_time()
+    ok = DHTRecord(b"key", b"subkey", b"x" * MAX_STORED_VALUE_BYTES, now + 30)
+    assert validator.validate(ok)
+    assert not validator.validate(DHTRecord(b"key", b"subkey", b"x" * (MAX_STORED_VALUE_BYTES + 1), now + 30))
+    assert not validator.validate(DHTRecord(b"key", b"subkey", b"x", now + MAX_RECORD_TTL + 60))
+    honest = PeerRecord("p", "127.0.0.1:7000", "run", outer_step=5, ready=True).to_value()
+    assert record_bytes(honest) < 300
+    filled = {**honest, "relays": ["r" * 256] * 8, "p2p_addrs": ["a" * 256] * 8}
+    assert PeerRecord.from_value("p", filled) is not None and record_bytes(filled) > MAX_RECORD_BYTES
+    assert record_bytes({"not msgpack": object()}) > MAX_RECORD_BYTES
