@@ -72,11 +72,14 @@ class ManyKeysSigner(RSASignatureValidator):
 
     def __init__(self, identities: Sequence[NodeIdentity]) -> None:
         super().__init__(identities[0].private_key)
-        self._signers = [RSASignatureValidator(identity.private_key) for identity in identities]
+        signers = [RSASignatureValidator(identity.private_key) for identity in identities]
+        prefix, suffix = self.PUBLIC_KEY_FORMAT.split(b"_key_")  # "[owner:" + the key + "]"
+        self._signers = {s.local_public_key[len(prefix) : -len(suffix)]: s for s in signers}
 
     def sign_value(self, record: DHTRecord) -> bytes:
-        for signer in self._signers:
-            if signer.local_public_key in record.key or signer.local_public_key in record.subkey:
+        for owner in self._PUBLIC_KEY_RE.findall(record.key) + self._PUBLIC_KEY_RE.findall(record.subkey or b""):
+            signer = self._signers.get(owner)
+            if signer is not None:
                 return signer.sign_value(record)
         return record.value
 
