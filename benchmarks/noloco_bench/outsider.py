@@ -480,6 +480,7 @@ class OutsiderReport:
 ATTACKS = ("hog", "silent", "payloads", "idle", "reserve")  # the fake donor is a FakeDonor of its own
 # Attacks a plain `bench outsider` leaves out: "reserve" needs a stream run with the sparse wire.
 STREAM_ATTACKS = ("reserve",)
+DEFAULT_ATTACKS = tuple(attack for attack in ATTACKS if attack not in STREAM_ATTACKS)
 
 
 class Outsider:
@@ -493,7 +494,7 @@ class Outsider:
         targets_now: Callable[[], list[Target]],
         model_cfg: ModelConfig,
         *,
-        attacks: Sequence[str] = tuple(a for a in ATTACKS if a not in STREAM_ATTACKS),
+        attacks: Sequence[str] = DEFAULT_ATTACKS,
         silent_streams: int = 10,
         idle: int = 200,
         every: float = 10.0,
@@ -642,7 +643,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     (on a machine it shares with the swarm it stands for a host of its own, so it must not take the nodes' CPU).
     Prints its report as JSON."""
     parser = attacker_arguments(main.__doc__)
-    parser.add_argument("--attacks", default=",".join(a for a in ATTACKS if a not in STREAM_ATTACKS))
+    parser.add_argument("--attacks", default=",".join(DEFAULT_ATTACKS))
     parser.add_argument("--silent-streams", type=int, default=10)
     parser.add_argument("--idle", type=int, default=200)
     parser.add_argument("--source", default="127.0.0.2", help="the address the outsider comes from")
