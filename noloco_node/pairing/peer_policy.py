@@ -133,6 +133,12 @@ class PeerPolicy:
             now = time.monotonic()
             return record is not None and (record.avoid_until > now or record.quarantined_until > now)
 
+    def avoided_for(self, peer_id: str) -> str | None:
+        """The reason this peer is avoided now (FAILURE, UNDELIVERED, a refusal's), or None if it is not."""
+        with self._lock:
+            record = self._peers.get(peer_id)
+            return record.avoid_reason if record is not None and record.avoid_until > time.monotonic() else None
+
     def forget(self, live_peer_ids: set[str]) -> None:
         """Drop what is known of peers that left, so that a long run's bookkeeping does not grow without bound."""
         with self._lock:

@@ -20,7 +20,7 @@ theta_j = phi_j + Delta_j, where only Delta_j, the phase's progress, waits for t
    both sides committed: a phase payload completes one progress): a solo step. A reserved partner that delivered
    no progress while its record said it was still at the phase (by --pair-timeout), or that had no record in the
    DHT at all (by PARTNER_MISSING_SECONDS), held this node's phase for nothing: it is set aside
-   (``undelivered``, the doubling avoidance of a refused payload), and no phase is swapped with a peer set aside.
+   (``undelivered``, the doubling avoidance of a refused payload), and no phase is swapped with it meanwhile.
    The wait itself stays --pair-timeout: an honest partner that reserved early in its phase and late in this
    node's delivers up to a phase later, while this node trains on.
 
@@ -152,7 +152,9 @@ class StreamPairing(PairingStrategy):
                 return None
             if not phase.repeat.allows(partner_id):
                 return None
-            if self.ctx.caller.policy.avoided(partner_id):  # set aside (one that never delivered, say): no phase
+            # One that reserved and never delivered gets no phase while set aside. Not one this node merely failed
+            # to call: a peer it cannot dial (a NAT, a firewall) still reaches it by calling in.
+            if self.ctx.caller.policy.avoided_for(partner_id) == UNDELIVERED:
                 return None
             if not self._swap_lock.acquire(blocking=False):
                 return None
@@ -357,7 +359,8 @@ class StreamPairing(PairingStrategy):
         record said it was still at this phase, or while it had no record at all: it held this node's phase and
         gave nothing. Set aside like a peer
         whose payload was refused: not called, and no phase swap with it (:meth:`open_session`), for avoid_seconds,
-        doubling. Not a failed call's avoidance, which a peer's Info answering again lifts. An honest partner gets
+        doubling. Not a failed call's avoidance, which a peer's Info answering again lifts (and which does not stop
+        a peer this node cannot dial from swapping by calling in). An honest partner gets
         here only by delivering nothing within --pair-timeout of this node's outer step: a partner more than a phase
         behind."""
         policy = self.ctx.caller.policy

@@ -256,7 +256,7 @@ def test_stream_reserves_the_first_phase_swap_and_rebuilds_its_partners_theta_fr
 def test_a_reserved_partner_that_delivers_nothing_is_set_aside_and_swaps_no_phase_meanwhile() -> None:
     """A peer that reserved a phase and delivered no progress is set aside (counted ``undelivered``) and refused
     at the next phase swap, whoever calls; its Info answering again does not lift it (only a failed path's
-    avoidance is lifted that way); other peers still swap."""
+    avoidance is lifted that way); other peers still swap, a peer this node failed to call included."""
     strategy = stream_pairing()
     policy = strategy.ctx.caller.policy
     strategy._begin_phase([torch.zeros(3, 2)], [torch.zeros(3, 2)], 3)
@@ -268,6 +268,11 @@ def test_a_reserved_partner_that_delivers_nothing_is_set_aside_and_swaps_no_phas
     strategy._begin_phase([torch.zeros(3, 2)], [torch.zeros(3, 2)], 4)
     assert strategy.ready() and strategy.open_session("holder", 4, "phase") is None
     session = strategy.open_session("honest", 4, "phase")
+    assert session is not None
+    session.release()
+    policy.failed("undialable")  # a peer this node failed to call (behind a NAT): it still swaps by calling in
+    strategy._begin_phase([torch.zeros(3, 2)], [torch.zeros(3, 2)], 5)
+    session = strategy.open_session("undialable", 5, "phase")
     assert session is not None
     session.release()
 
