@@ -247,7 +247,7 @@ def test_a_corroborated_poisoned_donor_harms_neither_a_joiner_nor_a_restarting_m
         member = NodeProcess("member", bootstrap, tmp_path, *args, "--shard-index", "0")
         joiner = NodeProcess("joiner", bootstrap, tmp_path, *args, "--shard-index", "2")
         others.append(joiner)
-        target = peer.status()["outer_step"] + 12  # type: ignore[index]
+        target = peer.status()["outer_step"] + 8  # type: ignore[index]
 
         def evaluated_at_target() -> list[float] | None:
             """Each node's validation loss at its first outer step from ``target`` on (evaluated there, not one a
