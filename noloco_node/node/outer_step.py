@@ -34,7 +34,7 @@ from noloco_node.node.report import ProgressLog
 from noloco_node.observability.telemetry import KEEP_OUTER_STEPS, Telemetry
 from noloco_node.pairing.standing import STRANGER_WEIGHT, SwarmStep
 from noloco_node.pairing.strategy import PairingStrategy
-from noloco_node.security.payload_guard import MAX_DRIFT_STEPS, NormGuard, relative_distance
+from noloco_node.security.payload_guard import MAX_DRIFT_STEPS, NormGuard, relative_distances
 from noloco_node.training.checkpoints import CheckpointWriter, Snapshots, replica_state_of
 from noloco_node.training.data_parallel import DataParallel
 from noloco_node.training.loop import InnerLoop, InnerPhase, StepHook
@@ -213,8 +213,10 @@ class OuterStep:
         phase_lr, partner_lr = phase_learning_rates(
             replica.train_cfg, replica.inner_step, deps.max_staleness, phase_steps=steps
         )
-        distance = relative_distance(replica.fast_weights(), replica.phi)
-        movement = deps.norm_guard.observe_phase(distance, steps, replica.train_cfg.inner_steps, phase_lr, partner_lr)
+        distance, per_tensor = relative_distances(replica.fast_weights(), replica.phi)
+        movement = deps.norm_guard.observe_phase(
+            distance, steps, replica.train_cfg.inner_steps, phase_lr, partner_lr, per_tensor
+        )
         wait_started = time.monotonic()
         extra, sent = None, None
         if deps.train_while_waiting and deps.data_parallel is None and self._train_cfg is not None:

@@ -8,14 +8,16 @@ read, so a check can run in any thread while the trainer applies its outer step.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
 
 from noloco_node.node.outer_step import held_outer_state, partner_tensors
 from noloco_node.node.run_layout import RunLayout
-from noloco_node.node.security import NodeSecurity
+from noloco_node.node.security import Comparison, Distance, NodeSecurity
 from noloco_node.pairing.peer_policy import PeerPolicy
 from noloco_node.pairing.standing import Standing
-from noloco_node.security.payload_guard import RunningGap, relative_norm
+from noloco_node.security.payload_guard import RunningGap, relative_norms
 from noloco_node.wire.frames import PayloadError
 from noloco_node.wire.payload import Payload
 from noloco_node.wire.published import LatestSnapshot
@@ -84,7 +86,7 @@ class PayloadAdmission:
             # takes the partner's phi to be this node's own, so nothing pulls the replicas' phis together and they
             # drift as replicas apart for that long (measured: 0.50 apart against a bound of one phase of 0.45).
             steps_apart = max(steps_apart or 0, self.layout.phi_every)
-        measured = self._measured_distances(payload)
+        measured = self._measured_distances(payload, self.layout.names)
         if measured is not None:  # measured chunk by chunk while it arrived: nothing left to compute
             self.security.admit_distances(payload, measured, steps_apart)
             return
@@ -102,18 +104,24 @@ class PayloadAdmission:
                 send_phi="phi" in parts,
                 send_delta="delta" in parts,
             )
-            comparisons = [(theirs, phi, phi) for theirs in (theta, partner_phi) if theirs]
+            names = self.layout.names
+            comparisons: list[Comparison] = [(theta, phi, phi, names)] if theta else []
+            if partner_phi:
+                comparisons.append((partner_phi, phi, phi, None))
             if partner_delta:
-                comparisons.append((partner_delta, delta, phi))
+                comparisons.append((partner_delta, delta, phi, None))
             self.security.admit(payload, comparisons, steps_apart)
             if "progress" in parts:  # a sparse run's progress after a reservation: theta_j is this node's phi + it
-                progress = [payload.tensors[f"progress/{name}"] for name in self.layout.names]
-                self.security.admit_distances(payload, [relative_norm(progress, phi)], steps_apart)
+                progress = [payload.tensors[f"progress/{name}"] for name in names]
+                overall, per_tensor = relative_norms(progress, phi)
+                tensors = list(zip(names, per_tensor, strict=True))
+                self.security.admit_distances(payload, [(overall, tensors)], steps_apart)
         finally:
             copy.release()
 
     @staticmethod
-    def _measured_distances(payload: Payload) -> list[float] | None:
+    def _measured_distances(payload: Payload, names: Sequence[str]) -> list[Distance] | None:
+        """The distances measured while the payload arrived: one per part, and for theta each tensor's too."""
         if not isinstance(payload.observer, RunningGap):
             return None
         numel: dict[str, int] = {}
@@ -121,7 +129,14 @@ class PayloadAdmission:
             part = name.split("/", 1)[0]
             numel[part] = numel.get(part, 0) + tensor.numel()
         distances = payload.observer.distances(numel)
-        return None if distances is None else list(distances.values())
+        if distances is None:
+            return None
+        return [
+            (distance, list(zip(names, payload.observer.tensor_distances(part, names), strict=True)))
+            if part == "theta"
+            else (distance, None)
+            for part, distance in distances.items()
+        ]
 
     def bad_payload(self, partner_id: str, error: PayloadError) -> None:
         self.security.bad_payload(partner_id, error, self.policy)

@@ -66,6 +66,11 @@ class _StatusCollector:
                 "Relative L2 weight distance of the last admitted partner.",
                 status.security.last_partner_distance,
             ),
+            (
+                "noloco_partner_tensor_ratio",
+                "The last admitted partner's largest tensor distance as a fraction of that tensor's bound.",
+                status.security.last_partner_tensor_ratio,
+            ),
         ]
         for name, documentation, value in gauges:
             if value is not None:  # an absent value is an absent series, not a made-up zero

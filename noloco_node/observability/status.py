@@ -132,6 +132,11 @@ class SecurityStatus(BaseModel):
         description="Where the bound comes from: configured, or this node's own recent movement (never from peers)."
     )
     last_partner_distance: float | None = Field(description="Relative L2 distance of the last admitted partner.")
+    last_partner_tensor_ratio: float | None = Field(
+        None,
+        description="The last admitted partner's largest tensor distance as a fraction of that tensor's own bound "
+        "(at most 1; None until a partner was checked tensor by tensor).",
+    )
     established_peers: int = Field(
         0, description="Live peers with standing: seen for --standing-seconds and blended with this node."
     )

@@ -103,8 +103,9 @@ class PairingContext:
     max_staleness: int
     exchange_ceiling: float  # the longest one exchange may take, whatever its deadline
     phi_every: int = 1  # stream mode: outer steps between the phase payloads that carry phi (node/run_layout.py)
-    # A sparse run: told the relative size of each progress this node sends (the norm bound learns from it).
-    observe_sent: Callable[[float], None] | None = None
+    # A sparse run: told the relative size of each progress this node sends, overall and per tensor (the norm bound
+    # learns from it).
+    observe_sent: Callable[[float, list[float]], None] | None = None
     loop: asyncio.AbstractEventLoop | None = None  # set when the node's event loop runs
 
     def spawn(self, coroutine: Coroutine[Any, Any, None], what: str) -> Future[None]:

@@ -58,7 +58,7 @@ from noloco_node.pairing.caller import SETTLE_SECONDS
 from noloco_node.pairing.peer_policy import UNDELIVERED
 from noloco_node.pairing.strategy import PairingContext, PairingStrategy
 from noloco_node.pairing.sync import PairingRound, RepeatGrace, RoundSession, run_round
-from noloco_node.security.payload_guard import relative_norm
+from noloco_node.security.payload_guard import relative_norms
 from noloco_node.training.replica import Replica
 from noloco_node.wire import sparse
 from noloco_node.wire.frames import PayloadError
@@ -303,7 +303,7 @@ class StreamPairing(PairingStrategy):
             encoded, decoded, residual = self.feedback.compress(progress)
             before = self.feedback.residual  # what compress started from: the commit replaces it by ``residual``
             if ctx.observe_sent is not None:  # before the exchange: the partner's code is checked against it
-                ctx.observe_sent(relative_norm(decoded, replica.phi))
+                ctx.observe_sent(*relative_norms(decoded, replica.phi))
             left_out = [whole.sub_(sent) for whole, sent in zip(progress, decoded, strict=True)]
             progress = encoded
         offer = ctx.offers["progress"].publish({"progress": progress}, replica.outer_step)

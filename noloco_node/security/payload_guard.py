@@ -8,7 +8,10 @@ a partner's tensors are blended, their distance from this node's own slow weight
     d = ||theta_partner - phi_own||_2 / ||phi_own||_2        (over all tensors at once; also for phi if sent)
     d = ||delta_partner - delta_own||_2 / ||phi_own||_2      (the outer momentum, with --blend-momenta)
 
-and the payload is refused (INVALID_ARGUMENT, reason ``norm_bound``) when d exceeds the bound.
+and the payload is refused (INVALID_ARGUMENT, reason ``norm_bound``) when d exceeds the bound. The partner's theta
+(or a sparse run's progress) is also measured tensor by tensor, each relative to this node's own tensor, and held to
+:meth:`NormGuard.tensor_bounds`: the overall distance alone lets a payload spend the whole model's allowance on one
+small tensor (zeroing a normalisation's weights costs the tiny model a few percent of its norm, and ruins it).
 
 The bound is ``factor`` times the largest relative movement of this node's *own* recent inner phases,
 ``||theta_own - phi_own|| / ||phi_own||`` over the last ``window`` outer steps, each scaled by the learning rate
@@ -74,27 +77,45 @@ def relative_distance(
 
     A partner's outer momentum is compared with this node's own, relative to the size of its weights: momenta
     are movements, and ||own momentum|| alone would make any two honest ones look far apart."""
+    return relative_distances(partner, own, scale)[0]
+
+
+def relative_distances(
+    partner: Sequence[torch.Tensor], own: Sequence[torch.Tensor], scale: Sequence[torch.Tensor] | None = None
+) -> tuple[float, list[float]]:
+    """:func:`relative_distance` over every tensor at once, and each tensor's own ||partner_t - own_t|| /
+    ||scale_t|| (the per-tensor check of :meth:`NormGuard.admit`)."""
     scale = own if scale is None else scale
-    gap, norm = 0.0, 0.0
+    gap, norm, per_tensor = 0.0, 0.0, []
     with torch.no_grad():
         for theirs, mine, size in zip(partner, own, scale, strict=True):
             a, b, c = theirs.reshape(-1), mine.reshape(-1), size.reshape(-1)
+            tensor_gap, tensor_norm = 0.0, 0.0
             for start in range(0, a.numel(), DISTANCE_SLICE):
                 diff = a[start : start + DISTANCE_SLICE].float() - b[start : start + DISTANCE_SLICE].float()
                 size_slice = c[start : start + DISTANCE_SLICE].float()
-                gap += float(torch.dot(diff, diff))
-                norm += float(torch.dot(size_slice, size_slice))
-    return math.sqrt(gap) / max(math.sqrt(norm), 1e-12)
+                tensor_gap += float(torch.dot(diff, diff))
+                tensor_norm += float(torch.dot(size_slice, size_slice))
+            gap, norm = gap + tensor_gap, norm + tensor_norm
+            per_tensor.append(math.sqrt(tensor_gap) / max(math.sqrt(tensor_norm), 1e-12))
+    return math.sqrt(gap) / max(math.sqrt(norm), 1e-12), per_tensor
 
 
 def relative_norm(partner: Sequence[torch.Tensor], scale: Sequence[torch.Tensor]) -> float:
     """||partner|| / ||scale|| over every tensor, in fp32: the distance of theta = phi + partner from phi."""
-    size, norm = 0.0, 0.0
+    return relative_norms(partner, scale)[0]
+
+
+def relative_norms(partner: Sequence[torch.Tensor], scale: Sequence[torch.Tensor]) -> tuple[float, list[float]]:
+    """:func:`relative_norm` over every tensor at once, and each tensor's ||partner_t|| / ||scale_t||."""
+    size, norm, per_tensor = 0.0, 0.0, []
     with torch.no_grad():
         for theirs, reference in zip(partner, scale, strict=True):
-            size += float(torch.linalg.vector_norm(theirs, dtype=torch.float32)) ** 2
-            norm += float(torch.linalg.vector_norm(reference, dtype=torch.float32)) ** 2
-    return math.sqrt(size) / max(math.sqrt(norm), 1e-12)
+            tensor_size = float(torch.linalg.vector_norm(theirs, dtype=torch.float32))
+            tensor_norm = float(torch.linalg.vector_norm(reference, dtype=torch.float32))
+            size, norm = size + tensor_size**2, norm + tensor_norm**2
+            per_tensor.append(tensor_size / max(tensor_norm, 1e-12))
+    return math.sqrt(size) / max(math.sqrt(norm), 1e-12), per_tensor
 
 
 class RunningGap:
@@ -110,6 +131,8 @@ class RunningGap:
         self.gap: dict[str, float] = {}
         self.own: dict[str, float] = {}
         self.seen: dict[str, int] = {}
+        self.tensor_gap: dict[str, float] = {}  # by received name: the per-tensor check's distances
+        self.tensor_own: dict[str, float] = {}
 
     def observe(self, name: str, start: int, values: torch.Tensor) -> None:
         references = self._references  # close() may run meanwhile on another thread: read it once
@@ -120,8 +143,11 @@ class RunningGap:
             own = mine[start : start + values.numel()]
             diff = torch.sub(values.reshape(-1), own)  # one kernel: bf16 is promoted to fp32 on the fly
             part = name.split("/", 1)[0]
-            self.gap[part] = self.gap.get(part, 0.0) + float(torch.dot(diff, diff))
-            self.own[part] = self.own.get(part, 0.0) + float(torch.dot(own, own))
+            gap, own_squared = float(torch.dot(diff, diff)), float(torch.dot(own, own))
+            self.gap[part] = self.gap.get(part, 0.0) + gap
+            self.own[part] = self.own.get(part, 0.0) + own_squared
+            self.tensor_gap[name] = self.tensor_gap.get(name, 0.0) + gap
+            self.tensor_own[name] = self.tensor_own.get(name, 0.0) + own_squared
         self.seen[part] = self.seen.get(part, 0) + values.numel()
 
     def close(self) -> None:
@@ -139,6 +165,15 @@ class RunningGap:
         norm = max(math.sqrt(phi_squared), 1e-12)
         return {part: math.sqrt(self.gap[part]) / norm for part in numel_per_part}
 
+    def tensor_distances(self, part: str, names: Sequence[str]) -> list[float]:
+        """Each tensor's ||theirs_t - mine_t|| / ||mine_t|| of ``part``, in the order of ``names`` (parameter names),
+        once :meth:`distances` has found every element measured."""
+        return [
+            math.sqrt(self.tensor_gap.get(f"{part}/{name}", 0.0))
+            / max(math.sqrt(self.tensor_own.get(f"{part}/{name}", 0.0)), 1e-12)
+            for name in names
+        ]
+
 
 class NormGuard:
     """The bound on a partner's relative distance, from this node's own recent movement. Thread-safe."""
@@ -149,12 +184,19 @@ class NormGuard:
         self._per_lr: deque[float] = deque(maxlen=window)  # movement per unit of learning rate, per phase
         # A sparse run: the size of the progress this node sent, per unit of learning rate, per phase (observe_sent)
         self._sent_per_lr: deque[float] = deque(maxlen=window)
+        # The same two per tensor (each tensor's movement relative to its own norm): the per-tensor check of admit
+        self._tensor_per_lr: deque[list[float]] = deque(maxlen=window)
+        self._tensor_sent_per_lr: deque[list[float]] = deque(maxlen=window)
         self._phase_lr = 0.0
         self._partner_lr = 0.0
         self._lock = threading.Lock()
         self.last_distance: float | None = None
+        # The last admitted partner's largest tensor distance as a fraction of that tensor's bound (at most 1)
+        self.last_tensor_ratio: float | None = None
 
-    def observe_own_movement(self, movement: float, phase_lr: float, partner_lr: float) -> None:
+    def observe_own_movement(
+        self, movement: float, phase_lr: float, partner_lr: float, per_tensor: Sequence[float] | None = None
+    ) -> None:
         """Trainer thread, at the end of every inner phase and before pairing: ``movement`` = ||theta - phi|| /
         ||phi|| of the phase just trained at mean learning rate ``phase_lr``; ``partner_lr``: the largest learning
         rate a partner within the staleness bound may have trained its phase at. Movement scales with the learning
@@ -164,8 +206,10 @@ class NormGuard:
             with self._lock:
                 self._per_lr.append(movement / phase_lr)
                 self._phase_lr, self._partner_lr = phase_lr, partner_lr
+                if per_tensor is not None and all(math.isfinite(m) for m in per_tensor):
+                    self._tensor_per_lr.append([m / phase_lr for m in per_tensor])
 
-    def observe_sent(self, size: float) -> None:
+    def observe_sent(self, size: float, per_tensor: Sequence[float] | None = None) -> None:
         """Trainer thread, a sparse run: ``size`` = ||D|| / ||phi|| of the progress this node is about to send
         for the phase it last observed (wire/sparse.py's top-k code with error feedback). An honest partner's
         code is as large as this node's, not as its phase's movement: the code carries what earlier exchanges left
@@ -180,9 +224,17 @@ class NormGuard:
         with self._lock:
             if math.isfinite(size) and self._phase_lr > 0:
                 self._sent_per_lr.append(size / self._phase_lr)
+                if per_tensor is not None and all(math.isfinite(m) for m in per_tensor):
+                    self._tensor_sent_per_lr.append([m / self._phase_lr for m in per_tensor])
 
     def observe_phase(
-        self, distance: float, steps: int, inner_steps: int, phase_lr: float, partner_lr: float
+        self,
+        distance: float,
+        steps: int,
+        inner_steps: int,
+        phase_lr: float,
+        partner_lr: float,
+        per_tensor: Sequence[float] | None = None,
     ) -> float | None:
         """A phase of ``steps`` inner steps moved theta ``distance`` (relative L2) from phi: its movement scaled to
         a whole phase of ``inner_steps`` (H) is observed and returned, or None when it is not measured.
@@ -194,8 +246,10 @@ class NormGuard:
         partners that trained a whole phase."""
         if 2 * steps < inner_steps and self.bound() is not None:
             return None
-        movement = distance * inner_steps / max(1, steps)
-        self.observe_own_movement(movement, phase_lr, partner_lr)
+        scale = inner_steps / max(1, steps)
+        movement = distance * scale
+        tensors = None if per_tensor is None else [m * scale for m in per_tensor]
+        self.observe_own_movement(movement, phase_lr, partner_lr, tensors)
         return movement
 
     def restore(self, phases: Sequence[tuple[float, float, float]]) -> None:
@@ -225,16 +279,51 @@ class NormGuard:
         with self._lock:
             return "own_movement" if self._per_lr else "none_yet"
 
-    def admit(self, distance: float, peer: str, steps_apart: int | None = None) -> None:
+    def tensor_bounds(self, bound: float, widen: float = 1.0) -> list[float] | None:
+        """Each tensor's bound, for an overall ``bound`` already widened by ``widen`` for drift: the overall bound,
+        or, for a tensor that moves more than that relative to its own norm, ``factor`` times its own largest
+        movement (and code, in a sparse run) as for the whole, widened alike. None before this node has measured a
+        phase tensor by tensor (a restart measures one before it pairs again), or with a fixed bound."""
+        with self._lock:
+            if self.fixed is not None or not self._tensor_per_lr:
+                return None
+            movements = [max(column) for column in zip(*self._tensor_per_lr, strict=True)]
+            sent = (
+                [max(column) for column in zip(*self._tensor_sent_per_lr, strict=True)]
+                if self._tensor_sent_per_lr and len(self._tensor_sent_per_lr[-1]) == len(movements)
+                else None
+            )
+            partner_lr = self._partner_lr
+        bounds = []
+        for i, movement in enumerate(movements):
+            basis = self.factor * max(movement, sent[i] if sent is not None else 0.0)
+            if sent is not None:
+                basis = max(basis, movement * STEADY_CODE_PHASES)
+            bounds.append(max(bound, basis * partner_lr * widen))
+        return bounds
+
+    def admit(
+        self,
+        distance: float,
+        peer: str,
+        steps_apart: int | None = None,
+        tensors: Sequence[tuple[str, float]] | None = None,
+    ) -> None:
         """Accept the distance, or raise PayloadError naming it and the bound. Nothing is learnt from it.
 
         ``steps_apart``: outer steps since this node last blended with the peer (None: never, or the peer has no
         standing: pairing/standing.py). Replicas that were apart drift (a partition, a slow node): the bound widens
         by sqrt(1 + k), k at most MAX_DRIFT_STEPS, so that two that were apart for a while can blend again; any
-        other peer gets the bound of one phase."""
+        other peer gets the bound of one phase.
+
+        ``tensors``: (name, distance relative to this node's own tensor) for each tensor, in the order of the
+        movements observed. Each is held to :meth:`tensor_bounds`: the overall distance alone lets a payload spend
+        the whole model's allowance on one tensor (zeroing a normalisation's weights moves the model by a
+        fraction of a percent of its norm, and ruins it)."""
         bound = self.bound()
-        if bound is not None and steps_apart:
-            bound = min(CEILING, bound * math.sqrt(1 + min(steps_apart, MAX_DRIFT_STEPS)))
+        widen = math.sqrt(1 + min(steps_apart, MAX_DRIFT_STEPS)) if steps_apart else 1.0
+        if bound is not None:
+            bound = min(CEILING, bound * widen)
         if bound is None:
             raise PayloadError(
                 grpc.StatusCode.ABORTED,
@@ -248,8 +337,23 @@ class NormGuard:
                 f"the weights from {peer} are {distance:.3g} (relative L2) from this node's, beyond the bound "
                 f"{bound:.3g}",
             )
+        ratio = None
+        bounds = self.tensor_bounds(bound, widen) if tensors is not None else None
+        if tensors is not None and bounds is not None and len(bounds) == len(tensors):
+            ratio = 0.0
+            for (name, tensor_distance), tensor_bound in zip(tensors, bounds, strict=True):
+                if not math.isfinite(tensor_distance) or tensor_distance > tensor_bound:
+                    raise PayloadError(
+                        grpc.StatusCode.INVALID_ARGUMENT,
+                        NORM_BOUND,
+                        f"{name} from {peer} is {tensor_distance:.3g} (relative L2 of that tensor) from this node's, "
+                        f"beyond its bound {tensor_bound:.3g}",
+                    )
+                ratio = max(ratio, tensor_distance / max(tensor_bound, 1e-12))
         with self._lock:
             self.last_distance = distance
+            if ratio is not None:
+                self.last_tensor_ratio = ratio
 
 
 class Complaints:

@@ -16,7 +16,7 @@ from noloco_node.config.settings import SettingsError, env_layer
 from noloco_node.node.outer_step import phase_learning_rates
 from noloco_node.pairing.peer_policy import PeerPolicy
 from noloco_node.rpc.transport import GuardedCall, Watchdog
-from noloco_node.security.payload_guard import Complaints, NormGuard, relative_distance
+from noloco_node.security.payload_guard import Complaints, NormGuard, relative_distance, relative_distances
 from noloco_node.training.replica import learning_rate
 from noloco_node.wire import sparse
 from noloco_node.wire.frames import PayloadError
@@ -142,6 +142,54 @@ def test_an_established_partners_code_passes_the_bound_of_a_node_whose_residual_
     guard.admit(established, "an established partner")
 
 
+def _tiny_model_phase() -> tuple[list[str], list[torch.Tensor], list[torch.Tensor], list[torch.Tensor]]:
+    """The tiny model's named weights (phi), and two honest phases from them: Adam-like steps (each element moves by
+    about the learning rate, in a direction partly shared by the two replicas) with weight decay."""
+    from noloco_node.config.models import model_config_for
+    from noloco_node.model.decoder import LlamaDecoder, named_parameters_ordered
+
+    torch.manual_seed(0)
+    model = LlamaDecoder(model_config_for("tiny", vocab_size=256, max_seq_len=64))
+    names, phi = zip(*[(name, p.detach().clone()) for name, p in named_parameters_ordered(model)], strict=True)
+    shared = [torch.randn_like(t) for t in phi]
+
+    def phase() -> list[torch.Tensor]:
+        lr, steps, decay = 1e-3, 20, 0.1
+        return [t + steps * lr * ((g + torch.randn_like(t)) / 2 - decay * t) for t, g in zip(phi, shared, strict=True)]
+
+    return list(names), list(phi), phase(), phase()
+
+
+def test_a_payload_that_spends_the_whole_allowance_on_one_tensor_is_refused_by_that_tensors_bound() -> None:
+    """Overall, zeroing the final normalisation's weights moves the tiny model by a few percent of its norm, inside
+    the bound of a phase; it ruins the model all the same. Each tensor is held to its own bound: the overall one, or
+    three times that tensor's own movement where it moves more than the whole (as an honest partner's does)."""
+    names, phi, own_theta, partner_theta = _tiny_model_phase()
+    guard = NormGuard(factor=3.0)
+    movement, per_tensor = relative_distances(own_theta, phi)
+    guard.observe_phase(movement, 20, 20, phase_lr=1e-3, partner_lr=1e-3, per_tensor=per_tensor)
+    honest, honest_tensors = relative_distances(partner_theta, phi)
+    guard.admit(honest, "honest", tensors=list(zip(names, honest_tensors, strict=True)))
+    assert guard.last_tensor_ratio is not None and guard.last_tensor_ratio < 0.7
+    # Some tensors move more than the whole, relative to their own norm: their own movement bounds them.
+    assert max(honest_tensors) > guard.bound()  # type: ignore[operator]
+    hostile = [t.clone() for t in partner_theta]
+    norm = names.index("norm.weight")
+    hostile[norm].zero_()
+    distance, tensors = relative_distances(hostile, phi)
+    assert distance < guard.bound()  # type: ignore[operator]  - the overall check alone admits it
+    with pytest.raises(PayloadError) as refused:
+        guard.admit(distance, "hostile", tensors=list(zip(names, tensors, strict=True)))
+    assert refused.value.reason == "norm_bound" and "norm.weight from hostile is 1 " in refused.value.message
+    assert guard.last_distance == honest  # nothing learnt from the refused one
+    # Widened for drift like the whole, and absent before a phase was measured tensor by tensor (a restart's first).
+    assert guard.tensor_bounds(0.1, widen=2.0) == [max(0.1, 2 * b) for b in guard.tensor_bounds(0.0)]  # type: ignore[union-attr]
+    restarted = NormGuard(factor=3.0)
+    restarted.restore([(movement, 1e-3, 1e-3)])
+    assert restarted.tensor_bounds(restarted.bound()) is None  # type: ignore[arg-type]
+    restarted.admit(distance, "hostile", tensors=list(zip(names, tensors, strict=True)))  # the overall check only
+
+
 def test_complaints_are_logged_once_per_peer_and_reason_per_interval(caplog: pytest.LogCaptureFixture) -> None:
     complaints = Complaints(interval=0.2)
     with caplog.at_level(logging.WARNING):
@@ -226,6 +274,8 @@ def test_the_distance_measured_chunk_by_chunk_is_the_one_measured_after_arrival(
     assert measured is not None
     assert measured["theta"] == pytest.approx(relative_distance(got[:2], phi), rel=1e-5)
     assert measured["delta"] == pytest.approx(relative_distance(got[2:], delta, phi), rel=1e-5)
+    # Tensor by tensor too (the per-tensor check of NormGuard.admit), in the order of the names asked for.
+    assert gap.tensor_distances("theta", ["b", "a"]) == pytest.approx(relative_distances(got[:2], phi)[1][::-1])
     assert gap.distances({"theta": 2100 + 70_000, "phi": 10}) is None  # a part it did not see
     gap.observe("theta/a", 0, torch.zeros(5))  # after close: references dropped, nothing measured
     assert gap.seen["theta"] == 2100 + 70_000
