@@ -17,7 +17,9 @@ The attacks (numbered as in the issue that measured them):
 5. idle TCP connections by the thousand (:func:`idle_connections`);
 6. replayed membership proofs need a private run and a captured proof; tests/integration/test_security.py has it;
 7. (stream mode, sparse wire; only when asked for: ``--attacks reserve``) a key that reserves each of a node's
-   phases with an empty phase swap and never delivers a progress (:func:`reserve_once`).
+   phases with an empty phase swap and never delivers a progress (:func:`reserve_once`);
+8. (stream mode, a dense wire; tests/integration/test_outsider.py) a key that swaps a phase payload and then
+   delivers a crafted progress (:func:`hostile_progress_once`).
 """
 
 from __future__ import annotations
@@ -373,25 +375,19 @@ def hog_once(address: str, target: Target, model_cfg: ModelConfig | None, *, hol
     return code
 
 
-def reserve_once(address: str, target: Target, identity: NodeIdentity, *, timeout: float = 10.0) -> str:
-    """Attack 7 (stream mode, sparse wire): a phase swap that carries no tensors (a reservation), sealed and
-    committed like an honest one, so that the target reserves its phase for ``identity``, which then never
-    delivers a progress (it has no DHT record, and answers nothing). Returns ``reserved`` when the target
-    acknowledged the swap, else the status code name (or ``not_committed``)."""
-    manifest = build_manifest(
-        [],
-        wire_dtype="int8",
-        run_fingerprint=target.run_fingerprint,
-        peer_id=identity.peer_id,
-        outer_step=target.outer_step,
-    )
+def swap_once(
+    address: str, target: Target, identity: NodeIdentity, frames: Sequence[bytes], *, timeout: float = 10.0
+) -> str:
+    """One exchange the way a stream pairing makes them: ``frames``, sealed by ``identity``, then once the target's
+    own payload has arrived whole, a commit. Returns ``committed`` when the target acknowledged it (it took the
+    payload), else the status code name (or ``not_committed``, ``no_acknowledgement``)."""
     proof = prove(identity, EXCHANGE_METHOD, target.peer_id)
-    frames = sealed(list(iter_frames(manifest, [])), identity, target.peer_id, proof)
+    sealed_frames = sealed(list(frames), identity, target.peer_id, proof)
     theirs_ended = threading.Event()
 
     def requests() -> Iterator[bytes]:
-        yield from frames
-        if theirs_ended.wait(timeout):  # the target's phase payload has arrived whole: commit to it
+        yield from sealed_frames
+        if theirs_ended.wait(timeout):  # the target's payload has arrived whole: commit to it
             yield verdict_frame(commit=True)
 
     with grpc.insecure_channel(address, options=CHANNEL_OPTIONS) as channel:
@@ -399,7 +395,7 @@ def reserve_once(address: str, target: Target, identity: NodeIdentity, *, timeou
         try:
             for raw in call:
                 if theirs_ended.is_set():
-                    return "reserved" if read_verdict(raw).commit else "not_committed"
+                    return "committed" if read_verdict(raw).commit else "not_committed"
                 if isinstance(decode_frame(raw), pb.End):
                     theirs_ended.set()
         except grpc.RpcError as error:
@@ -407,6 +403,76 @@ def reserve_once(address: str, target: Target, identity: NodeIdentity, *, timeou
         finally:
             theirs_ended.set()
     return "no_acknowledgement"
+
+
+def reserve_once(address: str, target: Target, identity: NodeIdentity, *, timeout: float = 10.0) -> str:
+    """Attack 7 (stream mode, sparse wire): a phase swap that carries no tensors (a reservation), sealed and
+    committed like an honest one, so that the target reserves its phase for ``identity``, which then never
+    delivers a progress (it has no DHT record, and answers nothing). Returns ``reserved`` when the target
+    acknowledged the swap, else what :func:`swap_once` returned."""
+    manifest = build_manifest(
+        [],
+        wire_dtype="int8",
+        run_fingerprint=target.run_fingerprint,
+        peer_id=identity.peer_id,
+        outer_step=target.outer_step,
+    )
+    swapped = swap_once(address, target, identity, list(iter_frames(manifest, [])), timeout=timeout)
+    return "reserved" if swapped == "committed" else swapped
+
+
+def part_frames(
+    target: Target,
+    model_cfg: ModelConfig,
+    part: str,
+    tensors: Sequence[torch.Tensor],
+    *,
+    peer_id: str,
+    wire_dtype: str,
+) -> list[bytes]:
+    """A payload of one part (``phi``, ``progress``) of the model's tensors, for the target's outer step."""
+    names = [name.split("/", 1)[1] for name, _ in theta_names(model_cfg)]
+    named = [(f"{part}/{name}", t) for name, t in zip(names, tensors, strict=True)]
+    manifest = build_manifest(
+        named,
+        wire_dtype=wire_dtype,
+        run_fingerprint=target.run_fingerprint,
+        peer_id=peer_id,
+        outer_step=target.outer_step,
+    )
+    outgoing = Outgoing(manifest, [t for _, t in named])
+    return list(iter_frames(outgoing.manifest, outgoing.tensors))
+
+
+def hostile_progress_once(
+    address: str,
+    target: Target,
+    model_cfg: ModelConfig,
+    identity: NodeIdentity,
+    phi: Sequence[torch.Tensor],
+    progress: Sequence[torch.Tensor],
+    *,
+    wire_dtype: str,
+    within: float = 30.0,
+) -> tuple[str, str]:
+    """Attack 8 (stream mode, a dense wire): swap a phase payload carrying ``phi`` (the target's own slow weights,
+    from GetState, so that the progress is measured exactly as crafted) at the target's outer step, then deliver
+    ``progress`` in ``wire_dtype`` once the target's pairing round opens (it answers busy until its phase ends;
+    asked again every 0.2 s for ``within`` s). Returns what the swap got and what the progress got
+    (:func:`swap_once`'s words; ``committed`` progress was blended)."""
+    phase = part_frames(target, model_cfg, "phi", phi, peer_id=identity.peer_id, wire_dtype="bf16")
+    swapped = swap_once(address, target, identity, phase)
+    if swapped != "committed":
+        return swapped, "not_sent"
+    frames = part_frames(target, model_cfg, "progress", progress, peer_id=identity.peer_id, wire_dtype=wire_dtype)
+    deadline = time.monotonic() + within
+    delivered = "not_sent"
+    while time.monotonic() < deadline:
+        delivered = swap_once(address, target, identity, frames)
+        if delivered != grpc.StatusCode.ABORTED.name:  # busy: the round is not open yet
+            break
+        time.sleep(0.2)
+    return swapped, delivered
 
 
 def silent_stream(address: str, target: Target, hold: float = 60.0) -> str:

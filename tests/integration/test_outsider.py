@@ -24,6 +24,7 @@ from noloco_bench.outsider import (
     download_phi,
     forged_payload,
     fresh_identity,
+    hostile_progress_once,
     ratchet,
 )
 from noloco_node.config.models import model_config_for
@@ -148,6 +149,67 @@ def test_the_norm_bound_is_not_ratcheted_from_a_cold_start_nor_after_a_restart(
         assert codes["random"] == ["INVALID_ARGUMENT"] and codes["scaled_3x"] == ["INVALID_ARGUMENT"], codes
         bound, own = live_bound_and_own(after)
         assert bound == pytest.approx(own, rel=1e-6)
+    finally:
+        node.stop()
+
+
+def test_a_progress_that_spends_the_allowance_on_one_tensor_is_refused_and_one_within_every_bound_is_taken(
+    bootstrap: Bootstrap, tmp_path: Path
+) -> None:
+    """Stream mode, int8: a fresh key swaps a phase payload with the node (the node's own phi, from GetState), then
+    delivers a crafted progress at the node's outer step. One that spends 0.8 of the node's overall bound on the
+    smallest tensor (an attention output projection: about 3% of the model's norm, so it moves by about 25 times the
+    bound) is refused by that tensor's own bound, though the overall check alone took it; one that shrinks every
+    tensor by a fraction of the bound passes every check and is blended (the path works: the refusal is the
+    per-tensor bound's)."""
+    from dataclasses import replace
+
+    import torch
+
+    from noloco_node.security.payload_guard import relative_norm
+
+    args = [*TRAIN, "--steps", "100000", "--inner-steps", "20", "--mode", "stream", "--wire-dtype", "int8"]
+    node = NodeProcess("target", bootstrap, tmp_path, *args, "--pair-timeout", "5")
+
+    def attack(progress_of) -> tuple[tuple[str, str], float, float]:
+        """Until the key's swap lands in a phase (a phase of 20 steps may end while it is in flight): what the swap
+        and the progress got, the progress's overall size relative to phi, and the node's bound then."""
+        key = fresh_identity()
+        for _ in range(20):
+            status = _live(_wait_for(lambda: (s := node.status()) and s["outer_step"] >= 2 and s, 120, "2 phases"))
+            target = _target(status)
+            phi = download_phi(target, MODEL, key)
+            now = fetch_info(target.address, timeout=5, peer_id=target.peer_id).outer_step
+            target = replace(target, outer_step=now)
+            progress = progress_of(phi, status["security"]["norm_bound"])
+            got = hostile_progress_once(target.address, target, MODEL, key, phi, progress, wire_dtype="int8")
+            if got[1] != "not_sent":
+                return got, relative_norm(progress, phi), status["security"]["norm_bound"]
+        raise AssertionError(f"no swap landed: {got}")
+
+    def on_the_smallest_tensor(phi: list[torch.Tensor], bound: float) -> list[torch.Tensor]:
+        norms = [float(t.float().norm()) for t in phi]
+        smallest = norms.index(min(norms))
+        whole = sum(n * n for n in norms) ** 0.5
+        progress = [torch.zeros_like(t, dtype=torch.float32) for t in phi]
+        progress[smallest] = -phi[smallest].float() * (0.8 * bound * whole / norms[smallest])
+        return progress
+
+    def shrink_within_bound(phi: list[torch.Tensor], bound: float) -> list[torch.Tensor]:
+        return [-0.3 * bound * t.float() for t in phi]
+
+    try:
+        (swapped, delivered), size, bound = attack(on_the_smallest_tensor)
+        assert swapped == "committed" and delivered == "INVALID_ARGUMENT", (swapped, delivered)
+        assert size < bound, (size, bound)  # the overall distance alone admits it
+        output = node.output()
+        refusal = re.search(r"refused norm_bound from \w+: \S+ from \w+ is [\d.]+ \(relative L2 of that", output)
+        assert refusal and "o_proj" in refusal.group(0), output[-3000:]
+        (swapped, delivered), size, bound = attack(shrink_within_bound)
+        assert (swapped, delivered) == ("committed", "committed"), (swapped, delivered)
+        live = _live(node.status())
+        assert live["security"]["last_partner_tensor_ratio"] < 1.0, live["security"]
+        assert live["rejected_payloads"].get("norm_bound") == 1, live["rejected_payloads"]
     finally:
         node.stop()
 
