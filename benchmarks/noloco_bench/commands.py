@@ -90,6 +90,14 @@ def add_bench_parsers(commands: Any) -> None:
         action="store_true",
         help="run on a network of namespaces (root): a /24 per honest node, and one for all the attackers",
     )
+    outsider.add_argument(
+        "--mode",
+        default="sync",
+        choices=["sync", "stream"],
+        help="the swarm's pairing mode: stream takes the attacks on its phases (a key per node that reserves them, "
+        "one that delivers progress shrinking the weights at 0.85 of the bound) instead of sync's",
+    )
+    outsider.add_argument("--wire-dtype", help="the swarm's wire dtype (default: the mode's)")
     outsider.add_argument("--out", type=Path, help="keep logs and checkpoints here (default: a temporary folder)")
 
     straggler = benches.add_parser(
@@ -269,7 +277,7 @@ def run_bench(args: argparse.Namespace) -> int:
 
         print(
             f"noloco-node bench outsider: {args.nodes} honest nodes, model {args.model}, {args.steps} inner steps, "
-            f"{os.cpu_count()} CPUs",
+            f"mode {args.mode}{f', wire {args.wire_dtype}' if args.wire_dtype else ''}, {os.cpu_count()} CPUs",
             flush=True,
         )
         with tempfile.TemporaryDirectory(prefix="noloco-outsider-") as scratch:
@@ -277,7 +285,14 @@ def run_bench(args: argparse.Namespace) -> int:
             print(
                 run_outsider_bench(
                     SwarmShape(
-                        args.nodes, args.model, args.steps, args.inner_steps, args.partition_seconds, args.namespaces
+                        args.nodes,
+                        args.model,
+                        args.steps,
+                        args.inner_steps,
+                        args.partition_seconds,
+                        args.namespaces,
+                        args.mode,
+                        args.wire_dtype,
                     ),
                     out=out,
                 ).report()

@@ -16,10 +16,11 @@ The attacks (numbered as in the issue that measured them):
    streams: :func:`silent_stream`);
 5. idle TCP connections by the thousand (:func:`idle_connections`);
 6. replayed membership proofs need a private run and a captured proof; tests/integration/test_security.py has it;
-7. (stream mode, sparse wire; only when asked for: ``--attacks reserve``) a key that reserves each of a node's
-   phases with an empty phase swap and never delivers a progress (:func:`reserve_once`);
-8. (stream mode, a dense wire; tests/integration/test_outsider.py) a key that swaps a phase payload and then
-   delivers a crafted progress (:func:`hostile_progress_once`).
+7. (stream mode; only when asked for: ``--attacks reserve``) a key that reserves each of a node's phases with a
+   phase swap and never delivers a progress (:func:`reserve_once`);
+8. (stream mode; only when asked for: ``--attacks progress``) a key that swaps a phase payload and then delivers a
+   crafted progress (:func:`hostile_progress_once`): in ``bench outsider --mode stream`` one that shrinks the
+   target's weights at 0.85 of its norm bound.
 """
 
 from __future__ import annotations
@@ -55,9 +56,11 @@ from noloco_node.rpc.state_download import StateDownload
 from noloco_node.rpc.transport import CHANNEL_OPTIONS, Transport
 from noloco_node.security.caller_proof import prove
 from noloco_node.security.identity import NodeIdentity, _wrap
+from noloco_node.security.payload_guard import relative_norm
 from noloco_node.security.payload_seal import PayloadSeal, call_binding
 from noloco_node.training.checkpoints import state_layout
 from noloco_node.wire import peer_pb2 as pb
+from noloco_node.wire import sparse
 from noloco_node.wire.frames import (
     ChunkView,
     PayloadDigest,
@@ -111,6 +114,9 @@ class Target:
     address: str
     run_fingerprint: str
     outer_step: int = 0
+    # Its current norm bound: not public (an attacker guesses it from its own replica's movement); the bench reads
+    # it from the node's status document, for an attacker that aims every payload at 0.85 of it.
+    norm_bound: float | None = None
 
 
 class SourceBoundRelay:
@@ -405,19 +411,37 @@ def swap_once(
     return "no_acknowledgement"
 
 
-def reserve_once(address: str, target: Target, identity: NodeIdentity, *, timeout: float = 10.0) -> str:
-    """Attack 7 (stream mode, sparse wire): a phase swap that carries no tensors (a reservation), sealed and
-    committed like an honest one, so that the target reserves its phase for ``identity``, which then never
-    delivers a progress (it has no DHT record, and answers nothing). Returns ``reserved`` when the target
-    acknowledged the swap, else what :func:`swap_once` returned."""
+def phase_frames(
+    target: Target, model_cfg: ModelConfig | None, peer_id: str, phi: Sequence[torch.Tensor] | None, phi_dtype: str
+) -> list[bytes]:
+    """A stream phase payload for the target's outer step: ``phi`` in ``phi_dtype`` (a dense run's phase sends it in
+    bf16, a sparse run's phi phase in int8), or with ``phi`` None a reservation (no tensors: a sparse run's other
+    phases)."""
+    if phi is not None:
+        assert model_cfg is not None, "a phase payload of phi needs the model's names"
+        return part_frames(target, model_cfg, "phi", phi, peer_id=peer_id, wire_dtype=phi_dtype)
     manifest = build_manifest(
-        [],
-        wire_dtype="int8",
-        run_fingerprint=target.run_fingerprint,
-        peer_id=identity.peer_id,
-        outer_step=target.outer_step,
+        [], wire_dtype="int8", run_fingerprint=target.run_fingerprint, peer_id=peer_id, outer_step=target.outer_step
     )
-    swapped = swap_once(address, target, identity, list(iter_frames(manifest, [])), timeout=timeout)
+    return list(iter_frames(manifest, []))
+
+
+def reserve_once(
+    address: str,
+    target: Target,
+    identity: NodeIdentity,
+    *,
+    model_cfg: ModelConfig | None = None,
+    phi: Sequence[torch.Tensor] | None = None,
+    timeout: float = 10.0,
+) -> str:
+    """Attack 7 (stream mode): a phase swap sealed and committed like an honest one, so that the target reserves its
+    phase for ``identity``, which then never delivers a progress (it has no DHT record, and answers nothing). A
+    reservation (no tensors) in a sparse run; in a dense one (``phi``: the target's own, from GetState, and
+    ``model_cfg``) a phase payload of phi in bf16. Returns ``reserved`` when the target acknowledged the swap, else
+    what :func:`swap_once` returned."""
+    frames = phase_frames(target, model_cfg, identity.peer_id, phi, "bf16")
+    swapped = swap_once(address, target, identity, frames, timeout=timeout)
     return "reserved" if swapped == "committed" else swapped
 
 
@@ -449,19 +473,18 @@ def hostile_progress_once(
     target: Target,
     model_cfg: ModelConfig,
     identity: NodeIdentity,
-    phi: Sequence[torch.Tensor],
+    phi: Sequence[torch.Tensor] | None,
     progress: Sequence[torch.Tensor],
     *,
     wire_dtype: str,
     within: float = 30.0,
 ) -> tuple[str, str]:
-    """Attack 8 (stream mode, a dense wire): swap a phase payload carrying ``phi`` (the target's own slow weights,
-    from GetState, so that the progress is measured exactly as crafted) at the target's outer step, then deliver
-    ``progress`` in ``wire_dtype`` once the target's pairing round opens (it answers busy until its phase ends;
-    asked again every 0.2 s for ``within`` s). Returns what the swap got and what the progress got
+    """Attack 8 (stream mode): swap a phase payload carrying ``phi`` (the target's own slow weights, from GetState,
+    so that the progress is measured exactly as crafted; None: a sparse run's reservation) at the target's outer
+    step, then deliver ``progress`` in ``wire_dtype`` once the target's pairing round opens (it answers busy until
+    its phase ends; asked again every 0.2 s for ``within`` s). Returns what the swap got and what the progress got
     (:func:`swap_once`'s words; ``committed`` progress was blended)."""
-    phase = part_frames(target, model_cfg, "phi", phi, peer_id=identity.peer_id, wire_dtype="bf16")
-    swapped = swap_once(address, target, identity, phase)
+    swapped = swap_once(address, target, identity, phase_frames(target, model_cfg, identity.peer_id, phi, "bf16"))
     if swapped != "committed":
         return swapped, "not_sent"
     frames = part_frames(target, model_cfg, "progress", progress, peer_id=identity.peer_id, wire_dtype=wire_dtype)
@@ -475,12 +498,27 @@ def hostile_progress_once(
     return swapped, delivered
 
 
+def shrinking_progress(phi: Sequence[torch.Tensor], size: float, wire_dtype: str) -> list[torch.Tensor]:
+    """A progress that pulls every tensor towards zero, ``size`` (relative L2 to ``phi``) as the target decodes it:
+    minus phi, scaled; in the sparse wire scaled after its own top-k coding (which keeps a fraction of the mass). As
+    far from the target as a progress may be, spread over every tensor in proportion to it, so that no tensor's own
+    bound is nearer than the overall one."""
+    values = [-t.float() for t in phi]
+    if wire_dtype == "sparse":
+        decoded = [sparse.decode(sparse.encode(v.reshape(-1)), v.numel()).view(v.shape) for v in values]
+    else:
+        decoded = values
+    scale = size / max(relative_norm(decoded, phi), 1e-12)
+    return [v * scale for v in values]
+
+
 def silent_stream(address: str, target: Target, hold: float = 60.0) -> str:
     """Attack 4, on the slots: a stream that sends nothing at all."""
     return hog_once(address, target, None, hold=hold)
 
 
 REFUSED_PAUSE = 0.5  # after a refusal, the outsider tries again this soon (a cut hog reconnects at once)
+PHI_REFRESH_SECONDS = 2.0  # a dense run's reserving key downloads the target's phi this often for its phase swaps
 
 
 def idle_connections(address: str, count: int) -> list[socket.socket]:
@@ -541,11 +579,13 @@ class OutsiderReport:
     idle_connections: int = 0
     probes: Counter[str] = field(default_factory=Counter)  # Info / GetState asked of the honest nodes
     reservations: Counter[str] = field(default_factory=Counter)  # phase swaps that reserve and never deliver
+    # Phase swaps followed by a progress that shrinks the target at 0.85 of its bound: "<swap> <progress>"
+    progress: Counter[str] = field(default_factory=Counter)
 
 
-ATTACKS = ("hog", "silent", "payloads", "idle", "reserve")  # the fake donor is a FakeDonor of its own
-# Attacks a plain `bench outsider` leaves out: "reserve" needs a stream run with the sparse wire.
-STREAM_ATTACKS = ("reserve",)
+ATTACKS = ("hog", "silent", "payloads", "idle", "reserve", "progress")  # the fake donor is a FakeDonor of its own
+# The attacks on a stream run's phases, which a plain (sync) `bench outsider` leaves out.
+STREAM_ATTACKS = ("reserve", "progress")
 DEFAULT_ATTACKS = tuple(attack for attack in ATTACKS if attack not in STREAM_ATTACKS)
 
 
@@ -566,6 +606,7 @@ class Outsider:
         every: float = 10.0,
         source: str = "127.0.0.2",
         payload_source: str = "127.0.0.3",
+        wire_dtype: str = "int8",
     ) -> None:
         unknown = set(attacks) - set(ATTACKS)
         if unknown:
@@ -575,6 +616,7 @@ class Outsider:
         # Payloads come from a second address: the first is soon barred for its stalls, and what is measured
         # here is whether the payloads themselves get in.
         self.payload_source = payload_source
+        self.wire_dtype = wire_dtype  # the stream attacks': the run's progress wire dtype
         self.targets_now = targets_now
         self.model_cfg = model_cfg
         self.silent_streams = silent_streams
@@ -607,6 +649,8 @@ class Outsider:
                 self._sockets += idle_connections(self._relay(target), self.idle)
             if "reserve" in self.attacks:
                 self._spawn(self._reserve_loop, target.peer_id)
+            if "progress" in self.attacks:
+                self._spawn(self._progress_loop, target.peer_id)
         self.report.idle_connections = len(self._sockets)
 
     def _spawn(self, loop: Callable[[str], None], peer_id: str) -> None:
@@ -650,10 +694,51 @@ class Outsider:
     def _reserve_loop(self, peer_id: str) -> None:
         """One key (made for this target) tries to reserve each of the target's phases as it opens."""
         identity = fresh_identity()
+        phi: list[torch.Tensor] | None = None
+        fetched = -math.inf
         while not self._stop.is_set() and (target := self._current(peer_id)) is not None:
-            outcome = reserve_once(self._relay(target, self.payload_source), target, identity)
+            address = self._relay(target, self.payload_source)
+            if self.wire_dtype != "sparse" and time.monotonic() - fetched > PHI_REFRESH_SECONDS:
+                phi, fetched = self._phi(target, identity, self.report.reservations), time.monotonic()
+                if phi is None:
+                    self._stop.wait(REFUSED_PAUSE)
+                    continue
+            outcome = reserve_once(address, target, identity, model_cfg=self.model_cfg, phi=phi)
             self.report.reservations[outcome] += 1
             self._stop.wait(0.2)
+
+    def _progress_loop(self, peer_id: str) -> None:
+        """One key (made for this target) swaps a phase payload at each of the target's phases it can, then delivers
+        a progress that shrinks the target's weights at 0.85 of its norm bound (:func:`shrinking_progress`)."""
+        identity = fresh_identity()
+        while not self._stop.is_set() and (target := self._current(peer_id)) is not None:
+            if target.norm_bound is None:
+                self._stop.wait(REFUSED_PAUSE)
+                continue
+            phi = self._phi(target, identity, self.report.progress)
+            if phi is None:
+                self._stop.wait(REFUSED_PAUSE)
+                continue
+            now = replace(target, outer_step=fetch_info(target.address, timeout=5, peer_id=target.peer_id).outer_step)
+            progress = shrinking_progress(phi, 0.85 * target.norm_bound, self.wire_dtype)
+            swapped, delivered = hostile_progress_once(
+                self._relay(target, self.payload_source),
+                now,
+                self.model_cfg,
+                identity,
+                None if self.wire_dtype == "sparse" else phi,
+                progress,
+                wire_dtype=self.wire_dtype,
+            )
+            self.report.progress[f"{swapped} {delivered}"] += 1
+            self._stop.wait(0.2)
+
+    def _phi(self, target: Target, identity: NodeIdentity, report: Counter[str]) -> list[torch.Tensor] | None:
+        try:
+            return download_phi(target, self.model_cfg, identity)
+        except ExchangeError as error:
+            report[f"phi download {error.reason}"] += 1
+            return None
 
     def _probe_loop(self, peer_id: str) -> None:
         prober = fresh_identity()  # an honest-looking caller at the honest nodes' address
@@ -685,7 +770,13 @@ def targets_from_status_files(data_dirs: Sequence[Path]) -> Callable[[], list[Ta
             status = read_status_document(data_dir)
             if status and status.get("address"):
                 found.append(
-                    Target(status["peer_id"], status["address"], status["run_fingerprint"], status["outer_step"])
+                    Target(
+                        status["peer_id"],
+                        status["address"],
+                        status["run_fingerprint"],
+                        status["outer_step"],
+                        (status.get("security") or {}).get("norm_bound"),
+                    )
                 )
         return found
 
@@ -714,6 +805,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--idle", type=int, default=200)
     parser.add_argument("--source", default="127.0.0.2", help="the address the outsider comes from")
     parser.add_argument("--payload-source", default="127.0.0.3", help="the address its payloads come from")
+    parser.add_argument("--wire-dtype", default="int8", help="a stream run's progress wire dtype (stream attacks)")
     args = parser.parse_args(argv)
     os.nice(19)
     model_cfg = model_config_for(args.model, vocab_size=args.vocab_size, max_seq_len=args.seq_len)
@@ -725,6 +817,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         idle=args.idle,
         source=args.source,
         payload_source=args.payload_source,
+        wire_dtype=args.wire_dtype,
     )
     key()  # the key ring, made before the clock starts
     done = threading.Event()

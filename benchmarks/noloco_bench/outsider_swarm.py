@@ -87,6 +87,8 @@ class SwarmRun:
     merged_after: list[tuple[int, float] | None] = field(default_factory=list)
     sybil6_keys: int = 0  # the patient Sybil's keys on IPv6 addresses of its one /48 (a network of namespaces)
     sybil6_blends: int = 0  # the honest nodes' blends with them
+    # per node (its last life): outer steps blended with an honest node, of the outer steps it took
+    node_honest: list[tuple[int, int]] = field(default_factory=list)
 
     @property
     def blends_per_minute(self) -> float:
@@ -123,6 +125,8 @@ class SwarmRun:
                 if self.sybil6_keys
                 else ""
             )
+            + "; per node with honest nodes "
+            + ", ".join(f"{honest}/{taken}" for honest, taken in self.node_honest)
             + f"), final val loss {self.mean_val_loss:.4f}, crashes {len(self.crashes)}; the joiner {self.joiner}; "
             f"the node restarted halfway {self.restart}"
             + (
@@ -148,6 +152,8 @@ class SwarmShape:
     inner_steps: int
     partition_seconds: float = 0.0
     namespaces: bool = False  # on a network of namespaces even without a partition
+    mode: str = "sync"  # the pairing mode; "stream" takes the stream attacks instead of the sync ones
+    wire_dtype: str | None = None  # the run's wire dtype (None: the mode's default)
 
     @property
     def on_network(self) -> bool:
@@ -181,14 +187,25 @@ class OutsiderBenchResult:
                 f"with the outsider: attackers' keys took {self.attacked.attacker_share:.0%} of the blends with "
                 f"{self.attacked.attacker_group_share:.0%} of the network groups (target: no more than that share)",
                 f"the outsider saw: {json.dumps(self.attacked.outsider, sort_keys=True)}",
-                f"the fresh-key flood: {json.dumps(self.attacked.flood.get('report', {}), sort_keys=True)}",
-                f"the patient Sybil: {json.dumps(self.attacked.sybil.get('report', {}), sort_keys=True)}",
+                *(
+                    [f"the fresh-key flood: {json.dumps(self.attacked.flood.get('report', {}), sort_keys=True)}"]
+                    if self.attacked.flood
+                    else []
+                ),
+                *(
+                    [f"the patient Sybil: {json.dumps(self.attacked.sybil.get('report', {}), sort_keys=True)}"]
+                    if self.attacked.sybil
+                    else []
+                ),
             ]
         )
 
 
-def _node_args(model: str, steps: int, inner_steps: int) -> list[str]:
+def _node_args(shape: SwarmShape) -> list[str]:
+    model, steps, inner_steps = shape.model, shape.steps, shape.inner_steps
     return [
+        *("--mode", shape.mode),
+        *(("--wire-dtype", shape.wire_dtype) if shape.wire_dtype else ()),
         *("--model", model, "--seq-len", "64", "--steps", str(steps), "--inner-steps", str(inner_steps)),
         *("--eval-batches", "4", "--pair-timeout", "5", "--record-ttl", "10", "--log-every", "30"),
         *("--checkpoint-every", "1"),
@@ -220,12 +237,22 @@ class Placement:
         attackers = {self.outsider, self.payloads, *self.flood, self.random_donor, *self.poisoned_donors}
         return attackers | {*self.sybil, *self.sybil6}
 
+    def used_by(self, mode: str) -> set[str]:
+        """The addresses the attackers speak from in a run of ``mode``: a stream run has no flood and no Sybil."""
+        if mode == "stream":
+            return {self.outsider, self.payloads, self.random_donor, *self.poisoned_donors}
+        return self.addresses
+
 
 def _attackers(
-    swarm: LocalSwarm, placement: Placement, model: str, inner_steps: int, cpu: CpuGroup
+    swarm: LocalSwarm, placement: Placement, shape: SwarmShape, cpu: CpuGroup
 ) -> dict[str, subprocess.Popen[str]]:
     """Start the four attacking processes (the outsider, the fake donors, the fresh-key flood, the patient Sybil),
-    each at the lowest CPU priority and together in the CPU group of the outsider's host (bench/cpu_group.py)."""
+    each at the lowest CPU priority and together in the CPU group of the outsider's host (bench/cpu_group.py). A
+    stream run gets the outsider's stream attacks (silent streams, idle connections, a key per node that reserves
+    its phases and one that delivers shrinking progress) and the fake donors: the hog, the forged and ratchet
+    payloads, the flood and the Sybil speak sync mode's payload, which a stream node refuses unread."""
+    model, inner_steps = shape.model, shape.inner_steps
     data_dirs = [item for s in swarm.slots for item in ("--data-dir", str(s.data_dir))]
     bootstrap = [item for maddr in swarm.maddrs for item in ("--initial-peer", maddr)]
     commands = {
@@ -251,8 +278,12 @@ def _attackers(
         "outsider": [
             *("-m", "noloco_bench.outsider", "--model", model, "--seconds", "100000"),
             *("--source", placement.outsider, "--payload-source", placement.payloads),
+            *(("--attacks", "silent,idle,reserve,progress") if shape.mode == "stream" else ()),
+            *(("--wire-dtype", shape.wire_dtype) if shape.wire_dtype else ()),
         ],
     }
+    if shape.mode == "stream":
+        del commands["flood"], commands["sybil"]
     return {
         name: subprocess.Popen(
             [*cpu.prefix, *placement.exec_prefix, sys.executable, *command, *data_dirs],
@@ -290,7 +321,7 @@ def _run(
         if network is not None and network.subnet6 is not None
         else None
     )
-    swarm = LocalSwarm(base, shape.nodes, _node_args(shape.model, steps, inner_steps), dual_stack, network=network)
+    swarm = LocalSwarm(base, shape.nodes, _node_args(shape), dual_stack, network=network)
     attackers: dict[str, subprocess.Popen[str]] = {}
     stopping = False
     stand_in: subprocess.Popen[bytes] | None = None
@@ -303,7 +334,7 @@ def _run(
             raise RuntimeError(f"the swarm did not start; see the node logs in {base}")
         stand_in = cpu.stand_in()  # in both runs: the nodes get the same CPU with and without the outsider
         if attack:
-            attackers = _attackers(swarm, placement, shape.model, inner_steps, cpu)
+            attackers = _attackers(swarm, placement, shape, cpu)
         restarted = joined = False
         finished_at: float | None = None
         while swarm.running():
@@ -358,13 +389,15 @@ def _run(
     honest_ids = {status.get("peer_id") for status in statuses} | _first_lives_ids(swarm)
     run.honest_groups = {network_group(host_of_address(s["address"])) for s in statuses if s.get("address")}
     if attack:
-        run.attacker_groups = {network_group(address) for address in placement.addresses}
+        run.attacker_groups = {network_group(address) for address in placement.used_by(shape.mode)}
     half_of = {statuses[i].get("peer_id"): h for h, half in enumerate(shape.halves) for i in half}
     for slot, status in zip(swarm.slots, statuses, strict=True):
         history = [h for h in status.get("history", []) if h["inner_step"] <= steps]
         run.outer_steps += len(history)
         run.blends += sum(1 for h in history if h["partner"])
-        run.honest_blends += sum(1 for h in history if h["partner"] in honest_ids)
+        honest_blends = sum(1 for h in history if h["partner"] in honest_ids)
+        run.honest_blends += honest_blends
+        run.node_honest.append((honest_blends, len(history)))
         if history:
             run.final_val_losses.append(history[-1]["val_loss"])
         run.crashes += slot.crashes
