@@ -246,8 +246,12 @@ def payload_frames(
     *,
     peer_id: str,
     wire_dtype: str = "bf16",
+    part: str = "theta",
 ) -> list[bytes]:
-    named = [(name, t) for (name, _), t in zip(theta_names(model_cfg), tensors, strict=True)]
+    """A payload of one part (``theta``, or a stream run's ``phi`` or ``progress``) of the model's tensors, for the
+    target's outer step."""
+    names = [name.split("/", 1)[1] for name, _ in theta_names(model_cfg)]
+    named = [(f"{part}/{name}", t) for name, t in zip(names, tensors, strict=True)]
     manifest = build_manifest(
         named,
         wire_dtype=wire_dtype,
@@ -419,7 +423,7 @@ def phase_frames(
     phases)."""
     if phi is not None:
         assert model_cfg is not None, "a phase payload of phi needs the model's names"
-        return part_frames(target, model_cfg, "phi", phi, peer_id=peer_id, wire_dtype=phi_dtype)
+        return payload_frames(target, model_cfg, phi, peer_id=peer_id, wire_dtype=phi_dtype, part="phi")
     manifest = build_manifest(
         [], wire_dtype="int8", run_fingerprint=target.run_fingerprint, peer_id=peer_id, outer_step=target.outer_step
     )
@@ -445,29 +449,6 @@ def reserve_once(
     return "reserved" if swapped == "committed" else swapped
 
 
-def part_frames(
-    target: Target,
-    model_cfg: ModelConfig,
-    part: str,
-    tensors: Sequence[torch.Tensor],
-    *,
-    peer_id: str,
-    wire_dtype: str,
-) -> list[bytes]:
-    """A payload of one part (``phi``, ``progress``) of the model's tensors, for the target's outer step."""
-    names = [name.split("/", 1)[1] for name, _ in theta_names(model_cfg)]
-    named = [(f"{part}/{name}", t) for name, t in zip(names, tensors, strict=True)]
-    manifest = build_manifest(
-        named,
-        wire_dtype=wire_dtype,
-        run_fingerprint=target.run_fingerprint,
-        peer_id=peer_id,
-        outer_step=target.outer_step,
-    )
-    outgoing = Outgoing(manifest, [t for _, t in named])
-    return list(iter_frames(outgoing.manifest, outgoing.tensors))
-
-
 def hostile_progress_once(
     address: str,
     target: Target,
@@ -487,7 +468,9 @@ def hostile_progress_once(
     swapped = swap_once(address, target, identity, phase_frames(target, model_cfg, identity.peer_id, phi, "bf16"))
     if swapped != "committed":
         return swapped, "not_sent"
-    frames = part_frames(target, model_cfg, "progress", progress, peer_id=identity.peer_id, wire_dtype=wire_dtype)
+    frames = payload_frames(
+        target, model_cfg, progress, peer_id=identity.peer_id, wire_dtype=wire_dtype, part="progress"
+    )
     deadline = time.monotonic() + within
     delivered = "not_sent"
     while time.monotonic() < deadline:

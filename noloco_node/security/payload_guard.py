@@ -330,30 +330,29 @@ class NormGuard:
                 NOT_READY,
                 "this node has not finished an inner phase yet, so it has no bound to check a partner against",
             )
-        if not math.isfinite(distance) or distance > bound:
-            raise PayloadError(
-                grpc.StatusCode.INVALID_ARGUMENT,
-                NORM_BOUND,
-                f"the weights from {peer} are {distance:.3g} (relative L2) from this node's, beyond the bound "
-                f"{bound:.3g}",
-            )
+        _within(distance, bound, f"the weights from {peer} are", "(relative L2)", "the bound")
         ratio = None
         bounds = self.tensor_bounds(bound, widen) if tensors is not None else None
         if tensors is not None and bounds is not None and len(bounds) == len(tensors):
             ratio = 0.0
             for (name, tensor_distance), tensor_bound in zip(tensors, bounds, strict=True):
-                if not math.isfinite(tensor_distance) or tensor_distance > tensor_bound:
-                    raise PayloadError(
-                        grpc.StatusCode.INVALID_ARGUMENT,
-                        NORM_BOUND,
-                        f"{name} from {peer} is {tensor_distance:.3g} (relative L2 of that tensor) from this node's, "
-                        f"beyond its bound {tensor_bound:.3g}",
-                    )
+                what = f"{name} from {peer} is"
+                _within(tensor_distance, tensor_bound, what, "(relative L2 of that tensor)", "its bound")
                 ratio = max(ratio, tensor_distance / max(tensor_bound, 1e-12))
         with self._lock:
             self.last_distance = distance
             if ratio is not None:
                 self.last_tensor_ratio = ratio
+
+
+def _within(distance: float, bound: float, what: str, measure: str, which: str) -> None:
+    """Raise the norm bound's refusal unless ``distance`` is a number within ``bound``."""
+    if not math.isfinite(distance) or distance > bound:
+        raise PayloadError(
+            grpc.StatusCode.INVALID_ARGUMENT,
+            NORM_BOUND,
+            f"{what} {distance:.3g} {measure} from this node's, beyond {which} {bound:.3g}",
+        )
 
 
 class Complaints:
