@@ -464,7 +464,8 @@ class StreamPairing(PairingStrategy):
         is spent: its phase payload completes one progress (:meth:`complete_payload`), so an exchange that used it
         and did not settle (refused, or cut before both sides committed) leaves nothing to pair with on this side,
         and the partner's retries would only be refused until --pair-timeout. The first call goes to the address
-        known from the phase swap, without waiting for a DHT lookup."""
+        known from the phase swap, without waiting for a DHT lookup; after a failed call the partner is only
+        waited for (it calls in)."""
         ctx = self.ctx
         record, missing_since = self._records.get(partner_id), None
         listed = record is not None  # a partner never listed in the DHT this round cannot have left it
@@ -472,7 +473,11 @@ class StreamPairing(PairingStrategy):
             if self._spent(phase):
                 current.stop_waiting()  # an exchange still in flight may settle the round
                 return
-            if record is not None and record.address and current.lock.acquire(blocking=False):
+            # Not dialled again once a call to it failed (it is avoided): a partner that is gone would be dialled
+            # every few hundred milliseconds until --pair-timeout, each failure doubling its avoidance, so that a
+            # member's restart would set it aside for many minutes; one that lives calls in from its own round.
+            dial = record is not None and record.address and not ctx.caller.policy.avoided(partner_id)
+            if dial and record is not None and current.lock.acquire(blocking=False):
                 try:
                     if not current.open:
                         return

@@ -68,6 +68,13 @@ MAX_DRIFT_STEPS = 15
 # A sparse run's code in a steady state: each coordinate's mass of about 1/KEEP phases, sent on KEEP of them, so
 # sqrt(1/KEEP) phases' movement in L2 (8 for SparseLoCo's 1/64).
 STEADY_CODE_PHASES = math.sqrt(1 / KEEP)
+# A tensor's own bound is this many times the larger of the overall bound and its own (factor x movement) basis.
+# An honest partner's tensors stray further from this node's profile than its whole does: a joiner's first phase
+# after downloading a state (its Adam moments start from zero, so every coordinate moves by about the learning rate)
+# moved the tiny model's embedding by 1.52 times that basis while the whole stayed inside its bound. What the
+# per-tensor check stops is of another size: the overall allowance spent on one small tensor moves it by about 25
+# times the bound.
+TENSOR_SLACK = 3.0
 DISTANCE_SLICE = 1 << 20  # elements per slice: the distance never allocates a model-sized temporary
 
 
@@ -281,10 +288,11 @@ class NormGuard:
             return "own_movement" if self._per_lr else "none_yet"
 
     def tensor_bounds(self, bound: float, widen: float = 1.0) -> list[float] | None:
-        """Each tensor's bound, for an overall ``bound`` already widened by ``widen`` for drift: the overall bound,
-        or, for a tensor that moves more than that relative to its own norm, ``factor`` times its own largest
-        movement (and code, in a sparse run) as for the whole, widened alike. None before this node has measured a
-        phase tensor by tensor (a restart measures one before it pairs again), or with a fixed bound."""
+        """Each tensor's bound, for an overall ``bound`` already widened by ``widen`` for drift: ``TENSOR_SLACK``
+        times the overall bound, or, for a tensor that moves more than that relative to its own norm, times
+        ``factor`` times its own largest movement (and code, in a sparse run) as for the whole, widened alike. None
+        before this node has measured a phase tensor by tensor (a restart measures one before it pairs again), or
+        with a fixed bound."""
         with self._lock:
             if self.fixed is not None or not self._tensor_per_lr:
                 return None
@@ -300,7 +308,7 @@ class NormGuard:
             basis = self.factor * max(movement, sent[i] if sent is not None else 0.0)
             if sent is not None:
                 basis = max(basis, movement * STEADY_CODE_PHASES)
-            bounds.append(max(bound, basis * partner_lr * widen))
+            bounds.append(TENSOR_SLACK * max(bound, basis * partner_lr * widen))
         return bounds
 
     def admit(
