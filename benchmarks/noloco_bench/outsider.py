@@ -459,12 +459,13 @@ def hostile_progress_once(
     *,
     wire_dtype: str,
     within: float = 30.0,
+    stop: threading.Event | None = None,
 ) -> tuple[str, str]:
     """Attack 8 (stream mode): swap a phase payload carrying ``phi`` (the target's own slow weights, from GetState,
     so that the progress is measured exactly as crafted; None: a sparse run's reservation) at the target's outer
     step, then deliver ``progress`` in ``wire_dtype`` once the target's pairing round opens (it answers busy until
-    its phase ends; asked again every 0.2 s for ``within`` s). Returns what the swap got and what the progress got
-    (:func:`swap_once`'s words; ``committed`` progress was blended)."""
+    its phase ends; asked again every 0.2 s for ``within`` s, or until ``stop`` is set). Returns what the swap got
+    and what the progress got (:func:`swap_once`'s words; ``committed`` progress was blended)."""
     swapped = swap_once(address, target, identity, phase_frames(target, model_cfg, identity.peer_id, phi, "bf16"))
     if swapped != "committed":
         return swapped, "not_sent"
@@ -473,7 +474,7 @@ def hostile_progress_once(
     )
     deadline = time.monotonic() + within
     delivered = "not_sent"
-    while time.monotonic() < deadline:
+    while time.monotonic() < deadline and not (stop is not None and stop.is_set()):
         delivered = swap_once(address, target, identity, frames)
         if delivered != grpc.StatusCode.ABORTED.name:  # busy: the round is not open yet
             break
@@ -702,7 +703,13 @@ class Outsider:
             if phi is None:
                 self._stop.wait(REFUSED_PAUSE)
                 continue
-            now = replace(target, outer_step=fetch_info(target.address, timeout=5, peer_id=target.peer_id).outer_step)
+            try:  # at the target's outer step as it is now: a node in short phases moves on while this builds
+                info = fetch_info(target.address, timeout=5, peer_id=target.peer_id)
+            except grpc.RpcError as error:  # restarting, or gone
+                self.report.progress[f"info {error.code().name}"] += 1
+                self._stop.wait(REFUSED_PAUSE)
+                continue
+            now = replace(target, outer_step=info.outer_step)
             progress = shrinking_progress(phi, 0.85 * target.norm_bound, self.wire_dtype)
             swapped, delivered = hostile_progress_once(
                 self._relay(target, self.payload_source),
@@ -712,6 +719,7 @@ class Outsider:
                 None if self.wire_dtype == "sparse" else phi,
                 progress,
                 wire_dtype=self.wire_dtype,
+                stop=self._stop,
             )
             self.report.progress[f"{swapped} {delivered}"] += 1
             self._stop.wait(0.2)
