@@ -52,6 +52,7 @@ from pathlib import Path
 from typing import Any
 
 from noloco_bench.cpu_group import CpuGroup, outsider_cpu
+from noloco_bench.outsider import STREAM_ATTACKS
 from noloco_bench.shaped_network import ShapedNetwork, shaped_network
 from noloco_node.addresses import host_of_address, network_group
 from noloco_node.launcher.local_swarm import LocalSwarm, NodeSlot
@@ -249,9 +250,11 @@ def _attackers(
 ) -> dict[str, subprocess.Popen[str]]:
     """Start the four attacking processes (the outsider, the fake donors, the fresh-key flood, the patient Sybil),
     each at the lowest CPU priority and together in the CPU group of the outsider's host (bench/cpu_group.py). A
-    stream run gets the outsider's stream attacks (silent streams, idle connections, a key per node that reserves
-    its phases and one that delivers shrinking progress) and the fake donors: the hog, the forged and ratchet
-    payloads, the flood and the Sybil speak sync mode's payload, which a stream node refuses unread."""
+    stream run gets the outsider's stream attacks (a key per node that reserves its phases, and one that delivers
+    progress shrinking its weights) and the fake donors: the hog, the forged and ratchet payloads, the flood and
+    the Sybil speak sync mode's payload, which a stream node refuses unread, and the silent streams and idle
+    connections, which the sync run measures, would have the attackers' addresses barred and hide what the stream
+    attacks do."""
     model, inner_steps = shape.model, shape.inner_steps
     data_dirs = [item for s in swarm.slots for item in ("--data-dir", str(s.data_dir))]
     bootstrap = [item for maddr in swarm.maddrs for item in ("--initial-peer", maddr)]
@@ -278,7 +281,7 @@ def _attackers(
         "outsider": [
             *("-m", "noloco_bench.outsider", "--model", model, "--seconds", "100000"),
             *("--source", placement.outsider, "--payload-source", placement.payloads),
-            *(("--attacks", "silent,idle,reserve,progress") if shape.mode == "stream" else ()),
+            *(("--attacks", ",".join(STREAM_ATTACKS)) if shape.mode == "stream" else ()),
             *(("--wire-dtype", shape.wire_dtype) if shape.wire_dtype else ()),
         ],
     }
