@@ -10,7 +10,7 @@ from collections.abc import Callable
 
 from noloco_node.node.payload_admission import PayloadAdmission
 from noloco_node.node.run_layout import RunLayout
-from noloco_node.pairing.standing import Standing
+from noloco_node.pairing.standing import PARTNER_CHOOSING_KINDS, Standing
 from noloco_node.pairing.strategy import PairingStrategy
 from noloco_node.rpc.contracts import ExchangeSession, OutOfReachError
 from noloco_node.security.payload_guard import RunningGap
@@ -23,7 +23,6 @@ from noloco_node.wire.receive_buffers import ReceiveBuffers
 # The payload kinds whose exchange makes the caller a partner (sync's and overlap's weights, a stream run's phase
 # swap, with phi or as a reservation: both reserve the pair); a stream run's progress goes only to the partner its
 # phase swap chose.
-PARTNER_CHOOSING_KINDS = ("weights", "phase", "reservation")
 
 
 class ServedNode:
@@ -72,9 +71,14 @@ class ServedNode:
         own = self._outer_step()
         if own is not None and abs(partner_outer_step - own) > self.max_staleness:
             raise OutOfReachError(own, partner_outer_step, self.max_staleness)
-        if kind in PARTNER_CHOOSING_KINDS and not self.standing.may_serve(partner_id):
+        if kind not in PARTNER_CHOOSING_KINDS:
+            return self.strategy.open_session(partner_id, partner_outer_step, kind)
+        if not self.standing.may_serve(partner_id):
             return None
-        return self.strategy.open_session(partner_id, partner_outer_step, kind)
+        session = self.strategy.open_session(partner_id, partner_outer_step, kind)
+        if session is not None:
+            self.standing.spend_stranger_turn(partner_id)
+        return session
 
     def info(self) -> pb.InfoReply:
         return self._info()

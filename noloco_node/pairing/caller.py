@@ -26,7 +26,7 @@ import grpc
 
 from noloco_node.discovery.dht import PeerRecord
 from noloco_node.pairing.peer_policy import PeerPolicy
-from noloco_node.pairing.standing import Standing
+from noloco_node.pairing.standing import PARTNER_CHOOSING_KINDS, Standing
 from noloco_node.rpc.client import UNACKNOWLEDGED, CallOwner, ExchangeError, exchange_with, settle_with
 from noloco_node.rpc.contracts import OutgoingPayload
 from noloco_node.rpc.metrics import ExchangeMetrics
@@ -141,6 +141,8 @@ class PeerCaller:
         recorded). ``complete`` makes the partner's payload whole before it is admitted (a stream run's progress,
         pairing/stream.py); ``unacknowledged`` is told when this side committed and heard no acknowledgement (the
         peer may have blended: :meth:`settle` asks)."""
+        if kind in PARTNER_CHOOSING_KINDS:
+            self.standing.spend_stranger_turn(peer.peer_id)
         deadline = self.policy.deadline(peer.peer_id)
         started = time.monotonic()
         loop = asyncio.get_running_loop()

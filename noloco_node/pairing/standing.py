@@ -11,14 +11,18 @@ completes first, can have every round taken by one stranger minting keys and ech
   (G: the established groups within reach), so that many keys of one group calling first every step take no more
   than the share of one group.
 - **A bounded share for strangers.** Every other id is a stranger. Strangers are called, and their calls served,
-  only in *stranger steps*: a token bucket that admits ``stranger_share`` of this node's outer steps (its phase
-  starts at random, so that nodes started together do not open the same steps). Whatever the number of keys and
-  addresses, strangers take at most that share of a node's rounds. Among strangers a network group is chosen
-  first, then one of its keys, so a thousand keys on one address, or on one /24, weigh as one. A node none of whose
-  established peers is live (a new swarm, a joiner, a partition) admits strangers at every step: it has no one
-  better to pair with. One whose established peers are live but out of reach (it fell behind, or they did) does
-  not: it catches up with them (node/outer_step.py downloads a state after a few solo steps), and keeping it
-  behind buys an attacker no more than the stranger share.
+  only with a *stranger turn*: a token bucket that earns ``stranger_share`` of a turn per outer step (its phase
+  starts at random, so that nodes started together do not open the same steps) and holds at most one; the first
+  session of a stranger this node serves or calls spends it (``spend_stranger_turn``). Whatever the number of keys
+  and addresses, strangers take at most that share of a node's rounds. The turn waits for a stranger instead of
+  lapsing with its step: two honest newcomers, each a stranger to the other, meet at the first chance, where
+  turns that lapsed met only when both nodes' steps coincided (1% of steps at a share of 10%; a joiner and a
+  restarted member then blended every other step, each with the one member they both knew). Among strangers a
+  network group is chosen first, then one of its keys, so a thousand keys on one address, or on one /24, weigh as
+  one. A node none of whose established peers is live (a new swarm, a joiner, a partition) admits strangers at
+  every step: it has no one better to pair with. One whose established peers are live but out of reach (it fell
+  behind, or they did) does not: it catches up with them (node/outer_step.py downloads a state after a few solo
+  steps), and keeping it behind buys an attacker no more than the stranger share.
 - **A bounded weight for strangers.** Once a node has established peers, a partner without standing counts as
   ``STRANGER_WEIGHT`` of a replica in its blend: a stranger step moves it a third of the way to the stranger's
   weights, not half (an honest newcomer mixes in a little more slowly; it joined from a peer's state anyway).
@@ -42,6 +46,8 @@ from typing import Any
 
 from noloco_node.discovery.dht import PeerRecord
 
+# The payload kinds whose exchange chooses a partner (a progress exchange goes to the partner its phase swap chose)
+PARTNER_CHOOSING_KINDS = ("weights", "phase", "reservation")
 MAX_REMEMBERED = 4096  # peers remembered; past this strangers are forgotten first, then the longest-gone
 # Calls in from one network group served in any 2G outer steps (G: the established groups within reach): a group's
 # share, 1/G, with room for one repeat (an honest pair that finds nobody else ready pairs again).
@@ -91,8 +97,10 @@ class Standing:
         self._lock = threading.Lock()
         self._tracks: dict[str, _Track] = {}
         self._step: int | None = None
+        # The stranger share's bucket: a turn for a stranger once it holds a whole token, spent by the first
+        # stranger this node serves or calls (spend_stranger_turn). Kept until used, so that two honest newcomers
+        # (each a stranger to the other) meet at the first chance, not only when their random steps coincide.
         self._tokens = self._rng.random()  # a random phase: nodes started together open different steps
-        self._step_admits = True
         # Strangers are let in at every step only while no peer with standing is live at all (a new swarm, a joiner,
         # a partition): one whose established peers are live but out of reach catches up with them instead
         # (node/outer_step.py), and an attacker that keeps it behind gains no more than the stranger share.
@@ -240,10 +248,19 @@ class Standing:
         with self._lock:
             now = self._clock()
             if not self._established(peer_id, now):
-                return self._step_admits or not self._established_live
+                return self._tokens >= 1.0 or not self._established_live
             return self._group_blends_within(self._tracks[peer_id].group, 2 * self._groups_within_reach) < (
                 CALLS_IN_PER_WINDOW
             )
+
+    def spend_stranger_turn(self, peer_id: str) -> None:
+        """A session of a partner-choosing kind opened with ``peer_id`` (served, or called): a stranger's takes the
+        stranger share's turn, while peers with standing are live (without them strangers pair freely)."""
+        with self._lock:
+            if self._established(peer_id, self._clock()) or not self._established_live or self._tokens < 1.0:
+                return
+            self._tokens -= 1.0
+            self.stranger_steps += 1
 
     def order(self, candidates: Sequence[PeerRecord], last_paired: dict[str, int]) -> list[PeerRecord]:
         """Whom to call, in order: the established peers, least recently paired group first, and at a stranger step
@@ -259,7 +276,7 @@ class Standing:
                 return _by_group(candidates, last_paired, self._rng)
             established = [p for p in candidates if self._established(p.peer_id, now)]
             strangers = [p for p in candidates if not self._established(p.peer_id, now)]
-            admits = self._step_admits
+            admits = self._tokens >= 1.0
         ordered = _by_group(established, last_paired, self._rng)
         if admits and strangers:
             groups = sorted({p.network_group for p in strangers})
@@ -292,11 +309,6 @@ class Standing:
         steps = 1 if self._step is None else own_step - self._step
         self._step = own_step
         self._tokens = min(1.0, self._tokens + self.stranger_share * steps)
-        self._step_admits = self._tokens >= 1.0
-        if self._step_admits:
-            self._tokens -= 1.0
-            if self._established_live:
-                self.stranger_steps += 1
 
     def _forget_beyond_limit(self) -> None:
         if len(self._tracks) <= MAX_REMEMBERED:
