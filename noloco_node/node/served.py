@@ -64,7 +64,7 @@ class ServedNode:
         return self.layout.max_payload_bytes()
 
     def open_session(self, partner_id: str, partner_outer_step: int, kind: str) -> ExchangeSession | None:
-        """A session from the strategy, or None (busy). A stranger is served only in this node's stranger steps
+        """A session from the strategy, or None (busy). A stranger is served only with this node's stranger turn
         (pairing/standing.py); a stream run's progress is exchanged with the partner its phase swap reserved, so
         the standing of that partner was weighed when the swap was taken. A partner further than --max-staleness
         outer steps away is told so, with this node's step (OutOfReachError), in every mode."""

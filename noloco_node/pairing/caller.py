@@ -2,7 +2,7 @@
 
 :class:`PeerCaller` chooses among the run's live peers (ready, reachable, not avoided or quarantined, within the
 staleness bound), orders them by standing (standing.py: established peers least recently paired first, strangers
-only in this node's stranger steps) and makes one exchange call: on the node's own bounded exchange executor
+only with this node's stranger turn) and makes one exchange call: on the node's own bounded exchange executor
 (never asyncio's default one, which status fetches share), under a deadline learnt from earlier exchanges
 (peer_policy.py). The partner's payload must then pass the node's
 admission check (the norm bound); a refusal is counted and held against the partner, whose id here is the one its
@@ -121,7 +121,7 @@ class PeerCaller:
 
     def order(self, candidates: list[PeerRecord]) -> list[PeerRecord]:
         """Whom to call, in order (standing.py): established peers least recently paired first, and one stranger
-        before them in this node's stranger steps."""
+        before them while this node holds a stranger turn (the call spends it)."""
         return self.standing.order(candidates, self.last_paired)
 
     def paired(self, peer_id: str, outer_step: int) -> None:

@@ -24,7 +24,7 @@ completes first, can have every round taken by one stranger minting keys and ech
   behind, or they did) does not: it catches up with them (node/outer_step.py downloads a state after a few solo
   steps), and keeping it behind buys an attacker no more than the stranger share.
 - **A bounded weight for strangers.** Once a node has established peers, a partner without standing counts as
-  ``STRANGER_WEIGHT`` of a replica in its blend: a stranger step moves it a third of the way to the stranger's
+  ``STRANGER_WEIGHT`` of a replica in its blend: a stranger's blend moves it a third of the way to the stranger's
   weights, not half (an honest newcomer mixes in a little more slowly; it joined from a peer's state anyway).
 
 What K keys on M addresses can take is in docs/threat-model.md. Standing is remembered after a peer leaves the DHT
@@ -152,7 +152,7 @@ class Standing:
 
     def steps_apart(self, peer_id: str) -> int | None:
         """Outer steps from this node's last blend with ``peer_id`` to its current step; None if it never blended
-        with it or has no standing with it (a key that won one stranger step must not buy a looser norm bound by
+        with it or has no standing with it (a key that won one stranger turn must not buy a looser norm bound by
         staying away). Counted on this node's own steps: nothing the peer says moves it."""
         with self._lock:
             track = self._tracks.get(peer_id)
@@ -241,10 +241,10 @@ class Standing:
     def may_serve(self, peer_id: str) -> bool:
         """Whether an incoming pairing call from ``peer_id`` may be taken now; a refusal says nothing of the peer.
 
-        A stranger: in stranger steps only. An established peer: unless its network group blended with this node
-        ``CALLS_IN_PER_WINDOW`` times in its last 2G outer steps (G: the groups of established peers within
-        reach), so that calling in first, every step, from many keys of one group earns that group no more than
-        its share, 1/G, of this node's steps."""
+        A stranger: with a stranger turn only (the session spends it: :meth:`spend_stranger_turn`). An established
+        peer: unless its network group blended with this node ``CALLS_IN_PER_WINDOW`` times in its last 2G outer
+        steps (G: the groups of established peers within reach), so that calling in first, every step, from many
+        keys of one group earns that group no more than its share, 1/G, of this node's steps."""
         with self._lock:
             now = self._clock()
             if not self._established(peer_id, now):
@@ -263,9 +263,9 @@ class Standing:
             self.stranger_steps += 1
 
     def order(self, candidates: Sequence[PeerRecord], last_paired: dict[str, int]) -> list[PeerRecord]:
-        """Whom to call, in order: the established peers, least recently paired group first, and at a stranger step
-        one stranger before them (a random group, then a random key of it); with no established peer live,
-        every candidate alike, one group at a time.
+        """Whom to call, in order: the established peers, least recently paired group first, and with a stranger
+        turn one stranger before them (a random group, then a random key of it; the call spends the turn); with no
+        established peer live, every candidate alike, one group at a time.
 
         Least recently paired first: nodes of equal speed reach their outer steps in lockstep and would otherwise
         keep finding their last partner ready first, splitting the swarm into fixed pairs that never mix. One
