@@ -36,6 +36,7 @@ and prefers the peers it had standing with, not whoever's records it sees first 
 
 from __future__ import annotations
 
+import math
 import random
 import threading
 import time
@@ -46,6 +47,10 @@ from typing import Any
 
 from noloco_node.discovery.dht import PeerRecord
 
+# A peer's first sighting when this node has blended with it but never seen its record: standing needs the record
+# seen for --standing-seconds, so a key that only ever calls in (no record at all) stays a stranger however long it
+# blends (counted from its first blend, such a key would earn full weight and every turn).
+NEVER_SEEN = math.inf
 # The payload kinds whose exchange chooses a partner (a progress exchange goes to the partner its phase swap chose)
 PARTNER_CHOOSING_KINDS = ("weights", "phase", "reservation")
 MAX_REMEMBERED = 4096  # peers remembered; past this strangers are forgotten first, then the longest-gone
@@ -60,7 +65,7 @@ STRANGER_WEIGHT = 0.5
 
 @dataclass
 class _Track:
-    first_seen: float  # monotonic time this node first saw the peer's record
+    first_seen: float  # monotonic time this node first saw the peer's record (NEVER_SEEN: blended, never listed)
     last_seen: float
     group: str = ""  # the network group of the address its record gave, last seen (addresses.py)
     blends: int = 0  # blends with this node whose payload passed every check
@@ -121,6 +126,8 @@ class Standing:
                     self._tracks[peer.peer_id] = _Track(first_seen=now, last_seen=now, group=peer.network_group)
                 else:
                     track.last_seen, track.group = now, peer.network_group
+                    if track.first_seen == NEVER_SEEN:
+                        track.first_seen = now
             self._forget_beyond_limit()
             established = [p for p in peers if self._established(p.peer_id, now)]
             groups = {p.network_group for p in established if abs(p.outer_step - own_step) <= max_staleness}
@@ -132,7 +139,7 @@ class Standing:
         """A blend with ``peer_id`` at this node's outer step ``own_step`` (its payload passed every check)."""
         now = self._clock()
         with self._lock:
-            track = self._tracks.setdefault(peer_id, _Track(first_seen=now, last_seen=now))
+            track = self._tracks.setdefault(peer_id, _Track(first_seen=NEVER_SEEN, last_seen=now))
             track.blends += 1
             track.last_blend_step, track.last_blend_time = own_step, now
             track.recent_blend_steps.append(own_step)
@@ -201,7 +208,7 @@ class Standing:
 
     def checkpoint_state(self) -> list[dict[str, Any]]:
         """The peers this node has blended with, for its checkpoint: how long each has been known and its blends.
-        Strangers never blended with are left out: they have earned nothing to keep."""
+        Strangers never blended with, or never seen in the DHT, are left out: they have earned nothing to keep."""
         now = self._clock()
         with self._lock:
             return [
@@ -213,7 +220,7 @@ class Standing:
                     "last_blend_step": track.last_blend_step,
                 }
                 for peer_id, track in self._tracks.items()
-                if track.blends > 0 and track.last_blend_step is not None
+                if track.blends > 0 and track.last_blend_step is not None and track.first_seen != NEVER_SEEN
             ]
 
     def restore(self, saved: Sequence[dict[str, Any]]) -> None:

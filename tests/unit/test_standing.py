@@ -83,6 +83,23 @@ def test_a_fresh_key_flood_takes_at_most_the_stranger_share_of_steps_from_one_or
         assert first_is_stranger + served_stranger >= 19  # strangers are not shut out either
 
 
+def test_a_key_that_only_calls_in_never_earns_standing_however_long_it_blends() -> None:
+    """Standing needs the peer's record seen in the DHT for --standing-seconds. A key with no record that wins
+    blends by calling in (outsider attack 8) stays a stranger: half a replica's weight, stranger turns only, and
+    nothing of it in the checkpoint. Once its record shows up, its time starts then."""
+    clock = Clock()
+    standing, honest = established_swarm(clock)
+    for step in range(1, 6):
+        standing.blended("caller", step)
+        clock.now += 100.0
+    assert not standing.established("caller") and not standing.believable("caller")
+    assert "caller" not in {entry["peer_id"] for entry in standing.checkpoint_state()}
+    standing.observe([*honest, record("caller", "192.0.2.1", 7000)], 6, 2)
+    assert not standing.established("caller")  # seen just now
+    clock.now += 31.0
+    assert standing.established("caller")
+
+
 def test_two_members_who_are_strangers_to_each_other_meet_once_both_have_earned_a_stranger_turn() -> None:
     """A joiner and a member restarted on a new key both have standing with the same members, none with each other.
     A stranger turn is kept until a stranger uses it: the two meet as soon as both have earned one (10 steps at a
