@@ -13,7 +13,8 @@ completes first, can have every round taken by one stranger minting keys and ech
 - **A bounded share for strangers.** Every other id is a stranger. Strangers are called, and their calls served,
   only with a *stranger turn*: a token bucket that earns ``stranger_share`` of a turn per outer step (its phase
   starts at random, so that nodes started together do not open the same steps) and holds at most one; the first
-  session of a stranger this node serves or calls spends it (``spend_stranger_turn``). Whatever the number of keys
+  session of a stranger this node serves, or the first call to one that is not answered busy, spends it
+  (``spend_stranger_turn``). Whatever the number of keys
   and addresses, strangers take at most that share of a node's rounds. The turn waits for a stranger instead of
   lapsing with its step: two honest newcomers, each a stranger to the other, meet at the first chance, where
   turns that lapsed met only when both nodes' steps coincided (1% of steps at a share of 10%; a joiner and a
