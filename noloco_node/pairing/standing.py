@@ -16,8 +16,8 @@ completes first, can have every round taken by one stranger minting keys and ech
   session of a stranger this node serves, or the first call to one that is not answered busy, spends it
   (``spend_stranger_turn``). Whatever the number of keys
   and addresses, strangers take at most that share of a node's rounds. The turn waits for a stranger instead of
-  lapsing with its step: two honest newcomers, each a stranger to the other, meet at the first chance, where
-  turns that lapsed met only when both nodes' steps coincided (1% of steps at a share of 10%; a joiner and a
+  lapsing with its step, and a call answered busy does not spend it: two honest newcomers, each a stranger to the
+  other, meet at the first chance, where they once met only when both nodes' turns coincided (a joiner and a
   restarted member then blended every other step, each with the one member they both knew). Among strangers a
   network group is chosen first, then one of its keys, so a thousand keys on one address, or on one /24, weigh as
   one. A node none of whose established peers is live (a new swarm, a joiner, a partition) admits strangers at
