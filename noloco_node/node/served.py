@@ -20,10 +20,6 @@ from noloco_node.wire.payload import Payload
 from noloco_node.wire.published import LatestSnapshot, Published
 from noloco_node.wire.receive_buffers import ReceiveBuffers
 
-# The payload kinds whose exchange makes the caller a partner (sync's and overlap's weights, a stream run's phase
-# swap, with phi or as a reservation: both reserve the pair); a stream run's progress goes only to the partner its
-# phase swap chose.
-
 
 class ServedNode:
     def __init__(

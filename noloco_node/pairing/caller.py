@@ -141,17 +141,12 @@ class PeerCaller:
         recorded). ``complete`` makes the partner's payload whole before it is admitted (a stream run's progress,
         pairing/stream.py); ``unacknowledged`` is told when this side committed and heard no acknowledgement (the
         peer may have blended: :meth:`settle` asks)."""
-        # A call to a stranger spends this node's stranger turn unless the stranger only answered busy (it had no
-        # turn of its own, or was taken): two members who are strangers to each other, each spending its turn on
-        # the other's refusal in turn, would never meet.
-        chooses = kind in PARTNER_CHOOSING_KINDS
         deadline = self.policy.deadline(peer.peer_id)
         started = time.monotonic()
         loop = asyncio.get_running_loop()
         dial = await self.paths.prepare(peer)
         if dial is None:
-            if chooses:
-                self.standing.spend_stranger_turn(peer.peer_id)
+            self._spend_turn(peer, kind)
             self._failed(peer, deadline, ExchangeError(grpc.StatusCode.UNAVAILABLE, "no_path", "no relay to it"))
             return None
         # The call is owned: whenever this coroutine stops waiting (its deadline passed, its task was cancelled: the
@@ -168,8 +163,8 @@ class PeerCaller:
             )
         except (ExchangeError, asyncio.TimeoutError) as error:
             owner.cancel()
-            if chooses and not (isinstance(error, ExchangeError) and error.reason == "busy"):
-                self.standing.spend_stranger_turn(peer.peer_id)
+            if not (isinstance(error, ExchangeError) and error.reason == "busy"):
+                self._spend_turn(peer, kind)
             self._failed(peer, deadline, error)
             if unacknowledged is not None and isinstance(error, ExchangeError) and error.reason == UNACKNOWLEDGED:
                 unacknowledged()
@@ -177,10 +172,17 @@ class PeerCaller:
         except asyncio.CancelledError:
             owner.cancel()
             raise
-        if chooses:
-            self.standing.spend_stranger_turn(peer.peer_id)
+        self._spend_turn(peer, kind)
         self.policy.succeeded(peer.peer_id, time.monotonic() - started)
         return payload
+
+    def _spend_turn(self, peer: PeerRecord, kind: str) -> None:
+        """A call that chose ``peer`` as a partner, and got more than a busy answer, spends this node's stranger
+        turn if ``peer`` is a stranger (standing.py). Not a busy answer (the stranger had no turn of its own, or was
+        taken): two members who are strangers to each other, each spending its turn on the other's refusal in
+        turn, would never meet."""
+        if kind in PARTNER_CHOOSING_KINDS:
+            self.standing.spend_stranger_turn(peer.peer_id)
 
     async def settle(self, peer: PeerRecord, outer_step: int) -> bool | None:
         """Whether ``peer`` blended this node's payload of ``outer_step`` in an exchange whose acknowledgement never

@@ -476,13 +476,13 @@ class StreamPairing(PairingStrategy):
             # Not dialled again once a call to it failed (it is avoided): a partner that is gone would be dialled
             # every few hundred milliseconds until --pair-timeout, each failure doubling its avoidance, so that a
             # member's restart would set it aside for many minutes; one that lives calls in from its own round.
-            dial = record is not None and record.address and not ctx.caller.policy.avoided(partner_id)
-            if dial and record is not None and current.lock.acquire(blocking=False):
+            dial = record if record is not None and not ctx.caller.policy.avoided(partner_id) else None
+            if dial is not None and dial.address and current.lock.acquire(blocking=False):
                 try:
                     if not current.open:
                         return
                     payload = await ctx.caller.call(
-                        record,
+                        dial,
                         current.offer,
                         kind="progress",
                         complete=self.complete_payload,
