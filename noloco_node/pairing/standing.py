@@ -12,18 +12,19 @@ completes first, can have every round taken by one stranger minting keys and ech
   than the share of one group.
 - **A bounded share for strangers.** Every other id is a stranger. Strangers are called, and their calls served,
   only with a *stranger turn*: a token bucket that earns ``stranger_share`` of a turn per outer step (its phase
-  starts at random, so that nodes started together do not open the same steps) and holds at most one; the first
-  session of a stranger this node serves, or the first call to one that is not answered busy, spends it
-  (``spend_stranger_turn``). Whatever the number of keys
-  and addresses, strangers take at most that share of a node's rounds. The turn waits for a stranger instead of
-  lapsing with its step, and a call answered busy does not spend it: two honest newcomers, each a stranger to the
-  other, meet at the first chance, where they once met only when both nodes' turns coincided (a joiner and a
-  restarted member then blended every other step, each with the one member they both knew). Among strangers a
-  network group is chosen first, then one of its keys, so a thousand keys on one address, or on one /24, weigh as
-  one. A node none of whose established peers is live (a new swarm, a joiner, a partition) admits strangers at
-  every step: it has no one better to pair with. One whose established peers are live but out of reach (it fell
-  behind, or they did) does not: it catches up with them (node/outer_step.py downloads a state after a few solo
-  steps), and keeping it behind buys an attacker no more than the stranger share.
+  starts at random, so that nodes started together do not open the same steps) and holds at most one. A turn is
+  for one network group, drawn at random at each outer step among the groups of the strangers whose records are
+  in view within reach; the first session of a stranger of that group this node serves, or the first call to one
+  that is not answered busy, spends it (``spend_stranger_turn``). Whatever the number of keys and addresses,
+  strangers take at most that share of a node's rounds, a thousand keys on one address, or on one /24, weigh as
+  one, and whoever calls in first does not decide who gets the turn (a fresh key calling in at every phase took
+  every turn, and an honest newcomer none); a key whose record this node has not seen gets none. The turn waits
+  for a stranger instead of lapsing with its step, and a call answered busy does not spend it: two honest
+  newcomers, each a stranger to the other, meet at the first chance, where they once met only when both nodes'
+  turns coincided. A node none of whose established peers is live (a new swarm, a joiner, a partition) admits
+  strangers at every step: it has no one better to pair with. One whose established peers are live but out of
+  reach (it fell behind, or they did) does not: it catches up with them (node/outer_step.py downloads a state after
+  a few solo steps), and keeping it behind buys an attacker no more than the stranger share.
 - **A bounded weight for strangers.** Once a node has established peers, a partner without standing counts as
   ``STRANGER_WEIGHT`` of a replica in its blend: a stranger's blend moves it a third of the way to the stranger's
   weights, not half (an honest newcomer mixes in a little more slowly; it joined from a peer's state anyway).
@@ -114,6 +115,10 @@ class Standing:
         # (node/outer_step.py), and an attacker that keeps it behind gains no more than the stranger share.
         self._established_live = False
         self._groups_within_reach = 0  # network groups of the established peers within reach
+        # The network group the stranger turn is for: drawn at each outer step among the groups of the strangers
+        # in view (within reach), so that whoever calls in first does not decide who gets it (a key per phase
+        # calling in first would take every turn). None: no turn held, or no stranger in view.
+        self._turn_group: str | None = None
         self._had_established = False
         self.stranger_steps = 0  # outer steps that admitted strangers while established peers were live
 
@@ -132,11 +137,13 @@ class Standing:
                     if track.first_seen == NEVER_SEEN:
                         track.first_seen = now
             self._forget_beyond_limit()
-            established = [p for p in peers if self._established(p.peer_id, now)]
-            groups = {p.network_group for p in established if abs(p.outer_step - own_step) <= max_staleness}
+            within_reach = [p for p in peers if abs(p.outer_step - own_step) <= max_staleness]
+            established = {p.peer_id for p in peers if self._established(p.peer_id, now)}
             self._established_live = bool(established)
-            self._groups_within_reach = len(groups)
-            self._enter_step(own_step)
+            self._groups_within_reach = len({p.network_group for p in within_reach if p.peer_id in established})
+            stranger_groups = sorted({p.network_group for p in within_reach if p.peer_id not in established})
+            if self._enter_step(own_step) or self._turn_group not in stranger_groups:
+                self._turn_group = self._rng.choice(stranger_groups) if stranger_groups else None
 
     def blended(self, peer_id: str, own_step: int) -> None:
         """A blend with ``peer_id`` at this node's outer step ``own_step`` (its payload passed every check)."""
@@ -251,14 +258,15 @@ class Standing:
     def may_serve(self, peer_id: str) -> bool:
         """Whether an incoming pairing call from ``peer_id`` may be taken now; a refusal says nothing of the peer.
 
-        A stranger: with a stranger turn only (the session spends it: :meth:`spend_stranger_turn`). An established
+        A stranger: with a stranger turn for its record's network group only (the session spends it:
+        :meth:`spend_stranger_turn`), while established peers are live; any stranger without them. An established
         peer: unless its network group blended with this node ``CALLS_IN_PER_WINDOW`` times in its last 2G outer
         steps (G: the groups of established peers within reach), so that calling in first, every step, from many
         keys of one group earns that group no more than its share, 1/G, of this node's steps."""
         with self._lock:
             now = self._clock()
             if not self._established(peer_id, now):
-                return self._tokens >= 1.0 or not self._established_live
+                return not self._established_live or self._holds_turn_for(peer_id)
             return self._group_blends_within(self._tracks[peer_id].group, 2 * self._groups_within_reach) < (
                 CALLS_IN_PER_WINDOW
             )
@@ -270,11 +278,12 @@ class Standing:
             if self._established(peer_id, self._clock()) or not self._established_live or self._tokens < 1.0:
                 return
             self._tokens -= 1.0
+            self._turn_group = None
             self.stranger_steps += 1
 
     def order(self, candidates: Sequence[PeerRecord], last_paired: dict[str, int]) -> list[PeerRecord]:
         """Whom to call, in order: the established peers, least recently paired group first, and with a stranger
-        turn one stranger before them (a random group, then a random key of it; the call spends the turn); with no
+        turn one stranger before them (a random key of the turn's group; the call spends the turn); with no
         established peer live, every candidate alike, one group at a time.
 
         Least recently paired first: nodes of equal speed reach their outer steps in lockstep and would otherwise
@@ -286,12 +295,10 @@ class Standing:
                 return _by_group(candidates, last_paired, self._rng)
             established = [p for p in candidates if self._established(p.peer_id, now)]
             strangers = [p for p in candidates if not self._established(p.peer_id, now)]
-            admits = self._tokens >= 1.0
+            turn = [p for p in strangers if self._tokens >= 1.0 and p.network_group == self._turn_group]
         ordered = _by_group(established, last_paired, self._rng)
-        if admits and strangers:
-            groups = sorted({p.network_group for p in strangers})
-            group = self._rng.choice(groups)
-            ordered.insert(0, self._rng.choice([p for p in strangers if p.network_group == group]))
+        if turn:
+            ordered.insert(0, self._rng.choice(turn))
         return ordered
 
     # ------------------------------------------------------------------------------------------- internals
@@ -299,6 +306,17 @@ class Standing:
     def _established(self, peer_id: str, now: float) -> bool:
         track = self._tracks.get(peer_id)
         return track is not None and track.blends > 0 and now - track.first_seen >= self.standing_seconds
+
+    def _holds_turn_for(self, peer_id: str) -> bool:
+        """Whether this node holds a stranger turn for the network group of ``peer_id``'s record; a key whose record
+        this node has never seen belongs to no group and never takes a turn."""
+        track = self._tracks.get(peer_id)
+        return (
+            self._tokens >= 1.0
+            and track is not None
+            and track.first_seen != NEVER_SEEN
+            and track.group == self._turn_group
+        )
 
     def _group_blends_within(self, group: str, steps: int) -> int:
         """Blends with ``group`` at this node's last ``steps`` outer steps, the current one included."""
@@ -313,12 +331,15 @@ class Standing:
             if step >= first
         )
 
-    def _enter_step(self, own_step: int) -> None:
+    def _enter_step(self, own_step: int) -> bool:
+        """Moves the stranger share's bucket on to ``own_step``; whether that is a new step."""
         if self._step is not None and own_step <= self._step:
-            return
+            return False
         steps = 1 if self._step is None else own_step - self._step
         self._step = own_step
-        self._tokens = min(1.0, self._tokens + self.stranger_share * steps)
+        # Rounded: ten tenths must make a whole turn (in floating point they make 0.9999999999999999).
+        self._tokens = min(1.0, round(self._tokens + self.stranger_share * steps, 9))
+        return True
 
     def _forget_beyond_limit(self) -> None:
         if len(self._tracks) <= MAX_REMEMBERED:

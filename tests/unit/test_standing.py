@@ -63,7 +63,7 @@ def test_a_fresh_key_flood_takes_at_most_the_stranger_share_of_steps_from_one_or
         served_stranger = 0
         for step in range(1, 201):
             # A new key every step, each on one of the attacker's hosts; old keys stay live.
-            flood = [record(f"key{step}-{k}", f"192.0.2.{k % hosts + 1}", 9000 + k) for k in range(20)]
+            flood = [record(f"key{step}-{k}", f"192.0.2.{k % hosts + 1}", 9000 + k, step=step) for k in range(20)]
             at_step = [record(p.peer_id, p.address.split(":")[0], 7000, step=step) for p in honest]
             live = [*at_step, *flood]
             standing.observe(live, step, 2)
@@ -109,9 +109,9 @@ def test_two_members_who_are_strangers_to_each_other_meet_once_both_have_earned_
         clock, other_clock = Clock(), Clock()  # each node's own: each has had standing with the members for 31 s
         joiner, members = established_swarm(clock, seed=seed)
         restarted, _ = established_swarm(other_clock, seed=seed + 100)
-        a, b = record("joiner", "10.0.1.1", 7000), record("restarted", "10.0.2.1", 7000)
         met = None
         for step in range(1, 40):
+            a, b = record("joiner", "10.0.1.1", 7000, step), record("restarted", "10.0.2.1", 7000, step)
             joiner.observe([*members, b], step, 2)
             restarted.observe([*members, a], step, 2)
             calls = joiner.order([*members, b], {})
@@ -128,6 +128,34 @@ def test_two_members_who_are_strangers_to_each_other_meet_once_both_have_earned_
         clock.now += 31.0
         other_clock.now += 31.0
         assert joiner.established("restarted") and restarted.established("joiner")
+
+
+def test_the_stranger_turn_goes_to_a_group_drawn_among_records_in_view_not_to_whoever_calls_in_first() -> None:
+    """Keys that call in first at every step (one fresh key per step) took every stranger turn of a member, and an
+    honest newcomer none. The turn is for a network group drawn at random among the strangers in view: keys with no
+    record in view take none, and keys with records on one group take about that group's share."""
+    clock = Clock()
+    standing, honest = established_swarm(clock, seed=3)
+    served: dict[str, int] = {"newcomer": 0, "no record": 0, "attacker group": 0}
+    for step in range(1, 401):
+        at_step = [replace(p, outer_step=step) for p in honest]
+        newcomer = record("newcomer", "10.0.9.1", 7000, step)
+        listed = record(f"listed{step}", "192.0.2.1", 9000, step)  # a fresh key with a record, every step
+        standing.observe([*at_step, newcomer, listed], step, 2)
+        # Every step the attacker's keys call in first (one with no record, then the listed one), then the newcomer.
+        for caller, kind in (
+            (f"unlisted{step}", "no record"),
+            (listed.peer_id, "attacker group"),
+            ("newcomer", "newcomer"),
+        ):
+            if standing.may_serve(caller):
+                served[kind] += 1
+                standing.spend_stranger_turn(caller)
+        clock.now += 1.0
+    assert served["no record"] == 0, served
+    turns = served["newcomer"] + served["attacker group"]
+    assert 38 <= turns <= 41, served  # 10% of 400 steps: every turn is taken
+    assert 12 <= served["newcomer"] <= 28, served  # about half: two stranger groups in view
 
 
 def test_without_established_peers_in_view_strangers_are_let_in_at_every_step_but_not_when_they_are_ahead() -> None:
