@@ -55,7 +55,7 @@ from noloco_bench.cpu_group import CpuGroup, outsider_cpu
 from noloco_bench.outsider import STREAM_ATTACKS
 from noloco_bench.shaped_network import ShapedNetwork, shaped_network
 from noloco_node.addresses import host_of_address, network_group
-from noloco_node.launcher.local_swarm import LocalSwarm, NodeSlot
+from noloco_node.launcher.local_swarm import LocalSwarm, NodeSlot, join_command
 
 EXIT_GRACE_SECONDS = 120.0  # a node that trained its last step has left well within this
 # The namespaces' addresses: carrier-grade NAT space (RFC 6598), which no internet router forwards but which
@@ -64,6 +64,9 @@ EXIT_GRACE_SECONDS = 120.0  # a node that trained its last step has left well wi
 PUBLIC_SUBNET = "100.81"
 PUBLIC_SUBNET6 = "2a0d:81"
 SYBIL_KEYS = 16  # on the Sybil's IPv4 addresses; one more per IPv6 address
+# A stream run's turncoat trains honestly this long from the attack's start (its standing: a few stranger turns and
+# --standing-seconds, 10 s here), then shrinks its partners' weights for the rest of the run (about 150 s).
+TURNCOAT_HONEST_SECONDS = 45.0
 
 
 @dataclass
@@ -82,6 +85,8 @@ class SwarmRun:
     outsider: dict[str, Any] = field(default_factory=dict)
     flood: dict[str, Any] = field(default_factory=dict)
     sybil: dict[str, Any] = field(default_factory=dict)
+    turncoat: dict[str, Any] = field(default_factory=dict)
+    turncoat_blends: int = 0  # the honest nodes' blends with the turncoat's key (while honest and after)
     hung_exits: int = 0  # nodes still running EXIT_GRACE_SECONDS after every node trained its last step
     quarantines: int = 0  # honest peers quarantined by honest nodes (quarantine is for what no honest peer sends)
     # per node: outer steps and seconds from the heal to its first blend across the old split (None: never)
@@ -198,6 +203,14 @@ class OutsiderBenchResult:
                     if self.attacked.sybil
                     else []
                 ),
+                *(
+                    [
+                        f"the turncoat (honest for {TURNCOAT_HONEST_SECONDS:g} s): {self.attacked.turncoat_blends} "
+                        f"blends with honest nodes; it saw {json.dumps(self.attacked.turncoat, sort_keys=True)}"
+                    ]
+                    if self.attacked.turncoat
+                    else []
+                ),
             ]
         )
 
@@ -238,10 +251,16 @@ class Placement:
         attackers = {self.outsider, self.payloads, *self.flood, self.random_donor, *self.poisoned_donors}
         return attackers | {*self.sybil, *self.sybil6}
 
+    @property
+    def turncoat(self) -> str:
+        """The turncoat's address (a stream run has no flood: it takes the flood's first)."""
+        return self.flood[0]
+
     def used_by(self, mode: str) -> set[str]:
-        """The addresses the attackers speak from in a run of ``mode``: a stream run has no flood and no Sybil."""
+        """The addresses the attackers speak from in a run of ``mode``: a stream run has no flood and no Sybil, and
+        has the turncoat."""
         if mode == "stream":
-            return {self.outsider, self.payloads, self.random_donor, *self.poisoned_donors}
+            return {self.outsider, self.payloads, self.random_donor, *self.poisoned_donors, self.turncoat}
         return self.addresses
 
 
@@ -287,15 +306,33 @@ def _attackers(
     }
     if shape.mode == "stream":
         del commands["flood"], commands["sybil"]
+    commands = {name: [*command, *data_dirs] for name, command in commands.items()}
+    if shape.mode == "stream":
+        commands["turncoat"] = _turncoat_command(swarm, placement, shape)
     return {
         name: subprocess.Popen(
-            [*cpu.prefix, *placement.exec_prefix, sys.executable, *command, *data_dirs],
+            [*cpu.prefix, *placement.exec_prefix, sys.executable, *command],
             stdout=subprocess.PIPE,
             stderr=(swarm.base / f"{name}.log").open("w"),  # the child holds its own descriptor
             text=True,
         )
         for name, command in commands.items()
     }
+
+
+def _turncoat_command(swarm: LocalSwarm, placement: Placement, shape: SwarmShape) -> list[str]:
+    """A member of the swarm (noloco_bench/turncoat.py) that trains and blends honestly, earns standing with the
+    honest nodes, and after TURNCOAT_HONEST_SECONDS sends progress shrinking its partners' weights."""
+    address = placement.turncoat
+    node = join_command(
+        swarm.maddrs,
+        swarm.base / "turncoat",
+        *("--shard-index", "0", "--num-shards", str(shape.nodes)),
+        *("--grpc-host", address, "--dht-host-maddrs", f"/ip4/{address}/tcp/0"),
+        *_node_args(shape),
+    )
+    assert node[1:3] == ["-m", "noloco_node"], node
+    return ["-m", "noloco_bench.turncoat", "--honest-seconds", str(TURNCOAT_HONEST_SECONDS), "--", *node[3:]]
 
 
 def _sybil_hosts(placement: Placement) -> list[str]:
@@ -387,7 +424,9 @@ def _run(
             stand_in.kill()
             stand_in.wait()
         swarm.stop()
-    run.outsider, run.flood, run.sybil = (reports.get(name, {}) for name in ("outsider", "flood", "sybil"))
+    run.outsider, run.flood, run.sybil, run.turncoat = (
+        reports.get(name, {}) for name in ("outsider", "flood", "sybil", "turncoat")
+    )
     statuses = [swarm.status(slot) or {} for slot in swarm.slots]
     honest_ids = {status.get("peer_id") for status in statuses} | _first_lives_ids(swarm)
     run.honest_groups = {network_group(host_of_address(s["address"])) for s in statuses if s.get("address")}
@@ -399,6 +438,7 @@ def _run(
         run.outer_steps += len(history)
         run.blends += sum(1 for h in history if h["partner"])
         honest_blends = sum(1 for h in history if h["partner"] in honest_ids)
+        run.turncoat_blends += sum(1 for h in history if h["partner"] and h["partner"] == run.turncoat.get("peer_id"))
         run.honest_blends += honest_blends
         run.node_honest.append((honest_blends, len(history)))
         if history:
