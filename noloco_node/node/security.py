@@ -21,16 +21,24 @@ from noloco_node.pairing.peer_policy import PeerPolicy
 from noloco_node.rpc.transport import Transport
 from noloco_node.security.auth import CallAuthenticator, SecretError, SwarmSecret, load_secret
 from noloco_node.security.identity import IdentityError, NodeIdentity
-from noloco_node.security.payload_guard import NORM_BOUND, Complaints, NormGuard, relative_distances
+from noloco_node.security.payload_guard import (
+    NORM_BOUND,
+    Complaints,
+    NormGuard,
+    relative_distances,
+    relative_sizes,
+)
 from noloco_node.security.tls import TlsError, TlsFiles
 from noloco_node.wire.frames import PayloadError
 from noloco_node.wire.payload import Payload
 
-# (partner tensors, own tensors, the tensors whose norm scales the gap, each tensor's name or None): with names, each
-# tensor is also held to its own bound (payload_guard.NormGuard.admit)
+# (partner tensors, own tensors, the tensors whose norm scales the gap, each tensor's name or None): with names (a
+# partner's weights), each tensor is also held to its own bound, and the weights' size to the size bound
+# (payload_guard.NormGuard.admit)
 Comparison = tuple[Sequence[torch.Tensor], Sequence[torch.Tensor], Sequence[torch.Tensor], Sequence[str] | None]
-# Measured already: (the overall distance, (name, distance) of each tensor or None)
-Distance = tuple[float, Sequence[tuple[str, float]] | None]
+# Measured already: (the overall distance, (name, distance) of each tensor or None, the sizes (overall, per tensor)
+# relative to this node's weights or None)
+Distance = tuple[float, Sequence[tuple[str, float]] | None, tuple[float, Sequence[float]] | None]
 
 log = logging.getLogger(__name__)
 
@@ -76,13 +84,16 @@ class NodeSecurity:
         distances: list[Distance] = []
         for theirs, mine, scale, names in comparisons:
             overall, per_tensor = relative_distances(theirs, mine, scale)
-            distances.append((overall, None if names is None else list(zip(names, per_tensor, strict=True))))
+            if names is None:
+                distances.append((overall, None, None))
+            else:
+                distances.append((overall, list(zip(names, per_tensor, strict=True)), relative_sizes(theirs, mine)))
         self.admit_distances(payload, distances, steps_apart)
 
     def admit_distances(self, payload: Payload, distances: Sequence[Distance], steps_apart: int | None = None) -> None:
         """As :meth:`admit`, with the distances already measured (chunk by chunk as the payload arrived)."""
-        for overall, tensors in distances:
-            self.norm_guard.admit(overall, payload.peer_id, steps_apart, tensors)
+        for overall, tensors, sizes in distances:
+            self.norm_guard.admit(overall, payload.peer_id, steps_apart, tensors, sizes)
 
     def bad_payload(self, peer_id: str, error: PayloadError, policy: PeerPolicy) -> None:
         """A payload refused: log it, rate limited; set the peer aside for now (too far: it may have drifted while

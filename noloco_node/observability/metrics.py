@@ -71,6 +71,12 @@ class _StatusCollector:
                 "The last admitted partner's largest tensor distance as a fraction of that tensor's bound.",
                 status.security.last_partner_tensor_ratio,
             ),
+            (
+                "noloco_partner_size_ratio",
+                "How much the last admitted partner's weights differed in size from this node's, as a fraction of "
+                "the size bound.",
+                status.security.last_partner_size_ratio,
+            ),
         ]
         for name, documentation, value in gauges:
             if value is not None:  # an absent value is an absent series, not a made-up zero

@@ -75,6 +75,13 @@ STEADY_CODE_PHASES = math.sqrt(1 / KEEP)
 # per-tensor check stops is of another size: the overall allowance spent on one small tensor moves it by about 25
 # times the bound.
 TENSOR_SLACK = 3.0
+# How much a partner's weights may differ from this node's in size (| ||theta_partner|| / ||phi_own|| - 1 |, overall
+# and per tensor), as a share of the distance bound (overall, or that tensor's). An honest partner moves mostly
+# across the weights, not along them: its size differs from this node's by at most 0.11 of the bound on the tiny
+# model (4 replicas, 30 outer steps; 0.04 with the sparse wire), while a progress of minus phi spends the whole
+# distance on size, shrinking every tensor. Such a progress, sent at 0.85 of the bound by a member with standing,
+# took the final loss of a stream swarm 18% above its quiet run (bench outsider --mode stream's turncoat).
+SIZE_SHARE = 0.25
 DISTANCE_SLICE = 1 << 20  # elements per slice: the distance never allocates a model-sized temporary
 
 
@@ -126,6 +133,33 @@ def relative_norms(partner: Sequence[torch.Tensor], scale: Sequence[torch.Tensor
     return math.sqrt(size) / max(math.sqrt(norm), 1e-12), per_tensor
 
 
+def relative_sizes(
+    partner: Sequence[torch.Tensor], own: Sequence[torch.Tensor], *, step: bool = False
+) -> tuple[float, list[float]]:
+    """How much larger ``partner`` is than ``own`` (||partner|| / ||own|| - 1, negative when smaller) over every
+    tensor at once, and each tensor's; with ``step`` the partner's weights are ``own + partner`` (a sparse run's
+    progress on this node's phi). In fp32, slice by slice."""
+    size, norm, per_tensor = 0.0, 0.0, []
+    with torch.no_grad():
+        for theirs, mine in zip(partner, own, strict=True):
+            a, b = theirs.reshape(-1), mine.reshape(-1)
+            tensor_size, tensor_norm = 0.0, 0.0
+            for start in range(0, a.numel(), DISTANCE_SLICE):
+                own_slice = b[start : start + DISTANCE_SLICE].float()
+                theirs_slice = a[start : start + DISTANCE_SLICE].float()
+                if step:
+                    theirs_slice = theirs_slice + own_slice
+                tensor_size += float(torch.dot(theirs_slice, theirs_slice))
+                tensor_norm += float(torch.dot(own_slice, own_slice))
+            size, norm = size + tensor_size, norm + tensor_norm
+            per_tensor.append(_size_change(tensor_size, tensor_norm))
+    return _size_change(size, norm), per_tensor
+
+
+def _size_change(squared: float, own_squared: float) -> float:
+    return math.sqrt(squared) / max(math.sqrt(own_squared), 1e-12) - 1.0
+
+
 class RunningGap:
     """The norm bound's distances, measured chunk by chunk while a payload arrives (a wire/payload.py
     ``ValueObserver``): for each part (theta, phi, delta) the sum of ``(theirs - mine)**2``, and ``||phi_own||**2``
@@ -141,6 +175,7 @@ class RunningGap:
         self.seen: dict[str, int] = {}
         self.tensor_gap: dict[str, float] = {}  # by received name: the per-tensor check's distances
         self.tensor_own: dict[str, float] = {}
+        self.tensor_theirs: dict[str, float] = {}  # by received name: the sum of theirs**2 (the size check)
 
     def observe(self, name: str, start: int, values: torch.Tensor) -> None:
         references = self._references  # close() may run meanwhile on another thread: read it once
@@ -149,9 +184,12 @@ class RunningGap:
             return
         with torch.no_grad():
             own = mine[start : start + values.numel()]
-            diff = torch.sub(values.reshape(-1), own)  # one kernel: bf16 is promoted to fp32 on the fly
+            flat = values.reshape(-1)
+            diff = torch.sub(flat, own)  # one kernel: bf16 is promoted to fp32 on the fly
             part = name.split("/", 1)[0]
             gap, own_squared = float(torch.dot(diff, diff)), float(torch.dot(own, own))
+            theirs = float(torch.linalg.vector_norm(flat, dtype=torch.float32)) ** 2
+            self.tensor_theirs[name] = self.tensor_theirs.get(name, 0.0) + theirs
             self.gap[part] = self.gap.get(part, 0.0) + gap
             self.own[part] = self.own.get(part, 0.0) + own_squared
             self.tensor_gap[name] = self.tensor_gap.get(name, 0.0) + gap
@@ -172,6 +210,14 @@ class RunningGap:
             return None
         norm = max(math.sqrt(phi_squared), 1e-12)
         return {part: math.sqrt(self.gap[part]) / norm for part in numel_per_part}
+
+    def sizes(self, part: str, names: Sequence[str]) -> tuple[float, list[float]]:
+        """``part``'s size relative to this node's tensors, overall and per tensor in the order of ``names``, as
+        :func:`relative_sizes` measures it, once :meth:`distances` has found every element measured."""
+        keys = [f"{part}/{name}" for name in names]
+        theirs = [self.tensor_theirs.get(key, 0.0) for key in keys]
+        own = [self.tensor_own.get(key, 0.0) for key in keys]
+        return _size_change(sum(theirs), sum(own)), [_size_change(t, o) for t, o in zip(theirs, own, strict=True)]
 
     def tensor_distances(self, part: str, names: Sequence[str]) -> list[float]:
         """Each tensor's ||theirs_t - mine_t|| / ||mine_t|| of ``part``, in the order of ``names`` (parameter names),
@@ -201,6 +247,8 @@ class NormGuard:
         self.last_distance: float | None = None
         # The last admitted partner's largest tensor distance as a fraction of that tensor's bound (at most 1)
         self.last_tensor_ratio: float | None = None
+        # The last admitted partner's largest size difference (overall or a tensor's) as a fraction of its bound
+        self.last_size_ratio: float | None = None
 
     def observe_own_movement(
         self, movement: float, phase_lr: float, partner_lr: float, per_tensor: Sequence[float] | None = None
@@ -317,6 +365,7 @@ class NormGuard:
         peer: str,
         steps_apart: int | None = None,
         tensors: Sequence[tuple[str, float]] | None = None,
+        sizes: tuple[float, Sequence[float]] | None = None,
     ) -> None:
         """Accept the distance, or raise PayloadError naming it and the bound. Nothing is learnt from it.
 
@@ -327,7 +376,11 @@ class NormGuard:
 
         ``tensors``: (name, distance relative to this node's own tensor) for each tensor, in the order of the
         movements observed. Each is held to :meth:`tensor_bounds`: the overall distance alone lets a payload spend
-        the whole model's allowance on one small tensor, moving it many times the bound."""
+        the whole model's allowance on one small tensor, moving it many times the bound.
+
+        ``sizes``: how much larger the partner's weights are than this node's (:func:`relative_sizes`), overall and
+        per tensor in the order of ``tensors``: each held to ``SIZE_SHARE`` of its distance bound, so that the
+        allowance cannot be spent on shrinking (or inflating) the weights."""
         bound = self.bound()
         widen = math.sqrt(1 + min(steps_apart, MAX_DRIFT_STEPS)) if steps_apart else 1.0
         if bound is not None:
@@ -347,10 +400,23 @@ class NormGuard:
                 what = f"{name} from {peer} is"
                 _within(tensor_distance, tensor_bound, what, "(relative L2 of that tensor)", "its bound")
                 ratio = max(ratio, tensor_distance / max(tensor_bound, 1e-12))
+        size_ratio = None
+        if sizes is not None and self.fixed is None:
+            overall, per_tensor = sizes
+            what = f"the weights from {peer} differ in size by"
+            _within(abs(overall), SIZE_SHARE * bound, what, "(relative to this node's)", "the size bound")
+            size_ratio = abs(overall) / (SIZE_SHARE * bound)
+            if bounds is not None and tensors is not None and len(per_tensor) == len(bounds):
+                for (name, _), size, tensor_bound in zip(tensors, per_tensor, bounds, strict=True):
+                    what = f"{name} from {peer} differs in size by"
+                    _within(abs(size), SIZE_SHARE * tensor_bound, what, "(relative to this node's)", "its size bound")
+                    size_ratio = max(size_ratio, abs(size) / (SIZE_SHARE * tensor_bound))
         with self._lock:
             self.last_distance = distance
             if ratio is not None:
                 self.last_tensor_ratio = ratio
+            if size_ratio is not None:
+                self.last_size_ratio = size_ratio
 
 
 def _within(distance: float, bound: float, what: str, measure: str, which: str) -> None:
