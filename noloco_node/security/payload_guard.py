@@ -12,7 +12,9 @@ and the payload is refused (INVALID_ARGUMENT, reason ``norm_bound``) when d exce
 (or a sparse run's progress) is also measured tensor by tensor, each relative to this node's own tensor, and held to
 :meth:`NormGuard.tensor_bounds`: the overall distance alone lets a payload spend the whole model's allowance on one
 small tensor (0.8 of a bound spent on the tiny model's smallest tensor, an attention output projection with 3% of
-its norm, moves that tensor by about 25 times the bound).
+its norm, moves that tensor by about 25 times the bound). And the partner's weights may differ in size from this
+node's by at most ``SIZE_SHARE`` of the distance bound, overall and per tensor: a distance spent on size (minus phi,
+shrinking every tensor) is no honest partner's, which moves across its weights, not along them.
 
 The bound is ``factor`` times the largest relative movement of this node's *own* recent inner phases,
 ``||theta_own - phi_own|| / ||phi_own||`` over the last ``window`` outer steps, each scaled by the learning rate
