@@ -406,12 +406,12 @@ class NormGuard:
         if sizes is not None and self.fixed is None:
             overall, per_tensor = sizes
             what = f"the weights from {peer} differ in size by"
-            _within(abs(overall), SIZE_SHARE * bound, what, "(relative to this node's)", "the size bound")
+            _within(abs(overall), SIZE_SHARE * bound, what, "(relative)", "the size bound")
             size_ratio = abs(overall) / (SIZE_SHARE * bound)
             if bounds is not None and tensors is not None and len(per_tensor) == len(bounds):
                 for (name, _), size, tensor_bound in zip(tensors, per_tensor, bounds, strict=True):
                     what = f"{name} from {peer} differs in size by"
-                    _within(abs(size), SIZE_SHARE * tensor_bound, what, "(relative to this node's)", "its size bound")
+                    _within(abs(size), SIZE_SHARE * tensor_bound, what, "(relative)", "its size bound")
                     size_ratio = max(size_ratio, abs(size) / (SIZE_SHARE * tensor_bound))
         with self._lock:
             self.last_distance = distance
