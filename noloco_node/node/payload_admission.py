@@ -17,7 +17,7 @@ from noloco_node.node.run_layout import RunLayout
 from noloco_node.node.security import Comparison, Distance, NodeSecurity
 from noloco_node.pairing.peer_policy import PeerPolicy
 from noloco_node.pairing.standing import Standing
-from noloco_node.security.payload_guard import RunningGap, relative_norms, relative_sizes
+from noloco_node.security.payload_guard import RunningGap, radial_moves, relative_norms
 from noloco_node.wire.frames import PayloadError
 from noloco_node.wire.payload import Payload
 from noloco_node.wire.published import LatestSnapshot
@@ -115,15 +115,15 @@ class PayloadAdmission:
                 progress = [payload.tensors[f"progress/{name}"] for name in names]
                 overall, per_tensor = relative_norms(progress, phi)
                 tensors = list(zip(names, per_tensor, strict=True))
-                sizes = relative_sizes(progress, phi, step=True)
-                self.security.admit_distances(payload, [(overall, tensors, sizes)], steps_apart)
+                radial = radial_moves(progress, phi, step=True)
+                self.security.admit_distances(payload, [(overall, tensors, radial)], steps_apart)
         finally:
             copy.release()
 
     @staticmethod
     def _measured_distances(payload: Payload, names: Sequence[str]) -> list[Distance] | None:
         """The distances measured while the payload arrived: one per part, and for theta each tensor's and the
-        sizes too."""
+        radial moves too."""
         if not isinstance(payload.observer, RunningGap):
             return None
         numel: dict[str, int] = {}
@@ -138,7 +138,7 @@ class PayloadAdmission:
             (
                 distance,
                 list(zip(names, observer.tensor_distances(part, names), strict=True)),
-                observer.sizes(part, names),
+                observer.radial_moves(part, names),
             )
             if part == "theta"
             else (distance, None, None)

@@ -25,19 +25,19 @@ from noloco_node.security.payload_guard import (
     NORM_BOUND,
     Complaints,
     NormGuard,
+    radial_moves,
     relative_distances,
-    relative_sizes,
 )
 from noloco_node.security.tls import TlsError, TlsFiles
 from noloco_node.wire.frames import PayloadError
 from noloco_node.wire.payload import Payload
 
 # (partner tensors, own tensors, the tensors whose norm scales the gap, each tensor's name or None): with names (a
-# partner's weights), each tensor is also held to its own bound, and the weights' size to the size bound
-# (payload_guard.NormGuard.admit)
+# partner's weights), each tensor is also held to its own bound, and the weights' move along this node's to the
+# radial bound (payload_guard.NormGuard.admit)
 Comparison = tuple[Sequence[torch.Tensor], Sequence[torch.Tensor], Sequence[torch.Tensor], Sequence[str] | None]
-# Measured already: (the overall distance, (name, distance) of each tensor or None, the sizes (overall, per tensor)
-# relative to this node's weights or None)
+# Measured already: (the overall distance, (name, distance) of each tensor or None, the radial move (overall, per
+# tensor) along this node's weights or None)
 Distance = tuple[float, Sequence[tuple[str, float]] | None, tuple[float, Sequence[float]] | None]
 
 log = logging.getLogger(__name__)
@@ -87,13 +87,13 @@ class NodeSecurity:
             if names is None:
                 distances.append((overall, None, None))
             else:
-                distances.append((overall, list(zip(names, per_tensor, strict=True)), relative_sizes(theirs, mine)))
+                distances.append((overall, list(zip(names, per_tensor, strict=True)), radial_moves(theirs, mine)))
         self.admit_distances(payload, distances, steps_apart)
 
     def admit_distances(self, payload: Payload, distances: Sequence[Distance], steps_apart: int | None = None) -> None:
         """As :meth:`admit`, with the distances already measured (chunk by chunk as the payload arrived)."""
-        for overall, tensors, sizes in distances:
-            self.norm_guard.admit(overall, payload.peer_id, steps_apart, tensors, sizes)
+        for overall, tensors, radial in distances:
+            self.norm_guard.admit(overall, payload.peer_id, steps_apart, tensors, radial)
 
     def bad_payload(self, peer_id: str, error: PayloadError, policy: PeerPolicy) -> None:
         """A payload refused: log it, rate limited; set the peer aside for now (too far: it may have drifted while

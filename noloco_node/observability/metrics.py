@@ -72,10 +72,9 @@ class _StatusCollector:
                 status.security.last_partner_tensor_ratio,
             ),
             (
-                "noloco_partner_size_ratio",
-                "How much the last admitted partner's weights differed in size from this node's, as a fraction of "
-                "the size bound.",
-                status.security.last_partner_size_ratio,
+                "noloco_partner_radial_ratio",
+                "The last admitted partner's largest move along this node's weights as a fraction of its radial bound.",
+                status.security.last_partner_radial_ratio,
             ),
         ]
         for name, documentation, value in gauges:

@@ -137,11 +137,10 @@ class SecurityStatus(BaseModel):
         description="The last admitted partner's largest tensor distance as a fraction of that tensor's own bound "
         "(at most 1; None until a partner was checked tensor by tensor).",
     )
-    last_partner_size_ratio: float | None = Field(
+    last_partner_radial_ratio: float | None = Field(
         None,
-        description="How much the last admitted partner's weights differed in size from this node's (overall or a "
-        "tensor's, the largest) as a fraction of the size bound (at most 1; None until a partner's weights were "
-        "checked).",
+        description="The last admitted partner's largest move along this node's weights (overall or a tensor's) as "
+        "a fraction of its radial bound (at most 1; None until a partner's weights were checked).",
     )
     established_peers: int = Field(
         0, description="Live peers with standing: seen for --standing-seconds and blended with this node."

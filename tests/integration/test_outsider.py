@@ -153,15 +153,15 @@ def test_the_norm_bound_is_not_ratcheted_from_a_cold_start_nor_after_a_restart(
         node.stop()
 
 
-def test_a_progress_that_spends_the_allowance_on_one_tensor_or_on_size_is_refused_and_one_within_every_bound_is_taken(
+def test_a_progress_spending_the_allowance_on_one_tensor_or_on_shrinking_is_refused_and_one_within_every_bound_is_taken(
     bootstrap: Bootstrap, tmp_path: Path
 ) -> None:
     """Stream mode, int8: a fresh key swaps a phase payload with the node (the node's own phi, from GetState), then
     delivers a crafted progress at the node's outer step. One that spends 0.8 of the node's overall bound on the
     smallest tensor (an attention output projection: about 3% of the model's norm, so it moves by about 25 times the
     bound) is refused by that tensor's own bounds, though the overall check alone took it; one that shrinks every
-    tensor by 0.6 of the bound is refused by the size bound (SIZE_SHARE of the bound), though the distance alone
-    took it; one that shrinks every tensor by 0.15 of the bound passes every check and is blended (the path works:
+    tensor by 0.6 of the bound is refused by the radial bound (RADIAL_SHARE of the bound), though the distance alone
+    took it; one that shrinks every tensor by 0.1 of the bound passes every check and is blended (the path works:
     the refusals are the bounds')."""
     from dataclasses import replace
 
@@ -204,19 +204,19 @@ def test_a_progress_that_spends_the_allowance_on_one_tensor_or_on_size_is_refuse
         assert swapped == "committed" and delivered == "INVALID_ARGUMENT", (swapped, delivered)
         assert size < bound, (size, bound)  # the overall distance alone admits it
         output = node.output()
-        # Refused by that tensor's distance bound, or by its size bound (all of it is size), whichever the
-        # tensor's own movement leaves nearer.
-        refusal = re.search(r"refused norm_bound from \w+: \S+ from \w+ (is|differs in size by) [\d.]+ \(rel", output)
+        # Refused by that tensor's distance bound, or by its radial bound (all of it shrinks the tensor), whichever
+        # the tensor's own movement leaves nearer.
+        refusal = re.search(r"refused norm_bound from \w+: \S+ from \w+ (is|moves) -?[\d.]+ \((rel|rad)", output)
         assert refusal and "o_proj" in refusal.group(0), output[-3000:]
         (swapped, delivered), size, bound = attack(shrinking(0.6))
         assert swapped == "committed" and delivered == "INVALID_ARGUMENT", (swapped, delivered)
         assert size < bound, (size, bound)  # the distance alone admits it
-        assert re.search(r"refused norm_bound from \w+: the weights from \w+ differ in size by", node.output())
-        (swapped, delivered), size, bound = attack(shrinking(0.15))
+        assert re.search(r"refused norm_bound from \w+: the weights from \w+ move", node.output())
+        (swapped, delivered), size, bound = attack(shrinking(0.1))
         assert (swapped, delivered) == ("committed", "committed"), (swapped, delivered)
         live = _live(node.status())
         assert live["security"]["last_partner_tensor_ratio"] < 1.0, live["security"]
-        assert live["security"]["last_partner_size_ratio"] < 1.0, live["security"]
+        assert live["security"]["last_partner_radial_ratio"] < 1.0, live["security"]
         assert live["rejected_payloads"].get("norm_bound") == 2, live["rejected_payloads"]
     finally:
         node.stop()

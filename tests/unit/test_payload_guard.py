@@ -17,12 +17,12 @@ from noloco_node.node.outer_step import phase_learning_rates
 from noloco_node.pairing.peer_policy import PeerPolicy
 from noloco_node.rpc.transport import GuardedCall, Watchdog
 from noloco_node.security.payload_guard import (
-    SIZE_SHARE,
+    RADIAL_SHARE,
     Complaints,
     NormGuard,
+    radial_moves,
     relative_distance,
     relative_distances,
-    relative_sizes,
 )
 from noloco_node.training.replica import learning_rate
 from noloco_node.wire import sparse
@@ -209,47 +209,57 @@ def test_a_payload_that_spends_the_whole_allowance_on_one_tensor_is_refused_by_t
     restarted.admit(distance, "hostile", tensors=list(zip(names, tensors, strict=True)))  # the overall check only
 
 
-def test_a_payload_that_spends_the_allowance_on_shrinking_the_weights_is_refused_by_the_size_bound() -> None:
+def test_a_payload_that_spends_the_allowance_along_the_weights_is_refused_by_the_radial_bound() -> None:
     """Minus phi at 0.85 of the bound (outsider attack 8, and the turncoat of bench outsider --mode stream) is
-    within the distance bound, overall and tensor by tensor, but all of it is size: every tensor shrinks by 0.85 of
-    the bound. An honest partner's phase moves across its weights, and its size hardly differs from this node's.
-    A sparse run's progress is measured on this node's phi (``step=True``)."""
+    within the distance bound, overall and tensor by tensor, but all of it lies along this node's weights: every
+    tensor shrinks by 0.85 of the bound. An honest partner's phase moves across its weights. A sparse run's code is
+    measured on this node's phi (``step=True``): one that flips the sign of the largest weights lies along them
+    too. The radial bound is not widened for drift: a peer kept away does not come back with a looser one."""
     names, phi, own_theta, partner_theta = _tiny_model_phase()
     guard = NormGuard(factor=3.0)
     movement, per_tensor = relative_distances(own_theta, phi)
     guard.observe_phase(movement, 20, 20, phase_lr=1e-3, partner_lr=1e-3, per_tensor=per_tensor)
     bound = guard.bound()
     assert bound is not None
-    honest, honest_tensors = relative_distances(partner_theta, phi)
-    honest_sizes = relative_sizes(partner_theta, phi)
-    guard.admit(honest, "honest", tensors=list(zip(names, honest_tensors, strict=True)), sizes=honest_sizes)
-    assert guard.last_size_ratio is not None and guard.last_size_ratio < 0.5, guard.last_size_ratio
+
+    def admit(theta: list[torch.Tensor], peer: str, steps_apart: int | None = None) -> None:
+        distance, tensors = relative_distances(theta, phi)
+        named = list(zip(names, tensors, strict=True))
+        guard.admit(distance, peer, steps_apart, tensors=named, radial=radial_moves(theta, phi))
+
+    admit(partner_theta, "honest")
+    assert guard.last_radial_ratio is not None and guard.last_radial_ratio < 0.5, guard.last_radial_ratio
     shrunk = [t * (1 - 0.85 * bound) for t in phi]
     distance, tensors = relative_distances(shrunk, phi)
     assert distance < bound
-    guard.admit(distance, "no size measured", tensors=list(zip(names, tensors, strict=True)))  # the distance admits it
-    sizes = relative_sizes(shrunk, phi)
-    assert sizes[0] == pytest.approx(-0.85 * bound, rel=1e-4)
+    guard.admit(distance, "no radial measured", tensors=list(zip(names, tensors, strict=True)))  # distance admits it
+    assert radial_moves(shrunk, phi)[0] == pytest.approx(-0.85 * bound, rel=1e-4)
     with pytest.raises(PayloadError) as refused:
-        guard.admit(distance, "shrinking", tensors=list(zip(names, tensors, strict=True)), sizes=sizes)
-    assert refused.value.reason == "norm_bound" and "differ in size by" in refused.value.message
-    # As a progress on this node's phi (a sparse run's), the same.
+        admit(shrunk, "shrinking")
+    assert refused.value.reason == "norm_bound" and "the weights from shrinking move" in refused.value.message
+    # Kept away for 15 outer steps, it gets a distance bound four times as wide, not a wider radial one.
+    slightly = [t * (1 - 0.3 * bound) for t in phi]
+    with pytest.raises(PayloadError):
+        admit(slightly, "kept away", steps_apart=15)
+    # As a sparse code on this node's phi: minus phi, or the sign of the largest coordinates flipped.
     progress = [-0.85 * bound * t for t in phi]
-    assert relative_sizes(progress, phi, step=True)[0] == pytest.approx(sizes[0], rel=1e-4)
-    # One tensor shrunk within its own distance bound: refused by that tensor's size bound.
+    assert radial_moves(progress, phi, step=True)[0] == pytest.approx(-0.85 * bound, rel=1e-4)
+    flat = torch.cat([t.reshape(-1) for t in phi]).abs()
+    largest = flat.kthvalue(flat.numel() - flat.numel() // 64).values
+    flipped = [torch.where(t.abs() > largest, -2 * t, torch.zeros_like(t)) for t in phi]
+    along = radial_moves(flipped, phi, step=True)[0]
+    assert along < -0.5 * relative_distances([p + f for p, f in zip(phi, flipped, strict=True)], phi)[0]
+    # One tensor shrunk within its own distance bound: refused by that tensor's radial bound.
     norms = [float(t.norm()) for t in phi]
     smallest = norms.index(min(norms))
     one = [t.clone() for t in partner_theta]
     one[smallest] = phi[smallest] * (1 - 2 * bound)
-    distance, tensors = relative_distances(one, phi)
-    bounds = guard.tensor_bounds(bound)
-    assert bounds is not None and tensors[smallest] < bounds[smallest]
+    tensor_bounds = guard.tensor_bounds(bound)
+    assert tensor_bounds is not None and relative_distances(one, phi)[1][smallest] < tensor_bounds[smallest]
     with pytest.raises(PayloadError) as refused:
-        guard.admit(
-            distance, "one tensor", tensors=list(zip(names, tensors, strict=True)), sizes=relative_sizes(one, phi)
-        )
-    assert f"{names[smallest]} from one tensor differs in size by" in refused.value.message
-    assert 2 * bound > SIZE_SHARE * bounds[smallest]
+        admit(one, "one tensor")
+    assert f"{names[smallest]} from one tensor moves" in refused.value.message
+    assert 2 * bound > RADIAL_SHARE * tensor_bounds[smallest]
 
 
 def test_complaints_are_logged_once_per_peer_and_reason_per_interval(caplog: pytest.LogCaptureFixture) -> None:
@@ -338,8 +348,8 @@ def test_the_distance_measured_chunk_by_chunk_is_the_one_measured_after_arrival(
     assert measured["delta"] == pytest.approx(relative_distance(got[2:], delta, phi), rel=1e-5)
     # Tensor by tensor too (the per-tensor check of NormGuard.admit), in the order of the names asked for.
     assert gap.tensor_distances("theta", ["b", "a"]) == pytest.approx(relative_distances(got[:2], phi)[1][::-1])
-    overall, per_tensor = gap.sizes("theta", ["b", "a"])  # and the sizes (the size bound of NormGuard.admit)
-    expected, expected_tensors = relative_sizes(got[:2], phi)
+    overall, per_tensor = gap.radial_moves("theta", ["b", "a"])  # and the radial moves (NormGuard.admit)
+    expected, expected_tensors = radial_moves(got[:2], phi)
     assert overall == pytest.approx(expected, rel=1e-4, abs=1e-6)
     assert per_tensor == pytest.approx(expected_tensors[::-1], rel=1e-4, abs=1e-6)
     assert gap.distances({"theta": 2100 + 70_000, "phi": 10}) is None  # a part it did not see
