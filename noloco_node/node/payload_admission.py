@@ -17,7 +17,7 @@ from noloco_node.node.run_layout import RunLayout
 from noloco_node.node.security import Comparison, Distance, NodeSecurity
 from noloco_node.pairing.peer_policy import PeerPolicy
 from noloco_node.pairing.standing import Standing
-from noloco_node.security.payload_guard import RunningGap, radial_moves, relative_norms
+from noloco_node.security.payload_guard import RunningGap, relative_norms
 from noloco_node.wire.frames import PayloadError
 from noloco_node.wire.payload import Payload
 from noloco_node.wire.published import LatestSnapshot
@@ -86,7 +86,7 @@ class PayloadAdmission:
             # takes the partner's phi to be this node's own, so nothing pulls the replicas' phis together and they
             # drift as replicas apart for that long (measured: 0.50 apart against a bound of one phase of 0.45).
             steps_apart = max(steps_apart or 0, self.layout.phi_every)
-        measured = self._measured_distances(payload, self.layout.names)
+        measured = self._measured_distances(payload, self.layout.names, radial=self._radial)
         if measured is not None:  # measured chunk by chunk while it arrived: nothing left to compute
             self.security.admit_distances(payload, measured, steps_apart)
             return
@@ -110,20 +110,27 @@ class PayloadAdmission:
                 comparisons.append((partner_phi, phi, phi, None))
             if partner_delta:
                 comparisons.append((partner_delta, delta, phi, None))
-            self.security.admit(payload, comparisons, steps_apart)
+            self.security.admit(payload, comparisons, steps_apart, radial=self._radial)
             if "progress" in parts:  # a sparse run's progress after a reservation: theta_j is this node's phi + it
                 progress = [payload.tensors[f"progress/{name}"] for name in names]
                 overall, per_tensor = relative_norms(progress, phi)
                 tensors = list(zip(names, per_tensor, strict=True))
-                radial = radial_moves(progress, phi, step=True)
-                self.security.admit_distances(payload, [(overall, tensors, radial)], steps_apart)
+                self.security.admit_distances(payload, [(overall, tensors, None)], steps_apart)
         finally:
             copy.release()
 
+    @property
+    def _radial(self) -> bool:
+        """Whether a partner's weights are held to the radial bound (payload_guard.RADIAL_SHARE): not in a sparse
+        run, whose honest codes move along the weights by a fifth to two fifths of the bound (measured in
+        ``bench outsider --mode stream --wire-dtype sparse``: error feedback hands on the weight decay that top-k
+        left out, concentrated on the largest weights), as much as a hostile one would."""
+        return self.layout.wire_dtype != "sparse"
+
     @staticmethod
-    def _measured_distances(payload: Payload, names: Sequence[str]) -> list[Distance] | None:
-        """The distances measured while the payload arrived: one per part, and for theta each tensor's and the
-        radial moves too."""
+    def _measured_distances(payload: Payload, names: Sequence[str], *, radial: bool) -> list[Distance] | None:
+        """The distances measured while the payload arrived: one per part, and for theta each tensor's and (with
+        ``radial``) the radial moves too."""
         if not isinstance(payload.observer, RunningGap):
             return None
         numel: dict[str, int] = {}
@@ -138,7 +145,7 @@ class PayloadAdmission:
             (
                 distance,
                 list(zip(names, observer.tensor_distances(part, names), strict=True)),
-                observer.radial_moves(part, names),
+                observer.radial_moves(part, names) if radial else None,
             )
             if part == "theta"
             else (distance, None, None)

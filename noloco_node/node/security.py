@@ -75,8 +75,16 @@ class NodeSecurity:
     def peer_id(self) -> str:
         return self.identity.peer_id
 
-    def admit(self, payload: Payload, comparisons: Sequence[Comparison], steps_apart: int | None = None) -> None:
-        """Raise PayloadError when the partner's tensors are too far from this node's.
+    def admit(
+        self,
+        payload: Payload,
+        comparisons: Sequence[Comparison],
+        steps_apart: int | None = None,
+        *,
+        radial: bool = True,
+    ) -> None:
+        """Raise PayloadError when the partner's tensors are too far from this node's; with ``radial``, a partner's
+        weights are held to the radial bound too (not in a sparse run: node/payload_admission.py).
 
         ``comparisons``: e.g. (their theta, my phi, my phi, the parameter names), (their phi, my phi, my phi, None)
         and (their momentum, my momentum, my phi, None).
@@ -87,7 +95,8 @@ class NodeSecurity:
             if names is None:
                 distances.append((overall, None, None))
             else:
-                distances.append((overall, list(zip(names, per_tensor, strict=True)), radial_moves(theirs, mine)))
+                moves = radial_moves(theirs, mine) if radial else None
+                distances.append((overall, list(zip(names, per_tensor, strict=True)), moves))
         self.admit_distances(payload, distances, steps_apart)
 
     def admit_distances(self, payload: Payload, distances: Sequence[Distance], steps_apart: int | None = None) -> None:

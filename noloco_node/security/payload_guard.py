@@ -14,8 +14,8 @@ and the payload is refused (INVALID_ARGUMENT, reason ``norm_bound``) when d exce
 small tensor (0.8 of a bound spent on the tiny model's smallest tensor, an attention output projection with 3% of
 its norm, moves that tensor by about 25 times the bound). And the partner's weights may sit from this node's along
 this node's own weights (towards zero or away) by at most ``RADIAL_SHARE`` of the distance bound, overall and per
-tensor (:func:`radial_moves`): a distance spent there (minus phi shrinks every tensor; a sparse code can flip the
-sign of the largest weights) is no honest partner's, which moves across its weights, not along them.
+tensor (:func:`radial_moves`): a distance spent there (minus phi shrinks every tensor) is no honest partner's, which
+moves across its weights, not along them; except in a sparse run, whose codes carry weight decay.
 
 The bound is ``factor`` times the largest relative movement of this node's *own* recent inner phases,
 ``||theta_own - phi_own|| / ||phi_own||`` over the last ``window`` outer steps, each scaled by the learning rate
@@ -81,10 +81,9 @@ TENSOR_SLACK = 3.0
 # How far a partner's weights may sit from this node's along this node's own weights (<theta_partner - phi_own,
 # phi_own> / ||phi_own||**2, overall and per tensor), as a share of the distance bound (overall, or that tensor's).
 # An honest partner moves across its weights, not along them: on the tiny model (4 replicas, 30 outer steps) its
-# radial move was at most 0.054 of the bound (0.027 for a sparse code), while minus phi spends the whole distance
-# along them (shrinking every tensor) and a sparse code that flips the sign of phi's largest coordinates 0.65 to 0.95
-# of it. Minus phi at 0.85 of the bound, from a member with standing (bench outsider --mode stream's turncoat),
-# took a stream swarm's final loss 18% above its quiet run.
+# radial move was at most 0.054 of the bound, while minus phi spends the whole distance along them (shrinking every
+# tensor). Minus phi at 0.85 of the bound, from a member with standing (bench outsider --mode stream's turncoat),
+# took a stream swarm's final loss 18% above its quiet run. Not in a sparse run (node/payload_admission.py).
 RADIAL_SHARE = 0.2
 DISTANCE_SLICE = 1 << 20  # elements per slice: the distance never allocates a model-sized temporary
 
@@ -137,12 +136,9 @@ def relative_norms(partner: Sequence[torch.Tensor], scale: Sequence[torch.Tensor
     return math.sqrt(size) / max(math.sqrt(norm), 1e-12), per_tensor
 
 
-def radial_moves(
-    partner: Sequence[torch.Tensor], own: Sequence[torch.Tensor], *, step: bool = False
-) -> tuple[float, list[float]]:
+def radial_moves(partner: Sequence[torch.Tensor], own: Sequence[torch.Tensor]) -> tuple[float, list[float]]:
     """How far ``partner`` sits from ``own`` along ``own`` itself: <partner - own, own> / ||own||**2, negative
-    towards zero, over every tensor at once and each tensor's; with ``step`` the partner's weights are ``own +
-    partner`` (a sparse run's progress on this node's phi). In fp32, slice by slice."""
+    towards zero, over every tensor at once and each tensor's. In fp32, slice by slice."""
     along, norm, per_tensor = 0.0, 0.0, []
     with torch.no_grad():
         for theirs, mine in zip(partner, own, strict=True):
@@ -150,9 +146,7 @@ def radial_moves(
             tensor_along, tensor_norm = 0.0, 0.0
             for start in range(0, a.numel(), DISTANCE_SLICE):
                 own_slice = b[start : start + DISTANCE_SLICE].float()
-                move = a[start : start + DISTANCE_SLICE].float()
-                if not step:
-                    move = move - own_slice
+                move = a[start : start + DISTANCE_SLICE].float() - own_slice
                 tensor_along += float(torch.dot(move, own_slice))
                 tensor_norm += float(torch.dot(own_slice, own_slice))
             along, norm = along + tensor_along, norm + tensor_norm

@@ -212,9 +212,8 @@ def test_a_payload_that_spends_the_whole_allowance_on_one_tensor_is_refused_by_t
 def test_a_payload_that_spends_the_allowance_along_the_weights_is_refused_by_the_radial_bound() -> None:
     """Minus phi at 0.85 of the bound (outsider attack 8, and the turncoat of bench outsider --mode stream) is
     within the distance bound, overall and tensor by tensor, but all of it lies along this node's weights: every
-    tensor shrinks by 0.85 of the bound. An honest partner's phase moves across its weights. A sparse run's code is
-    measured on this node's phi (``step=True``): one that flips the sign of the largest weights lies along them
-    too. The radial bound is not widened for drift: a peer kept away does not come back with a looser one."""
+    tensor shrinks by 0.85 of the bound. An honest partner's phase moves across its weights. The radial bound is not
+    widened for drift: a peer kept away does not come back with a looser one."""
     names, phi, own_theta, partner_theta = _tiny_model_phase()
     guard = NormGuard(factor=3.0)
     movement, per_tensor = relative_distances(own_theta, phi)
@@ -241,14 +240,6 @@ def test_a_payload_that_spends_the_allowance_along_the_weights_is_refused_by_the
     slightly = [t * (1 - 0.3 * bound) for t in phi]
     with pytest.raises(PayloadError):
         admit(slightly, "kept away", steps_apart=15)
-    # As a sparse code on this node's phi: minus phi, or the sign of the largest coordinates flipped.
-    progress = [-0.85 * bound * t for t in phi]
-    assert radial_moves(progress, phi, step=True)[0] == pytest.approx(-0.85 * bound, rel=1e-4)
-    flat = torch.cat([t.reshape(-1) for t in phi]).abs()
-    largest = flat.kthvalue(flat.numel() - flat.numel() // 64).values
-    flipped = [torch.where(t.abs() > largest, -2 * t, torch.zeros_like(t)) for t in phi]
-    along = radial_moves(flipped, phi, step=True)[0]
-    assert along < -0.5 * relative_distances([p + f for p, f in zip(phi, flipped, strict=True)], phi)[0]
     # One tensor shrunk within its own distance bound: refused by that tensor's radial bound.
     norms = [float(t.norm()) for t in phi]
     smallest = norms.index(min(norms))
