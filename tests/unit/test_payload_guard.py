@@ -172,15 +172,22 @@ def _tiny_model_phase() -> tuple[list[str], list[torch.Tensor], list[torch.Tenso
     return list(names), list(phi), phase(), phase()
 
 
+def _guard_after_a_tiny_phase() -> tuple[list[str], list[torch.Tensor], list[torch.Tensor], NormGuard, float]:
+    """A norm guard that measured one phase of the tiny model, tensor by tensor: the names, phi, an honest
+    partner's theta, the guard and the phase's movement."""
+    names, phi, own_theta, partner_theta = _tiny_model_phase()
+    guard = NormGuard(factor=3.0)
+    movement, per_tensor = relative_distances(own_theta, phi)
+    guard.observe_phase(movement, 20, 20, phase_lr=1e-3, partner_lr=1e-3, per_tensor=per_tensor)
+    return names, phi, partner_theta, guard, movement
+
+
 def test_a_payload_that_spends_the_whole_allowance_on_one_tensor_is_refused_by_that_tensors_bound() -> None:
     """The overall distance alone lets a payload spend the model's whole allowance on one tensor: 0.8 of the bound
     spent on the tiny model's smallest tensor (an attention output projection, about 3% of the model's norm) moves
     it by about 25 times the bound. Each tensor is held to its own bound: three times the larger of the overall one
     and three times that tensor's own movement (where it moves more than the whole, as an honest partner's does)."""
-    names, phi, own_theta, partner_theta = _tiny_model_phase()
-    guard = NormGuard(factor=3.0)
-    movement, per_tensor = relative_distances(own_theta, phi)
-    guard.observe_phase(movement, 20, 20, phase_lr=1e-3, partner_lr=1e-3, per_tensor=per_tensor)
+    names, phi, partner_theta, guard, movement = _guard_after_a_tiny_phase()
     bound = guard.bound()
     assert bound is not None
     honest, honest_tensors = relative_distances(partner_theta, phi)
@@ -214,10 +221,7 @@ def test_a_payload_that_spends_the_allowance_along_the_weights_is_refused_by_the
     within the distance bound, overall and tensor by tensor, but all of it lies along this node's weights: every
     tensor shrinks by 0.85 of the bound. An honest partner's phase moves across its weights. The radial bound is not
     widened for drift: a peer kept away does not come back with a looser one."""
-    names, phi, own_theta, partner_theta = _tiny_model_phase()
-    guard = NormGuard(factor=3.0)
-    movement, per_tensor = relative_distances(own_theta, phi)
-    guard.observe_phase(movement, 20, 20, phase_lr=1e-3, partner_lr=1e-3, per_tensor=per_tensor)
+    names, phi, partner_theta, guard, _ = _guard_after_a_tiny_phase()
     bound = guard.bound()
     assert bound is not None
 
