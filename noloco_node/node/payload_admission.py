@@ -86,7 +86,7 @@ class PayloadAdmission:
             # takes the partner's phi to be this node's own, so nothing pulls the replicas' phis together and they
             # drift as replicas apart for that long (measured: 0.50 apart against a bound of one phase of 0.45).
             steps_apart = max(steps_apart or 0, self.layout.phi_every)
-        measured = self._measured_distances(payload, self.layout.names, radial=self._radial)
+        measured = self._measured_distances(payload, self.layout.names)
         if measured is not None:  # measured chunk by chunk while it arrived: nothing left to compute
             self.security.admit_distances(payload, measured, steps_apart)
             return
@@ -110,27 +110,18 @@ class PayloadAdmission:
                 comparisons.append((partner_phi, phi, phi, None))
             if partner_delta:
                 comparisons.append((partner_delta, delta, phi, None))
-            self.security.admit(payload, comparisons, steps_apart, radial=self._radial)
+            self.security.admit(payload, comparisons, steps_apart)
             if "progress" in parts:  # a sparse run's progress after a reservation: theta_j is this node's phi + it
                 progress = [payload.tensors[f"progress/{name}"] for name in names]
                 overall, per_tensor = relative_norms(progress, phi)
                 tensors = list(zip(names, per_tensor, strict=True))
-                self.security.admit_distances(payload, [(overall, tensors, None)], steps_apart)
+                self.security.admit_distances(payload, [(overall, tensors)], steps_apart)
         finally:
             copy.release()
 
-    @property
-    def _radial(self) -> bool:
-        """Whether a partner's weights are held to the radial bound (payload_guard.RADIAL_SHARE): not in a sparse
-        run, whose honest codes move along the weights by a fifth to two fifths of the bound (measured in
-        ``bench outsider --mode stream --wire-dtype sparse``: error feedback hands on the weight decay that top-k
-        left out, concentrated on the largest weights), as much as a hostile one would."""
-        return self.layout.wire_dtype != "sparse"
-
     @staticmethod
-    def _measured_distances(payload: Payload, names: Sequence[str], *, radial: bool) -> list[Distance] | None:
-        """The distances measured while the payload arrived: one per part, and for theta each tensor's and (with
-        ``radial``) the radial moves too."""
+    def _measured_distances(payload: Payload, names: Sequence[str]) -> list[Distance] | None:
+        """The distances measured while the payload arrived: one per part, and for theta each tensor's too."""
         if not isinstance(payload.observer, RunningGap):
             return None
         numel: dict[str, int] = {}
@@ -140,15 +131,10 @@ class PayloadAdmission:
         distances = payload.observer.distances(numel)
         if distances is None:
             return None
-        observer = payload.observer
         return [
-            (
-                distance,
-                list(zip(names, observer.tensor_distances(part, names), strict=True)),
-                observer.radial_moves(part, names) if radial else None,
-            )
+            (distance, list(zip(names, payload.observer.tensor_distances(part, names), strict=True)))
             if part == "theta"
-            else (distance, None, None)
+            else (distance, None)
             for part, distance in distances.items()
         ]
 

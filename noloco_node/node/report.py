@@ -195,7 +195,6 @@ def security_status(node: ReportedNode) -> SecurityStatus:
         norm_bound_basis=guard.basis,
         last_partner_distance=guard.last_distance,
         last_partner_tensor_ratio=guard.last_tensor_ratio,
-        last_partner_radial_ratio=guard.last_radial_ratio,
         established_peers=sum(node.standing.established(peer.peer_id) for peer in node.telemetry.known_peers()),
         stranger_share=node.standing.stranger_share,
         stranger_steps=node.standing.stranger_steps,

@@ -21,24 +21,16 @@ from noloco_node.pairing.peer_policy import PeerPolicy
 from noloco_node.rpc.transport import Transport
 from noloco_node.security.auth import CallAuthenticator, SecretError, SwarmSecret, load_secret
 from noloco_node.security.identity import IdentityError, NodeIdentity
-from noloco_node.security.payload_guard import (
-    NORM_BOUND,
-    Complaints,
-    NormGuard,
-    radial_moves,
-    relative_distances,
-)
+from noloco_node.security.payload_guard import NORM_BOUND, Complaints, NormGuard, relative_distances
 from noloco_node.security.tls import TlsError, TlsFiles
 from noloco_node.wire.frames import PayloadError
 from noloco_node.wire.payload import Payload
 
-# (partner tensors, own tensors, the tensors whose norm scales the gap, each tensor's name or None): with names (a
-# partner's weights), each tensor is also held to its own bound, and the weights' move along this node's to the
-# radial bound (payload_guard.NormGuard.admit)
+# (partner tensors, own tensors, the tensors whose norm scales the gap, each tensor's name or None): with names, each
+# tensor is also held to its own bound (payload_guard.NormGuard.admit)
 Comparison = tuple[Sequence[torch.Tensor], Sequence[torch.Tensor], Sequence[torch.Tensor], Sequence[str] | None]
-# Measured already: (the overall distance, (name, distance) of each tensor or None, the radial move (overall, per
-# tensor) along this node's weights or None)
-Distance = tuple[float, Sequence[tuple[str, float]] | None, tuple[float, Sequence[float]] | None]
+# Measured already: (the overall distance, (name, distance) of each tensor or None)
+Distance = tuple[float, Sequence[tuple[str, float]] | None]
 
 log = logging.getLogger(__name__)
 
@@ -75,16 +67,8 @@ class NodeSecurity:
     def peer_id(self) -> str:
         return self.identity.peer_id
 
-    def admit(
-        self,
-        payload: Payload,
-        comparisons: Sequence[Comparison],
-        steps_apart: int | None = None,
-        *,
-        radial: bool = True,
-    ) -> None:
-        """Raise PayloadError when the partner's tensors are too far from this node's; with ``radial``, a partner's
-        weights are held to the radial bound too (not in a sparse run: node/payload_admission.py).
+    def admit(self, payload: Payload, comparisons: Sequence[Comparison], steps_apart: int | None = None) -> None:
+        """Raise PayloadError when the partner's tensors are too far from this node's.
 
         ``comparisons``: e.g. (their theta, my phi, my phi, the parameter names), (their phi, my phi, my phi, None)
         and (their momentum, my momentum, my phi, None).
@@ -92,17 +76,13 @@ class NodeSecurity:
         distances: list[Distance] = []
         for theirs, mine, scale, names in comparisons:
             overall, per_tensor = relative_distances(theirs, mine, scale)
-            if names is None:
-                distances.append((overall, None, None))
-            else:
-                moves = radial_moves(theirs, mine) if radial else None
-                distances.append((overall, list(zip(names, per_tensor, strict=True)), moves))
+            distances.append((overall, None if names is None else list(zip(names, per_tensor, strict=True))))
         self.admit_distances(payload, distances, steps_apart)
 
     def admit_distances(self, payload: Payload, distances: Sequence[Distance], steps_apart: int | None = None) -> None:
         """As :meth:`admit`, with the distances already measured (chunk by chunk as the payload arrived)."""
-        for overall, tensors, radial in distances:
-            self.norm_guard.admit(overall, payload.peer_id, steps_apart, tensors, radial)
+        for overall, tensors in distances:
+            self.norm_guard.admit(overall, payload.peer_id, steps_apart, tensors)
 
     def bad_payload(self, peer_id: str, error: PayloadError, policy: PeerPolicy) -> None:
         """A payload refused: log it, rate limited; set the peer aside for now (too far: it may have drifted while

@@ -71,11 +71,6 @@ class _StatusCollector:
                 "The last admitted partner's largest tensor distance as a fraction of that tensor's bound.",
                 status.security.last_partner_tensor_ratio,
             ),
-            (
-                "noloco_partner_radial_ratio",
-                "The last admitted partner's largest move along this node's weights as a fraction of its radial bound.",
-                status.security.last_partner_radial_ratio,
-            ),
         ]
         for name, documentation, value in gauges:
             if value is not None:  # an absent value is an absent series, not a made-up zero

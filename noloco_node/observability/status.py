@@ -137,11 +137,6 @@ class SecurityStatus(BaseModel):
         description="The last admitted partner's largest tensor distance as a fraction of that tensor's own bound "
         "(at most 1; None until a partner was checked tensor by tensor).",
     )
-    last_partner_radial_ratio: float | None = Field(
-        None,
-        description="The last admitted partner's largest move along this node's weights (overall or a tensor's) as "
-        "a fraction of its radial bound (at most 1; None until a partner's weights were checked).",
-    )
     established_peers: int = Field(
         0, description="Live peers with standing: seen for --standing-seconds and blended with this node."
     )

@@ -12,10 +12,7 @@ and the payload is refused (INVALID_ARGUMENT, reason ``norm_bound``) when d exce
 (or a sparse run's progress) is also measured tensor by tensor, each relative to this node's own tensor, and held to
 :meth:`NormGuard.tensor_bounds`: the overall distance alone lets a payload spend the whole model's allowance on one
 small tensor (0.8 of a bound spent on the tiny model's smallest tensor, an attention output projection with 3% of
-its norm, moves that tensor by about 25 times the bound). And the partner's weights may sit from this node's along
-this node's own weights (towards zero or away) by at most ``RADIAL_SHARE`` of the distance bound, overall and per
-tensor (:func:`radial_moves`): a distance spent there (minus phi shrinks every tensor) is no honest partner's, which
-moves across its weights, not along them; except in a sparse run, whose codes carry weight decay.
+its norm, moves that tensor by about 25 times the bound).
 
 The bound is ``factor`` times the largest relative movement of this node's *own* recent inner phases,
 ``||theta_own - phi_own|| / ||phi_own||`` over the last ``window`` outer steps, each scaled by the learning rate
@@ -78,13 +75,6 @@ STEADY_CODE_PHASES = math.sqrt(1 / KEEP)
 # per-tensor check stops is of another size: the overall allowance spent on one small tensor moves it by about 25
 # times the bound.
 TENSOR_SLACK = 3.0
-# How far a partner's weights may sit from this node's along this node's own weights (<theta_partner - phi_own,
-# phi_own> / ||phi_own||**2, overall and per tensor), as a share of the distance bound (overall, or that tensor's).
-# An honest partner moves across its weights, not along them: on the tiny model (4 replicas, 30 outer steps) its
-# radial move was at most 0.054 of the bound, while minus phi spends the whole distance along them (shrinking every
-# tensor). Minus phi at 0.85 of the bound, from a member with standing (bench outsider --mode stream's turncoat),
-# took a stream swarm's final loss 18% above its quiet run. Not in a sparse run (node/payload_admission.py).
-RADIAL_SHARE = 0.2
 DISTANCE_SLICE = 1 << 20  # elements per slice: the distance never allocates a model-sized temporary
 
 
@@ -136,24 +126,6 @@ def relative_norms(partner: Sequence[torch.Tensor], scale: Sequence[torch.Tensor
     return math.sqrt(size) / max(math.sqrt(norm), 1e-12), per_tensor
 
 
-def radial_moves(partner: Sequence[torch.Tensor], own: Sequence[torch.Tensor]) -> tuple[float, list[float]]:
-    """How far ``partner`` sits from ``own`` along ``own`` itself: <partner - own, own> / ||own||**2, negative
-    towards zero, over every tensor at once and each tensor's. In fp32, slice by slice."""
-    along, norm, per_tensor = 0.0, 0.0, []
-    with torch.no_grad():
-        for theirs, mine in zip(partner, own, strict=True):
-            a, b = theirs.reshape(-1), mine.reshape(-1)
-            tensor_along, tensor_norm = 0.0, 0.0
-            for start in range(0, a.numel(), DISTANCE_SLICE):
-                own_slice = b[start : start + DISTANCE_SLICE].float()
-                move = a[start : start + DISTANCE_SLICE].float() - own_slice
-                tensor_along += float(torch.dot(move, own_slice))
-                tensor_norm += float(torch.dot(own_slice, own_slice))
-            along, norm = along + tensor_along, norm + tensor_norm
-            per_tensor.append(tensor_along / max(tensor_norm, 1e-24))
-    return along / max(norm, 1e-24), per_tensor
-
-
 class RunningGap:
     """The norm bound's distances, measured chunk by chunk while a payload arrives (a wire/payload.py
     ``ValueObserver``): for each part (theta, phi, delta) the sum of ``(theirs - mine)**2``, and ``||phi_own||**2``
@@ -169,7 +141,6 @@ class RunningGap:
         self.seen: dict[str, int] = {}
         self.tensor_gap: dict[str, float] = {}  # by received name: the per-tensor check's distances
         self.tensor_own: dict[str, float] = {}
-        self.tensor_along: dict[str, float] = {}  # by received name: the sum of (theirs - mine) * mine (radial)
 
     def observe(self, name: str, start: int, values: torch.Tensor) -> None:
         references = self._references  # close() may run meanwhile on another thread: read it once
@@ -181,7 +152,6 @@ class RunningGap:
             diff = torch.sub(values.reshape(-1), own)  # one kernel: bf16 is promoted to fp32 on the fly
             part = name.split("/", 1)[0]
             gap, own_squared = float(torch.dot(diff, diff)), float(torch.dot(own, own))
-            self.tensor_along[name] = self.tensor_along.get(name, 0.0) + float(torch.dot(diff, own))
             self.gap[part] = self.gap.get(part, 0.0) + gap
             self.own[part] = self.own.get(part, 0.0) + own_squared
             self.tensor_gap[name] = self.tensor_gap.get(name, 0.0) + gap
@@ -202,15 +172,6 @@ class RunningGap:
             return None
         norm = max(math.sqrt(phi_squared), 1e-12)
         return {part: math.sqrt(self.gap[part]) / norm for part in numel_per_part}
-
-    def radial_moves(self, part: str, names: Sequence[str]) -> tuple[float, list[float]]:
-        """``part``'s move along this node's tensors, overall and per tensor in the order of ``names``, as
-        :func:`radial_moves` measures it, once :meth:`distances` has found every element measured."""
-        keys = [f"{part}/{name}" for name in names]
-        along = [self.tensor_along.get(key, 0.0) for key in keys]
-        own = [self.tensor_own.get(key, 0.0) for key in keys]
-        per_tensor = [a / max(o, 1e-24) for a, o in zip(along, own, strict=True)]
-        return sum(along) / max(sum(own), 1e-24), per_tensor
 
     def tensor_distances(self, part: str, names: Sequence[str]) -> list[float]:
         """Each tensor's ||theirs_t - mine_t|| / ||mine_t|| of ``part``, in the order of ``names`` (parameter names),
@@ -240,8 +201,6 @@ class NormGuard:
         self.last_distance: float | None = None
         # The last admitted partner's largest tensor distance as a fraction of that tensor's bound (at most 1)
         self.last_tensor_ratio: float | None = None
-        # The last admitted partner's largest radial move (overall or a tensor's) as a fraction of its bound
-        self.last_radial_ratio: float | None = None
 
     def observe_own_movement(
         self, movement: float, phase_lr: float, partner_lr: float, per_tensor: Sequence[float] | None = None
@@ -358,7 +317,6 @@ class NormGuard:
         peer: str,
         steps_apart: int | None = None,
         tensors: Sequence[tuple[str, float]] | None = None,
-        radial: tuple[float, Sequence[float]] | None = None,
     ) -> None:
         """Accept the distance, or raise PayloadError naming it and the bound. Nothing is learnt from it.
 
@@ -369,16 +327,12 @@ class NormGuard:
 
         ``tensors``: (name, distance relative to this node's own tensor) for each tensor, in the order of the
         movements observed. Each is held to :meth:`tensor_bounds`: the overall distance alone lets a payload spend
-        the whole model's allowance on one small tensor, moving it many times the bound.
-
-        ``radial``: the partner's weights' move along this node's (:func:`radial_moves`), overall and per tensor in
-        the order of ``tensors``: each held to ``RADIAL_SHARE`` of its distance bound, not widened for drift (the
-        replicas' sizes do not drift apart as their weights do; a peer kept away would otherwise come back with the
-        bound of many steps), so that the allowance cannot be spent on shrinking (or inflating) the weights."""
-        own_bound = self.bound()
+        the whole model's allowance on one small tensor, moving it many times the bound."""
+        bound = self.bound()
         widen = math.sqrt(1 + min(steps_apart, MAX_DRIFT_STEPS)) if steps_apart else 1.0
-        bound = None if own_bound is None else min(CEILING, own_bound * widen)
-        if own_bound is None or bound is None:
+        if bound is not None:
+            bound = min(CEILING, bound * widen)
+        if bound is None:
             raise PayloadError(
                 grpc.StatusCode.ABORTED,
                 NOT_READY,
@@ -393,24 +347,10 @@ class NormGuard:
                 what = f"{name} from {peer} is"
                 _within(tensor_distance, tensor_bound, what, "(relative L2 of that tensor)", "its bound")
                 ratio = max(ratio, tensor_distance / max(tensor_bound, 1e-12))
-        radial_ratio = None
-        if radial is not None and self.fixed is None:
-            overall, per_tensor = radial
-            what, measure = f"the weights from {peer} move", "(radial: along this node's weights)"
-            _within(abs(overall), RADIAL_SHARE * own_bound, what, measure, "the radial bound")
-            radial_ratio = abs(overall) / (RADIAL_SHARE * own_bound)
-            own_bounds = self.tensor_bounds(own_bound) if tensors is not None else None
-            if own_bounds is not None and tensors is not None and len(per_tensor) == len(own_bounds):
-                for (name, _), move, tensor_bound in zip(tensors, per_tensor, own_bounds, strict=True):
-                    what = f"{name} from {peer} moves"
-                    _within(abs(move), RADIAL_SHARE * tensor_bound, what, measure, "its radial bound")
-                    radial_ratio = max(radial_ratio, abs(move) / (RADIAL_SHARE * tensor_bound))
         with self._lock:
             self.last_distance = distance
             if ratio is not None:
                 self.last_tensor_ratio = ratio
-            if radial_ratio is not None:
-                self.last_radial_ratio = radial_ratio
 
 
 def _within(distance: float, bound: float, what: str, measure: str, which: str) -> None:
