@@ -5,7 +5,9 @@ At the end of every inner phase (training/loop.py):
 1. the pairing strategy gives the partner's payload, or None (it waited for it in sync mode, or took the freshest
    offer in overlap mode);
 2. the blend: ``algorithm.noloco_outer_step`` (arXiv 2506.10911, eq. 3-5, the paper's sign corrected) over this
-   node and the partner; the strategy sees the result before the replica adopts it (theta = phi);
+   node and the partner, taken only if it measures no worse than the step alone (node/blend_check.py: then, and
+   only then, the pair counts as blended, in every mode); the strategy sees the result before the replica adopts
+   it (theta = phi);
 0. before pairing, this phase's own movement ||theta - phi|| / ||phi|| is measured: it sets the norm bound a
    partner's payload is checked against (security/payload_guard.py);
 3. the upkeep, off the critical path: one copy of the outer state into reused buffers becomes the joiner snapshot
@@ -29,6 +31,7 @@ import torch
 
 from noloco_node import algorithm
 from noloco_node.config.models import OuterConfig, TrainConfig
+from noloco_node.node.blend_check import BlendVerdict
 from noloco_node.node.probation import Probation
 from noloco_node.node.report import ProgressLog
 from noloco_node.observability.telemetry import KEEP_OUTER_STEPS, Telemetry
@@ -85,6 +88,8 @@ class OuterStepDeps:
     norm_guard: NormGuard  # bounds partners by this node's own movement, measured here before each pairing
     max_staleness: int  # how many outer steps a partner may be ahead or behind (for the norm bound's learning rate)
     judge: Callable[[Payload], bool]  # the norm bound, for a payload that arrived before this node had one
+    paired: Callable[[str, int], None]  # a blend with this peer at this outer step (pairing/caller.py: standing)
+    refuse_blend: Callable[[str, str], None]  # a partner whose blend failed the loss check, and why: set aside
     train_while_waiting: bool = True  # --train-while-waiting: inner steps instead of idle time at the outer step
     # Adopt a live peer's state when this node fell out of every peer's reach (True: adopted); None: never.
     # front: the outer step to take a donor near (None: the credible front of every peer this node believes).
@@ -156,6 +161,7 @@ class OuterStep:
         self._catch_up_backoff = 1
         self._next_catch_up = 0  # the outer step from which a catch-up may be tried again
         self._behind_since: tuple[int, int] = (0, 0)  # (own outer step, the front) when the node fell out of reach
+        self._start_loss: float | None = None  # the validation loss of the slow weights the phase began from
 
     def train(self, train_cfg: TrainConfig, *, stop_requested: Callable[[], bool], hooks: Sequence[StepHook]) -> None:
         """The trainer thread's whole life: the one inner loop with this outer step between its phases."""
@@ -231,11 +237,14 @@ class OuterStep:
         extra_seconds, extra_steps = (extra.seconds, len(extra.losses)) if extra is not None else (0.0, 0)
         waited = time.monotonic() - wait_started - extra_seconds
         blend_started = time.monotonic()
-        weight = self._blend(partner, sent if extra is not None and extra.losses else None)
+        weight, verdict = self._blend(partner, sent if extra is not None and extra.losses else None)
         blend_seconds = time.monotonic() - blend_started
         if partner is not None:
-            partner.release()  # blended: its buffers can take the next outer step's payload
-            self._catch_up_backoff = 1
+            partner.release()  # blended or refused: its buffers can take the next outer step's payload
+            if weight is None:
+                partner = None  # refused by the loss check: a solo step
+            else:
+                self._catch_up_backoff = 1
         moved_from, caught_up = self._rejoin_the_swarm()
         if moved_from is None and not caught_up and partner is None:
             caught_up = self._catch_up_if_left_behind()
@@ -245,9 +254,14 @@ class OuterStep:
             deps.strategy.start(replica)  # what it offers peers now comes from the adopted state, or step
         if deps.data_parallel is not None:
             deps.data_parallel.broadcast_params(replica.params)  # the other ranks adopt theta = phi
-        val_loss = replica.evaluate(deps.validation)
+        # The loss check measured the adopted weights already, unless a downloaded state replaced them since.
+        if verdict is not None and not caught_up:
+            val_loss = verdict.alone if weight is None else verdict.blended
+        else:
+            val_loss = replica.evaluate(deps.validation)
         # A state adopted at this very step has trained no phase yet: it is judged at the next one.
         rolled_back = not caught_up and deps.probation is not None and deps.probation.judge(replica, val_loss)
+        self._start_loss = None if rolled_back else val_loss
         if rolled_back:
             deps.strategy.state_replaced()
             deps.strategy.start(replica)  # what it offers peers comes from its own state again
@@ -259,6 +273,8 @@ class OuterStep:
             "partner": partner.peer_id if partner else None,
             "partner_step": partner.outer_step if partner else None,
             "partner_weight": weight,
+            "loss_with_partner": verdict.blended if verdict is not None else None,
+            "loss_alone": verdict.alone if verdict is not None else None,
             "train_seconds": phase.seconds + extra_seconds,
             "phase_steps": len(phase.losses) + extra_steps,
             "steps_while_waiting": extra_steps,
@@ -362,34 +378,58 @@ class OuterStep:
         own_since, front_since = self._behind_since
         return (self.deps.replica.outer_step - own_since) * 2 < front - front_since
 
-    def _blend(self, partner: Payload | None, sent_theta: list[torch.Tensor] | None = None) -> float | None:
+    def _blend(
+        self, partner: Payload | None, sent_theta: list[torch.Tensor] | None = None
+    ) -> tuple[float | None, BlendVerdict | None]:
         """The outer step over the group that answered: this node plus the partner, or this node alone.
-        ``sent_theta``: the fast weights the partner got, when this node trained on while waiting. Returns the
-        partner's weight in the blend (pairing/standing.py STRANGER_WEIGHT), None for a solo step."""
+        ``sent_theta``: the fast weights the partner got, when this node trained on while waiting. A partner's
+        blend is taken only if it measures no worse than the step alone (node/blend_check.py); the partner then
+        counts as blended with (pairing/standing.py), else it is refused and set aside. Returns the partner's
+        weight in the blend (STRANGER_WEIGHT without standing; None: a solo step) and the loss check's verdict
+        (None: no partner answered)."""
         deps, replica = self.deps, self.deps.replica
-        received, weight = None, 1.0
-        if partner is not None:
-            received = partner_tensors(partner, replica.names, send_phi=deps.send_phi, send_delta=deps.send_delta)
-            weight = 1.0 if deps.believe(partner.peer_id) else STRANGER_WEIGHT
         # theta on the host: gathered once per outer step (the norm bound measured it), again only when the node
         # trained on while it waited. The blend runs on the host: on an H100 machine it took 2.7 s at 1.3b (16
         # cores), and one parameter at a time on the GPU 8.9 s, its copies over PCIe costing more than the maths.
         fast = replica.fast_weights()
-        new_phi, new_delta = algorithm.noloco_pair_step(
-            fast,
-            replica.phi,
-            replica.delta,
-            received,
-            alpha=deps.outer_cfg.alpha,
-            beta=deps.outer_cfg.beta,
-            gamma=deps.outer_cfg.effective_gamma,
-            blend_momenta=deps.send_delta,
-            sent_theta=sent_theta,
-            partner_weight=weight,
-        )
+
+        def outer_step(received: PartnerTensors | None, partner_weight: float = 1.0) -> tuple[list[torch.Tensor], ...]:
+            return algorithm.noloco_pair_step(
+                fast,
+                replica.phi,
+                replica.delta,
+                received,
+                alpha=deps.outer_cfg.alpha,
+                beta=deps.outer_cfg.beta,
+                gamma=deps.outer_cfg.effective_gamma,
+                blend_momenta=deps.send_delta,
+                sent_theta=sent_theta,
+                partner_weight=partner_weight,
+            )
+
+        weight: float | None = None
+        verdict: BlendVerdict | None = None
+        if partner is None:
+            new_phi, new_delta = outer_step(None)
+        else:
+            # One candidate at a time (each is a copy of the model): the solo step's loss first, then the blend's.
+            alone = replica.loss_of(outer_step(None)[0], deps.validation)
+            weight = 1.0 if deps.believe(partner.peer_id) else STRANGER_WEIGHT
+            new_phi, new_delta = outer_step(
+                partner_tensors(partner, replica.names, send_phi=deps.send_phi, send_delta=deps.send_delta), weight
+            )
+            if self._start_loss is None:  # the first outer step since the trainer started, or since a rollback
+                self._start_loss = replica.loss_of(replica.phi, deps.validation)
+            verdict = BlendVerdict(self._start_loss, replica.loss_of(new_phi, deps.validation), alone)
+            if verdict.harmful:
+                deps.refuse_blend(partner.peer_id, verdict.describe())
+                new_phi, new_delta = outer_step(None)
+                weight = None
+            else:
+                deps.paired(partner.peer_id, replica.outer_step)
         deps.strategy.after_blend(new_phi, new_delta, fast, replica.phi, replica.outer_step + 1)
         replica.apply_outer_step(new_phi, new_delta)
-        return weight if partner is not None else None
+        return weight, verdict
 
 
 def phase_learning_rates(

@@ -15,8 +15,9 @@ import torch
 from noloco_node.node.outer_step import held_outer_state, partner_tensors
 from noloco_node.node.run_layout import RunLayout
 from noloco_node.node.security import Comparison, Distance, NodeSecurity
-from noloco_node.pairing.peer_policy import PeerPolicy
+from noloco_node.pairing.peer_policy import LOSS_CHECK, PeerPolicy
 from noloco_node.pairing.standing import Standing
+from noloco_node.rpc.metrics import ExchangeMetrics
 from noloco_node.security.payload_guard import RunningGap, relative_norms
 from noloco_node.wire.frames import PayloadError
 from noloco_node.wire.payload import Payload
@@ -32,8 +33,10 @@ class PayloadAdmission:
         security: NodeSecurity,
         policy: PeerPolicy,
         standing: Standing,
+        metrics: ExchangeMetrics,
     ) -> None:
         self.layout = layout
+        self.metrics = metrics
         self.snapshot = snapshot
         self.security = security
         self.policy = policy
@@ -140,3 +143,10 @@ class PayloadAdmission:
 
     def bad_payload(self, partner_id: str, error: PayloadError) -> None:
         self.security.bad_payload(partner_id, error, self.policy)
+
+    def refuse_blend(self, partner_id: str, message: str) -> None:
+        """Trainer thread: a partner whose blend failed the loss check (node/blend_check.py), after an exchange
+        both sides committed: counted (rejection ``loss_check``) and set aside like one refused for the norm bound;
+        a stream run swaps no phase with it meanwhile (pairing/stream.py)."""
+        self.metrics.rejection(LOSS_CHECK)
+        self.security.set_aside(partner_id, LOSS_CHECK, message, self.policy)

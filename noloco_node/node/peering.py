@@ -75,7 +75,9 @@ class Peering:
     ) -> Peering:
         exchanges = ThreadPoolExecutor(EXCHANGE_THREADS, thread_name_prefix="exchange")  # threads start on use
         receive_buffers = ReceiveBuffers(max_idle_bytes=layout.receive_pool_bytes())
-        admission = PayloadAdmission(layout, snapshot=snapshot, security=security, policy=policy, standing=standing)
+        admission = PayloadAdmission(
+            layout, snapshot=snapshot, security=security, policy=policy, standing=standing, metrics=metrics
+        )
         caller = PeerCaller(
             CallSettings(
                 run_fingerprint=layout.run_fingerprint,

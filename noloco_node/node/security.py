@@ -84,12 +84,17 @@ class NodeSecurity:
         for overall, tensors in distances:
             self.norm_guard.admit(overall, payload.peer_id, steps_apart, tensors)
 
+    def set_aside(self, peer_id: str, reason: str, message: str, policy: PeerPolicy) -> None:
+        """A partner whose weights this node would not blend for ``reason`` (too far, or a blend that measured
+        worse than none): not called for now, the doubling backoff of a failure; logged, rate limited."""
+        avoid = policy.failed(peer_id, reason)
+        self.complaints.complain(peer_id, reason, f"{message}; not called for {avoid:.0f}s")
+
     def bad_payload(self, peer_id: str, error: PayloadError, policy: PeerPolicy) -> None:
         """A payload refused: log it, rate limited; set the peer aside for now (too far: it may have drifted while
         apart from this node) or quarantine it (malformed: no honest peer sends that). The caller counts it."""
         if error.reason == NORM_BOUND:
-            avoid = policy.failed(peer_id, NORM_BOUND)
-            self.complaints.complain(peer_id, error.reason, f"{error.message}; not called for {avoid:.0f}s")
+            self.set_aside(peer_id, NORM_BOUND, error.message, policy)
             return
         policy.quarantine(peer_id, self.cfg.quarantine_seconds, error.reason)
         self.complaints.complain(

@@ -147,6 +147,8 @@ class Trainer:
                 norm_guard=self.security.norm_guard,
                 max_staleness=self.cfg.max_staleness,
                 judge=self.peering.admission.judge,
+                paired=self.peering.caller.paired,
+                refuse_blend=self.peering.admission.refuse_blend,
                 train_while_waiting=self.cfg.train_while_waiting,
                 catch_up=functools.partial(self._catch_up, catch_up, replica) if single else None,
                 believe=self.standing.believable,

@@ -55,6 +55,16 @@ class OuterStepRecord(BaseModel):
         description="How many replicas the partner counted as in this blend: 1, or less for a partner without "
         "standing once the node has established peers (pairing/standing.py); null for a solo step.",
     )
+    loss_with_partner: float | None = Field(
+        None,
+        description="The loss check (node/blend_check.py): validation loss of the blend with the partner that "
+        "answered; null when none did. A partner whose blend measured worse than the step alone is refused: "
+        "partner is then null and val_loss is loss_alone.",
+    )
+    loss_alone: float | None = Field(
+        None,
+        description="The loss check: validation loss of this outer step without the partner; null when none answered.",
+    )
     train_seconds: float = Field(description="Wall time of the inner phase and of the steps taken while waiting.")
     phase_steps: int | None = Field(
         None,

@@ -152,10 +152,7 @@ class OverlapPairing(PairingStrategy):
     def partner(
         self, replica: Replica, phase_seconds: float, train_step: Callable[[], bool] | None = None
     ) -> Payload | None:
-        partner = self.book.take_nearest(replica.outer_step, self.ctx.max_staleness)
-        if partner is not None:
-            self.ctx.caller.paired(partner.peer_id, replica.outer_step)
-        return partner
+        return self.book.take_nearest(replica.outer_step, self.ctx.max_staleness)
 
     def after_blend(
         self,

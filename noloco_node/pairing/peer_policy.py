@@ -27,6 +27,7 @@ DEADLINE_SLACK = 2.0
 MAX_BACKOFF_DOUBLINGS = 5  # avoid at most avoid_seconds * 32
 FAILURE = "failure"  # the reason of an avoidance for a failed call (not for drift: security.NORM_BOUND)
 UNDELIVERED = "undelivered"  # stream: reserved this node's phase and never delivered its progress (pairing/stream.py)
+LOSS_CHECK = "loss_check"  # a blend with the peer measured worse than none (node/blend_check.py): set aside
 # A peer decides when its Info is silent: an avoidance is ended that way at most once per this many avoid_seconds
 # (a healed path needs one), so that a peer cannot have itself called after every failure by going quiet between.
 LIFT_EVERY_AVOIDS = 10

@@ -55,7 +55,7 @@ import torch
 from noloco_node import algorithm
 from noloco_node.discovery.dht import PeerRecord
 from noloco_node.pairing.caller import SETTLE_SECONDS
-from noloco_node.pairing.peer_policy import UNDELIVERED
+from noloco_node.pairing.peer_policy import LOSS_CHECK, UNDELIVERED
 from noloco_node.pairing.strategy import PairingContext, PairingStrategy
 from noloco_node.pairing.sync import PairingRound, RepeatGrace, RoundSession, run_round
 from noloco_node.security.payload_guard import relative_norms
@@ -152,9 +152,10 @@ class StreamPairing(PairingStrategy):
                 return None
             if not phase.repeat.allows(partner_id):
                 return None
-            # One that reserved and never delivered gets no phase while set aside. Not one this node merely failed
-            # to call: a peer it cannot dial (a NAT, a firewall) still reaches it by calling in.
-            if self.ctx.caller.policy.avoided_for(partner_id) == UNDELIVERED:
+            # One that reserved and never delivered, or whose blend measured worse than none, gets no phase while
+            # set aside. Not one this node merely failed to call: a peer it cannot dial (a NAT, a firewall) still
+            # reaches it by calling in.
+            if self.ctx.caller.policy.avoided_for(partner_id) in (UNDELIVERED, LOSS_CHECK):
                 return None
             if not self._swap_lock.acquire(blocking=False):
                 return None
@@ -346,12 +347,10 @@ class StreamPairing(PairingStrategy):
         last_partner = partner.peer_id if partner is not None else None
         others = bool(set(self._records) - {last_partner})
         self._last_round = (last_partner, RepeatGrace.seconds(last_partner, others, ctx.pair_timeout, phase_seconds))
-        if partner is not None:
-            ctx.caller.paired(partner.peer_id, replica.outer_step)
-            if self.feedback is not None and residual is not None and left_out is not None:
-                if not disowned:  # the partner said it did not take this node's code before the trainer got here
-                    self.feedback.commit(residual)
-                compressed_partner(partner, replica.names, replica.phi, left_out)
+        if partner is not None and self.feedback is not None and residual is not None and left_out is not None:
+            if not disowned:  # the partner said it did not take this node's code before the trainer got here
+                self.feedback.commit(residual)
+            compressed_partner(partner, replica.names, replica.phi, left_out)
         return partner
 
     def _undelivered(self, partner_id: str, outer_step: int) -> None:

@@ -235,8 +235,6 @@ class SyncPairing(PairingStrategy):
         partner = run_round(ctx, current, self._seek_partner(current), train_step)
         self._round = None
         self._last_partner = partner.peer_id if partner is not None else None
-        if partner is not None:
-            ctx.caller.paired(partner.peer_id, replica.outer_step)
         return partner
 
     def interrupt(self) -> None:

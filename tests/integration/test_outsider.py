@@ -153,31 +153,38 @@ def test_the_norm_bound_is_not_ratcheted_from_a_cold_start_nor_after_a_restart(
         node.stop()
 
 
-def test_a_progress_that_spends_the_allowance_on_one_tensor_is_refused_and_one_within_every_bound_is_taken(
+def test_a_progress_past_a_tensors_bound_is_refused_and_one_within_every_bound_is_judged_by_what_it_does(
     bootstrap: Bootstrap, tmp_path: Path
 ) -> None:
     """Stream mode, int8: a fresh key swaps a phase payload with the node (the node's own phi, from GetState), then
-    delivers a crafted progress at the node's outer step. One that spends 0.97 of the node's overall bound on the
-    smallest tensor (an attention output projection: about 3% of the model's norm, so it moves by about 32 times the
-    bound) is refused by that tensor's own bound, though the overall check alone took it; one that shrinks every
-    tensor by a fraction of the bound passes every check and is blended (the path works: the refusal is the
-    per-tensor bound's). Not 0.8 of the bound: that tensor's own movement can be 2.9 times the overall bound, and its
-    bound, three times three times that, took 0.8 of the allowance (a distance of 0.543 against 0.56)."""
+    delivers a crafted progress at the node's outer step.
+
+    - One that spends 0.97 of the node's overall bound on the smallest tensor (an attention output projection: about
+      3% of the model's norm, so it moves by about 32 times the bound) is refused by that tensor's own bound, though
+      the overall check alone took it. Not 0.8 of the bound: that tensor's own movement can be 2.9 times the overall
+      bound, and its bound, three times three times that, took 0.8 of the allowance (0.543 against 0.56).
+    - One that shrinks every tensor by 0.85 of the bound, once the node's phases gain little, passes every bound and
+      is taken by the exchange, and the loss check refuses to blend it (node/blend_check.py): the step is solo, its
+      history shows both candidates' losses, and the key gets no phase swap while it is set aside, when a fresh
+      key's is taken at once.
+    """
     from dataclasses import replace
 
     import torch
 
+    from noloco_bench.outsider import phase_frames, swap_once
+    from noloco_node.security.identity import NodeIdentity
     from noloco_node.security.payload_guard import relative_norm
 
     args = [*TRAIN, "--steps", "100000", "--inner-steps", "20", "--mode", "stream", "--wire-dtype", "int8"]
-    node = NodeProcess("target", bootstrap, tmp_path, *args, "--pair-timeout", "5")
+    node = NodeProcess("target", bootstrap, tmp_path, *args, "--pair-timeout", "5", "--avoid-seconds", "120")
 
-    def attack(progress_of) -> tuple[tuple[str, str], float, float]:
+    def attack(progress_of, key: NodeIdentity, from_step: int) -> tuple[tuple[str, str], float, float]:
         """Until the key's swap lands in a phase (a phase of 20 steps may end while it is in flight): what the swap
         and the progress got, the progress's overall size relative to phi, and the node's bound then."""
-        key = fresh_identity()
         for _ in range(20):
-            status = _live(_wait_for(lambda: (s := node.status()) and s["outer_step"] >= 2 and s, 120, "2 phases"))
+            wanted = f"{from_step} phases"
+            status = _live(_wait_for(lambda: (s := node.status()) and s["outer_step"] >= from_step and s, 120, wanted))
             target = _target(status)
             phi = download_phi(target, MODEL, key)
             now = fetch_info(target.address, timeout=5, peer_id=target.peer_id).outer_step
@@ -197,20 +204,38 @@ def test_a_progress_that_spends_the_allowance_on_one_tensor_is_refused_and_one_w
         return progress
 
     def shrink_within_bound(phi: list[torch.Tensor], bound: float) -> list[torch.Tensor]:
-        return [-0.3 * bound * t.float() for t in phi]
+        return [-0.85 * bound * t.float() for t in phi]
+
+    def phase_swap(key: NodeIdentity) -> str:
+        target = _target(_live(node.status()))
+        now = fetch_info(target.address, timeout=5, peer_id=target.peer_id).outer_step
+        target = replace(target, outer_step=now)
+        phi = download_phi(target, MODEL, key)
+        return swap_once(target.address, target, key, phase_frames(target, MODEL, key.peer_id, phi, "bf16"))
 
     try:
-        (swapped, delivered), size, bound = attack(on_the_smallest_tensor)
+        (swapped, delivered), size, bound = attack(on_the_smallest_tensor, fresh_identity(), 2)
         assert swapped == "committed" and delivered == "INVALID_ARGUMENT", (swapped, delivered)
         assert size < bound, (size, bound)  # the overall distance alone admits it
         output = node.output()
         refusal = re.search(r"refused norm_bound from \w+: \S+ from \w+ is [\d.]+ \(relative L2 of that", output)
         assert refusal and "o_proj" in refusal.group(0), output[-3000:]
-        (swapped, delivered), size, bound = attack(shrink_within_bound)
-        assert (swapped, delivered) == ("committed", "committed"), (swapped, delivered)
+
+        turned = fresh_identity()
+        (swapped, delivered), size, bound = attack(shrink_within_bound, turned, 10)
+        assert (swapped, delivered) == ("committed", "committed"), (swapped, delivered)  # inside every bound
+        refused = _wait_for(lambda: f"refused loss_check from {turned.peer_id}" in node.output(), 60, "the check")
         live = _live(node.status())
-        assert live["security"]["last_partner_tensor_ratio"] < 1.0, live["security"]
-        assert live["rejected_payloads"].get("norm_bound") == 1, live["rejected_payloads"]
+        assert refused and live["rejected_payloads"].get("loss_check") == 1, live["rejected_payloads"]
+        judged = [h for h in live["history"] if h["loss_with_partner"] is not None and h["partner"] is None]
+        assert len(judged) == 1 and judged[0]["val_loss"] == judged[0]["loss_alone"], judged
+        assert judged[0]["loss_with_partner"] > judged[0]["loss_alone"], judged
+        assert all(h["partner"] != turned.peer_id for h in live["history"]), "a refused blend counts as a blend"
+        # Set aside for --avoid-seconds: no phase of the node's is swapped with that key, a fresh one's is.
+        first_try = _live(node.status())["outer_step"]
+        while _live(node.status())["outer_step"] < first_try + 3:  # through three of its phases
+            assert phase_swap(turned) != "committed"
+        assert _wait_for(lambda: phase_swap(fresh_identity()) == "committed", 30, "a fresh key's phase swap")
     finally:
         node.stop()
 
