@@ -23,6 +23,10 @@ from noloco_node.wire.frames import PayloadError
 from noloco_node.wire.payload import Payload
 from noloco_node.wire.published import LatestSnapshot
 
+# Refusals by the loss check, with no blend taken between, before a partner is set aside (refuse_blend).
+LOSS_CHECK_STRIKES = 2
+MAX_STRIKES_TRACKED = 4096  # partners with a strike remembered: keys cost nothing, the oldest are forgotten
+
 
 class PayloadAdmission:
     def __init__(
@@ -37,6 +41,7 @@ class PayloadAdmission:
     ) -> None:
         self.layout = layout
         self.metrics = metrics
+        self._strikes: dict[str, int] = {}  # refusals by the loss check since the partner's last blend taken
         self.snapshot = snapshot
         self.security = security
         self.policy = policy
@@ -146,7 +151,21 @@ class PayloadAdmission:
 
     def refuse_blend(self, partner_id: str, message: str) -> None:
         """Trainer thread: a partner whose blend failed the loss check (node/blend_check.py), after an exchange
-        both sides committed: counted (rejection ``loss_check``) and set aside like one refused for the norm bound;
-        a stream run swaps no phase with it meanwhile (pairing/stream.py)."""
+        both sides committed: counted (rejection ``loss_check``), and at its LOSS_CHECK_STRIKES-th refusal with no
+        blend taken between, set aside like one refused for the norm bound (a stream run swaps no phase with it
+        meanwhile, pairing/stream.py). Not at the first: an honest sparse code now and then measures worse on this
+        side alone (its error feedback hands on what earlier exchanges left out), and a 3-node swarm that set aside
+        each of those blended at 57% of its outer steps; a partner that sends harm sends it every time."""
         self.metrics.rejection(LOSS_CHECK)
+        strikes = self._strikes.pop(partner_id, 0) + 1
+        if strikes < LOSS_CHECK_STRIKES:
+            self._strikes[partner_id] = strikes  # the newest last: the oldest is forgotten first
+            while len(self._strikes) > MAX_STRIKES_TRACKED:
+                del self._strikes[next(iter(self._strikes))]
+            self.security.complaints.complain(partner_id, LOSS_CHECK, f"{message}; not blended")
+            return
         self.security.set_aside(partner_id, LOSS_CHECK, message, self.policy)
+
+    def blend_taken(self, partner_id: str) -> None:
+        """Trainer thread: a blend with this partner passed the loss check; its strikes start again."""
+        self._strikes.pop(partner_id, None)

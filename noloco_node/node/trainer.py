@@ -147,7 +147,7 @@ class Trainer:
                 norm_guard=self.security.norm_guard,
                 max_staleness=self.cfg.max_staleness,
                 judge=self.peering.admission.judge,
-                paired=self.peering.caller.paired,
+                paired=self._blended,
                 refuse_blend=self.peering.admission.refuse_blend,
                 train_while_waiting=self.cfg.train_while_waiting,
                 catch_up=functools.partial(self._catch_up, catch_up, replica) if single else None,
@@ -168,6 +168,11 @@ class Trainer:
             self.cfg.num_shards,
         )
         return outer_step
+
+    def _blended(self, peer_id: str, outer_step: int) -> None:
+        """Trainer thread: a blend with ``peer_id`` passed the loss check at ``outer_step``."""
+        self.peering.caller.paired(peer_id, outer_step)
+        self.peering.admission.blend_taken(peer_id)
 
     async def wait_for_peers(self, stop_requested: asyncio.Event) -> None:
         """Hold the first inner step until --wait-for-peers other nodes are live (or the timeout passes, or a stop
