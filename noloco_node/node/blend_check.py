@@ -11,14 +11,16 @@ both candidates, this node's outer step with the partner and without it, are eva
 the batches happen to favour cancels out), and the partner is refused when the blend is worse than the step alone
 by more than it may be:
 
-    blended - alone > max(LOSS_TOLERANCE * alone, start - alone)
+    blended - alone > max(LOSS_TOLERANCE * alone, GAIN_FACTOR * (earlier - alone) / phases)
 
-``start`` being the loss of the slow weights this phase began from. An honest blend costs something only early in a
-run, when replicas that trained apart for one phase each moved a long way (measured on the tiny model, H = 20, int8
-stream, three runs: up to 8.4% worse than alone at the second outer step, 0.38 nats against a phase that gained
-1.14; from the seventh on, never more than 0.5% worse, and mostly 0.5-3% better). So a blend may give back up to
-what this node's own phase gained, and 1% of the loss besides. The turncoat's blends measured 26-57% worse than
-alone, late in the run, where a phase gains a few hundredths of a nat.
+``earlier`` being the loss of the slow weights this node had ``phases`` outer steps ago (GAIN_PHASES at most):
+twice what its loss fell per outer step lately. An honest blend costs something when replicas that trained apart
+moved a long way: early in a run (measured on the tiny model, H = 20, int8 stream: up to 8.4% worse than alone at
+the second outer step, 0.38 nats, when that phase alone gained 1.14), and in overlap mode, whose partner's offer is
+a phase old (up to 9.4% worse at the third outer step); from the seventh outer step of a stream run on, an honest
+int8 blend was never more than 0.5% worse, and mostly 0.5-3% better. The turncoat's blends measured 26-57% worse
+than alone, late in the run, where the loss falls by a few hundredths of a nat per outer step. Early in a run
+the allowance is wide, and so is what a hostile partner may take back then.
 
 It costs one evaluation per blended outer step (the adopted candidate's loss is the step's validation loss) and, on
 a GPU, one copy of the parameters while a candidate is measured (Replica.loss_of).
@@ -29,22 +31,26 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-LOSS_TOLERANCE = 0.01  # of the loss: what a blend may cost beyond the phase's own gain (evaluation noise)
+LOSS_TOLERANCE = 0.01  # of the loss: what any blend may cost (the evaluation's noise from one outer step to the next)
+GAIN_PHASES = 8  # the outer steps over which the recent fall of the loss is measured
+GAIN_FACTOR = 2.0  # a blend may cost this many outer steps' worth of that fall
 
 
 @dataclass(frozen=True)
 class BlendVerdict:
-    """The losses, on this node's validation batches, of the slow weights its phase began from and of its two
-    candidate outer steps: with the partner and alone."""
+    """The losses, on this node's validation batches, of its slow weights ``phases`` outer steps ago and of its two
+    candidate outer steps now: with the partner and alone."""
 
-    start: float
+    earlier: float
+    phases: int
     blended: float
     alone: float
 
     @property
     def allowance(self) -> float:
-        """How much worse than alone the blend may measure: the phase's own gain, or LOSS_TOLERANCE of the loss."""
-        return max(LOSS_TOLERANCE * abs(self.alone), self.start - self.alone)
+        """How much worse than alone the blend may measure."""
+        recent_gain = (self.earlier - self.alone) / max(1, self.phases)
+        return max(LOSS_TOLERANCE * abs(self.alone), GAIN_FACTOR * recent_gain)
 
     @property
     def harmful(self) -> bool:
@@ -56,6 +62,6 @@ class BlendVerdict:
     def describe(self) -> str:
         return (
             f"the blend measured {self.blended:.4f} on this node's validation batches against {self.alone:.4f} for its "
-            f"outer step alone (+{self.blended - self.alone:.4f}; allowed {self.allowance:.4f}: its phase gained "
-            f"{self.start - self.alone:.4f} from {self.start:.4f})"
+            f"outer step alone (+{self.blended - self.alone:.4f}; allowed {self.allowance:.4f}: its loss fell from "
+            f"{self.earlier:.4f} over {self.phases} outer steps)"
         )

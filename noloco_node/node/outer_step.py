@@ -23,6 +23,7 @@ import asyncio
 import json
 import logging
 import time
+from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -31,7 +32,7 @@ import torch
 
 from noloco_node import algorithm
 from noloco_node.config.models import OuterConfig, TrainConfig
-from noloco_node.node.blend_check import BlendVerdict
+from noloco_node.node.blend_check import GAIN_PHASES, BlendVerdict
 from noloco_node.node.probation import Probation
 from noloco_node.node.report import ProgressLog
 from noloco_node.observability.telemetry import KEEP_OUTER_STEPS, Telemetry
@@ -161,7 +162,8 @@ class OuterStep:
         self._catch_up_backoff = 1
         self._next_catch_up = 0  # the outer step from which a catch-up may be tried again
         self._behind_since: tuple[int, int] = (0, 0)  # (own outer step, the front) when the node fell out of reach
-        self._start_loss: float | None = None  # the validation loss of the slow weights the phase began from
+        # The validation losses of the slow weights the last phases began from (the loss check's allowance).
+        self._phase_start_losses: deque[float] = deque(maxlen=GAIN_PHASES + 1)
 
     def train(self, train_cfg: TrainConfig, *, stop_requested: Callable[[], bool], hooks: Sequence[StepHook]) -> None:
         """The trainer thread's whole life: the one inner loop with this outer step between its phases."""
@@ -261,7 +263,10 @@ class OuterStep:
             val_loss = replica.evaluate(deps.validation)
         # A state adopted at this very step has trained no phase yet: it is judged at the next one.
         rolled_back = not caught_up and deps.probation is not None and deps.probation.judge(replica, val_loss)
-        self._start_loss = None if rolled_back else val_loss
+        if caught_up or rolled_back:  # other weights: their history of gains is not this one's
+            self._phase_start_losses.clear()
+        if not rolled_back:  # rolled back, the weights are the checkpoint's: measured when next needed
+            self._phase_start_losses.append(val_loss)
         if rolled_back:
             deps.strategy.state_replaced()
             deps.strategy.start(replica)  # what it offers peers comes from its own state again
@@ -418,9 +423,14 @@ class OuterStep:
             new_phi, new_delta = outer_step(
                 partner_tensors(partner, replica.names, send_phi=deps.send_phi, send_delta=deps.send_delta), weight
             )
-            if self._start_loss is None:  # the first outer step since the trainer started, or since a rollback
-                self._start_loss = replica.loss_of(replica.phi, deps.validation)
-            verdict = BlendVerdict(self._start_loss, replica.loss_of(new_phi, deps.validation), alone)
+            if not self._phase_start_losses:  # the first outer step since the trainer started, or a rollback
+                self._phase_start_losses.append(replica.loss_of(replica.phi, deps.validation))
+            verdict = BlendVerdict(
+                earlier=self._phase_start_losses[0],
+                phases=len(self._phase_start_losses),
+                blended=replica.loss_of(new_phi, deps.validation),
+                alone=alone,
+            )
             if verdict.harmful:
                 deps.refuse_blend(partner.peer_id, verdict.describe())
                 new_phi, new_delta = outer_step(None)
