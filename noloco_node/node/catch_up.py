@@ -164,6 +164,7 @@ class CatchUp:
     # taken, so that a restarting member believes the peers it had standing with.
     restore_standing: Callable[[Sequence[dict[str, Any]]], None] = lambda _saved: None
     front_cap: int | None = None  # plausible_reach of the checkpoint's history; None: no cap (a joiner)
+    far_refusals: Callable[[], int] = lambda: 0  # partners refused under the norm bound so far (Probation)
 
     def __post_init__(self) -> None:
         self.probation = Probation(self.cfg.data_dir / CHECKPOINT_FILE, self.refused_donors)
@@ -358,7 +359,7 @@ class CatchUp:
                     replica.adopt_donor_weights, tensors, int(got["outer_step"]), int(got["inner_step"])
                 )
                 self.metrics.outcome("state_downloaded")
-                self.probation.begin(donor.peer_id, loss)
+                self.probation.begin(donor.peer_id, loss, self.far_refusals())
                 log.info(
                     "%s: state of outer step %d from %s (validation loss %.4f, against %.4f; %.3f MB downloaded)%s",
                     purpose,

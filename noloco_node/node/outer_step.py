@@ -99,7 +99,7 @@ class OuterStepDeps:
     # The outer step the swarm's clock is at, given this node's, when most peers with standing are beyond reach
     # ahead (pairing/standing.py); None: keep this node's. Not given: never moved.
     swarm_step: Callable[[int], SwarmStep | None] | None = None
-    probation: Probation | None = None  # a downloaded state's first phase, judged here (node/probation.py)
+    probation: Probation | None = None  # a downloaded state's first phases, judged here (node/probation.py)
     data_parallel: DataParallel | None = None
 
 
@@ -262,7 +262,11 @@ class OuterStep:
         else:
             val_loss = replica.evaluate(deps.validation)
         # A state adopted at this very step has trained no phase yet: it is judged at the next one.
-        rolled_back = not caught_up and deps.probation is not None and deps.probation.judge(replica, val_loss)
+        rolled_back = (
+            not caught_up
+            and deps.probation is not None
+            and deps.probation.judge(replica, val_loss, partner is not None, deps.norm_guard.refusals)
+        )
         if caught_up or rolled_back:  # other weights: their history of gains is not this one's
             self._phase_start_losses.clear()
         if not rolled_back:  # rolled back, the weights are the checkpoint's: measured when next needed

@@ -1,9 +1,15 @@
-"""A downloaded state's probation: its first phase decides whether it is kept (docs/threat-model.md).
+"""A downloaded state's probation: its first phases decide whether it is kept (docs/threat-model.md).
 
 A donor's state is adopted only after it measured no worse than this node's own on this node's batches
 (node/catch_up.py); a state made to pass that check and fail in training shows in the first phase's validation
-loss. Judged at that outer step (node/outer_step.py, trainer thread): a bad one is rolled back to this node's own
-checkpoint, or to the run's seed for a joiner, and its donor is never asked again.
+loss. And a state that measures well can still be no part of the swarm: a donor that every member refused (a member
+that turned hostile, refused by the loss check, trains alone and drifts) hands on weights as far from every other
+member's as its own, and a joiner that adopted them was refused under the norm bound, and refused them, at every
+outer step (0 blends in 36). So a state stays on probation until it blends, for up to PROBATION_PHASES phases: one
+that has blended with nobody by then while this node refused partners as too far is not the swarm's either.
+Judged at each outer step (node/outer_step.py, trainer thread): a bad one is rolled back to this node's own
+checkpoint, or to the run's seed for a joiner (which then downloads again, from another donor), and its donor is
+never asked again.
 """
 
 from __future__ import annotations
@@ -26,28 +32,51 @@ log = logging.getLogger(__name__)
 PROBATION_MARGIN = 0.25
 
 
+# How many phases a downloaded state may go without a blend before the partners it refused as too far condemn it.
+# An honest joiner in the bench blends at 80-90% of its outer steps; a drifted one at none.
+PROBATION_PHASES = 8
+FAR_REFUSALS = 2  # partners refused under the norm bound while on probation, with no blend, that condemn a state
+
+
 @dataclass
 class Probation:
-    """A downloaded state's first phase, judged at its outer step (node/outer_step.py, trainer thread)."""
+    """A downloaded state's first phases, judged at each outer step (node/outer_step.py, trainer thread)."""
 
     checkpoint: Path  # this node's own checkpoint, if it has one: where a bad state is rolled back to
     refused_donors: set[str]  # shared with CatchUp: a donor whose state went bad is never asked again
     donor: str | None = None  # the donor of the state on probation; None: no state on probation
     adopted_loss: float = math.nan
+    phases: int = 0  # judged so far
+    refusals_at_start: int = 0  # the norm bound's refusals when the state was adopted
 
-    def begin(self, donor: str, loss: float) -> None:
-        self.donor, self.adopted_loss = donor, loss
+    def begin(self, donor: str, loss: float, refusals: int) -> None:
+        """A state from ``donor`` adopted, measured at ``loss``; ``refusals``: the norm bound's count then."""
+        self.donor, self.adopted_loss, self.phases, self.refusals_at_start = donor, loss, 0, refusals
 
     @property
     def pending(self) -> bool:
         return self.donor is not None
 
-    def judge(self, replica: Replica, val_loss: float) -> bool:
-        """After the first phase on a downloaded state: keep it, or roll it back (True). Rolling back loads this
-        node's own checkpoint (a member) or the seed (a joiner) and refuses the donor for good."""
-        donor, self.donor = self.donor, None
-        if donor is None or (math.isfinite(val_loss) and val_loss <= self.adopted_loss * (1 + PROBATION_MARGIN)):
+    def judge(self, replica: Replica, val_loss: float, blended: bool, refusals: int) -> bool:
+        """After a phase on a downloaded state: keep it, or roll it back (True). ``blended``: whether this outer
+        step blended; ``refusals``: the norm bound's count now. Rolling back loads this node's own checkpoint (a
+        member) or the seed (a joiner) and refuses the donor for good."""
+        donor = self.donor
+        if donor is None:
             return False
+        self.phases += 1
+        held_up = math.isfinite(val_loss) and val_loss <= self.adopted_loss * (1 + PROBATION_MARGIN)
+        far = refusals - self.refusals_at_start
+        if self.phases == 1 and not held_up:
+            why = f"went bad in its first phase (validation loss {val_loss:.4f}, against {self.adopted_loss:.4f})"
+        elif blended or (self.phases >= PROBATION_PHASES and far < FAR_REFUSALS):
+            self.donor = None  # it blends with the swarm (or nobody found it far): kept
+            return False
+        elif self.phases >= PROBATION_PHASES:
+            why = f"blended with nobody in {self.phases} phases, and this node refused {far} partners as too far"
+        else:
+            return False
+        self.donor = None
         # Unbounded, and never evicted: each entry cost its donor a whole state upload that passed the loss check,
         # from a peer this node believes (standing), so it cannot be flooded.
         self.refused_donors.add(donor)
@@ -58,11 +87,6 @@ class Probation:
             replica.reset_to_seed()
             back_to = "the run's seed"
         log.warning(
-            "the state downloaded from %s went bad in its first phase (validation loss %.4f, against %.4f when "
-            "adopted): rolled back to %s; that donor is not asked again",
-            donor,
-            val_loss,
-            self.adopted_loss,
-            back_to,
+            "the state downloaded from %s %s: rolled back to %s; that donor is not asked again", donor, why, back_to
         )
         return True

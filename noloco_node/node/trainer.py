@@ -106,6 +106,7 @@ class Trainer:
             validation=validation,
             believe=self.standing.believable,
             restore_standing=self.standing.restore,
+            far_refusals=lambda: self.security.norm_guard.refusals,
             run_start=self.layout.start,
             stopping=lambda: self.stop_requested() or self.stop_event.is_set(),
         )
