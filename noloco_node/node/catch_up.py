@@ -164,7 +164,7 @@ class CatchUp:
     # taken, so that a restarting member believes the peers it had standing with.
     restore_standing: Callable[[Sequence[dict[str, Any]]], None] = lambda _saved: None
     front_cap: int | None = None  # plausible_reach of the checkpoint's history; None: no cap (a joiner)
-    far_refusals: Callable[[], int] = lambda: 0  # partners refused under the norm bound so far (Probation)
+    far_refusals: Callable[[], int] = lambda: 0  # refusals under the norm bound so far: Probation's mark
 
     def __post_init__(self) -> None:
         self.probation = Probation(self.cfg.data_dir / CHECKPOINT_FILE, self.refused_donors)

@@ -91,6 +91,8 @@ class OuterStepDeps:
     judge: Callable[[Payload], bool]  # the norm bound, for a payload that arrived before this node had one
     paired: Callable[[str, int], None]  # a blend with this peer at this outer step (pairing/caller.py: standing)
     refuse_blend: Callable[[str, str], None]  # a partner whose blend failed the loss check, and why: set aside
+    # Network groups refused under the norm bound after a mark (node/payload_admission.py): the probation's test.
+    far_groups_since: Callable[[int], int]
     train_while_waiting: bool = True  # --train-while-waiting: inner steps instead of idle time at the outer step
     # Adopt a live peer's state when this node fell out of every peer's reach (True: adopted); None: never.
     # front: the outer step to take a donor near (None: the credible front of every peer this node believes).
@@ -265,7 +267,7 @@ class OuterStep:
         rolled_back = (
             not caught_up
             and deps.probation is not None
-            and deps.probation.judge(replica, val_loss, partner is not None, deps.norm_guard.refusals)
+            and deps.probation.judge(replica, val_loss, partner is not None, deps.far_groups_since)
         )
         if caught_up or rolled_back:  # other weights: their history of gains is not this one's
             self._phase_start_losses.clear()

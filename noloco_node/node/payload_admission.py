@@ -8,6 +8,7 @@ read, so a check can run in any thread while the trainer applies its outer step.
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Sequence
 
 import torch
@@ -18,7 +19,7 @@ from noloco_node.node.security import Comparison, Distance, NodeSecurity
 from noloco_node.pairing.peer_policy import LOSS_CHECK, PeerPolicy
 from noloco_node.pairing.standing import Standing
 from noloco_node.rpc.metrics import ExchangeMetrics
-from noloco_node.security.payload_guard import RunningGap, relative_norms
+from noloco_node.security.payload_guard import NORM_BOUND, RunningGap, relative_norms
 from noloco_node.wire.frames import PayloadError
 from noloco_node.wire.payload import Payload
 from noloco_node.wire.published import LatestSnapshot
@@ -26,6 +27,7 @@ from noloco_node.wire.published import LatestSnapshot
 # Refusals by the loss check, with no blend taken between, before a partner is set aside (refuse_blend).
 LOSS_CHECK_STRIKES = 2
 MAX_STRIKES_TRACKED = 4096  # partners with a strike remembered: keys cost nothing, the oldest are forgotten
+MAX_FAR_GROUPS = 1024  # network groups remembered as refused under the norm bound (node/probation.py reads them)
 
 
 class PayloadAdmission:
@@ -42,6 +44,11 @@ class PayloadAdmission:
         self.layout = layout
         self.metrics = metrics
         self._strikes: dict[str, int] = {}  # refusals by the loss check since the partner's last blend taken
+        # Each network group refused under the norm bound, and when (a count of refusals): a downloaded state's
+        # probation asks how many groups found it far since. By group, not key: free keys cost nothing.
+        self._far_groups: dict[str, int] = {}
+        self._far_refusals = 0
+        self._far_lock = threading.Lock()  # refusals happen on gRPC threads, the caller's and the trainer
         self.snapshot = snapshot
         self.security = security
         self.policy = policy
@@ -57,10 +64,33 @@ class PayloadAdmission:
             return payload
         try:
             self._check(payload)
-        except PayloadError:
+        except PayloadError as refused:
+            if refused.reason == NORM_BOUND:
+                self._refused_far(payload.peer_id)
             payload.release()
             raise
         return payload
+
+    def far_groups_since(self, mark: int) -> int:
+        """How many network groups this node refused under the norm bound after its ``mark``-th such refusal."""
+        with self._far_lock:
+            return sum(1 for refused_at in self._far_groups.values() if refused_at > mark)
+
+    @property
+    def far_refusals(self) -> int:
+        """Refusals under the norm bound so far: a mark for :meth:`far_groups_since`."""
+        return self._far_refusals
+
+    def _refused_far(self, peer_id: str) -> None:
+        group = self.standing.group_of(peer_id)
+        if group is None:  # a key whose record this node never saw is in no group: it counts for nothing
+            return
+        with self._far_lock:
+            self._far_refusals += 1
+            self._far_groups.pop(group, None)
+            self._far_groups[group] = self._far_refusals  # the newest last: the oldest is forgotten first
+            while len(self._far_groups) > MAX_FAR_GROUPS:
+                del self._far_groups[next(iter(self._far_groups))]
 
     def judge(self, payload: Payload) -> bool:
         """Trainer thread: whether an unjudged payload passes the norm bound now; one that fails is held against
@@ -68,6 +98,8 @@ class PayloadAdmission:
         try:
             self._check(payload)
         except PayloadError as refused:
+            if refused.reason == NORM_BOUND:
+                self._refused_far(payload.peer_id)
             self.bad_payload(payload.peer_id, refused)
             return False
         payload.unjudged = False

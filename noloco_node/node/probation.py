@@ -6,7 +6,8 @@ loss. And a state that measures well can still be no part of the swarm: a donor 
 that turned hostile, refused by the loss check, trains alone and drifts) hands on weights as far from every other
 member's as its own, and a joiner that adopted them was refused under the norm bound, and refused them, at every
 outer step (0 blends in 36). So a state stays on probation until it blends, for up to PROBATION_PHASES phases: one
-that has blended with nobody by then while this node refused partners as too far is not the swarm's either.
+that has blended with nobody by then while this node refused partners of two network groups as too far is not
+the swarm's either (groups, not keys: one host's free keys sending far weights condemn no honest state).
 Judged at each outer step (node/outer_step.py, trainer thread): a bad one is rolled back to this node's own
 checkpoint, or to the run's seed for a joiner (which then downloads again, from another donor), and its donor is
 never asked again.
@@ -16,6 +17,7 @@ from __future__ import annotations
 
 import logging
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -35,7 +37,9 @@ PROBATION_MARGIN = 0.25
 # How many phases a downloaded state may go without a blend before the partners it refused as too far condemn it.
 # An honest joiner in the bench blends at 80-90% of its outer steps; a drifted one at none.
 PROBATION_PHASES = 8
-FAR_REFUSALS = 2  # partners refused under the norm bound while on probation, with no blend, that condemn a state
+# Network groups refused under the norm bound while on probation, with no blend, that condemn a state: by group,
+# since free keys cost nothing (a flood of far payloads from one host condemns no honest state).
+FAR_GROUPS = 2
 
 
 @dataclass
@@ -47,33 +51,34 @@ class Probation:
     donor: str | None = None  # the donor of the state on probation; None: no state on probation
     adopted_loss: float = math.nan
     phases: int = 0  # judged so far
-    refusals_at_start: int = 0  # the norm bound's refusals when the state was adopted
+    far_mark: int = 0  # the norm bound's refusals when the state was adopted (PayloadAdmission.far_refusals)
 
-    def begin(self, donor: str, loss: float, refusals: int) -> None:
-        """A state from ``donor`` adopted, measured at ``loss``; ``refusals``: the norm bound's count then."""
-        self.donor, self.adopted_loss, self.phases, self.refusals_at_start = donor, loss, 0, refusals
+    def begin(self, donor: str, loss: float, far_mark: int) -> None:
+        """A state from ``donor`` adopted, measured at ``loss``; ``far_mark``: the norm bound's refusals then."""
+        self.donor, self.adopted_loss, self.phases, self.far_mark = donor, loss, 0, far_mark
 
     @property
     def pending(self) -> bool:
         return self.donor is not None
 
-    def judge(self, replica: Replica, val_loss: float, blended: bool, refusals: int) -> bool:
+    def judge(self, replica: Replica, val_loss: float, blended: bool, far_groups_since: Callable[[int], int]) -> bool:
         """After a phase on a downloaded state: keep it, or roll it back (True). ``blended``: whether this outer
-        step blended; ``refusals``: the norm bound's count now. Rolling back loads this node's own checkpoint (a
+        step blended; ``far_groups_since``: how many network groups this node refused under the norm bound after a
+        mark (PayloadAdmission.far_groups_since). Rolling back loads this node's own checkpoint (a
         member) or the seed (a joiner) and refuses the donor for good."""
         donor = self.donor
         if donor is None:
             return False
         self.phases += 1
         held_up = math.isfinite(val_loss) and val_loss <= self.adopted_loss * (1 + PROBATION_MARGIN)
-        far = refusals - self.refusals_at_start
+        far = far_groups_since(self.far_mark)
         if self.phases == 1 and not held_up:
             why = f"went bad in its first phase (validation loss {val_loss:.4f}, against {self.adopted_loss:.4f})"
-        elif blended or (self.phases >= PROBATION_PHASES and far < FAR_REFUSALS):
+        elif blended or (self.phases >= PROBATION_PHASES and far < FAR_GROUPS):
             self.donor = None  # it blends with the swarm (or nobody found it far): kept
             return False
         elif self.phases >= PROBATION_PHASES:
-            why = f"blended with nobody in {self.phases} phases, and this node refused {far} partners as too far"
+            why = f"blended with nobody in {self.phases} phases, and this node refused {far} network groups as too far"
         else:
             return False
         self.donor = None

@@ -106,7 +106,7 @@ class Trainer:
             validation=validation,
             believe=self.standing.believable,
             restore_standing=self.standing.restore,
-            far_refusals=lambda: self.security.norm_guard.refusals,
+            far_refusals=lambda: self.peering.admission.far_refusals,
             run_start=self.layout.start,
             stopping=lambda: self.stop_requested() or self.stop_event.is_set(),
         )
@@ -150,6 +150,7 @@ class Trainer:
                 judge=self.peering.admission.judge,
                 paired=self._blended,
                 refuse_blend=self.peering.admission.refuse_blend,
+                far_groups_since=self.peering.admission.far_groups_since,
                 train_while_waiting=self.cfg.train_while_waiting,
                 catch_up=functools.partial(self._catch_up, catch_up, replica) if single else None,
                 believe=self.standing.believable,

@@ -303,6 +303,12 @@ class Standing:
 
     # ------------------------------------------------------------------------------------------- internals
 
+    def group_of(self, peer_id: str) -> str | None:
+        """The network group of the address ``peer_id``'s record gave, or None if this node never saw its record."""
+        with self._lock:
+            track = self._tracks.get(peer_id)
+            return track.group if track is not None and track.first_seen != NEVER_SEEN else None
+
     def _established(self, peer_id: str, now: float) -> bool:
         track = self._tracks.get(peer_id)
         return track is not None and track.blends > 0 and now - track.first_seen >= self.standing_seconds

@@ -201,7 +201,6 @@ class NormGuard:
         self.last_distance: float | None = None
         # The last admitted partner's largest tensor distance as a fraction of that tensor's bound (at most 1)
         self.last_tensor_ratio: float | None = None
-        self.refusals = 0  # partners' payloads refused as too far, ever (node/probation.py reads it)
 
     def observe_own_movement(
         self, movement: float, phase_lr: float, partner_lr: float, per_tensor: Sequence[float] | None = None
@@ -339,20 +338,15 @@ class NormGuard:
                 NOT_READY,
                 "this node has not finished an inner phase yet, so it has no bound to check a partner against",
             )
-        try:
-            _within(distance, bound, f"the weights from {peer} are", "(relative L2)", "the bound")
-            ratio = None
-            bounds = self.tensor_bounds(bound, widen) if tensors is not None else None
-            if tensors is not None and bounds is not None and len(bounds) == len(tensors):
-                ratio = 0.0
-                for (name, tensor_distance), tensor_bound in zip(tensors, bounds, strict=True):
-                    what = f"{name} from {peer} is"
-                    _within(tensor_distance, tensor_bound, what, "(relative L2 of that tensor)", "its bound")
-                    ratio = max(ratio, tensor_distance / max(tensor_bound, 1e-12))
-        except PayloadError:
-            with self._lock:
-                self.refusals += 1
-            raise
+        _within(distance, bound, f"the weights from {peer} are", "(relative L2)", "the bound")
+        ratio = None
+        bounds = self.tensor_bounds(bound, widen) if tensors is not None else None
+        if tensors is not None and bounds is not None and len(bounds) == len(tensors):
+            ratio = 0.0
+            for (name, tensor_distance), tensor_bound in zip(tensors, bounds, strict=True):
+                what = f"{name} from {peer} is"
+                _within(tensor_distance, tensor_bound, what, "(relative L2 of that tensor)", "its bound")
+                ratio = max(ratio, tensor_distance / max(tensor_bound, 1e-12))
         with self._lock:
             self.last_distance = distance
             if ratio is not None:

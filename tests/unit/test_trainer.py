@@ -232,12 +232,12 @@ def test_a_downloaded_state_that_goes_bad_in_its_first_phase_is_rolled_back_and_
     member.adopt_donor_weights(donated, 3, 30)
     refused: set[str] = set()
     probation = Probation(checkpoint, refused)
-    probation.begin("good", 2.0, refusals=0)
+    probation.begin("good", 2.0, far_mark=0)
     held_up = 2.0 * (1 + PROBATION_MARGIN)
-    assert probation.pending and not probation.judge(member, held_up, blended=True, refusals=0)  # kept
+    assert probation.pending and not probation.judge(member, held_up, True, lambda _mark: 0)  # kept
     assert not probation.pending and member.outer_step == 3 and refused == set()
-    probation.begin("poisoner", 2.0, refusals=0)
-    assert probation.judge(member, float("nan"), blended=False, refusals=0)
+    probation.begin("poisoner", 2.0, far_mark=0)
+    assert probation.judge(member, float("nan"), False, lambda _mark: 0)
     assert refused == {"poisoner"} and (member.outer_step, member.inner_step) == (0, 10)
     assert all(torch.equal(p, o) for p, o in zip(member.params, own, strict=True))  # its own checkpoint again
     joiner = make_replica(seed=0)
@@ -245,8 +245,8 @@ def test_a_downloaded_state_that_goes_bad_in_its_first_phase_is_rolled_back_and_
     joiner.adopt_donor_weights(donated, 3, 30)
     train(joiner, 2)
     fresh = Probation(tmp_path / "none.pt", refused)
-    fresh.begin("poisoner2", 2.0, refusals=0)
-    assert fresh.judge(joiner, 9.0, blended=False, refusals=0)
+    fresh.begin("poisoner2", 2.0, far_mark=0)
+    assert fresh.judge(joiner, 9.0, False, lambda _mark: 0)
     assert (joiner.outer_step, joiner.inner_step) == (0, 0) and joiner.optimizer.state == {}
     assert all(torch.equal(p, s) and not d.any() for p, s, d in zip(joiner.params, seed, joiner.delta, strict=True))
     assert refused == {"poisoner", "poisoner2"}
@@ -256,27 +256,38 @@ def test_a_downloaded_state_that_blends_with_nobody_while_it_finds_partners_too_
     tmp_path: Path,
 ) -> None:
     """node/probation.py: a state that measured well and held up, but whose node blended with nobody in its first
-    PROBATION_PHASES phases while it refused partners under the norm bound (the drifted state of a donor that
-    every member refused), is rolled back and its donor refused. Without those refusals (nobody was there to
-    blend with) it is kept, and so is one that blends once."""
-    from noloco_node.node.probation import FAR_REFUSALS, PROBATION_PHASES, Probation
+    PROBATION_PHASES phases while it refused FAR_GROUPS network groups under the norm bound since the state was
+    adopted (the drifted state of a donor that every member refused), is rolled back and its donor refused.
+    Without those refusals (nobody was there to blend with), or with refusals from fewer groups (one host's free
+    keys), it is kept, and so is one that blends once."""
+    from noloco_node.node.probation import FAR_GROUPS, PROBATION_PHASES, Probation
 
     refused: set[str] = set()
     joiner = make_replica(seed=0)
     seed = [p.detach().clone() for p in joiner.params]
     donated = {f"phi/{n}": p.detach().clone() + 0.1 for n, p in zip(joiner.names, joiner.params, strict=True)}
 
-    def judged(refusals_per_phase: int, blend_at: int | None) -> list[bool]:
+    def judged(groups: int, blend_at: int | None) -> list[bool]:
         joiner.adopt_donor_weights(donated, 3, 30)
         probation = Probation(tmp_path / "none.pt", refused)
-        probation.begin("drifted", 2.0, refusals=5)
-        return [
-            probation.judge(joiner, 2.0, blended=phase == blend_at, refusals=5 + refusals_per_phase * phase)
+        probation.begin("drifted", 2.0, far_mark=5)
+        asked: list[int] = []
+
+        def far_groups_since(mark: int) -> int:
+            asked.append(mark)
+            return groups
+
+        verdicts = [
+            probation.judge(joiner, 2.0, phase == blend_at, far_groups_since)
             for phase in range(1, PROBATION_PHASES + 2)
         ]
+        assert set(asked) <= {5}  # counted from the adoption's mark
+        return verdicts
 
-    assert judged(0, None) == [False] * (PROBATION_PHASES + 1) and refused == set()  # alone: kept
-    assert judged(FAR_REFUSALS, 3) == [False] * (PROBATION_PHASES + 1) and refused == set()  # it blended: kept
-    verdicts = judged(1, None)
+    kept = [False] * (PROBATION_PHASES + 1)
+    assert judged(0, None) == kept and refused == set()  # alone: kept
+    assert judged(FAR_GROUPS - 1, None) == kept and refused == set()  # one group's keys condemn nothing
+    assert judged(FAR_GROUPS, 3) == kept and refused == set()  # it blended: kept
+    verdicts = judged(FAR_GROUPS, None)
     assert verdicts == [False] * (PROBATION_PHASES - 1) + [True, False] and refused == {"drifted"}
     assert all(torch.equal(p, s) for p, s in zip(joiner.params, seed, strict=True))  # the seed again
