@@ -186,6 +186,14 @@ class OuterStep:
         for phase in inner.phases():
             self(phase)
 
+    def _next_phase(self, outer_step: int) -> int | None:
+        """The outer step that ends the node's next phase, or None when it trains no further phase (its run is
+        done, or it is stopping): a strategy then offers peers nothing to reserve or exchange for it."""
+        cfg = self._train_cfg
+        if self._stop_requested() or (cfg is not None and self.deps.replica.inner_step >= cfg.total_steps):
+            return None
+        return outer_step + 1
+
     def publish_state(self) -> None:
         """Copy the outer state (theta == phi here) into reused buffers; it becomes the joiner snapshot, and the
         checkpoint when one is due. Trainer thread, at an outer step (and once at start)."""
@@ -443,7 +451,7 @@ class OuterStep:
                 weight = None
             else:
                 deps.paired(partner.peer_id, replica.outer_step)
-        deps.strategy.after_blend(new_phi, new_delta, fast, replica.phi, replica.outer_step + 1)
+        deps.strategy.after_blend(new_phi, new_delta, fast, replica.phi, self._next_phase(replica.outer_step))
         replica.apply_outer_step(new_phi, new_delta)
         return weight, verdict
 

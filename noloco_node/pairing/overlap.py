@@ -160,8 +160,11 @@ class OverlapPairing(PairingStrategy):
         new_delta: Sequence[torch.Tensor],
         theta: Sequence[torch.Tensor],
         old_phi: Sequence[torch.Tensor],
-        next_outer_step: int,
+        next_outer_step: int | None,
     ) -> None:
+        if next_outer_step is None:  # no further phase: no partner is offered weights it will not blend back with
+            self.book.close()
+            return
         # The offer for the next phase: projected fast weights phi_new + (theta - phi_old). The copy is made here,
         # before the replica overwrites theta and phi in place.
         projected = algorithm.projected_fast_weights(new_phi, theta, old_phi)

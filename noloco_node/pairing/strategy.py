@@ -178,9 +178,11 @@ class PairingStrategy(ABC):
         new_delta: Sequence[torch.Tensor],
         theta: Sequence[torch.Tensor],
         old_phi: Sequence[torch.Tensor],
-        next_outer_step: int,
+        next_outer_step: int | None,
     ) -> None:
-        """The blend's result, before the replica adopts it (theta and old_phi are still the live tensors)."""
+        """The blend's result, before the replica adopts it (theta and old_phi are still the live tensors), and the
+        outer step that ends the next phase: None when the node trains no further phase (its run is done, or it is
+        stopping), so that it offers no peer a phase it will not train."""
 
     def checkpoint_state(self) -> dict[str, Any]:
         """Trainer thread: what the strategy keeps across a restart, saved with the checkpoint (tensors nobody

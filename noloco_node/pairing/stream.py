@@ -393,8 +393,13 @@ class StreamPairing(PairingStrategy):
         new_delta: Sequence[torch.Tensor],
         theta: Sequence[torch.Tensor],
         old_phi: Sequence[torch.Tensor],
-        next_outer_step: int,
+        next_outer_step: int | None,
     ) -> None:
+        if next_outer_step is None:  # no further phase: nobody may reserve one, then wait for its progress in vain
+            self.close()
+            if self.ctx.loop is not None:  # not ready for phase swaps any more: say so
+                self.ctx.spawn(self.ctx.publish_record(), "publishing the DHT record")
+            return
         self._begin_phase(new_phi, new_delta, next_outer_step)
 
     def checkpoint_state(self) -> dict[str, Any]:

@@ -277,6 +277,21 @@ def test_a_reserved_partner_that_delivers_nothing_is_set_aside_and_swaps_no_phas
     session.release()
 
 
+def test_a_node_that_trains_no_further_phase_offers_none_to_reserve() -> None:
+    """After its last outer step (its run done, or stopping) a stream node opens no next phase: a peer reserving
+    one would wait for a progress that never comes, then set an honest member aside as undelivered."""
+    strategy = stream_pairing()
+    weights = [torch.zeros(3, 2)]
+    strategy._begin_phase(weights, weights, 3)
+    assert strategy.ready()
+    strategy.after_blend(weights, weights, weights, weights, 4)
+    session = strategy.open_session("b", 4, "phase")
+    assert session is not None
+    session.release()
+    strategy.after_blend(weights, weights, weights, weights, None)
+    assert not strategy.ready() and strategy.open_session("b", 4, "phase") is None
+
+
 def test_stream_refuses_progress_of_another_phase_than_the_swapped_one() -> None:
     strategy = stream_pairing()
     strategy._begin_phase([torch.zeros(3, 2)], [torch.zeros(3, 2)], 3)
