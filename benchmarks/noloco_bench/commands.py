@@ -121,6 +121,14 @@ def add_bench_parsers(commands: Any) -> None:
     stragglers.add_argument("--model", default="tiny", choices=list(MODEL_SIZES), help="model size")
     stragglers.add_argument("--modes", default="sync,overlap", help="pairing modes to measure, comma-separated")
 
+    discovery = benches.add_parser(
+        "discovery", help="one node's discovery bytes and CPU among 10, 1,000 and 10,000 live records, same run"
+    )
+    discovery.add_argument("--sizes", default="10,1000,10000", help="live records of each run, comma-separated")
+    discovery.add_argument("--seconds", type=float, default=60.0, help="the measured window")
+    discovery.add_argument("--bucket-records", type=int, default=32, help="the runs' --bucket-records")
+    discovery.add_argument("--publishers", type=int, default=2, help="processes publishing each run's records")
+
     idle = benches.add_parser(
         "idle", help="the trainer's idle fraction per pairing mode in a local swarm, and a node's peak memory"
     )
@@ -318,6 +326,16 @@ def run_bench(args: argparse.Namespace) -> int:
             modes=tuple(m for m in args.modes.split(",") if m),
         )
         print(stragglers_result.report())
+        return 0
+    if args.bench == "discovery":
+        from noloco_bench.discovery_cost import run_discovery_bench
+
+        sizes = sorted({int(n) for n in args.sizes.split(",") if n.strip()})
+        print(f"noloco-node bench discovery: {os.cpu_count()} CPUs, runs of {', '.join(map(str, sizes))} records")
+        cost = run_discovery_bench(
+            sizes, seconds=args.seconds, bucket_records=args.bucket_records, publishers=args.publishers
+        )
+        print(cost.report())
         return 0
     if args.bench == "idle":
         from noloco_bench.idle import run_idle_bench

@@ -53,7 +53,8 @@ from noloco_bench.outsider import (
 )
 from noloco_node.addresses import host_of_address, record_address
 from noloco_node.config.models import ModelConfig, model_config_for
-from noloco_node.discovery.dht import PeerRecord, owner_subkey, peers_key
+from noloco_node.discovery.buckets import Bucket
+from noloco_node.discovery.dht import PeerRecord, owner_subkey
 from noloco_node.observability.status_file import read_status_document
 from noloco_node.rpc.client import ExchangeError, Outgoing
 from noloco_node.rpc.contracts import AdmitsEverything
@@ -64,6 +65,8 @@ from noloco_node.wire import peer_pb2 as pb
 from noloco_node.wire.frames import TensorLayout, build_manifest, verdict_frame
 from noloco_node.wire.payload import Payload
 from noloco_node.wire.receive_buffers import ReceiveBuffers
+
+FLOOD_LEVELS = range(5)  # a flood's levels (discovery/buckets.py): a few hundred keys lift a swarm's level to 3
 
 
 class ManyKeysSigner(RSASignatureValidator):
@@ -262,13 +265,14 @@ class EchoFlood:
                         address = other_spelling(address, number // 2)
                     record = PeerRecord(identity.peer_id, address, targets[0].run_fingerprint, step, step * 20, True)
                     value = {**record.to_value(), "updated": get_dht_time()}
-                    self.dht.store(
-                        peers_key(record.run_fingerprint),
-                        value,
-                        get_dht_time() + 10,
-                        subkey=owner_subkey(identity),
-                        return_future=True,
-                    )
+                    for level in FLOOD_LEVELS:  # its own buckets wherever a small swarm's nodes may read
+                        self.dht.store(
+                            Bucket.of(identity.peer_id, level).key(record.run_fingerprint),
+                            value,
+                            get_dht_time() + 10,
+                            subkey=owner_subkey(identity),
+                            return_future=True,
+                        )
                     self.report["records"] += 1
             self._stop.wait(0.5)
 

@@ -49,6 +49,7 @@ _SWARM_NODE_FLAGS = subset(
         "--max-staleness",
         "--wire-dtype",
         "--blend-momenta",
+        "--bucket-records",
     ),
 ) | subset(NODE_FLAGS, ("--secret-file",))
 # `rl` trains a policy, not a replica: of the training flags it takes only those that say which model, where, and

@@ -13,6 +13,8 @@ from pydantic import Field, model_validator
 from noloco_node.addresses import ip_literal_problem
 from noloco_node.config.models import StrictSettings
 
+DEFAULT_BUCKET_RECORDS = 32  # discovery/buckets.py
+
 # The NOLOCO_* variables the product reads besides settings (NOLOCO_<SECTION>__<FIELD>, settings.py); any other is
 # a typo that would otherwise be ignored in silence.
 KNOWN_ENVIRONMENT = {
@@ -137,6 +139,13 @@ class NodeConfig(StrictSettings):
     )
     announce_port: int | None = Field(None, gt=0, lt=65536, description="Port peers should dial (default: bound).")
     data_dir: Path = Field(Path("noloco-data"), description="Checkpoints and the node's status file.")
+    bucket_records: int = Field(
+        DEFAULT_BUCKET_RECORDS,
+        ge=1,
+        le=64,  # a quarter of the entries a DHT peer keeps under one key (discovery/buckets.py): room for floods
+        description="Run-wide: the records a DHT bucket holds at the level nodes read; a node reads one bucket (and "
+        "its followed peers') per lookup, so its discovery cost stays the same whatever the swarm's size.",
+    )
     wait_for_peers: int = Field(
         0,
         ge=0,

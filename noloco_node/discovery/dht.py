@@ -1,15 +1,18 @@
 """Finding the run's live peers through a Hivemind DHT: namespaced, expiring records, refreshed while alive.
 
-Every node stores one record under the key ``noloco/<run fingerprint>/peers``: its gRPC address, outer and inner
-step, fingerprint, whether it is ready to pair, and when it wrote it. The subkey is the node's public key in
-hivemind's ``[owner:...]`` form, so every DHT peer (all run ``RSASignatureValidator``) refuses a write to it that
-the node's private key did not sign: nobody can overwrite another peer's address or readiness. Readers take the
-peer id from that key (identity.py), never from the record's content, and ignore unsigned subkeys. In a private
-run the record also carries a MAC under the swarm secret (auth.py), and readers drop records without a valid one.
-Records expire after ``record_ttl`` seconds unless refreshed, so a crashed node disappears on its own; a node that
-leaves writes a tombstone (the DHT keeps the entry with the latest expiration, so a record cannot simply be
-deleted) and readers skip tombstones. Peers of another run live under another key and are never seen; a record
-whose fingerprint does not match its key is ignored too.
+Every node stores a record: its gRPC address, outer and inner step, fingerprint, whether it is ready to pair, and
+when it wrote it, under its hash buckets' keys ``noloco/<run fingerprint>/peers/<level>/<bits>`` (discovery/
+buckets.py: a bucket holds about --bucket-records records whatever the swarm's size, so a lookup costs a node the
+same in a swarm of 10 or 10,000). The subkey is the node's public key in hivemind's ``[owner:...]`` form, so every
+DHT peer (all run ``RSASignatureValidator``) refuses a write to it that the node's private key did not sign: nobody
+can overwrite another peer's address or readiness. Readers take the peer id from that key (identity.py), never from
+the record's content, ignore unsigned subkeys and records outside their owner's bucket. In a private run the
+record also carries a MAC under the swarm secret (auth.py), and readers drop records without a valid one. Records
+expire after ``record_ttl`` seconds unless refreshed, so a crashed node disappears on its own; a node that leaves
+writes a tombstone (the DHT keeps the entry with the latest expiration, so a record cannot simply be deleted) and
+readers skip tombstones. Peers of another run live under other keys and are never seen; a record whose
+fingerprint does not match its key is ignored too. What a node knows of the swarm is its view (discovery/view.py):
+the buckets it read, each read replacing what it held of that bucket.
 
 ``hivemind.DHT`` forks a helper process, so a node starts its Discovery before any gRPC or torch thread exists.
 Every call into the DHT is awaited with a deadline.
@@ -40,7 +43,9 @@ from hivemind.utils.serializer import MSGPackSerializer
 from hivemind.utils.timed_storage import get_dht_time
 
 from noloco_node.addresses import canonical_address, host_of_address, network_group
-from noloco_node.config.node_config import NodeConfig
+from noloco_node.config.node_config import DEFAULT_BUCKET_RECORDS, NodeConfig
+from noloco_node.discovery.buckets import MAX_BUCKET_ENTRIES, Bucket, SwarmSize
+from noloco_node.discovery.view import RecordView
 from noloco_node.discovery.vouched import VouchedRecords
 from noloco_node.security.auth import SwarmSecret, record_mac, record_mac_ok
 from noloco_node.security.identity import NodeIdentity, peer_id_of
@@ -80,12 +85,35 @@ class TiedDHT(hivemind.DHT):
             signal.signal(signal.SIGTERM, lambda *_: os.killpg(0, signal.SIGKILL))
             if os.getppid() != self._node_pid:  # the node died before the prctl took effect
                 os.killpg(0, signal.SIGKILL)
+        bound_dictionaries()
         super().run()
+
+
+def bound_dictionaries(limit: int = MAX_BUCKET_ENTRIES) -> None:
+    """In a DHT process: store at most ``limit`` live entries under one key (a new subkey past it is refused; an
+    entry already held may be refreshed). Subkeys cost nothing to mint, and hivemind keeps any number: one key
+    could grow past what an answer can carry (p2pd refuses messages above 4 MiB), and nobody would find anyone."""
+    from hivemind.dht import storage
+
+    unbounded = storage.DHTLocalStorage.store_subkey
+    if getattr(unbounded, "bounded", False):
+        return
+
+    def store_subkey(self: Any, key: Any, subkey: Any, value: bytes, expiration_time: float) -> bool:
+        held = self.get(key)
+        entries = None if held is None else held.value
+        if isinstance(entries, storage.DictionaryDHTValue) and subkey not in entries and len(entries) >= limit:
+            return False
+        return bool(unbounded(self, key, subkey, value, expiration_time))
+
+    store_subkey.bounded = True  # type: ignore[attr-defined]
+    storage.DHTLocalStorage.store_subkey = store_subkey
 
 
 DEFAULT_RECORD_TTL = 30.0
 MAX_RECORD_TTL = 600.0  # the longest lifetime a record may be stored for: a record expiring later is refused
 MAX_LIVE_PEERS = 1024  # records a node considers at once: a flood of fake ones cannot grow its tables
+MAX_FOLLOWED = 2  # peers whose buckets every lookup reads too
 # A peer record as its writer stores it (msgpack, before the DHT's signature): readers and writers refuse larger
 # ones. An honest record is 150-300 bytes; 8 relay multiaddrs and 8 relay ids of today's lengths stay under 1.5 KB.
 MAX_RECORD_BYTES = 2048
@@ -211,10 +239,6 @@ def kept_records(
     return (first + others)[:limit]
 
 
-def peers_key(run_fingerprint: str) -> str:
-    return f"noloco/{run_fingerprint}/peers"
-
-
 def starts_key(run_name: str) -> str:
     """Where the nodes of one run *name* say what they started from, whatever their fingerprint: a node started
     from another model (or revision, tokenizer, seed) lives under another peers key and would otherwise never hear
@@ -285,6 +309,7 @@ class Discovery:
         secret: SwarmSecret | None = None,
         run_name: str | None = None,
         start: dict[str, str] | None = None,
+        bucket_records: int = DEFAULT_BUCKET_RECORDS,
     ) -> None:
         self.identity = identity or NodeIdentity.ephemeral()
         self.starts_key = starts_key(run_name) if run_name is not None else None
@@ -294,7 +319,7 @@ class Discovery:
         self.subkey = owner_subkey(self.identity)
         self._owners = _OwnerIds()
         self.run_fingerprint = run_fingerprint
-        self.key = peers_key(run_fingerprint)
+        self.size = SwarmSize(bucket_records)
         self.record_ttl = record_ttl
         self.dht_timeout = dht_timeout
         self._dht_kwargs: dict[str, Any] = {
@@ -311,11 +336,19 @@ class Discovery:
             self._dht_kwargs["announce_maddrs"] = list(announce_maddrs)
         self.dht: hivemind.DHT | None = None
         self._last_expiration = 0.0
+        self._written: dict[int, float] = {}  # level -> DHT time its record there expires (a leave tombstones each)
+        self._published: PeerRecord | None = None  # written again at once when the node's level moves
+        self._republish: asyncio.Task[bool] | None = None
+        # Peers whose buckets every lookup reads too, while a strategy waits on them (a reserved partner)
+        self._followed: list[str] = []
         self._lookup: tuple[float, asyncio.Task[list[PeerRecord]]] | None = None  # (started, the shared lookup)
         # Peers listed from their own answers while the DHT lags (node/report.py's watch decides whom)
         self.vouched: VouchedRecords[PeerRecord] = VouchedRecords(record_ttl)
-        # Peers whose records are kept first when a lookup finds more than MAX_LIVE_PEERS (the node's standing)
+        # Peers whose records are kept first when the view holds more than MAX_LIVE_PEERS (the node's standing)
         self.preferred: Callable[[str], bool] = lambda _peer_id: False
+        self.view: RecordView[PeerRecord] = RecordView(
+            lambda records: kept_records(records, lambda p: p == self.peer_id or self.preferred(p))
+        )
 
     @classmethod
     def of_node(
@@ -340,6 +373,7 @@ class Discovery:
             secret=secret,
             run_name=run_name,
             start=start,
+            bucket_records=cfg.bucket_records,
         )
 
     def start(self) -> None:
@@ -352,6 +386,11 @@ class Discovery:
             self.peer_id,
             " ".join(self.visible_maddrs()),
         )
+
+    @property
+    def key(self) -> str:
+        """The DHT key of this node's bucket at its level: where its record is read."""
+        return Bucket.of(self.peer_id, self.size.level).key(self.run_fingerprint)
 
     @property
     def peer_id(self) -> str:
@@ -378,20 +417,30 @@ class Discovery:
             raise TimeoutError(f"DHT {what} took longer than {self.dht_timeout}s") from None
 
     async def publish(self, record: PeerRecord) -> bool:
-        """Write (or refresh) this node's record; it expires ``record_ttl`` seconds from now unless refreshed."""
+        """Write (or refresh) this node's record in its buckets at its level and the one its estimate leans to
+        (buckets.py); it expires ``record_ttl`` seconds from now unless refreshed. True when the one at the node's
+        level is stored."""
         now = get_dht_time()
         expiration = max(now + self.record_ttl, self._last_expiration + 1e-3)
         value = PeerRecord(**{**asdict(record), "updated": now}).to_value()
-        if self.secret is not None:
-            value["mac"] = record_mac(self.secret, self.key, self.subkey, value)
-        size = record_bytes(value)
+        own_level, levels = self.size.level, self.size.written_levels()
+        own_key = Bucket.of(self.peer_id, own_level).key(self.run_fingerprint)
+        mac = {} if self.secret is None else {"mac": record_mac(self.secret, own_key, self.subkey, value)}
+        size = record_bytes({**value, **mac})
         if size > MAX_RECORD_BYTES:  # readers would drop it: say so here, where it can be fixed
             raise ValueError(f"this node's DHT record is {size} bytes, over the {MAX_RECORD_BYTES} readers accept")
-        future = self._require().store(self.key, value, expiration, subkey=self.subkey, return_future=True)
-        stored = bool(await self._await(future, "store"))
+        if record.leaving:  # a tombstone wherever a record may still be read
+            levels = tuple(sorted({*levels, *(lv for lv, until in self._written.items() if until > now)}))
+        stores = [self._store_record(Bucket.of(self.peer_id, level), value, expiration) for level in levels]
+        results = dict(zip(levels, await asyncio.gather(*stores), strict=True))
         self._lookup = None  # the next lookup sees this node's own record as it now is
+        for level, stored in results.items():
+            if stored:
+                self._written[level] = expiration
+        stored = results[own_level] if own_level in results else any(results.values())
         if stored:
             self._last_expiration = expiration
+        self._published = None if record.leaving else record
         # The start record never changes: refreshed at a third of its lifetime, not at every outer step's publish.
         if self.starts_key is not None and not record.leaving and now >= self._start_stored_at + self.record_ttl / 3:
             self._start_stored_at = now
@@ -401,6 +450,13 @@ class Discovery:
             future = self._require().store(self.starts_key, start, expiration, subkey=self.subkey, return_future=True)
             await self._await(future, "store")
         return stored
+
+    async def _store_record(self, bucket: Bucket, value: dict[str, Any], expiration: float) -> bool:
+        key = bucket.key(self.run_fingerprint)
+        if self.secret is not None:
+            value = {**value, "mac": record_mac(self.secret, key, self.subkey, value)}
+        future = self._require().store(key, value, expiration, subkey=self.subkey, return_future=True)
+        return bool(await self._await(future, "store"))
 
     async def other_starts(self) -> list[RunStart]:
         """Nodes of this run name with another fingerprint, and what each started from (at most MAX_LIVE_PEERS)."""
@@ -429,9 +485,26 @@ class Discovery:
         tombstone = PeerRecord(**{**asdict(record), "ready": False, "leaving": True})
         return await self.publish(tombstone)
 
+    def describe(self) -> dict[str, Any]:
+        """For /status: the level, the size estimate, whether it still probes, and the records in view."""
+        estimate = self.size.estimate
+        return {
+            "level": self.size.level,
+            "estimated_members": None if estimate is None else round(estimate),
+            "probing": self.size.probing,
+            "in_view": len(self.view),
+        }
+
+    def follow(self, peer_ids: Sequence[str]) -> None:
+        """Read these peers' buckets at every lookup too (at most MAX_FOLLOWED, the first), until followed no more:
+        a strategy waiting on a partner learns within a lookup whether it left or went on (at level 0 the one
+        bucket read holds them anyway)."""
+        self._followed = list(peer_ids)[:MAX_FOLLOWED]
+
     async def live_peers(self, *, include_self: bool = False) -> list[PeerRecord]:
-        """Every unexpired, well-formed, non-tombstone record of this run, in no particular order (at most
-        MAX_LIVE_PEERS: the ``preferred`` peers' first, then a random sample of the rest).
+        """The unexpired, well-formed, non-tombstone records of this run in the node's view, in no particular
+        order (at most MAX_LIVE_PEERS: the ``preferred`` peers' first, then a random sample of the rest), with the
+        vouched ones. In a swarm of up to about --bucket-records members, every member.
 
         Callers within LOOKUP_SHARING_SECONDS of a lookup's start share its answer (and its failure)."""
         loop = asyncio.get_running_loop()
@@ -449,30 +522,66 @@ class Discovery:
         return [r for r in records if include_self or r.peer_id != self.peer_id]
 
     async def _lookup_records(self) -> list[PeerRecord]:
-        future = self._require().get(self.key, latest=True, return_future=True)
-        found = await self._await(future, "get")
+        """One lookup: a random bucket at the node's level (or a probe level), and the followed peers' buckets;
+        each replaces what the view held of it. The random one's count feeds the size estimate."""
+        sampled = Bucket.random(self.size.read_level())
+        followed = {Bucket.of(peer_id, self.size.level) for peer_id in self._followed} - {sampled}
+        buckets = [sampled, *followed]
+        reads = await asyncio.gather(*(self._read_bucket(bucket) for bucket in buckets), return_exceptions=True)
+        for bucket, read in zip(buckets, reads, strict=True):
+            if isinstance(read, BaseException):
+                if bucket is sampled:
+                    raise read
+                continue  # a followed bucket's read failed: what the view holds of it stays
+            found, members = read
+            self.view.replace(bucket, found)
+            if bucket is sampled and self.size.observe(bucket, members, members - self._counts_self(bucket, found)):
+                log.info("discovery: about %s members, reading level %d", self.size.estimate, self.size.level)
+                self._publish_at_new_level()
+        return self.view.records()
+
+    def _counts_self(self, bucket: Bucket, found: list[tuple[PeerRecord, float]]) -> int:
+        return int(any(record.peer_id == self.peer_id for record, _ in found))
+
+    def _publish_at_new_level(self) -> None:
+        """The node's level moved: its record goes to its new levels now, not at its next refresh."""
+        record = self._published
+        if record is None or (self._republish is not None and not self._republish.done()):
+            return
+        self._republish = asyncio.get_running_loop().create_task(self.publish(record))
+        self._republish.add_done_callback(lambda done: done.cancelled() or done.exception())
+
+    async def _read_bucket(self, bucket: Bucket) -> tuple[list[tuple[PeerRecord, float]], int]:
+        """The live records of ``bucket`` with their expirations, and how many well-formed records of its members
+        it holds (tombstones included: a member that left was a member until now, for the size estimate)."""
+        key = bucket.key(self.run_fingerprint)
+        found = await self._await(self._require().get(key, latest=True, return_future=True), "get")
         if found is None or not isinstance(found.value, dict):
-            return []
-        records = []
+            return [], 0
+        records: list[tuple[PeerRecord, float]] = []
+        members = 0
         latest = get_dht_time() + MAX_RECORD_AHEAD_SECONDS
-        for subkey, entry in found.value.items():
+        for subkey, entry in list(found.value.items())[: MAX_BUCKET_ENTRIES * 4]:
             value = getattr(entry, "value", None)
             peer_id = self._owners.peer_id(subkey) if isinstance(subkey, str) else None
             if peer_id is None:
                 continue  # not written under an owner key: anyone could have written it
+            if not bucket.holds(peer_id):
+                continue  # not its owner's bucket: a key's records there would cost it nothing to multiply
             if record_bytes(value) > MAX_RECORD_BYTES:
                 continue
-            if self.secret is not None and not (
-                isinstance(value, dict) and record_mac_ok(self.secret, self.key, subkey, value)
-            ):
+            secret = self.secret
+            if secret is not None and not (isinstance(value, dict) and record_mac_ok(secret, key, subkey, value)):
                 continue  # not written by a member of this private run
             record = PeerRecord.from_value(peer_id, value)
-            if record is None or record.leaving or record.run_fingerprint != self.run_fingerprint:
+            if record is None or record.run_fingerprint != self.run_fingerprint:
                 continue
             if record.updated > latest:
                 continue  # dated in the future: not an honest clock
-            records.append(record)
-        return kept_records(records, lambda peer_id: peer_id == self.peer_id or self.preferred(peer_id))
+            members += 1
+            if not record.leaving:
+                records.append((record, float(getattr(entry, "expiration_time", 0.0))))
+        return records, members
 
     def shutdown(self) -> None:
         if self.dht is not None:

@@ -115,12 +115,7 @@ def run_swarm(
         interrupted = True
 
     previous = signal.signal(signal.SIGINT, on_interrupt)
-    node_args = list(node_args)
-    if not resume and num_nodes > 1 and not any(arg.startswith("--wait-for-peers") for arg in node_args):
-        # Launched together, they start training together: in stream mode, with no barrier, a member that starts
-        # a phase late stays that far behind for the whole run, at the edge of --max-staleness.
-        node_args += ["--wait-for-peers", str(num_nodes - 1)]
-    swarm = LocalSwarm(out_dir, num_nodes, node_args)
+    swarm = LocalSwarm(out_dir, num_nodes, list(node_args))
     try:
         print(f"bootstrap peer: {swarm.maddrs[0]}", flush=True)
         print(

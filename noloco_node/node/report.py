@@ -26,6 +26,7 @@ from noloco_node.model.source import ModelSource
 from noloco_node.node.reach import Reach
 from noloco_node.node.security import NodeSecurity
 from noloco_node.observability.status import (
+    DiscoveryStatus,
     ExchangeRecord,
     Health,
     NodeStatus,
@@ -82,6 +83,7 @@ class ReportedNode(Protocol):
     metrics: ExchangeMetrics
     security: NodeSecurity
     standing: Standing
+    discovery: Discovery
 
     @property
     def supervisor(self) -> Supervised: ...
@@ -162,6 +164,7 @@ def node_status(node: ReportedNode) -> NodeStatus:
         background_errors=counters["background_errors"],
         exchanges=[ExchangeRecord(**entry) for entry in counters["recent"][-20:]],
         peers=node.telemetry.known_peers(),
+        discovery=DiscoveryStatus(**node.discovery.describe()) if node.discovery.dht is not None else None,
         refused_peers=list(node.telemetry.refused_starts.values()),
         history=[OuterStepRecord(**entry) for entry in node.telemetry.history_list(200)],
         security=security_status(node),

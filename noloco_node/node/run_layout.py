@@ -44,6 +44,7 @@ def run_wide_settings(node_cfg: NodeConfig, train_cfg: TrainConfig, outer_cfg: O
         "wire_dtype": node_cfg.wire_dtype,
         "blend_momenta": str(node_cfg.blend_momenta).lower(),
         "phi_every": str(node_cfg.phi_every),
+        "bucket_records": str(node_cfg.bucket_records),  # where records are looked for (discovery/buckets.py)
     }
 
 

@@ -129,6 +129,19 @@ class KnownPeer(BaseModel):
     info_age_seconds: float | None = Field(None, description="Since the last Info answer.")
 
 
+class DiscoveryStatus(BaseModel):
+    """Where this node looks for its peers in the DHT (discovery/buckets.py)."""
+
+    level: int = Field(
+        description="Its buckets' level: a lookup reads one bucket of 2^level (and its followed peers')."
+    )
+    estimated_members: int | None = Field(
+        description="The swarm's size as its bucket reads estimate it (itself included); null while probing."
+    )
+    probing: bool = Field(description="It has found nobody yet and probes levels 0, 2, 4, ... for the swarm.")
+    in_view: int = Field(description="Peer records in its view: a sample of the swarm past one bucket's size.")
+
+
 class SecurityStatus(BaseModel):
     """How this node admits peers and payloads (never the secret, nor a key)."""
 
@@ -216,6 +229,7 @@ class NodeStatus(BaseModel):
     )
     exchanges: list[ExchangeRecord] = Field(description="The last exchanges, oldest first (up to 20).")
     peers: list[KnownPeer] = Field(description="Live peers of the run in the DHT, as this node last saw them.")
+    discovery: DiscoveryStatus | None = Field(None, description="How it finds them; null before its DHT starts.")
     refused_peers: list[str] = Field(
         default_factory=list,
         description="Nodes of the same run name that started from a different model, tokenizer or seed, and what "

@@ -313,7 +313,11 @@ class StreamPairing(PairingStrategy):
         self._unacknowledged_by, self._settled_by_call, self._partner_left = None, False, False
         self._round = current
         seeker = self._exchange_progress(current, phase, reserved.peer_id, reserved.outer_step)
-        partner = run_round(ctx, current, seeker, train_step)
+        ctx.discovery.follow([reserved.peer_id])  # its record, fresh at every lookup: gone, or gone on without us
+        try:
+            partner = run_round(ctx, current, seeker, train_step)
+        finally:
+            ctx.discovery.follow([])
         with self._guard:
             self._round = None
             disowned = partner is not None and self._disowned == (partner.peer_id, partner.outer_step)

@@ -11,7 +11,8 @@ import hivemind
 import pytest
 from hivemind.utils.timed_storage import get_dht_time
 
-from noloco_node.discovery.dht import Discovery, PeerRecord, peers_key
+from noloco_node.discovery.buckets import Bucket
+from noloco_node.discovery.dht import Discovery, PeerRecord
 from noloco_node.node.bootstrap import start_bootstrap_process
 from noloco_node.security.auth import SwarmSecret, record_mac
 from noloco_node.security.identity import NodeIdentity
@@ -63,7 +64,7 @@ def test_peers_of_a_run_find_each_other_and_nobody_else(bootstrap: list[str]) ->
 
             # A stranger's malformed record under the run's key is skipped, not trusted.
             garbage = other.dht.store(
-                peers_key("run-a"),
+                Bucket(0, 0).key("run-a"),
                 {"address": "not-an-address"},
                 get_dht_time() + 30,
                 subkey="forged",

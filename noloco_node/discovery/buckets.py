@@ -1,0 +1,140 @@
+"""Where a record lives in the DHT: hash buckets at a level that grows with the swarm, so that a node reads a bucket
+of about ``bucket_records`` records at each lookup, whatever the swarm's size.
+
+A peer's bucket at level L is the first L bits of sha256(its peer id), stored under the key
+``noloco/<fingerprint>/peers/<L>/<bits>``; level 0 is one bucket, the whole swarm, as long as the swarm is small. A
+node estimates the swarm's size from the buckets it reads (records found x 2^L) and from it the level W at which a
+bucket holds about ``bucket_records`` records (:class:`SwarmSize`); it reads at W. It writes its record at W and at
+the neighbouring level its estimate leans to (W+1 when log2(size / bucket_records) is above W, W-1 below): the
+level moves with hysteresis, so two nodes with the same estimate may sit a level apart, on the side each leans to,
+and each still finds the other. A record found at any level a writer writes estimates the size without bias (a
+bucket at level L holds 1 / 2^L of the writers that write there). A node that has found nobody but itself (it just
+started, or the swarm moved levels while it was away) probes levels 2, 4, 6, ... in turn, with level 0 between any
+two (where a small swarm is, found at once): every writer's two adjacent levels include an even one, so a probe
+finds the swarm wherever it is.
+
+Readers keep a record only from a bucket its owner's hash belongs to, so filling one bucket at level L with
+records takes about 2^L fresh keys per record, and every DHT peer of the run stores at most MAX_BUCKET_ENTRIES
+entries under one key (dht.py ``bound_dictionaries``): an answer stays far below p2pd's 4 MiB message cap whatever
+is written. A flood of keys raises every reader's size estimate, and so the level, where the same keys spread over
+more buckets: it dilutes the honest records a reader sees in proportion to its size, and costs each lookup the same.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import math
+import random
+from collections import deque
+from dataclasses import dataclass
+
+from noloco_node.config.node_config import DEFAULT_BUCKET_RECORDS
+
+MAX_LEVEL = 24  # 2^24 buckets: far past any swarm; the level is clamped here
+PROBE_STRIDE = 2  # a writer's two levels are adjacent, so probes two levels apart miss no swarm
+HASH_BITS = 32
+MAX_BUCKET_ENTRIES = 256  # entries a DHT peer stores under one key: 256 x 4 KB stays a quarter of p2pd's cap
+ESTIMATE_READS = 16  # the size estimate is the mean of the last this many reads
+LEVEL_HYSTERESIS = 0.75  # the level moves when log2(size / bucket_records) is this far from it: no flapping
+EMPTY_READS_BEFORE_PROBING = 8  # reads at the node's level that found nobody else before it probes again
+
+
+def peer_hash(peer_id: str) -> int:
+    """The first HASH_BITS bits of sha256(peer id): where the peer's record lives at every level."""
+    return int.from_bytes(hashlib.sha256(peer_id.encode()).digest()[: HASH_BITS // 8], "big")
+
+
+@dataclass(frozen=True)
+class Bucket:
+    """One DHT key of the run's records: the peers whose hash starts with ``index``'s ``level`` bits."""
+
+    level: int
+    index: int
+
+    @classmethod
+    def of(cls, peer_id: str, level: int) -> Bucket:
+        return cls(level, peer_hash(peer_id) >> (HASH_BITS - level) if level else 0)
+
+    @classmethod
+    def random(cls, level: int, rng: random.Random | None = None) -> Bucket:
+        return cls(level, (rng or random).getrandbits(level) if level else 0)
+
+    def holds(self, peer_id: str) -> bool:
+        return Bucket.of(peer_id, self.level) == self
+
+    def key(self, run_fingerprint: str) -> str:
+        bits = format(self.index, f"0{self.level}b") if self.level else ""
+        return f"noloco/{run_fingerprint}/peers/{self.level}/{bits}"
+
+
+class SwarmSize:
+    """A node's estimate of the swarm's size, and the level it reads and writes at, from the buckets it read."""
+
+    def __init__(self, bucket_records: int = DEFAULT_BUCKET_RECORDS) -> None:
+        if bucket_records < 1:
+            raise ValueError("bucket_records must be at least 1")
+        self.bucket_records = bucket_records
+        self.level = 0
+        self.probing = True  # nobody found yet: reads go to the probe levels in turn
+        self._probe = 0
+        self._empty_reads = 0
+        self._sizes: deque[float] = deque(maxlen=ESTIMATE_READS)
+
+    @property
+    def estimate(self) -> float | None:
+        """Members of the swarm (this node included) as the last reads saw them; None while probing."""
+        return None if self.probing or not self._sizes else sum(self._sizes) / len(self._sizes)
+
+    def written_levels(self) -> tuple[int, ...]:
+        """Where this node writes its record: its level, and the neighbouring one its estimate leans to (none
+        while probing, or when it leans below level 0: a small swarm's members write one bucket)."""
+        size = self.estimate
+        if size is None:
+            return (self.level,)
+        leaning = math.log2(max(size, 1.0) / self.bucket_records) - self.level
+        if leaning > 0 and self.level < MAX_LEVEL:
+            return (self.level, self.level + 1)
+        if leaning < 0 and self.level > 0:
+            return (self.level - 1, self.level)
+        return (self.level,)
+
+    def read_level(self) -> int:
+        """The level of the next random bucket read: a probe level while probing, else the node's level."""
+        if self.probing:
+            return 0 if self._probe % 2 == 0 else min(MAX_LEVEL, (self._probe + 1) // 2 * PROBE_STRIDE)
+        return self.level
+
+    def observe(self, bucket: Bucket, records: int, others: int) -> bool:
+        """A random bucket's read found ``records`` well-formed records of its members, ``others`` of them not this
+        node's. Returns whether the node's level changed (its record then goes to its new levels at once)."""
+        if self.probing:
+            if others == 0:
+                self._probe = (self._probe + 1) % (2 * (MAX_LEVEL // PROBE_STRIDE))
+                return False
+            self.probing, self._probe, self._empty_reads = False, 0, 0
+            self._sizes.clear()
+            changed, self.level = self.level != bucket.level, bucket.level
+            self._sizes.append(records * 2.0**bucket.level)
+            return self._settle() or changed
+        if bucket.level != self.level:
+            return False  # a read begun before the level moved
+        self._empty_reads = self._empty_reads + 1 if others == 0 else 0
+        if self._empty_reads >= EMPTY_READS_BEFORE_PROBING:
+            self.probing, self._empty_reads = True, 0
+            return False
+        self._sizes.append(records * 2.0**bucket.level)
+        return self._settle()
+
+    def _settle(self) -> bool:
+        """Move the level one step toward log2(size / bucket_records) when it is LEVEL_HYSTERESIS away."""
+        size = self.estimate
+        if size is None:
+            return False
+        wanted = math.log2(max(size, 1.0) / self.bucket_records)
+        if wanted > self.level + LEVEL_HYSTERESIS and self.level < MAX_LEVEL:
+            self.level += 1
+        elif wanted < self.level - LEVEL_HYSTERESIS and self.level > 0:
+            self.level -= 1
+        else:
+            return False
+        return True

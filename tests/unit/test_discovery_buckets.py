@@ -1,0 +1,136 @@
+"""Records live in hash buckets whose level follows the swarm's size: a node's estimate converges from the buckets it
+reads, a joiner finds a swarm at any level, a view keeps what its reads said, and a DHT peer keeps a bounded number
+of entries under one key."""
+
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass
+
+import pytest
+from hivemind.dht import storage
+from hivemind.dht.routing import DHTID
+from hivemind.utils.timed_storage import get_dht_time
+
+from noloco_node.discovery.buckets import MAX_LEVEL, Bucket, SwarmSize, peer_hash
+from noloco_node.discovery.dht import bound_dictionaries
+from noloco_node.discovery.view import RecordView
+
+
+def test_a_peers_buckets_nest_and_their_keys_name_level_and_bits() -> None:
+    peer = "nlpeer-one"
+    assert Bucket.of(peer, 0) == Bucket(0, 0) and Bucket(0, 0).key("fp") == "noloco/fp/peers/0/"
+    for level in range(1, 12):
+        bucket = Bucket.of(peer, level)
+        assert bucket.index >> 1 == Bucket.of(peer, level - 1).index  # one bit more each level
+        assert bucket.key("fp") == f"noloco/fp/peers/{level}/{format(peer_hash(peer) >> (32 - level), f'0{level}b')}"
+        assert bucket.holds(peer) and not Bucket(level, bucket.index ^ 1).holds(peer)
+
+
+def settled(size: float, bucket_records: int = 32) -> SwarmSize:
+    """A node whose reads all said ``size``: its level, and the levels it writes at."""
+    node = SwarmSize(bucket_records)
+    for _ in range(40):
+        level = node.read_level()
+        node.observe(Bucket(level, 0), round(size / 2**level), 1)
+    return node
+
+
+def test_a_node_writes_at_its_level_and_the_neighbour_its_estimate_leans_to() -> None:
+    assert settled(10).written_levels() == (0,)  # a small swarm: one bucket, one store
+    assert settled(40).level == 0 and settled(40).written_levels() == (0, 1)  # log2(40/32) = 0.32: leans up
+    big = settled(6000)  # log2(6000/32) = 7.55
+    assert big.level in (7, 8) and big.written_levels() == (7, 8)
+    assert SwarmSize(32).written_levels() == (0,)  # probing: its level only
+
+
+def test_the_probes_cover_every_pair_of_levels_a_writer_may_write() -> None:
+    node = SwarmSize(32)
+    probes = []
+    for _ in range(2 * MAX_LEVEL):
+        probes.append(node.read_level())
+        node.observe(Bucket(probes[-1], 0), 0, 0)
+    assert probes[::2] == [0] * MAX_LEVEL  # a small swarm's level, between any two probes
+    for level in range(MAX_LEVEL):
+        for written in ({level, level + 1}, {max(0, level - 1), level}):
+            assert written & set(probes), (written, probes)
+
+
+def swarm_read(members: list[str], written: tuple[int, ...], bucket: Bucket) -> int:
+    """How many of ``members`` (all writing at the levels ``written``) have a record in ``bucket``."""
+    return sum(bucket.holds(peer) for peer in members) if bucket.level in written else 0
+
+
+@pytest.mark.parametrize("members", [0, 1, 20, 300, 5000])
+def test_a_joiner_finds_the_swarm_at_any_level_and_its_estimate_settles_there(members: int) -> None:
+    """Writers settled where a bucket holds ~32 records; a new node probes, finds them, and reads at their level."""
+    rng = random.Random(members)
+    swarm = [f"peer-{i}" for i in range(members)]
+    written = settled(max(members, 1)).written_levels()
+    joiner = SwarmSize(32)
+    reads = 0
+    while joiner.probing and reads < 40:
+        bucket = Bucket.random(joiner.read_level(), rng)
+        found = swarm_read(swarm, written, bucket)
+        joiner.observe(bucket, found, found)
+        reads += 1
+    if members == 0:  # nobody else anywhere: it keeps probing, level 0 every other read
+        assert joiner.probing and joiner.estimate is None
+        return
+    assert not joiner.probing and reads <= 2 * (max(written) // 2 + 1)
+    for _ in range(60):
+        bucket = Bucket.random(joiner.read_level(), rng)
+        found = swarm_read(swarm, written, bucket)
+        joiner.observe(bucket, found, found)
+    assert joiner.level in written
+    estimate = joiner.estimate
+    assert estimate is not None and members / 2 < estimate < members * 2
+
+
+def test_a_node_whose_reads_find_nobody_for_a_while_probes_again() -> None:
+    size = SwarmSize(32)
+    size.observe(Bucket(3, 1), 30, 29)  # found at level 3
+    assert not size.probing and size.read_level() == 3
+    levels = []
+    while not size.probing and len(levels) < 40:  # the estimate falls, and the level with it, to 0
+        levels.append(size.read_level())
+        size.observe(Bucket.random(size.read_level()), 0, 0)
+    assert size.probing and levels[0] == 3 and levels[-1] == 0 and sorted(levels, reverse=True) == levels
+
+
+@dataclass(frozen=True)
+class Rec:
+    peer_id: str
+
+
+def test_a_bucket_read_replaces_what_the_view_held_of_that_bucket_only() -> None:
+    view: RecordView[Rec] = RecordView(lambda records: records)
+    later = get_dht_time() + 60
+    peers = [f"p{i}" for i in range(64)]
+    view.replace(Bucket(0, 0), [(Rec(p), later) for p in peers])
+    assert len(view) == 64
+    left = Bucket.of("p1", 2)
+    stayed = [p for p in peers if left.holds(p) and p != "p1"]
+    view.replace(left, [(Rec(p), later) for p in stayed])  # p1 left: its bucket no longer lists it
+    assert {r.peer_id for r in view.records()} == set(peers) - {"p1"}
+    view.replace(Bucket(0, 0), [(Rec("p2"), get_dht_time() - 1)])  # level 0 is the whole swarm; expired at once
+    assert view.records() == []
+
+
+def test_a_view_is_bounded_by_its_keep_rule() -> None:
+    view: RecordView[Rec] = RecordView(lambda records: sorted(records, key=lambda r: r.peer_id)[:10])
+    view.replace(Bucket(0, 0), [(Rec(f"p{i:03d}"), get_dht_time() + 60) for i in range(500)])
+    assert len(view) == 10 and {r.peer_id for r in view.records()} == {f"p{i:03d}" for i in range(10)}
+
+
+def test_a_dht_peer_keeps_a_bounded_number_of_entries_under_one_key(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(storage.DHTLocalStorage, "store_subkey", storage.DHTLocalStorage.store_subkey)  # restored
+    bound_dictionaries(limit=8)
+    held = storage.DHTLocalStorage()
+    key = DHTID.generate(source="noloco/fp/peers/0/")
+    expiration = get_dht_time() + 60
+    stored = [held.store(key, b"v", expiration, subkey=f"k{i}") for i in range(20)]
+    assert stored == [True] * 8 + [False] * 12
+    assert held.store(key, b"newer", expiration + 1, subkey="k3")  # a member refreshes its own entry
+    entries = held.get(key)
+    assert entries is not None and len(entries.value) == 8 and entries.value.get("k3").value == b"newer"
