@@ -7,7 +7,8 @@ is a 2048-bit key, about 140 bytes more), each record written where a settled me
 writes it (its level, and the one its estimate leans to: discovery/buckets.py). Then one measured node per size,
 each a process of its own with a real ``Discovery``, does for ``seconds`` what a member does: a lookup a second
 (pairing and the status watch share one) and its own record published every two seconds (an outer step of a small
-run). For each: the bytes its libp2p daemon (p2pd) read and wrote, per second (its DHT traffic, counted twice where
+run), as a DHT client (it serves nothing, so what it moves is its own discovery, not its share of serving everyone
+else's). For each: the bytes its libp2p daemon (p2pd) read and wrote, per second (its DHT traffic, counted twice where
 it also crosses the daemon's local socket to the node's DHT process: the same count at every size), the CPU
 seconds per second of the node, its DHT process and p2pd, its level and size estimate, the peers in its view, and
 how long after its start it first saw another member (the median of lookups until then is what the pairing round
@@ -128,7 +129,9 @@ def _is_p2pd(pid: int) -> bool:
 
 def measured_node(fingerprint: str, bucket_records: int, bootstrap: list[str], seconds: float, out: Any) -> None:
     """A process: one member's discovery, as a node does it, for ``seconds``; reports what it cost."""
-    discovery = Discovery(fingerprint, initial_peers=bootstrap, bucket_records=bucket_records)
+    # A client of the DHT (it dials out, serves nothing): what it moves is its own lookups and stores, not the
+    # share of everyone else's records and lookups that a full DHT peer also serves.
+    discovery = Discovery(fingerprint, initial_peers=bootstrap, bucket_records=bucket_records, client_mode=True)
     started = time.monotonic()
     discovery.start()
     tree = _tree(os.getpid())
