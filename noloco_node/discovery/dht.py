@@ -535,13 +535,11 @@ class Discovery:
                 continue  # a followed bucket's read failed: what the view holds of it stays
             found, members = read
             self.view.replace(bucket, found)
-            if bucket is sampled and self.size.observe(bucket, members, members - self._counts_self(bucket, found)):
-                log.info("discovery: about %s members, reading level %d", self.size.estimate, self.size.level)
+            others = members - any(record.peer_id == self.peer_id for record, _ in found)
+            if bucket is sampled and self.size.observe(bucket, members, others):
+                log.info("discovery: about %.0f members, reading level %d", self.size.estimate, self.size.level)
                 self._publish_at_new_level()
         return self.view.records()
-
-    def _counts_self(self, bucket: Bucket, found: list[tuple[PeerRecord, float]]) -> int:
-        return int(any(record.peer_id == self.peer_id for record, _ in found))
 
     def _publish_at_new_level(self) -> None:
         """The node's level moved: its record goes to its new levels now, not at its next refresh."""
