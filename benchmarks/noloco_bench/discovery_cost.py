@@ -66,12 +66,12 @@ def publisher(fingerprint: str, count: int, members: int, bucket_records: int, b
     levels = settled_levels(members, bucket_records)
 
     async def store_all() -> int:
-        expiration = get_dht_time() + MAX_RECORD_TTL - 30
         stored = 0
         pending: list[Any] = []
         for number, identity in enumerate(identities):
             record = PeerRecord(identity.peer_id, f"127.0.0.1:{20000 + number % 40000}", fingerprint, 10, 500, True)
-            value = {**record.to_value(), "updated": get_dht_time()}
+            # Its own lifetime from its own store: storing 20,000 entries takes minutes.
+            value, expiration = {**record.to_value(), "updated": get_dht_time()}, get_dht_time() + MAX_RECORD_TTL - 30
             for level in levels:
                 key = Bucket.of(identity.peer_id, level).key(fingerprint)
                 future = dht.store(key, value, expiration, subkey=owner_subkey(identity), return_future=True)
