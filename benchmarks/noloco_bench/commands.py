@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import Any, get_args
 
 from noloco_node.config.models import MODEL_SIZES
-from noloco_node.config.node_config import PairingMode
+from noloco_node.config.node_config import DEFAULT_BUCKET_RECORDS, PairingMode
 
 RACE_METHODS = (
     "noloco-sync",
@@ -126,7 +126,9 @@ def add_bench_parsers(commands: Any) -> None:
     )
     discovery.add_argument("--sizes", default="10,1000,10000", help="live records of each run, comma-separated")
     discovery.add_argument("--seconds", type=float, default=60.0, help="the measured window")
-    discovery.add_argument("--bucket-records", type=int, default=32, help="the runs' --bucket-records")
+    discovery.add_argument(
+        "--bucket-records", type=int, default=DEFAULT_BUCKET_RECORDS, help="the runs' --bucket-records"
+    )
     discovery.add_argument("--publishers", type=int, default=2, help="processes publishing each run's records")
 
     idle = benches.add_parser(
