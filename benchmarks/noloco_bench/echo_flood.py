@@ -66,7 +66,7 @@ from noloco_node.wire.frames import TensorLayout, build_manifest, verdict_frame
 from noloco_node.wire.payload import Payload
 from noloco_node.wire.receive_buffers import ReceiveBuffers
 
-FLOOD_LEVELS = range(5)  # a flood's levels (discovery/buckets.py): a few hundred keys lift a swarm's level to 3
+FLOOD_LEVELS = range(5)  # a flood's levels (discovery/buckets.py): a few hundred keys lift a small swarm to level 3-4
 
 
 class ManyKeysSigner(RSASignatureValidator):
