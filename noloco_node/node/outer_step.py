@@ -164,6 +164,7 @@ class OuterStep:
         self._catch_up_backoff = 1
         self._next_catch_up = 0  # the outer step from which a catch-up may be tried again
         self._behind_since: tuple[int, int] = (0, 0)  # (own outer step, the front) when the node fell out of reach
+        self._clock_joined_from: int | None = None  # this outer step's clock move to its partner's (Lamport)
         # The validation losses of the slow weights the last phases began from (the loss check's allowance).
         self._phase_start_losses: deque[float] = deque(maxlen=GAIN_PHASES + 1)
 
@@ -249,6 +250,7 @@ class OuterStep:
         extra_seconds, extra_steps = (extra.seconds, len(extra.losses)) if extra is not None else (0.0, 0)
         waited = time.monotonic() - wait_started - extra_seconds
         blend_started = time.monotonic()
+        self._clock_joined_from = None
         weight, verdict = self._blend(partner, sent if extra is not None and extra.losses else None)
         blend_seconds = time.monotonic() - blend_started
         if partner is not None:
@@ -298,7 +300,7 @@ class OuterStep:
             "phase_steps": len(phase.losses) + extra_steps,
             "steps_while_waiting": extra_steps,
             "caught_up": caught_up,
-            "clock_moved_from": moved_from,
+            "clock_moved_from": moved_from if moved_from is not None else self._clock_joined_from,
             "rolled_back": rolled_back,
             "wait_seconds": waited,
             "blend_seconds": blend_seconds,
@@ -451,9 +453,38 @@ class OuterStep:
                 weight = None
             else:
                 deps.paired(partner.peer_id, replica.outer_step)
-        deps.strategy.after_blend(new_phi, new_delta, fast, replica.phi, self._next_phase(replica.outer_step))
+        next_phase = self._next_phase(replica.outer_step)
+        partners_clock = self._partners_clock(partner if weight is not None else None, next_phase)
+        deps.strategy.after_blend(new_phi, new_delta, fast, replica.phi, partners_clock or next_phase)
         replica.apply_outer_step(new_phi, new_delta)
+        if partners_clock is not None:
+            self._clock_joined_from = replica.outer_step
+            replica.advance_clock(partners_clock)
         return weight, verdict
+
+    def _partners_clock(self, blended: Payload | None, next_phase: int | None) -> int | None:
+        """The outer step to move this node's clock to after blending with ``blended``, a partner at the edge of
+        reach ahead: one within --max-staleness - 1 of the partner's (at least 1), a Lamport clock that lags on
+        purpose. None: the clock keeps its own pace.
+
+        Pairs form across outer steps, and the one of a pair whose phase ends first waits for the other, idle once
+        its borrowed steps run out: a member behind its partner waits for the partner's *next* phase end, and falls
+        further behind. Nothing pulled it back, so a member a moment behind drifted out of reach phase by phase,
+        trained alone, and ended its run alone after its peers had left. A pair one outer step apart is the normal
+        state of a swarm whose phases are staggered (how an odd member of three finds a partner), so the clock moves
+        only at the edge: whole phases skipped, only after a blend with a peer this node believes, and never past
+        the run's last phase."""
+        deps, replica = self.deps, self.deps.replica
+        keep = max(1, deps.max_staleness - 1)
+        if blended is None or next_phase is None or blended.outer_step - replica.outer_step <= keep:
+            return None
+        if not deps.believe(blended.peer_id) or deps.data_parallel is not None:  # its ranks would have to move too
+            return None
+        target = blended.outer_step + 1 - keep
+        skipped_steps = (target - next_phase) * replica.train_cfg.inner_steps
+        if replica.inner_step + skipped_steps >= replica.train_cfg.total_steps:
+            return None
+        return target
 
 
 def phase_learning_rates(

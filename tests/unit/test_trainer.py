@@ -6,6 +6,7 @@ import copy as copy_module
 import itertools
 import math
 from pathlib import Path
+from typing import Any, cast
 
 import numpy as np
 import pytest
@@ -211,6 +212,37 @@ def test_moving_the_clock_forward_keeps_the_weights_and_the_phase_boundaries() -
     assert (replica.outer_step, replica.inner_step) == (50, 100)  # total_steps is 100: the run ends there
     with pytest.raises(ValueError, match="forward"):
         replica.advance_clock(50)
+
+
+def test_a_blend_with_a_believed_partner_at_the_edge_of_reach_takes_its_clock_within_the_run() -> None:
+    """node/outer_step.py: after a blend with a partner whose phase ended --max-staleness (2) outer steps ahead, the
+    node's next phase ends one outer step behind the partner's next (whole phases skipped): it stays in reach. Not
+    after a blend with a partner one step ahead, level or behind, or one this node does not believe, nor when the
+    move would leave the run no phase."""
+    from types import SimpleNamespace
+
+    from noloco_node.node.outer_step import OuterStep
+
+    replica = make_replica(inner_steps=10)  # 100 steps: outer steps 1-10
+    train(replica, 10)  # the end of the first phase: the blend that ends outer step 0 decides the next phase
+    deps = SimpleNamespace(
+        replica=replica, max_staleness=2, data_parallel=None, believe=lambda peer_id: peer_id != "stranger"
+    )
+    step = OuterStep(cast(Any, deps))
+
+    def partner(peer_id: str, outer_step: int) -> Any:
+        return SimpleNamespace(peer_id=peer_id, outer_step=outer_step)
+
+    assert step._partners_clock(partner("ahead", 2), 1) == 2  # its next phase ends outer step 2: 10 steps skipped
+    assert step._partners_clock(partner("ahead", 9), 1) == 9
+    assert step._partners_clock(partner("one ahead", 1), 1) is None  # a staggered swarm's normal pair
+    assert step._partners_clock(partner("level", 0), 1) is None
+    assert step._partners_clock(partner("stranger", 2), 1) is None
+    assert step._partners_clock(None, 1) is None  # a solo step, or a blend refused by the loss check
+    assert step._partners_clock(partner("ahead", 2), None) is None  # no further phase: the run is done
+    assert step._partners_clock(partner("ahead", 10), 1) is None  # skipping to outer step 10 would end the run
+    deps.max_staleness = 3
+    assert step._partners_clock(partner("two ahead", 2), 1) is None and step._partners_clock(partner("x", 3), 1) == 2
 
 
 def test_a_downloaded_state_that_goes_bad_in_its_first_phase_is_rolled_back_and_its_donor_refused(
