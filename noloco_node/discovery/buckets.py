@@ -36,7 +36,7 @@ HASH_BITS = 32
 MAX_BUCKET_ENTRIES = 256  # entries a DHT peer stores under one key: 256 x 4 KB stays a quarter of p2pd's cap
 ESTIMATE_READS = 16  # the size estimate is the mean of the last this many reads
 LEVEL_HYSTERESIS = 0.75  # the level moves when log2(size / bucket_records) is this far from it: no flapping
-EMPTY_READS_BEFORE_PROBING = 8  # reads at the node's level that found nobody else before it probes again
+EMPTY_READS_BEFORE_PROBING = 8  # reads at level 0 that found nobody else before the node probes again
 
 
 def peer_hash(peer_id: str) -> int:
@@ -118,7 +118,10 @@ class SwarmSize:
             return self._settle() or changed
         if bucket.level != self.level:
             return False  # a read begun before the level moved
-        self._empty_reads = self._empty_reads + 1 if others == 0 else 0
+        # Above level 0 a read that finds nobody lowers the estimate, and the level follows it down one step at a
+        # time; only at level 0, where every member's record would be, does finding nobody mean probing again. A
+        # flood written up to some level otherwise threw a node above it back to probing again and again.
+        self._empty_reads = self._empty_reads + 1 if others == 0 and self.level == 0 else 0
         if self._empty_reads >= EMPTY_READS_BEFORE_PROBING:
             self.probing, self._empty_reads = True, 0
             return False
