@@ -501,6 +501,15 @@ class Discovery:
         bucket read holds them anyway)."""
         self._followed = list(peer_ids)[:MAX_FOLLOWED]
 
+    async def current_record(self, peer_id: str) -> PeerRecord | None:
+        """``peer_id``'s record as its bucket at this node's level holds it now (one bucket read, which refreshes
+        the view's copy of that bucket), or None when that bucket does not hold it. A record in the view may be as
+        old as its lifetime, several outer steps behind its peer."""
+        bucket = Bucket.of(peer_id, self.size.level)
+        found, _ = await self._read_bucket(bucket)
+        self.view.replace(bucket, found)
+        return next((record for record, _ in found if record.peer_id == peer_id), None)
+
     async def live_peers(self, *, include_self: bool = False) -> list[PeerRecord]:
         """The unexpired, well-formed, non-tombstone records of this run in the node's view, in no particular
         order (at most MAX_LIVE_PEERS: the ``preferred`` peers' first, then a random sample of the rest), with the

@@ -287,6 +287,15 @@ class CatchUp:
             log.warning("DHT lookup for donors failed: %s", error)
             return []
 
+    async def _current_record(self, donor: PeerRecord) -> PeerRecord:
+        """The donor's record as the DHT holds it now, to judge the state it sent against: the one in this node's
+        view may be several outer steps old (a view above level 0 reads a peer's bucket now and then), and an
+        honest donor's state was refused as not the step its old record claimed. The old one if the read fails."""
+        try:
+            return await self.discovery.current_record(donor.peer_id) or donor
+        except (TimeoutError, OSError):
+            return donor
+
     async def download_state(
         self,
         replica: Replica,
@@ -332,7 +341,8 @@ class CatchUp:
                         len(download.done),
                     )
                     continue
-                implausible = implausible_counters(got, donor, self.train_cfg.inner_steps, self.train_cfg.total_steps)
+                claimed = await self._current_record(donor)
+                implausible = implausible_counters(got, claimed, self.train_cfg.inner_steps, self.train_cfg.total_steps)
                 if implausible is not None:
                     refused.add(donor.peer_id)
                     download = StateDownload(layout, run_fingerprint=self.run_fingerprint, peer_id=self.peer_id)
