@@ -124,8 +124,15 @@ def main() -> None:
     )
     parser.add_argument("--seconds", type=float, default=60.0, help="how long to keep storing after the last wave")
     parser.add_argument("--restore-every", type=float, default=30.0)
+    parser.add_argument(
+        "--nice",
+        type=int,
+        default=19,
+        help="on a machine shared with the swarm the flood waits for the nodes' CPU (at 19 its second wave took over "
+        "400 s beside three training nodes on two cores; a flooder brings its own machine)",
+    )
     args = parser.parse_args()
-    os.nice(19)  # on a machine shared with the swarm, the flood waits for the nodes' CPU, not the reverse
+    os.nice(args.nice)
     per_wave = args.filled + args.future
     minted = time.monotonic()
     identities = mint(per_wave * args.waves)
