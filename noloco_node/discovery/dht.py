@@ -502,13 +502,23 @@ class Discovery:
         self._followed = list(peer_ids)[:MAX_FOLLOWED]
 
     async def current_record(self, peer_id: str) -> PeerRecord | None:
-        """``peer_id``'s record as its bucket at this node's level holds it now (one bucket read, which refreshes
-        the view's copy of that bucket), or None when that bucket does not hold it. A record in the view may be as
-        old as its lifetime, several outer steps behind its peer."""
-        bucket = Bucket.of(peer_id, self.size.level)
-        found, _ = await self._read_bucket(bucket)
-        self.view.replace(bucket, found)
-        return next((record for record, _ in found if record.peer_id == peer_id), None)
+        """``peer_id``'s record as the DHT holds it now: the newest found in its buckets at this node's level and the
+        two beside it (a writer writes at its own level and a neighbour, and two members' levels may differ by one;
+        the read at its own level refreshes the view's copy of that bucket); None when none holds it. A record in
+        the view may be as old as its lifetime, several outer steps behind its peer."""
+        buckets = [Bucket.of(peer_id, level) for level in range(max(0, self.size.level - 1), self.size.level + 2)]
+        reads = await asyncio.gather(*(self._read_bucket(bucket) for bucket in buckets), return_exceptions=True)
+        newest: PeerRecord | None = None
+        for bucket, read in zip(buckets, reads, strict=True):
+            if isinstance(read, BaseException):
+                continue
+            found, _ = read
+            if bucket.level == self.size.level:  # a bucket of another level holds other writers than the view's
+                self.view.replace(bucket, found)
+            for record, _ in found:
+                if record.peer_id == peer_id and (newest is None or record.updated > newest.updated):
+                    newest = record
+        return newest
 
     async def live_peers(self, *, include_self: bool = False) -> list[PeerRecord]:
         """The unexpired, well-formed, non-tombstone records of this run in the node's view, in no particular
