@@ -98,6 +98,22 @@ def test_a_node_whose_reads_find_nobody_for_a_while_probes_again() -> None:
     assert size.probing and levels[0] == 3 and levels[-1] == 0 and sorted(levels, reverse=True) == levels
 
 
+def test_a_node_above_a_flood_that_reads_empty_buckets_lowers_its_level_and_does_not_probe_again() -> None:
+    """A flood written at levels 0-4 (256 records a bucket up to level 3, 131 at 4: 2,100 keys) raises a node's
+    estimate to level 5-6, where its buckets are empty: those reads lower the estimate, the level comes back down to
+    the flood's, and the node never returns to probing (it once did every ~20 s, climbing again from level 0)."""
+    size = SwarmSize(16)
+    size.observe(Bucket(0, 0), 256, 256)  # the flooded level-0 bucket ends the probing
+    seen = []
+    for _ in range(300):
+        level = size.read_level()
+        records = 256 if level <= 3 else 131 if level == 4 else 0
+        size.observe(Bucket.random(level), records, records)
+        seen.append((size.read_level(), size.probing))
+    assert not any(probing for _, probing in seen)
+    assert {level for level, _ in seen[100:]} <= {4, 5, 6}
+
+
 @dataclass(frozen=True)
 class Rec:
     peer_id: str
