@@ -234,6 +234,9 @@ Method = Literal[
     "noloco-sparse-phi16",
     "noloco-sparse-sign-phi16",
     "noloco-sparse-parity-phi16",
+    "noloco-sparse-side-ef",
+    "noloco-sparse-side",
+    "noloco-sparse-phi1-noef",
     "noloco-stale",
     "noloco-momentum",
     "diloco",
@@ -263,6 +266,9 @@ WIRE_METHODS: tuple[Method, ...] = (
     "noloco-sparse-phi16",
     "noloco-sparse-sign-phi16",
     "noloco-sparse-parity-phi16",
+    "noloco-sparse-side-ef",
+    "noloco-sparse-side",
+    "noloco-sparse-phi1-noef",
 )
 
 

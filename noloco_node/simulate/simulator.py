@@ -52,8 +52,10 @@ from noloco_node.simulate.results import (
     write_outputs,
 )
 from noloco_node.simulate.wire_views import (
+    NO_FEEDBACK,
     PARITY_PHI,
     PHI_EVERY,
+    SIDE_PHI,
     SIGN_RESIDUAL,
     bytes_per_parameter,
     partner_view,
@@ -135,6 +137,8 @@ def _sparse_noloco_round(
         feedback,
         phi_round=every is not None and replicas[0].outer_step % every == 0,
         sign_residual=method in SIGN_RESIDUAL,
+        side_phi_seed=replicas[0].outer_step if method in SIDE_PHI else None,
+        error_feedback=method not in NO_FEEDBACK,
         parity_phi=method in PARITY_PHI,
         alpha=outer.alpha,
         beta=outer.beta,
@@ -226,9 +230,8 @@ def run_method(
     pair_rng = np.random.default_rng([train.seed, 0x9A1])
     h = cfg.outer.diloco_h(train.inner_steps) if method in DILOCO_METHODS else train.inner_steps
     result = MethodResult(method=method, replicas=cfg.replicas, inner_steps=h)
-    numels = [p.numel() for p in replicas[0].phi]
     result.bytes_per_parameter = bytes_per_parameter(
-        method, numels, sends_phi=cfg.outer.effective_gamma != cfg.outer.beta
+        method, [tuple(p.shape) for p in replicas[0].phi], sends_phi=cfg.outer.effective_gamma != cfg.outer.beta
     )
     feedback = [sparse.ErrorFeedback([p.shape for p in r.phi]) for r in replicas] if method in PHI_EVERY else []
     started = time.perf_counter()

@@ -17,8 +17,12 @@ the pull term gamma * (phi_i - mean(phi)) and nothing else. Two variants spend t
 differently: ``-sign-phi16`` also sends the residual as it stood at the phase's start, one bit a value (its sign
 at its block's mean magnitude: what earlier top-k codes left out reaches the partner one phase late, densely);
 ``-parity-phi16`` sends in the other steps the lowest bit of phi's int8 codes, decoded against the receiver's own
-phi (side information). A replica with no partner sends nothing: its residual waits for the next one. What each
-costs: docs/algorithm-study.md, "Sparse progress".
+phi (side information). ``-side`` sends phi at every outer step in the rotated modulo code (wire/side_info.py: 1.6
+bits a value, read against the receiver's own phi, its step set by the gap between the two), so the pull acts at
+every step, and drops the progress its top-k code leaves out instead of feeding it back: the sender has applied it
+to itself, and its phi carries it to every later partner (``-side-ef`` keeps the error feedback, which then counts
+it twice; ``-phi1-noef`` is the same with phi in int8, the code's reference). A replica with no partner sends
+nothing: its residual waits for the next one. What each costs: docs/algorithm-study.md, "Sparse progress".
 """
 
 from __future__ import annotations
@@ -28,7 +32,7 @@ import math
 import torch
 
 from noloco_node import algorithm
-from noloco_node.wire import quantize, sparse
+from noloco_node.wire import quantize, side_info, sparse
 
 # Per dense NoLoCo method: the wire dtype of theta and phi sent whole (sync), or of Delta when phi is streamed.
 WIRE_OF_METHOD: dict[str, tuple[str, str | None]] = {
@@ -49,7 +53,16 @@ PHI_EVERY: dict[str, int | None] = {
     "noloco-sparse-phi16": 16,
     "noloco-sparse-sign-phi16": 16,
     "noloco-sparse-parity-phi16": 16,
+    "noloco-sparse-side-ef": None,
+    "noloco-sparse-side": None,
+    "noloco-sparse-phi1-noef": 1,
 }
+# Sparse methods whose phase payload carries phi at every outer step in the rotated modulo code (wire/side_info.py),
+# decoded against the receiver's own phi; small and one-dimensional tensors in int8.
+SIDE_PHI = {"noloco-sparse-side-ef", "noloco-sparse-side"}
+# Sparse methods without error feedback: what a progress's code leaves out is dropped (the sender has applied it to
+# itself, and its phi carries it to every later partner).
+NO_FEEDBACK = {"noloco-sparse-side", "noloco-sparse-phi1-noef"}
 # Sparse methods whose phase payload carries, in the phases without phi, phi's int8 codes' lowest bit alone (with the
 # block scales): the receiver takes the code of that parity nearest its own phi (its own slow weights as side
 # information, Wyner-Ziv), which is the int8 code itself while the two slow weights are less than half a step apart.
@@ -89,6 +102,21 @@ def parity_bytes(numel: int) -> int:
     return math.ceil(numel / 8) + 4 * quantize.num_blocks(numel)
 
 
+def side_phi_view(sent: torch.Tensor, own: torch.Tensor, seed: int) -> torch.Tensor:
+    """What a receiver holding ``own`` reads of a phi tensor sent in the side-information code (int8 when small or
+    one-dimensional)."""
+    if sent.dim() < 2 or sent.numel() < side_info.CHUNK:
+        return through_wire([sent], "int8")[0]
+    return side_info.receive(sent, own, seed)
+
+
+def side_phi_bytes(shape: tuple[int, ...]) -> int:
+    numel = math.prod(shape)
+    if len(shape) < 2 or numel < side_info.CHUNK:
+        return quantize.encoded_bytes(numel, "int8")
+    return side_info.encoded_bytes(numel)
+
+
 def sign_bytes(numel: int) -> int:
     return math.ceil(numel / 8) + 2 * math.ceil(numel / SIGN_BLOCK)
 
@@ -122,16 +150,19 @@ def _dense_bytes(numels: list[int], wire_dtype: str) -> float:
     return float(sum(n * (4 if wire_dtype == "fp32" else 2) for n in numels))
 
 
-def bytes_per_parameter(method: str, numels: list[int], *, sends_phi: bool) -> tuple[float, float] | None:
+def bytes_per_parameter(method: str, shapes: list[tuple[int, ...]], *, sends_phi: bool) -> tuple[float, float] | None:
     """(in all, on the critical path) bytes one replica sends its partner per parameter per outer step, for a
-    NoLoCo method on a model of tensors of ``numels`` values; None for methods without pairs. ``sends_phi``: the
+    NoLoCo method on a model of tensors of these shapes; None for methods without pairs. ``sends_phi``: the
     sync mode's partner needs phi too (gamma != beta)."""
+    numels = [math.prod(shape) for shape in shapes]
     total = float(sum(numels))
     if method in PHI_EVERY:
         every = PHI_EVERY[method]
         progress = sum(sparse.encoded_bytes(n) for n in numels) / total
         phi = 0.0 if every is None else _dense_bytes(numels, SPARSE_PHI_DTYPE) / total / every
         residual = sum(sign_bytes(n) for n in numels) / total if method in SIGN_RESIDUAL else 0.0
+        if method in SIDE_PHI:
+            phi = sum(side_phi_bytes(shape) for shape in shapes) / total
         if method in PARITY_PHI:  # the parities in the other phases
             phi += sum(parity_bytes(n) for n in numels) / total * (1 - (0 if every is None else 1 / every))
         return progress + phi + residual, progress
@@ -157,6 +188,8 @@ def sparse_pair_steps(
     phi_round: bool,
     sign_residual: bool = False,
     parity_phi: bool = False,
+    side_phi_seed: int | None = None,
+    error_feedback: bool = True,
     alpha: float,
     beta: float,
     gamma: float,
@@ -187,6 +220,11 @@ def sparse_pair_steps(
                 partner_progress, _, partner_phi = sent[j]
                 if partner_phi is not None:
                     seen_phi = partner_phi
+                elif side_phi_seed is not None:
+                    seen_phi = [
+                        side_phi_view(theirs, mine, side_phi_seed * 4099 + k)
+                        for k, (theirs, mine) in enumerate(zip(phis[j], phis[i], strict=True))
+                    ]
                 elif parity_phi:
                     seen_phi = [parity_view(theirs, mine) for theirs, mine in zip(phis[j], phis[i], strict=True)]
                 else:
@@ -197,5 +235,5 @@ def sparse_pair_steps(
                 list(thetas[i]), phis[i], deltas[i], partners, partner_phis, alpha=alpha, beta=beta, gamma=gamma
             )
     for i, residual in residuals.items():
-        feedback[i].commit(residual)
+        feedback[i].commit(residual if error_feedback else [torch.zeros_like(r) for r in residual])
     return results

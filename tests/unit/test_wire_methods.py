@@ -55,15 +55,47 @@ def test_sparse_methods_send_what_their_bytes_say() -> None:
     the critical path, and phi's int8 every K steps (or one bit a value more) in all."""
     from noloco_node.simulate.wire_views import bytes_per_parameter
 
-    numels = [4096 * 1024, 4096 * 256]
-    total, critical = bytes_per_parameter("noloco-sparse-phi8", numels, sends_phi=False)
+    shapes = [(4096, 1024), (4096, 256)]
+    total, critical = bytes_per_parameter("noloco-sparse-phi8", shapes, sends_phi=False)
     assert critical == 116 / 4096
     assert abs(total - (116 / 4096 + (1 + 4 / 256) / 8)) < 1e-9
-    assert bytes_per_parameter("noloco-sparse-phi1", numels, sends_phi=False)[0] > 1.0
+    assert bytes_per_parameter("noloco-sparse-phi1", shapes, sends_phi=False)[0] > 1.0
     for method in ("noloco-sparse-sign-phi16", "noloco-sparse-parity-phi16"):
-        total, critical = bytes_per_parameter(method, numels, sends_phi=False)
+        total, critical = bytes_per_parameter(method, shapes, sends_phi=False)
         assert critical == 116 / 4096 and total <= 0.25, (method, total)
-    assert bytes_per_parameter("noloco-bf16", numels, sends_phi=False) == (2.0, 2.0)
+    assert bytes_per_parameter("noloco-bf16", shapes, sends_phi=False) == (2.0, 2.0)
+    # phi at every outer step in the side-information code: a fifth of a byte a value and its sketches.
+    total, critical = bytes_per_parameter("noloco-sparse-side", shapes, sends_phi=False)
+    assert critical == 116 / 4096 and 0.2 < total <= 0.25, total
+    small = bytes_per_parameter("noloco-sparse-side", [(4096, 1024), (1000,)], sends_phi=False)
+    assert small[0] > total  # a one-dimensional tensor's phi crosses in int8
+
+
+def test_phi_in_the_side_information_code_pulls_a_pair_together_at_every_outer_step() -> None:
+    """Two replicas whose slow weights drifted apart: in the steps a sparse method sends no phi nothing pulls them
+    together (each blends the partner's progress onto its own phi); with phi in the side-information code every
+    step they come closer (less than with phi exact: the decoded gap is shrunk against the code's rounding)."""
+    from noloco_node.simulate.wire_views import sparse_pair_steps
+    from noloco_node.wire import sparse
+
+    g = torch.Generator().manual_seed(4)
+    base = [torch.randn(128, 64, generator=g) * 0.05]
+    phis = [base, [base[0] + torch.randn(128, 64, generator=g) * 1e-3]]
+    thetas = [[p[0] + torch.randn(128, 64, generator=g) * 1e-4] for p in phis]
+    deltas = [[torch.zeros(128, 64)] for _ in phis]
+    weights = {"alpha": 0.5, "beta": 0.7, "gamma": 0.7}
+
+    def gap_after(**how: object) -> float:
+        feedback = [sparse.ErrorFeedback([(128, 64)]) for _ in phis]
+        steps = sparse_pair_steps([[0, 1]], thetas, phis, deltas, feedback, **how, **weights)  # type: ignore[arg-type]
+        return float((steps[0][0][0] - steps[1][0][0]).norm())
+
+    before = float((phis[0][0] - phis[1][0]).norm())
+    without = gap_after(phi_round=False)
+    exact = gap_after(phi_round=True)
+    side = gap_after(phi_round=False, side_phi_seed=3, error_feedback=False)
+    assert without > 0.95 * before, (before, without)
+    assert exact < 0.4 * before and side < 0.7 * before, (before, exact, side)
 
 
 def test_phi_parities_decode_to_the_int8_codes_while_the_slow_weights_are_close() -> None:
