@@ -124,6 +124,7 @@ def _sparse_noloco_round(
     cfg: SimulateConfig,
     method: str,
     feedback: list[sparse.ErrorFeedback],
+    gap_estimates: list[dict[int, torch.Tensor]],
 ) -> None:
     """One outer step of a sparse method (simulate/wire_views.py): compressed, error-fed Deltas, and phi only every
     PHI_EVERY[method] outer steps."""
@@ -138,6 +139,7 @@ def _sparse_noloco_round(
         phi_round=every is not None and replicas[0].outer_step % every == 0,
         sign_residual=method in SIGN_RESIDUAL,
         side_phi_seed=replicas[0].outer_step if method in SIDE_PHI else None,
+        gap_estimates=gap_estimates,
         error_feedback=method not in NO_FEEDBACK,
         parity_phi=method in PARITY_PHI,
         alpha=outer.alpha,
@@ -234,6 +236,7 @@ def run_method(
         method, [tuple(p.shape) for p in replicas[0].phi], sends_phi=cfg.outer.effective_gamma != cfg.outer.beta
     )
     feedback = [sparse.ErrorFeedback([p.shape for p in r.phi]) for r in replicas] if method in PHI_EVERY else []
+    gap_estimates: list[dict[int, torch.Tensor]] = [{} for _ in replicas]  # side-information methods' (wire_views.py)
     started = time.perf_counter()
 
     def record(step: int, train_losses: list[float]) -> None:
@@ -258,7 +261,7 @@ def run_method(
         phase_losses = [float(loss) for phase in phases for loss in phase.losses]
         step = phases[0].end_step
         if method in PHI_EVERY:
-            _sparse_noloco_round(replicas, pair_rng, cfg, method, feedback)
+            _sparse_noloco_round(replicas, pair_rng, cfg, method, feedback, gap_estimates)
         elif method == "noloco" or method in WIRE_METHODS or method == "noloco-momentum":
             _noloco_round(replicas, pair_rng, cfg, method=method, blend_momenta=method == "noloco-momentum")
         elif method == "noloco-stale":

@@ -102,12 +102,14 @@ def parity_bytes(numel: int) -> int:
     return math.ceil(numel / 8) + 4 * quantize.num_blocks(numel)
 
 
-def side_phi_view(sent: torch.Tensor, own: torch.Tensor, seed: int) -> torch.Tensor:
-    """What a receiver holding ``own`` reads of a phi tensor sent in the side-information code (int8 when small or
-    one-dimensional)."""
+def side_phi_view(
+    sent: torch.Tensor, own: torch.Tensor, seed: int, sender_estimate: torch.Tensor | None
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """(what a receiver holding ``own`` reads of a phi tensor sent in the side-information code, the RMS gap per
+    chunk it measured: None for a tensor sent in int8, which small and one-dimensional tensors are)."""
     if sent.dim() < 2 or sent.numel() < side_info.CHUNK:
-        return through_wire([sent], "int8")[0]
-    return side_info.receive(sent, own, seed)
+        return through_wire([sent], "int8")[0], None
+    return side_info.decode(side_info.encode(sent, sender_estimate, seed), own, seed)
 
 
 def side_phi_bytes(shape: tuple[int, ...]) -> int:
@@ -189,6 +191,7 @@ def sparse_pair_steps(
     sign_residual: bool = False,
     parity_phi: bool = False,
     side_phi_seed: int | None = None,
+    gap_estimates: list[dict[int, torch.Tensor]] | None = None,
     error_feedback: bool = True,
     alpha: float,
     beta: float,
@@ -212,6 +215,7 @@ def sparse_pair_steps(
             left_out = [d - s for d, s in zip(progress, decoded, strict=True)]
             sent[i] = (decoded, left_out, through_wire(list(phis[i]), SPARSE_PHI_DTYPE) if phi_round else None)
     results = {}
+    measured: dict[int, dict[int, torch.Tensor]] = {i: {} for group in groups for i in group}
     for group in groups:
         for i in group:
             partners, partner_phis = [], []
@@ -220,11 +224,13 @@ def sparse_pair_steps(
                 partner_progress, _, partner_phi = sent[j]
                 if partner_phi is not None:
                     seen_phi = partner_phi
-                elif side_phi_seed is not None:
-                    seen_phi = [
-                        side_phi_view(theirs, mine, side_phi_seed * 4099 + k)
-                        for k, (theirs, mine) in enumerate(zip(phis[j], phis[i], strict=True))
-                    ]
+                elif side_phi_seed is not None and gap_estimates is not None:
+                    seen_phi = []
+                    for k, (theirs, mine) in enumerate(zip(phis[j], phis[i], strict=True)):
+                        seen, gap = side_phi_view(theirs, mine, side_phi_seed * 4099 + k, gap_estimates[j].get(k))
+                        seen_phi.append(seen)
+                        if gap is not None:
+                            measured[i][k] = gap
                 elif parity_phi:
                     seen_phi = [parity_view(theirs, mine) for theirs, mine in zip(phis[j], phis[i], strict=True)]
                 else:
@@ -236,4 +242,9 @@ def sparse_pair_steps(
             )
     for i, residual in residuals.items():
         feedback[i].commit(residual if error_feedback else [torch.zeros_like(r) for r in residual])
+    for i, gaps in measured.items():  # a replica's estimate of the gap: the last two it measured, averaged
+        for k, gap in gaps.items():
+            earlier = gap_estimates[i].get(k) if gap_estimates is not None else None
+            if gap_estimates is not None:
+                gap_estimates[i][k] = gap if earlier is None else (gap + earlier) / 2
     return results

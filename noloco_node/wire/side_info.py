@@ -3,22 +3,26 @@
 Two paired replicas hold slow weights that differ by far less than the weights themselves. A receiver that holds
 ``own`` needs only where ``sent`` lies relative to it, so the sender can send each value modulo a few steps of a
 grid whose step follows the *gap* between the two, not the weights (Moniqua, arXiv 2002.11787; Wyner-Ziv coding
-with side information). Here, per chunk of ``CHUNK`` values:
+with side information). Per chunk of ``CHUNK`` values:
 
 1. **Rotation.** Both sides flip the signs of their values with a shared pseudo-random pattern and apply the
    orthonormal Walsh-Hadamard transform, so the gap's coordinates are near Gaussian with the chunk's RMS gap
    (a single large coordinate no longer sets the grid).
-2. **Sketch.** The first ``SKETCH`` rotated coordinates cross exactly (fp32) from both sides; each side then knows
-   the chunk's RMS gap (the RMS of the sketches' difference) without a round trip per value, and the sender sets
-   the grid's step to ``STEP_IN_GAPS`` times it.
+2. **Sketch and step.** The first ``SKETCH`` rotated coordinates cross exactly (fp32): the receiver measures the
+   chunk's RMS gap as the RMS of the two sketches' difference. The grid's step is the sender's choice, sent with
+   the chunk: ``STEP_IN_GAPS`` times its estimate of the gap, which is the gap it measured in the last code it
+   received (the swarm's replicas are about as far apart from one another as from any partner), or 0 when it has
+   none (the chunk's codes then say nothing, and it costs its bytes all the same: sizes follow from the shape).
 3. **Code.** Each rotated value is rounded on that grid shifted by a shared dither (uniform in one step, so the
    rounding error is uniform and independent of the weights) and sent modulo ``LEVELS``: 3 levels, five to a
    byte (1.6 bits a value).
-4. **Decode.** The receiver takes, of the values the code allows, the one nearest its own rotated value. That is
-   the sender's grid value (within half a step of the sender's value) for every coordinate whose gap is under
-   one step, and ``LEVELS`` steps off for most of those whose gap is over two (with the step at ``STEP_IN_GAPS``
-   RMS gaps, a Gaussian tail of about 1% of coordinates). It then shrinks the decoded gap to its own value by
-   :data:`SHRINK` (the gap's least-squares estimate given the rounding) and rotates back.
+4. **Decode.** The receiver takes, of the values the code allows, the one nearest its own rotated value: the
+   sender's grid value (within half a step of the sender's value) for every coordinate whose gap is under one
+   step, and ``LEVELS`` steps off for most of those whose gap is over two. It then shrinks the decoded gap to its
+   own value by its least-squares factor given the rounding, ``1 / (1 + s**2 / 12)`` with ``s`` the step in
+   measured gaps, and rotates back. The error is then 0.63-0.66 of the gap for any step from 2 to 3 measured gaps
+   (0.74 at 1.75, 0.85 at 1.5: the wraps take over); a chunk whose step is under ``MIN_STEP_IN_GAPS`` measured
+   gaps, or 0, is not decoded: the receiver keeps its own values there, which miss by the whole gap.
 
 The simulator's ``noloco-sparse-side`` methods use it for phi at every outer step (simulate/wire_views.py); what it
 costs and saves: docs/algorithm-study.md, "Sparse progress".
@@ -30,23 +34,23 @@ The functions here are pure: no state, no I/O.
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 import torch
 
 CHUNK = 4096  # values per rotation (a power of two: the Walsh-Hadamard transform's size)
-SKETCH = 16  # rotated coordinates per chunk sent exactly, from which both sides read the chunk's gap
+SKETCH = 16  # rotated coordinates per chunk sent exactly, from which the receiver measures the chunk's gap
 LEVELS = 3
-STEP_IN_GAPS = 2.25  # the grid's step in RMS gaps: a gap under one step decodes exactly
 VALUES_PER_BYTE = 5  # 3**5 = 243 <= 256
-# The decoded gap is the true gap plus the grid's rounding, uniform over one step (variance step**2 / 12); with the
-# gap itself of variance 1 (in RMS gaps), its least-squares estimate is the decoded gap times this factor.
-SHRINK = 1.0 / (1.0 + STEP_IN_GAPS**2 / 12.0)
+STEP_IN_GAPS = 2.5  # the sender's step in its estimated RMS gaps: the middle of the flat 2-3 (module docstring)
+MIN_STEP_IN_GAPS = 1.75  # a step under this many measured RMS gaps decodes worse than the flat range: not decoded
 
 
 def encoded_bytes(numel: int) -> int:
-    """Bytes of one tensor of ``numel`` values: the sketch (fp32) and the codes, five to a byte."""
+    """Bytes of one tensor of ``numel`` values: per chunk its sketch and step (fp32) and its codes, five to a
+    byte."""
     chunks = math.ceil(numel / CHUNK)
-    return chunks * SKETCH * 4 + math.ceil(chunks * CHUNK / VALUES_PER_BYTE)
+    return chunks * ((SKETCH + 1) * 4 + math.ceil(CHUNK / VALUES_PER_BYTE))
 
 
 _SIDE = 64  # CHUNK = _SIDE * _SIDE: the transform is H_64 (x) H_64, two small matrix products per chunk
@@ -93,45 +97,47 @@ def unrotate(rows: torch.Tensor, seed: int, like: torch.Tensor) -> torch.Tensor:
     return flat[: like.numel()].view(like.shape)
 
 
-def sketch(rows: torch.Tensor) -> torch.Tensor:
-    return rows[:, :SKETCH].clone()
+@dataclass(frozen=True)
+class Coded:
+    """One tensor in the code: per chunk its sketch (chunks, SKETCH) and step (chunks,), fp32, and its codes
+    (chunks, CHUNK), each in 0..LEVELS-1 (five to a byte on the wire)."""
+
+    sketch: torch.Tensor
+    step: torch.Tensor
+    codes: torch.Tensor
 
 
-def grid_step(sent_sketch: torch.Tensor, own_sketch: torch.Tensor) -> torch.Tensor:
-    """Per chunk, the grid's step both sides compute from the two sketches, as a (chunks, 1) fp64 column; 0 for a
-    chunk whose sketches are equal (the receiver then keeps its own values there)."""
-    gap = (sent_sketch.double() - own_sketch.double()).pow(2).mean(dim=1).sqrt()
-    return (gap * STEP_IN_GAPS).unsqueeze(1)
+def encode(values: torch.Tensor, gap_estimate: torch.Tensor | None, seed: int) -> Coded:
+    """``values`` in the code, its step ``STEP_IN_GAPS`` times ``gap_estimate`` per chunk (None: no estimate yet,
+    every step 0). The grid arithmetic is fp64: a gap many orders of magnitude below the weights still rounds on
+    its own grid."""
+    rows = rotate(values, seed)
+    chunks = rows.shape[0]
+    estimate = torch.zeros(chunks) if gap_estimate is None else gap_estimate.to(torch.float32).reshape(chunks)
+    step = (estimate * STEP_IN_GAPS).to(torch.float32)
+    divisor = torch.where(step > 0, step, torch.ones_like(step)).double().unsqueeze(1)
+    level = torch.round(rows.double() / divisor + _dither(chunks, seed).double())
+    codes = torch.remainder(level, LEVELS).to(torch.uint8)
+    return Coded(sketch=rows[:, :SKETCH].clone(), step=step, codes=torch.where(step.unsqueeze(1) > 0, codes, 0))
 
 
-def encode(rows: torch.Tensor, step: torch.Tensor, seed: int) -> torch.Tensor:
-    """The codes (0..LEVELS-1, int64 here; five to a byte on the wire) of rotated ``rows``. In fp64: a gap many
-    orders of magnitude below the weights still rounds on its own grid."""
-    divisor = torch.where(step > 0, step, torch.ones_like(step))
-    level = torch.round(rows.double() / divisor + _dither(rows.shape[0], seed).double())
-    return torch.remainder(level, LEVELS).to(torch.int64)
-
-
-def decode(codes: torch.Tensor, step: torch.Tensor, own_rows: torch.Tensor, seed: int) -> torch.Tensor:
-    """The sender's rotated rows as the receiver holding ``own_rows`` reads them: of the grid values the codes
-    allow, the nearest to its own (exact up to the rounding while the gap is under one step), fp32."""
+def decode(coded: Coded, own: torch.Tensor, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(the sender's values as the receiver holding ``own`` reads them, shaped like ``own``; the RMS gap measured
+    in each chunk, (chunks,) fp32). A chunk whose step is under MIN_STEP_IN_GAPS measured gaps keeps ``own``."""
+    own_rows = rotate(own, seed)
+    gap = (coded.sketch.double() - own_rows[:, :SKETCH].double()).pow(2).mean(dim=1).sqrt()
+    step = coded.step.double()
+    decodable = (step > 0) & (step >= MIN_STEP_IN_GAPS * gap)
+    divisor = torch.where(step > 0, step, torch.ones_like(step)).unsqueeze(1)
     dither = _dither(own_rows.shape[0], seed).double()
-    divisor = torch.where(step > 0, step, torch.ones_like(step))
-    own = own_rows.double() / divisor + dither
-    level = codes.double()
-    nearest = level + LEVELS * torch.round((own - level) / LEVELS)
-    decoded = ((nearest - dither) * divisor).float()
-    return torch.where(step > 0, decoded, own_rows)
-
-
-def receive(sent: torch.Tensor, own: torch.Tensor, seed: int) -> torch.Tensor:
-    """What a receiver holding ``own`` reads of ``sent`` sent in this code (both tensors of one shape): the whole
-    round trip of one tensor, sketch included. The decoded gap to ``own`` is shrunk by :data:`SHRINK`, its
-    least-squares estimate given the rounding."""
-    sent_rows, own_rows = rotate(sent, seed), rotate(own, seed)
-    sent_sketch = sketch(sent_rows)
-    step = grid_step(sent_sketch, sketch(own_rows))
-    rows = decode(encode(sent_rows, step, seed), step, own_rows, seed)
-    rows = own_rows + SHRINK * (rows - own_rows)
-    rows[:, :SKETCH] = sent_sketch
-    return unrotate(rows, seed, sent)
+    reference = own_rows.double() / divisor + dither
+    level = coded.codes.double()
+    nearest = level + LEVELS * torch.round((reference - level) / LEVELS)
+    # Two copies whose sketches agree are taken to be equal (shrink 0): the sketch's coordinates are a random
+    # projection of the whole chunk's gap.
+    in_gaps = step / torch.where(gap > 0, gap, torch.ones_like(gap))
+    shrink = torch.where(gap > 0, 1.0 / (1.0 + in_gaps.pow(2) / 12.0), torch.zeros_like(gap)).unsqueeze(1)
+    decoded = own_rows.double() + shrink * ((nearest - dither) * divisor - own_rows.double())
+    decoded[:, :SKETCH] = coded.sketch.double()
+    rows = torch.where(decodable.unsqueeze(1), decoded, own_rows.double()).float()
+    return unrotate(rows, seed, own), gap.float()
