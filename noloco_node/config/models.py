@@ -237,6 +237,8 @@ Method = Literal[
     "noloco-sparse-side-ef",
     "noloco-sparse-side",
     "noloco-sparse-phi1-noef",
+    "noloco-late",
+    "noloco-late-side",
     "noloco-stale",
     "noloco-momentum",
     "diloco",
@@ -269,6 +271,8 @@ WIRE_METHODS: tuple[Method, ...] = (
     "noloco-sparse-side-ef",
     "noloco-sparse-side",
     "noloco-sparse-phi1-noef",
+    "noloco-late",
+    "noloco-late-side",
 )
 
 

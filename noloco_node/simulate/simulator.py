@@ -52,12 +52,14 @@ from noloco_node.simulate.results import (
     write_outputs,
 )
 from noloco_node.simulate.wire_views import (
+    LATE_WIRE,
     NO_FEEDBACK,
     PARITY_PHI,
     PHI_EVERY,
     SIDE_PHI,
     SIGN_RESIDUAL,
     bytes_per_parameter,
+    late_pair_steps,
     partner_view,
     sparse_pair_steps,
 )
@@ -142,6 +144,33 @@ def _sparse_noloco_round(
         gap_estimates=gap_estimates,
         error_feedback=method not in NO_FEEDBACK,
         parity_phi=method in PARITY_PHI,
+        alpha=outer.alpha,
+        beta=outer.beta,
+        gamma=outer.effective_gamma,
+    )
+    for i, (new_phi, new_delta) in results.items():
+        replicas[i].apply_outer_step(new_phi, new_delta)
+
+
+def _late_noloco_round(
+    replicas: list[Replica],
+    rng: np.random.Generator,
+    cfg: SimulateConfig,
+    method: str,
+    previous: list[list[torch.Tensor] | None],
+    gap_estimates: list[dict[int, torch.Tensor]],
+) -> None:
+    """One outer step of a late method (simulate/wire_views.py): own progress now, the pair's half a phase late."""
+    outer = cfg.outer
+    results = late_pair_steps(
+        random_groups(len(replicas), rng),
+        [r.fast_weights() for r in replicas],
+        [list(r.phi) for r in replicas],
+        [list(r.delta) for r in replicas],
+        previous,
+        gap_estimates,
+        method=method,
+        seed=replicas[0].outer_step,
         alpha=outer.alpha,
         beta=outer.beta,
         gamma=outer.effective_gamma,
@@ -237,6 +266,7 @@ def run_method(
     )
     feedback = [sparse.ErrorFeedback([p.shape for p in r.phi]) for r in replicas] if method in PHI_EVERY else []
     gap_estimates: list[dict[int, torch.Tensor]] = [{} for _ in replicas]  # side-information methods' (wire_views.py)
+    late_previous: list[list[torch.Tensor] | None] = [None] * len(replicas)  # the late methods' last fast weights
     started = time.perf_counter()
 
     def record(step: int, train_losses: list[float]) -> None:
@@ -260,7 +290,9 @@ def run_method(
     for phases in zip(*loops, strict=True):
         phase_losses = [float(loss) for phase in phases for loss in phase.losses]
         step = phases[0].end_step
-        if method in PHI_EVERY:
+        if method in LATE_WIRE:
+            _late_noloco_round(replicas, pair_rng, cfg, method, late_previous, gap_estimates)
+        elif method in PHI_EVERY:
             _sparse_noloco_round(replicas, pair_rng, cfg, method, feedback, gap_estimates)
         elif method == "noloco" or method in WIRE_METHODS or method == "noloco-momentum":
             _noloco_round(replicas, pair_rng, cfg, method=method, blend_momenta=method == "noloco-momentum")

@@ -22,7 +22,13 @@ bits a value, read against the receiver's own phi, its step set by the gap betwe
 every step, and drops the progress its top-k code leaves out instead of feeding it back: the sender has applied it
 to itself, and its phi carries it to every later partner (``-side-ef`` keeps the error feedback, which then counts
 it twice; ``-phi1-noef`` is the same with phi in int8, the code's reference). A replica with no partner sends
-nothing: its residual waits for the next one. What each costs: docs/algorithm-study.md, "Sparse progress".
+nothing: its residual waits for the next one.
+
+Late methods (``noloco-late``, ``noloco-late-side``): nothing crosses at the outer step. Each replica steps on its own
+progress whole, as if its partner's were the same, and the pair's half of the step comes one phase late: the two
+swap the fast weights they held at the last outer step (bf16, or the side-information code), and each adds
+beta / 2 of the gap between them to its next step (the eager updates of arXiv 2502.12996, for a pair). What each
+costs: docs/algorithm-study.md, "Sparse progress".
 """
 
 from __future__ import annotations
@@ -102,17 +108,17 @@ def parity_bytes(numel: int) -> int:
     return math.ceil(numel / 8) + 4 * quantize.num_blocks(numel)
 
 
-def side_phi_view(
+def side_view(
     sent: torch.Tensor, own: torch.Tensor, seed: int, sender_estimate: torch.Tensor | None
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """(what a receiver holding ``own`` reads of a phi tensor sent in the side-information code, the RMS gap per
-    chunk it measured: None for a tensor sent in int8, which small and one-dimensional tensors are)."""
+    """(what a receiver holding ``own`` reads of a tensor sent in the side-information code, the RMS gap per chunk
+    it measured: None for a tensor sent in int8, which small and one-dimensional tensors are)."""
     if sent.dim() < 2 or sent.numel() < side_info.CHUNK:
         return through_wire([sent], "int8")[0], None
     return side_info.decode(side_info.encode(sent, sender_estimate, seed), own, seed)
 
 
-def side_phi_bytes(shape: tuple[int, ...]) -> int:
+def side_bytes(shape: tuple[int, ...]) -> int:
     numel = math.prod(shape)
     if len(shape) < 2 or numel < side_info.CHUNK:
         return quantize.encoded_bytes(numel, "int8")
@@ -164,10 +170,12 @@ def bytes_per_parameter(method: str, shapes: list[tuple[int, ...]], *, sends_phi
         phi = 0.0 if every is None else _dense_bytes(numels, SPARSE_PHI_DTYPE) / total / every
         residual = sum(sign_bytes(n) for n in numels) / total if method in SIGN_RESIDUAL else 0.0
         if method in SIDE_PHI:
-            phi = sum(side_phi_bytes(shape) for shape in shapes) / total
+            phi = sum(side_bytes(shape) for shape in shapes) / total
         if method in PARITY_PHI:  # the parities in the other phases
             phi += sum(parity_bytes(n) for n in numels) / total * (1 - (0 if every is None else 1 / every))
         return progress + phi + residual, progress
+    if method in LATE_WIRE:
+        return late_bytes(method, shapes)
     if method not in WIRE_OF_METHOD:
         return None
     sync_wire, stream_wire = WIRE_OF_METHOD[method]
@@ -227,7 +235,7 @@ def sparse_pair_steps(
                 elif side_phi_seed is not None and gap_estimates is not None:
                     seen_phi = []
                     for k, (theirs, mine) in enumerate(zip(phis[j], phis[i], strict=True)):
-                        seen, gap = side_phi_view(theirs, mine, side_phi_seed * 4099 + k, gap_estimates[j].get(k))
+                        seen, gap = side_view(theirs, mine, side_phi_seed * 4099 + k, gap_estimates[j].get(k))
                         seen_phi.append(seen)
                         if gap is not None:
                             measured[i][k] = gap
@@ -247,4 +255,76 @@ def sparse_pair_steps(
             earlier = gap_estimates[i].get(k) if gap_estimates is not None else None
             if gap_estimates is not None:
                 gap_estimates[i][k] = gap if earlier is None else (gap + earlier) / 2
+    return results
+
+
+# The late methods: the pair's half of the outer step one phase late (module docstring), with the partner's fast
+# weights of the last phase in this wire dtype.
+LATE_WIRE = {"noloco-late": "bf16", "noloco-late-side": "side"}
+
+
+def late_bytes(method: str, shapes: list[tuple[int, ...]]) -> tuple[float, float]:
+    """(in all, on the critical path) per parameter per outer step of a late method: nothing waits for a byte."""
+    total = float(sum(math.prod(shape) for shape in shapes))
+    if LATE_WIRE[method] == "side":
+        return sum(side_bytes(shape) for shape in shapes) / total, 0.0
+    return _dense_bytes([math.prod(shape) for shape in shapes], LATE_WIRE[method]) / total, 0.0
+
+
+def late_pair_steps(
+    groups: list[list[int]],
+    thetas: list[list[torch.Tensor]],
+    phis: list[list[torch.Tensor]],
+    deltas: list[list[torch.Tensor]],
+    previous: list[list[torch.Tensor] | None],
+    gap_estimates: list[dict[int, torch.Tensor]],
+    *,
+    method: str,
+    seed: int,
+    alpha: float,
+    beta: float,
+    gamma: float,
+) -> dict[int, tuple[list[torch.Tensor], list[torch.Tensor]]]:
+    """Each replica's (new phi, new delta) for one outer step of a late method, and ``previous`` set to this
+    step's fast weights. Every replica steps on its own progress whole (``beta * Delta_i``, as if its partner's
+    were the same), and adds the correction of a pair of the last phase: ``beta / 2 * (theta_j - theta_i)`` of
+    the fast weights both held at the last outer step, the partner's as the wire delivers them. Over the two steps
+    the replica then moves as NoLoCo's step with that partner (gamma == beta) moves it, the pair's half a phase
+    late, and nothing crosses at the outer step itself."""
+    if gamma != beta:
+        raise ValueError(f"the late methods assume gamma == beta (the partner's fast weights alone): {gamma} != {beta}")
+    wire = LATE_WIRE[method]
+    corrections: dict[int, list[torch.Tensor]] = {}
+    measured: dict[int, dict[int, torch.Tensor]] = {}
+    for group in groups:
+        if len(group) < 2:
+            continue
+        i, j = group
+        mine_then, theirs_then = previous[i], previous[j]
+        if mine_then is None or theirs_then is None:
+            continue
+        for me, other, own, sent in ((i, j, mine_then, theirs_then), (j, i, theirs_then, mine_then)):
+            if wire == "side":
+                seen = []
+                for k, (theirs, mine) in enumerate(zip(sent, own, strict=True)):
+                    view, gap = side_view(theirs, mine, seed * 4099 + k, gap_estimates[other].get(k))
+                    seen.append(view)
+                    if gap is not None:
+                        measured.setdefault(me, {})[k] = gap
+            else:
+                seen = through_wire(list(sent), wire)
+            corrections[me] = [(s - o) * (beta / 2) for s, o in zip(seen, own, strict=True)]
+    results = {}
+    for i in range(len(thetas)):
+        progress = algorithm.phase_progress(thetas[i], phis[i])
+        new_delta = [d.to(torch.float32) * alpha + p * beta for d, p in zip(deltas[i], progress, strict=True)]
+        if i in corrections:
+            new_delta = [d + c for d, c in zip(new_delta, corrections[i], strict=True)]
+        results[i] = ([p.to(torch.float32) + d for p, d in zip(phis[i], new_delta, strict=True)], new_delta)
+    for i in range(len(thetas)):
+        previous[i] = [t.detach().to(torch.float32).clone() for t in thetas[i]]
+    for i, gaps in measured.items():
+        for k, gap in gaps.items():
+            earlier = gap_estimates[i].get(k)
+            gap_estimates[i][k] = gap if earlier is None else (gap + earlier) / 2
     return results

@@ -125,3 +125,31 @@ def test_phi_parities_decode_to_the_int8_codes_while_the_slow_weights_are_close(
     assert torch.equal(parity_view(sent, near), through_wire([sent], "int8")[0])
     far = sent + torch.randn(4096, generator=g) * 0.05
     assert float((parity_view(sent, far) != through_wire([sent], "int8")[0]).float().mean()) > 0.5
+
+
+def test_a_late_step_is_own_progress_now_and_the_pairs_half_of_the_last_phase() -> None:
+    """The late methods: a replica steps on its own progress whole, plus beta/2 of the gap between the fast weights
+    it and this step's partner held at the last outer step (as the wire delivers the partner's); nothing at the
+    first step, which has no last fast weights, and nothing for a replica without a partner."""
+    from noloco_node.simulate.wire_views import late_pair_steps
+
+    g = torch.Generator().manual_seed(5)
+    phis = [[torch.randn(64, 64, generator=g) * 0.05] for _ in range(3)]
+    thetas = [[p[0] + torch.randn(64, 64, generator=g) * 1e-3] for p in phis]
+    deltas = [[torch.randn(64, 64, generator=g) * 1e-4] for _ in phis]
+    previous: list[list[torch.Tensor] | None] = [None, None, None]
+    estimates: list[dict[int, torch.Tensor]] = [{}, {}, {}]
+    how = {"method": "noloco-late", "seed": 1, "alpha": 0.5, "beta": 0.7, "gamma": 0.7}
+
+    def expected(i: int, correction: torch.Tensor | float) -> torch.Tensor:
+        return deltas[i][0] * 0.5 + (thetas[i][0] - phis[i][0]) * 0.7 + correction
+
+    first = late_pair_steps([[0, 1], [2]], thetas, phis, deltas, previous, estimates, **how)  # type: ignore[arg-type]
+    assert all(torch.allclose(first[i][1][0], expected(i, 0.0), atol=1e-7) for i in range(3))
+    assert all(p is not None and torch.equal(p[0], t[0]) for p, t in zip(previous, thetas, strict=True))
+    then = [t[0].clone() for t in thetas]
+    second = late_pair_steps([[2, 0], [1]], thetas, phis, deltas, previous, estimates, **how)  # type: ignore[arg-type]
+    seen_from_0 = then[0].to(torch.bfloat16).float()
+    assert torch.allclose(second[2][1][0], expected(2, (seen_from_0 - then[2]) * 0.35), atol=1e-7)
+    assert torch.allclose(second[1][1][0], expected(1, 0.0), atol=1e-7)
+    assert torch.allclose(second[2][0][0], phis[2][0] + second[2][1][0], atol=1e-7)
