@@ -342,7 +342,7 @@ def fast_weights_from(
 
 @torch.no_grad()
 def compressed_partner_weights(
-    partner_phi: TensorList, partner_sent: TensorList, own_left_out: TensorList
+    partner_phi: TensorList, partner_sent: TensorList, own_left_out: TensorList, own_left_out_weight: float = 1.0
 ) -> list[torch.Tensor]:
     """The partner's fast weights as a compressed exchange lets this node blend with them (the ``sparse`` wire
     dtype): phi_j + D_j + (Delta_i - D_i), fp32.
@@ -356,11 +356,16 @@ def compressed_partner_weights(
     Only how fast the two approach each other depends on the compression: compressed gossip with error feedback
     (CHOCO-gossip, arXiv 1902.00340). Blending the partner's D_j alone would weigh this node's own progress
     against a fraction of the partner's and halve the outer step; blending both compressed progresses would throw
-    away most of a phase's own progress every outer step."""
+    away most of a phase's own progress every outer step.
+
+    ``own_left_out_weight`` c < 1 takes c * (Delta_i - D_i) for the partner's left-out part instead: its
+    least-squares estimate when the two left-out parts correlate at c, which trades the pair's sum (only
+    (1 + c) / 2 of what the codes leave out moves the pair) for less of a single replica's progress in the step
+    (the simulator's ``noloco-sparse-side``, c = 0.5: docs/algorithm-study.md, "Sparse progress")."""
     _check_same_shapes(partner_phi, partner_sent, "partner progress")
     _check_same_shapes(partner_phi, own_left_out, "own left-out progress")
     return [
-        p.to(torch.float32) + d.to(torch.float32) + c.to(torch.float32)
+        p.to(torch.float32) + d.to(torch.float32) + c.to(torch.float32) * own_left_out_weight
         for p, d, c in zip(partner_phi, partner_sent, own_left_out, strict=True)
     ]
 

@@ -54,6 +54,7 @@ from noloco_node.simulate.results import (
 from noloco_node.simulate.wire_views import (
     LATE_WIRE,
     NO_FEEDBACK,
+    OWN_LEFT_OUT_WEIGHT,
     PARITY_PHI,
     PHI_EVERY,
     SIDE_PHI,
@@ -143,6 +144,7 @@ def _sparse_noloco_round(
         side_phi_seed=replicas[0].outer_step if method in SIDE_PHI else None,
         gap_estimates=gap_estimates,
         error_feedback=method not in NO_FEEDBACK,
+        own_left_out_weight=OWN_LEFT_OUT_WEIGHT.get(method, 1.0),
         parity_phi=method in PARITY_PHI,
         alpha=outer.alpha,
         beta=outer.beta,

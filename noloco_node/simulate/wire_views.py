@@ -19,9 +19,10 @@ at its block's mean magnitude: what earlier top-k codes left out reaches the par
 ``-parity-phi16`` sends in the other steps the lowest bit of phi's int8 codes, decoded against the receiver's own
 phi (side information). ``-side`` sends phi at every outer step in the rotated modulo code (wire/side_info.py: 1.6
 bits a value, read against the receiver's own phi, its step set by the gap between the two), so the pull acts at
-every step, and drops the progress its top-k code leaves out instead of feeding it back: the sender has applied it
-to itself, and its phi carries it to every later partner (``-side-ef`` keeps the error feedback, which then counts
-it twice; ``-phi1-noef`` is the same with phi in int8, the code's reference). A replica with no partner sends
+every step; it drops what its top-k code leaves out instead of feeding it back (the sender has applied it to
+itself, and its phi carries it to every later partner), and takes half its own left-out progress as its estimate of
+the partner's (``OWN_LEFT_OUT_WEIGHT``). ``-side-c1`` takes all of it (the pair's sum conserved); ``-side-ef`` is
+``-side-c1`` with error feedback, ``-phi1-noef`` ``-side-c1`` with phi in int8. A replica with no partner sends
 nothing: its residual waits for the next one.
 
 Late methods (``noloco-late``, ``noloco-late-side``): nothing crosses at the outer step. Each replica steps on its own
@@ -60,15 +61,19 @@ PHI_EVERY: dict[str, int | None] = {
     "noloco-sparse-sign-phi16": 16,
     "noloco-sparse-parity-phi16": 16,
     "noloco-sparse-side-ef": None,
+    "noloco-sparse-side-c1": None,
     "noloco-sparse-side": None,
     "noloco-sparse-phi1-noef": 1,
 }
 # Sparse methods whose phase payload carries phi at every outer step in the rotated modulo code (wire/side_info.py),
 # decoded against the receiver's own phi; small and one-dimensional tensors in int8.
-SIDE_PHI = {"noloco-sparse-side-ef", "noloco-sparse-side"}
+SIDE_PHI = {"noloco-sparse-side-ef", "noloco-sparse-side-c1", "noloco-sparse-side"}
 # Sparse methods without error feedback: what a progress's code leaves out is dropped (the sender has applied it to
 # itself, and its phi carries it to every later partner).
-NO_FEEDBACK = {"noloco-sparse-side", "noloco-sparse-phi1-noef"}
+NO_FEEDBACK = {"noloco-sparse-side-c1", "noloco-sparse-side", "noloco-sparse-phi1-noef"}
+# The weight c each side gives its own left-out progress as the estimate of its partner's (algorithm.
+# compressed_partner_weights); 1 (the pair's sum conserved) unless listed.
+OWN_LEFT_OUT_WEIGHT = {"noloco-sparse-side": 0.5}
 # Sparse methods whose phase payload carries, in the phases without phi, phi's int8 codes' lowest bit alone (with the
 # block scales): the receiver takes the code of that parity nearest its own phi (its own slow weights as side
 # information, Wyner-Ziv), which is the int8 code itself while the two slow weights are less than half a step apart.
@@ -201,6 +206,7 @@ def sparse_pair_steps(
     side_phi_seed: int | None = None,
     gap_estimates: list[dict[int, torch.Tensor]] | None = None,
     error_feedback: bool = True,
+    own_left_out_weight: float = 1.0,
     alpha: float,
     beta: float,
     gamma: float,
@@ -243,7 +249,9 @@ def sparse_pair_steps(
                     seen_phi = [parity_view(theirs, mine) for theirs, mine in zip(phis[j], phis[i], strict=True)]
                 else:
                     seen_phi = list(phis[i])
-                partners = [algorithm.compressed_partner_weights(seen_phi, partner_progress, sent[i][1])]
+                partners = [
+                    algorithm.compressed_partner_weights(seen_phi, partner_progress, sent[i][1], own_left_out_weight)
+                ]
                 partner_phis = [seen_phi]
             results[i] = algorithm.noloco_outer_step(
                 list(thetas[i]), phis[i], deltas[i], partners, partner_phis, alpha=alpha, beta=beta, gamma=gamma
