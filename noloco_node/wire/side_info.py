@@ -24,6 +24,12 @@ with side information). Per chunk of ``CHUNK`` values:
    (0.74 at 1.75, 0.85 at 1.5: the wraps take over); a chunk whose step is under ``MIN_STEP_IN_GAPS`` measured
    gaps, or 0, is not decoded: the receiver keeps its own values there, which miss by the whole gap.
 
+**Wire form** (:func:`pack`, :func:`unpack`): one record of ``RECORD_BYTES`` per chunk (the last chunk padded with
+zeros, so the size follows from the shape): the 16 sketch values and the step (fp32, little end first), then the
+codes, five to a byte as base-3 digits, the lowest first (820 bytes; the last holds one code, its other four digits
+0). :func:`bad_records` refuses a sketch value or step that is not finite, a negative step, a byte above 242 and a
+padding digit set.
+
 The simulator's ``noloco-sparse-side`` methods use it for phi at every outer step (simulate/wire_views.py); what it
 costs and saves: docs/algorithm-study.md, "Sparse progress".
 
@@ -46,11 +52,15 @@ STEP_IN_GAPS = 2.5  # the sender's step in its estimated RMS gaps: the middle of
 MIN_STEP_IN_GAPS = 1.75  # a step under this many measured RMS gaps decodes worse than the flat range: not decoded
 
 
+CODE_BYTES = math.ceil(CHUNK / VALUES_PER_BYTE)  # 820: the last byte holds one code, its other four digits 0
+RECORD_BYTES = (SKETCH + 1) * 4 + CODE_BYTES  # per chunk: the sketch, the step (fp32, little end first), the codes
+MAX_CODE_BYTE = LEVELS**VALUES_PER_BYTE - 1  # 242
+
+
 def encoded_bytes(numel: int) -> int:
-    """Bytes of one tensor of ``numel`` values: per chunk its sketch and step (fp32) and its codes, five to a
-    byte."""
-    chunks = math.ceil(numel / CHUNK)
-    return chunks * ((SKETCH + 1) * 4 + math.ceil(CHUNK / VALUES_PER_BYTE))
+    """Bytes of one tensor of ``numel`` values: one record per chunk (the last chunk padded with zeros, so every
+    record has one size)."""
+    return math.ceil(numel / CHUNK) * RECORD_BYTES
 
 
 _SIDE = 64  # CHUNK = _SIDE * _SIDE: the transform is H_64 (x) H_64, two small matrix products per chunk
@@ -141,3 +151,48 @@ def decode(coded: Coded, own: torch.Tensor, seed: int) -> tuple[torch.Tensor, to
     decoded[:, :SKETCH] = coded.sketch.double()
     rows = torch.where(decodable.unsqueeze(1), decoded, own_rows.double()).float()
     return unrotate(rows, seed, own), gap.float()
+
+
+def pack(coded: Coded) -> torch.Tensor:
+    """The wire bytes of ``coded``: per chunk its sketch and step (fp32) and its codes, five to a byte (code k of
+    a byte is its base-3 digit k, the lowest first), flat uint8."""
+    chunks = coded.codes.shape[0]
+    digits = torch.zeros(chunks, CODE_BYTES * VALUES_PER_BYTE, dtype=torch.int32)
+    digits[:, :CHUNK] = coded.codes.to(torch.int32)
+    weights = LEVELS ** torch.arange(VALUES_PER_BYTE, dtype=torch.int32)
+    codes = (digits.view(chunks, CODE_BYTES, VALUES_PER_BYTE) * weights).sum(dim=2).to(torch.uint8)
+    sketch = coded.sketch.to(torch.float32).contiguous().view(torch.uint8).view(chunks, SKETCH * 4)
+    step = coded.step.to(torch.float32).reshape(chunks, 1).contiguous().view(torch.uint8)
+    return torch.cat((sketch, step, codes), dim=1).view(-1)
+
+
+def _fields(records: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(sketch, step, code bytes) of (chunks, RECORD_BYTES) records."""
+    chunks = records.shape[0]
+    sketch = records[:, : SKETCH * 4].contiguous().view(torch.float32).view(chunks, SKETCH)
+    step = records[:, SKETCH * 4 : (SKETCH + 1) * 4].contiguous().view(torch.float32).view(chunks)
+    return sketch, step, records[:, (SKETCH + 1) * 4 :]
+
+
+def bad_records(records: torch.Tensor) -> str | None:
+    """Why complete (chunks, RECORD_BYTES) uint8 records are not this format, or None when they are."""
+    sketch, step, codes = _fields(records)
+    if not bool(torch.isfinite(sketch).all()):
+        return "a NaN or infinite sketch value"
+    if not bool(torch.isfinite(step).all()) or bool((step < 0).any()):
+        return "a NaN, infinite or negative step"
+    if bool((codes > MAX_CODE_BYTE).any()):
+        return f"a code byte above {MAX_CODE_BYTE}"
+    if bool((codes[:, -1] >= LEVELS).any()):  # CHUNK = 5 * 819 + 1: the last byte's other digits are padding
+        return "padding digits set"
+    return None
+
+
+def unpack(encoded: torch.Tensor, numel: int) -> Coded:
+    """The :class:`Coded` of a tensor of ``numel`` values from its checked wire bytes (:func:`bad_records`)."""
+    records = encoded.view(math.ceil(numel / CHUNK), RECORD_BYTES)
+    sketch, step, codes = _fields(records)
+    chunks = records.shape[0]
+    weights = LEVELS ** torch.arange(VALUES_PER_BYTE, dtype=torch.int32)
+    digits = (codes.to(torch.int32).unsqueeze(2) // weights) % LEVELS
+    return Coded(sketch=sketch.clone(), step=step.clone(), codes=digits.view(chunks, -1)[:, :CHUNK].to(torch.uint8))

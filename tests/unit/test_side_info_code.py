@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from noloco_node.wire import side_info
 
@@ -74,3 +76,50 @@ def test_identical_copies_read_exactly_and_a_value_costs_under_a_quarter_byte() 
     seen, measured = side_info.decode(side_info.encode(sent, torch.ones(3) * 1e-3, seed=5), sent.clone(), seed=5)
     assert torch.allclose(seen, sent, atol=1e-6) and float(measured.max()) == 0.0
     assert 0.2 < side_info.encoded_bytes(4096 * 64) / (4096 * 64) < 0.22
+
+
+def test_the_wire_bytes_round_trip_and_their_size_is_fixed_by_the_shape() -> None:
+    sent, own = _pair(1e-3)
+    coded = side_info.encode(sent, torch.full((3,), 1e-3), seed=2)
+    encoded = side_info.pack(coded)
+    assert encoded.dtype == torch.uint8 and encoded.numel() == side_info.encoded_bytes(sent.numel())
+    assert side_info.bad_records(encoded.view(-1, side_info.RECORD_BYTES)) is None
+    back = side_info.unpack(encoded, sent.numel())
+    assert torch.equal(back.sketch, coded.sketch) and torch.equal(back.step, coded.step)
+    assert torch.equal(back.codes, coded.codes)
+    assert torch.equal(side_info.decode(back, own, seed=2)[0], side_info.decode(coded, own, seed=2)[0])
+
+
+def _record() -> bytearray:
+    sent, _ = _pair(1e-3)
+    return bytearray(side_info.pack(side_info.encode(sent, torch.full((3,), 1e-3), seed=2))[: side_info.RECORD_BYTES])
+
+
+def _float_bytes(value: float) -> bytes:
+    return bytes(torch.tensor([value], dtype=torch.float32).view(torch.uint8).tolist())
+
+
+@settings(max_examples=60, deadline=None)
+@given(data=st.data())
+def test_a_malformed_record_is_refused_with_what_is_wrong(data: st.DataObject) -> None:
+    """Bytes no encoder writes, anywhere in a record: a sketch value or step that is not a finite number (a
+    negative step too), a code byte above 3**5 - 1, a padding digit of the last byte set."""
+    record = _record()
+    kind = data.draw(st.sampled_from(["sketch", "step", "negative_step", "code", "padding"]))
+    bad = data.draw(st.sampled_from([float("nan"), float("inf"), float("-inf")]))
+    if kind == "sketch":
+        at = 4 * data.draw(st.integers(0, side_info.SKETCH - 1))
+        record[at : at + 4] = _float_bytes(bad)
+        why = "a NaN or infinite sketch value"
+    elif kind in ("step", "negative_step"):
+        at = 4 * side_info.SKETCH
+        record[at : at + 4] = _float_bytes(bad if kind == "step" else -data.draw(st.floats(1e-30, 1e30)))
+        why = "a NaN, infinite or negative step"
+    elif kind == "code":
+        at = data.draw(st.integers(4 * (side_info.SKETCH + 1), side_info.RECORD_BYTES - 1))
+        record[at] = data.draw(st.integers(side_info.MAX_CODE_BYTE + 1, 255))
+        why = f"a code byte above {side_info.MAX_CODE_BYTE}"
+    else:
+        record[-1] = data.draw(st.integers(side_info.LEVELS, side_info.MAX_CODE_BYTE))
+        why = "padding digits set"
+    assert side_info.bad_records(torch.tensor(list(record), dtype=torch.uint8).view(1, -1)) == why
