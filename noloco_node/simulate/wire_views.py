@@ -120,7 +120,8 @@ def side_view(
     it measured: None for a tensor sent in int8, which small and one-dimensional tensors are)."""
     if sent.dim() < 2 or sent.numel() < side_info.CHUNK:
         return through_wire([sent], "int8")[0], None
-    return side_info.decode(side_info.encode(sent, sender_estimate, seed), own, seed)
+    coded = side_info.encode(sent, sender_estimate, seed)
+    return side_info.decode(side_info.unpack(side_info.pack(coded), sent.numel()), own, seed)
 
 
 def side_bytes(shape: tuple[int, ...]) -> int:
