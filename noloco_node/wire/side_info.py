@@ -10,9 +10,10 @@ with side information). Per chunk of ``CHUNK`` values:
    (a single large coordinate no longer sets the grid).
 2. **Sketch and step.** The first ``SKETCH`` rotated coordinates cross exactly (fp32): the receiver measures the
    chunk's RMS gap as the RMS of the two sketches' difference. The grid's step is the sender's choice, sent with
-   the chunk: ``STEP_IN_GAPS`` times its estimate of the gap, which is the gap it measured in the last code it
-   received (the swarm's replicas are about as far apart from one another as from any partner), or 0 when it has
-   none (the chunk's codes then say nothing, and it costs its bytes all the same: sizes follow from the shape).
+   the chunk: ``STEP_IN_GAPS`` times its estimate of the gap, made from the gaps it measured in the codes it
+   received (the swarm's replicas are about as far apart from one another as from any partner; the simulator
+   averages the last measurement with the estimate before it), or 0 when it has none (the chunk's codes then say
+   nothing, and it costs its bytes all the same: sizes follow from the shape).
 3. **Code.** Each rotated value is rounded on that grid shifted by a shared dither (uniform in one step, so the
    rounding error is uniform and independent of the weights) and sent modulo ``LEVELS``: 3 levels, five to a
    byte (1.6 bits a value).
@@ -30,8 +31,9 @@ codes, five to a byte as base-3 digits, the lowest first (820 bytes; the last ho
 0). :func:`bad_records` refuses a sketch value or step that is not finite, a negative step, a byte above 242 and a
 padding digit set.
 
-The simulator's ``noloco-sparse-side`` methods use it for phi at every outer step (simulate/wire_views.py); what it
-costs and saves: docs/algorithm-study.md, "Sparse progress".
+The simulator's side-information methods (``noloco-sparse-side*`` for phi at every outer step, ``noloco-late-side``
+for the fast weights of the last phase; simulate/wire_views.py) use it; what it costs and saves:
+docs/algorithm-study.md, "Sparse progress".
 
 All randomness (signs, dither) comes from a seed both sides derive from what they share, so nothing of it crosses.
 The functions here are pure: no state, no I/O.
