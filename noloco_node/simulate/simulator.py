@@ -121,6 +121,13 @@ def _noloco_round(
         replicas[i].apply_outer_step(new_phi, new_delta)
 
 
+def _outer_states(
+    replicas: list[Replica],
+) -> tuple[list[list[torch.Tensor]], list[list[torch.Tensor]], list[list[torch.Tensor]]]:
+    """Every replica's (fast weights, slow weights, outer momentum) before the round, as lists."""
+    return [r.fast_weights() for r in replicas], [list(r.phi) for r in replicas], [list(r.delta) for r in replicas]
+
+
 def _sparse_noloco_round(
     replicas: list[Replica],
     rng: np.random.Generator,
@@ -129,15 +136,14 @@ def _sparse_noloco_round(
     feedback: list[sparse.ErrorFeedback],
     gap_estimates: list[dict[int, torch.Tensor]],
 ) -> None:
-    """One outer step of a sparse method (simulate/wire_views.py): compressed, error-fed Deltas, and phi only every
-    PHI_EVERY[method] outer steps."""
+    """One outer step of a sparse method (simulate/wire_views.py): compressed Deltas (error-fed unless the method
+    drops the residual), and phi every PHI_EVERY[method] outer steps or, in the side-information code, at every
+    one."""
     every = PHI_EVERY[method]
     outer = cfg.outer
     results = sparse_pair_steps(
         random_groups(len(replicas), rng),
-        [r.fast_weights() for r in replicas],
-        [list(r.phi) for r in replicas],
-        [list(r.delta) for r in replicas],
+        *_outer_states(replicas),
         feedback,
         phi_round=every is not None and replicas[0].outer_step % every == 0,
         sign_residual=method in SIGN_RESIDUAL,
@@ -166,9 +172,7 @@ def _late_noloco_round(
     outer = cfg.outer
     results = late_pair_steps(
         random_groups(len(replicas), rng),
-        [r.fast_weights() for r in replicas],
-        [list(r.phi) for r in replicas],
-        [list(r.delta) for r in replicas],
+        *_outer_states(replicas),
         previous,
         gap_estimates,
         method=method,
