@@ -340,6 +340,12 @@ def fast_weights_from(
     return [t.copy_(p).add_(d) for t, p, d in zip(targets, phi, progress, strict=True)]
 
 
+# The share c of its own left-out progress Delta_i - D_i that a sparse run blends as its estimate of the partner's
+# (compressed_partner_weights): the two correlate (the replicas train one model on one distribution), and 0.5
+# measured best of 0, 0.25, 0.5, 0.75 and 1 (docs/algorithm-study.md, "Sparse progress").
+OWN_LEFT_OUT_WEIGHT = 0.5
+
+
 @torch.no_grad()
 def compressed_partner_weights(
     partner_phi: TensorList, partner_sent: TensorList, own_left_out: TensorList, own_left_out_weight: float = 1.0

@@ -13,6 +13,7 @@ whole-model copies).
 from __future__ import annotations
 
 import json
+import math
 import multiprocessing as mp
 import resource
 import time
@@ -36,7 +37,7 @@ from noloco_node.security.caller_proof import CallerVerifier
 from noloco_node.security.identity import NodeIdentity
 from noloco_node.security.payload_guard import RunningGap, relative_distance
 from noloco_node.wire import peer_pb2 as pb
-from noloco_node.wire import quantize, sparse
+from noloco_node.wire import quantize, side_info, sparse
 from noloco_node.wire.frames import WIRE_DTYPES, TensorLayout, build_manifest, layout_of, wire_num_bytes
 from noloco_node.wire.payload import Payload
 from noloco_node.wire.receive_buffers import ReceiveBuffers
@@ -110,9 +111,9 @@ class _BenchPeer(AdmitsEverything):
 
 def _published(named: list[tuple[str, torch.Tensor]], wire_dtype: str) -> list[torch.Tensor]:
     """The weights as a node publishes them for its exchanges: converted (or quantized) once, streamed as they are;
-    sparse with its error feedback (encoded, decoded, and the residual kept), as a stream node sends its progress."""
+    sparse top-k coded, as a stream node sends its progress."""
     if wire_dtype == "sparse":
-        return sparse.ErrorFeedback([t.shape for _, t in named]).compress([t for _, t in named])[0]
+        return [sparse.encode(t) for _, t in named]
     if quantize.is_quantized(wire_dtype):
         return [quantize.quantize(t, wire_dtype) for _, t in named]
     return [t.to(WIRE_DTYPES[wire_dtype][1]) for _, t in named]
@@ -385,8 +386,7 @@ class WireDtypeComparison:
     repeats: int
     progress_seconds: float = 0.0  # stream mode: Delta = theta - phi over the model's fp32 weights, on this machine
     parameters: int = 1  # the model's parameter count: bytes per parameter
-    tensor_sizes: list[int] = field(default_factory=list)  # values per tensor: phi's int8 bytes
-    phi_every: int = 8  # a sparse run's --phi-every: phi (int8) crosses in one phase of this many
+    tensor_shapes: list[tuple[int, ...]] = field(default_factory=list)  # phi's bytes with the sparse wire
 
     def report(self) -> str:
         first = self.rows[0]
@@ -415,8 +415,8 @@ class WireDtypeComparison:
         """Per pairing mode: the bytes of one outer step, those on the critical path, and that path's time, against
         today's default (sync, bf16 theta). In stream mode phi (bf16) crosses during the inner phase and only
         Delta = theta - phi waits for its end; Delta has theta's shapes and codec, so its exchange takes what the
-        same wire dtype's exchange took above. With the sparse wire, phi crosses in int8 once every ``phi_every``
-        outer steps (a reservation, a few hundred bytes, in the others); sync mode refuses int4 and sparse."""
+        same wire dtype's exchange took above. With the sparse wire, phi crosses at every phase in the side-information
+        code (its matrices; the rest in int8); sync mode refuses int4 and sparse."""
         by_dtype = {row.wire_dtype: row for row in self.rows}
         if "bf16" not in by_dtype:
             return []
@@ -428,7 +428,10 @@ class WireDtypeComparison:
             "critical-path time | sync bf16 / this |",
             "|---|---|---:|---:|---:|---:|---:|",
         ]
-        phi_int8 = sum(wire_num_bytes(n, "int8") for n in self.tensor_sizes)
+        phi_side = sum(
+            wire_num_bytes(math.prod(shape), "side" if side_info.side_coded(shape) else "int8")
+            for shape in self.tensor_shapes
+        )
         for mode in ("sync", "stream"):
             for row in self.rows:
                 if mode == "sync" and row.wire_dtype == "sparse":
@@ -437,8 +440,8 @@ class WireDtypeComparison:
                 sent = float(row.payload_bytes)
                 if mode == "stream":
                     critical += self.progress_seconds
-                    # phi: bf16 every phase; int8 once every phi_every phases with the sparse wire
-                    sent += phi_int8 / self.phi_every if row.wire_dtype == "sparse" else by_dtype["bf16"].payload_bytes
+                    # phi at every phase: bf16, or the side-information code with the sparse wire
+                    sent += phi_side if row.wire_dtype == "sparse" else by_dtype["bf16"].payload_bytes
                 refused = " (a node refuses it: 4 bits of whole weights cost 1.6%)"
                 shown = mode + (refused if mode == "sync" and row.wire_dtype == "int4" else "")
                 lines.append(
@@ -455,9 +458,8 @@ class WireDtypeComparison:
         )
         if "sparse" in by_dtype:
             lines.append(
-                f"stream sparse: phi crosses in int8 ({phi_int8 / 1e6:.1f} MB) once every {self.phi_every} outer "
-                "steps, an empty reservation in the others; its encode (top-k, and the residual kept) is in the "
-                "critical-path time"
+                f"stream sparse: phi crosses in the side-information code ({phi_side / 1e6:.2f} MB) during the inner "
+                "phase; the progress's top-k encode is in the critical-path time"
             )
         return lines
 
@@ -488,9 +490,16 @@ def run_wire_dtype_comparison(
                 )
             )
         tcp = min(raw_tcp_seconds(rows[0].payload_bytes, both_ways=True, where=where) for _ in range(repeats))
-    sizes = [t.numel() for _, t in _weights_meta(size, vocab)]
+    shapes = [tuple(t.shape) for _, t in _weights_meta(size, vocab)]
     return WireDtypeComparison(
-        size, link, rows, tcp, repeats, _progress_seconds(size, vocab), sum(sizes), tensor_sizes=sizes
+        size,
+        link,
+        rows,
+        tcp,
+        repeats,
+        _progress_seconds(size, vocab),
+        sum(math.prod(shape) for shape in shapes),
+        tensor_shapes=shapes,
     )
 
 

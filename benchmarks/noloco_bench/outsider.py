@@ -60,11 +60,12 @@ from noloco_node.security.payload_guard import relative_norm
 from noloco_node.security.payload_seal import PayloadSeal, call_binding
 from noloco_node.training.checkpoints import state_layout
 from noloco_node.wire import peer_pb2 as pb
-from noloco_node.wire import sparse
+from noloco_node.wire import side_info, sparse
 from noloco_node.wire.frames import (
     ChunkView,
     PayloadDigest,
     PayloadError,
+    TensorLayout,
     build_manifest,
     decode_frame,
     iter_frames,
@@ -416,18 +417,28 @@ def swap_once(
 
 
 def phase_frames(
-    target: Target, model_cfg: ModelConfig | None, peer_id: str, phi: Sequence[torch.Tensor] | None, phi_dtype: str
+    target: Target, model_cfg: ModelConfig, peer_id: str, phi: Sequence[torch.Tensor] | None, run_wire_dtype: str
 ) -> list[bytes]:
-    """A stream phase payload for the target's outer step: ``phi`` in ``phi_dtype`` (a dense run's phase sends it in
-    bf16, a sparse run's phi phase in int8), or with ``phi`` None a reservation (no tensors: a sparse run's other
-    phases)."""
-    if phi is not None:
-        assert model_cfg is not None, "a phase payload of phi needs the model's names"
-        return payload_frames(target, model_cfg, phi, peer_id=peer_id, wire_dtype=phi_dtype, part="phi")
+    """A stream phase payload for the target's outer step, as the run's wire makes it: ``phi`` in bf16, or with the
+    sparse wire its matrices in the side-information code with step 0 (a sender with no gap estimate yet, as in an
+    honest joiner's first phase: the target keeps its own phi there) and the rest in int8. ``phi`` None: zeros."""
+    names = [name.split("/", 1)[1] for name, _ in theta_names(model_cfg)]
+    shapes = [tuple(shape) for _, shape in theta_names(model_cfg)]
+    values = list(phi) if phi is not None else [torch.zeros(shape) for shape in shapes]
+    sparse_wire = run_wire_dtype == "sparse"
+    layout, tensors = [], []
+    for name, shape, value in zip(names, shapes, values, strict=True):
+        coded = sparse_wire and side_info.side_coded(shape)
+        layout.append(TensorLayout(f"phi/{name}", shape, "side" if coded else ""))
+        tensors.append(side_info.pack(side_info.encode(value, None, 0)) if coded else value)
     manifest = build_manifest(
-        [], wire_dtype="int8", run_fingerprint=target.run_fingerprint, peer_id=peer_id, outer_step=target.outer_step
+        layout,
+        wire_dtype="int8" if sparse_wire else "bf16",
+        run_fingerprint=target.run_fingerprint,
+        peer_id=peer_id,
+        outer_step=target.outer_step,
     )
-    return list(iter_frames(manifest, []))
+    return list(iter_frames(manifest, tensors))
 
 
 def reserve_once(
@@ -435,16 +446,16 @@ def reserve_once(
     target: Target,
     identity: NodeIdentity,
     *,
-    model_cfg: ModelConfig | None = None,
-    phi: Sequence[torch.Tensor] | None = None,
+    model_cfg: ModelConfig,
+    phi: Sequence[torch.Tensor] | None,
+    run_wire_dtype: str,
     timeout: float = 10.0,
 ) -> str:
     """Attack 7 (stream mode): a phase swap sealed and committed like an honest one, so that the target reserves its
-    phase for ``identity``, which then never delivers a progress (it has no DHT record, and answers nothing). A
-    reservation (no tensors) in a sparse run; in a dense one (``phi``: the target's own, from GetState, and
-    ``model_cfg``) a phase payload of phi in bf16. Returns ``reserved`` when the target acknowledged the swap, else
-    what :func:`swap_once` returned."""
-    frames = phase_frames(target, model_cfg, identity.peer_id, phi, "bf16")
+    phase for ``identity``, which then never delivers a progress (it has no DHT record, and answers nothing): a phase
+    payload of ``phi`` (the target's own, from GetState) as the run's wire sends it (:func:`phase_frames`). Returns
+    ``reserved`` when the target acknowledged the swap, else what :func:`swap_once` returned."""
+    frames = phase_frames(target, model_cfg, identity.peer_id, phi, run_wire_dtype)
     swapped = swap_once(address, target, identity, frames, timeout=timeout)
     return "reserved" if swapped == "committed" else swapped
 
@@ -454,7 +465,7 @@ def hostile_progress_once(
     target: Target,
     model_cfg: ModelConfig,
     identity: NodeIdentity,
-    phi: Sequence[torch.Tensor] | None,
+    phi: Sequence[torch.Tensor],
     progress: Sequence[torch.Tensor],
     *,
     wire_dtype: str,
@@ -462,11 +473,12 @@ def hostile_progress_once(
     stop: threading.Event | None = None,
 ) -> tuple[str, str]:
     """Attack 8 (stream mode): swap a phase payload carrying ``phi`` (the target's own slow weights, from GetState,
-    so that the progress is measured exactly as crafted; None: a sparse run's reservation) at the target's outer
-    step, then deliver ``progress`` in ``wire_dtype`` once the target's pairing round opens (it answers busy until
+    so that the progress is measured exactly as crafted: :func:`phase_frames`) at the target's outer step, then
+    deliver ``progress`` in ``wire_dtype`` once the target's pairing round opens (it answers busy until
     its phase ends; asked again every 0.2 s for ``within`` s, or until ``stop`` is set). Returns what the swap got
     and what the progress got (:func:`swap_once`'s words; ``committed`` progress was blended)."""
-    swapped = swap_once(address, target, identity, phase_frames(target, model_cfg, identity.peer_id, phi, "bf16"))
+    frames = phase_frames(target, model_cfg, identity.peer_id, phi, wire_dtype)
+    swapped = swap_once(address, target, identity, frames)
     if swapped != "committed":
         return swapped, "not_sent"
     frames = payload_frames(
@@ -682,12 +694,14 @@ class Outsider:
         fetched = -math.inf
         while not self._stop.is_set() and (target := self._current(peer_id)) is not None:
             address = self._relay(target, self.payload_source)
-            if self.wire_dtype != "sparse" and time.monotonic() - fetched > PHI_REFRESH_SECONDS:
+            if time.monotonic() - fetched > PHI_REFRESH_SECONDS:
                 phi, fetched = self._phi(target, identity, self.report.reservations), time.monotonic()
                 if phi is None:
                     self._stop.wait(REFUSED_PAUSE)
                     continue
-            outcome = reserve_once(address, target, identity, model_cfg=self.model_cfg, phi=phi)
+            outcome = reserve_once(
+                address, target, identity, model_cfg=self.model_cfg, phi=phi, run_wire_dtype=self.wire_dtype
+            )
             self.report.reservations[outcome] += 1
             self._stop.wait(0.2)
 
@@ -716,7 +730,7 @@ class Outsider:
                 now,
                 self.model_cfg,
                 identity,
-                None if self.wire_dtype == "sparse" else phi,
+                phi,
                 progress,
                 wire_dtype=self.wire_dtype,
                 stop=self._stop,

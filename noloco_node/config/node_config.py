@@ -194,15 +194,9 @@ class NodeConfig(StrictSettings):
         "bf16",
         description="Dtype of the exchanged weights on the wire (in stream mode: of the progress theta - phi; phi "
         "streams in bf16): bf16, fp32, or int8/int4 (blockwise absmax, 256 values per fp32 scale; int4 in stream "
-        "mode only); sparse (stream mode only): the top 1.56% of each 4,096 values of the progress with 2-bit values "
-        "and error feedback, and phi in int8 every --phi-every outer steps. Every node of a run must use the same; a "
-        "payload in another is refused.",
-    )
-    phi_every: int = Field(
-        8,
-        ge=1,
-        description="wire_dtype sparse: outer steps between the phase payloads that carry phi (int8); in the others "
-        "a partner's phi is taken to be this node's own. Every node of a run must use the same.",
+        "mode only); sparse (stream mode only): the top 1.56% of each 4,096 values of the progress with 2-bit values, "
+        "and phi at every phase in a code read against the receiver's own phi (0.22 bytes a value). Every node of a "
+        "run must use the same; a payload in another is refused.",
     )
     blend_momenta: bool = Field(
         False,
@@ -283,6 +277,4 @@ class NodeConfig(StrictSettings):
                 f"wire_dtype {self.wire_dtype} needs mode stream (not {self.mode}): it carries the progress "
                 "theta - phi there; on whole weights it costs convergence (use int8, or --mode stream)"
             )
-        if self.wire_dtype == "sparse" and self.blend_momenta:
-            raise ValueError("wire_dtype sparse sends phi only every --phi-every outer steps: blend_momenta needs it")
         return self

@@ -121,12 +121,10 @@ class PayloadAdmission:
     def _check(self, payload: Payload) -> None:
         # Since when the two replicas last shared weights: the norm bound allows for their drift meanwhile.
         steps_apart = self.standing.steps_apart(payload.peer_id)
-        if self.layout.phi_every > 1 and {"theta", "phi"} & set(payload.parts):
-            # A sparse run shares slow weights once every phi_every outer steps; in the steps between, a blend
-            # takes the partner's phi to be this node's own, so nothing pulls the replicas' phis together and they
-            # drift as replicas apart for that long (measured: 0.50 apart against a bound of one phase of 0.45).
-            steps_apart = max(steps_apart or 0, self.layout.phi_every)
-        measured = self._measured_distances(payload, self.layout.names)
+        # A sparse run's phi is still in the code that only this node's phi reads: the rest is judged now, and all of
+        # it by the trainer once it has read phi (pairing/stream.py compressed_partner).
+        coded = bool(payload.side_coded)
+        measured = None if coded else self._measured_distances(payload, self.layout.names)
         if measured is not None:  # measured chunk by chunk while it arrived: nothing left to compute
             self.security.admit_distances(payload, measured, steps_apart)
             return
@@ -141,7 +139,7 @@ class PayloadAdmission:
                 payload,
                 self.layout.names,
                 send_theta="theta" in parts,
-                send_phi="phi" in parts,
+                send_phi="phi" in parts and not coded,
                 send_delta="delta" in parts,
             )
             names = self.layout.names
@@ -151,13 +149,14 @@ class PayloadAdmission:
             if partner_delta:
                 comparisons.append((partner_delta, delta, phi, None))
             self.security.admit(payload, comparisons, steps_apart)
-            if "progress" in parts:  # a sparse run's progress after a reservation: theta_j is this node's phi + it
+            if "progress" in parts:  # a sparse run's progress, judged as a phase's progress of this node would be
                 progress = [payload.tensors[f"progress/{name}"] for name in names]
                 overall, per_tensor = relative_norms(progress, phi)
                 tensors = list(zip(names, per_tensor, strict=True))
                 self.security.admit_distances(payload, [(overall, tensors)], steps_apart)
         finally:
             copy.release()
+        payload.unjudged = coded
 
     @staticmethod
     def _measured_distances(payload: Payload, names: Sequence[str]) -> list[Distance] | None:

@@ -112,8 +112,6 @@ class Peering:
             alone_grace=cfg.alone_grace,
             max_staleness=cfg.max_staleness,
             exchange_ceiling=layout.exchange_ceiling(),
-            phi_every=layout.phi_every,
-            observe_sent=security.norm_guard.observe_sent,
         )
         strategy = STRATEGIES[cfg.mode](context)
         served = ServedNode(

@@ -21,6 +21,7 @@ from noloco_node.config.node_config import NodeConfig
 from noloco_node.data.corpus import Corpus
 from noloco_node.model.run_model import model_source
 from noloco_node.model.source import ModelSource, run_fingerprint
+from noloco_node.wire import side_info
 from noloco_node.wire.codecs import ENCODED_WIRE_DTYPES
 from noloco_node.wire.frames import DEFAULT_CHUNK_BYTES, PayloadKind, TensorLayout
 
@@ -43,7 +44,6 @@ def run_wide_settings(node_cfg: NodeConfig, train_cfg: TrainConfig, outer_cfg: O
         "mode": node_cfg.mode,
         "wire_dtype": node_cfg.wire_dtype,
         "blend_momenta": str(node_cfg.blend_momenta).lower(),
-        "phi_every": str(node_cfg.phi_every),
         "bucket_records": str(node_cfg.bucket_records),  # where records are looked for (discovery/buckets.py)
     }
 
@@ -76,7 +76,6 @@ class RunLayout:
     mode: str  # the pairing mode: stream exchanges other payloads than sync and overlap
     exchange_timeout: float
     min_link_rate: float
-    phi_every: int = 1  # stream mode: outer steps between phase payloads that carry phi (1 unless the wire is sparse)
 
     @classmethod
     def of(cls, node_cfg: NodeConfig, train_cfg: TrainConfig, outer_cfg: OuterConfig, corpus: Corpus) -> RunLayout:
@@ -97,14 +96,15 @@ class RunLayout:
             send_delta=node_cfg.blend_momenta,
             wire_dtype=node_cfg.wire_dtype,
             mode=node_cfg.mode,
-            phi_every=node_cfg.phi_every if node_cfg.wire_dtype == "sparse" else 1,
             exchange_timeout=node_cfg.exchange_timeout,
             min_link_rate=node_cfg.min_link_rate,
         )
 
-    def _parts(self, *parts: str) -> tuple[TensorLayout, ...]:
+    def _parts(self, *parts: str, side: bool = False) -> tuple[TensorLayout, ...]:
+        """The tensors of ``parts``, each parameter's in turn; with ``side``, those the side-information code carries
+        name it as their wire dtype (wire/side_info.py ``side_coded``)."""
         return tuple(
-            TensorLayout(f"{part}/{name}", shape)
+            TensorLayout(f"{part}/{name}", shape, "side" if side and side_info.side_coded(shape) else "")
             for part in parts
             for name, shape in zip(self.names, self.shapes, strict=True)
         )
@@ -112,20 +112,18 @@ class RunLayout:
     def payload_kinds(self) -> list[PayloadKind]:
         """What a partner sends in an exchange. ``sync`` and ``overlap``: one payload, ``weights`` (theta, with phi
         and delta when the run needs them), in the wire dtype. ``stream``: ``phase`` (phi and, with
-        --blend-momenta, delta: fixed during the inner phase, streamed while both train, in bf16; int8 when the wire
-        is sparse) and ``progress`` (Delta = theta - phi at the outer step, in the wire dtype: the only bytes on the
-        critical path). With --phi-every K > 1, a phase payload carries phi in one phase of K; in the others it is a
-        ``reservation``, which carries nothing and only reserves the pair. Either may answer the other."""
+        --blend-momenta, delta: fixed during the inner phase, streamed while both train, in bf16) and ``progress``
+        (Delta = theta - phi at the outer step, in the wire dtype: the only bytes on the critical path). With the
+        sparse wire the phase payload is int8, except phi's matrices, which travel in the side-information code
+        (pairing/side_phi.py)."""
         momenta = ("delta",) if self.send_delta else ()
         if self.mode == "stream":
-            phase_dtype = "int8" if self.wire_dtype == "sparse" else "bf16"
-            kinds = [
-                PayloadKind("phase", self._parts("phi", *momenta), phase_dtype, family="phase"),
+            sparse_wire = self.wire_dtype == "sparse"
+            phase = self._parts("phi", side=sparse_wire) + self._parts(*momenta)
+            return [
+                PayloadKind("phase", phase, "int8" if sparse_wire else "bf16"),
                 PayloadKind("progress", self._parts("progress"), self.wire_dtype),
             ]
-            if self.phi_every > 1:
-                kinds.append(PayloadKind("reservation", (), phase_dtype, family="phase"))
-            return kinds
         phi = ("phi",) if self.send_phi else ()
         return [PayloadKind("weights", self._parts("theta", *phi, *momenta), self.wire_dtype)]
 

@@ -79,9 +79,6 @@ class ServedNode:
     def info(self) -> pb.InfoReply:
         return self._info()
 
-    def settle(self, partner_id: str, partner_outer_step: int) -> bool | None:
-        return self.strategy.settle(partner_id, partner_outer_step)
-
     def state_snapshot(self) -> Published | None:
         return self.snapshot.hold()
 

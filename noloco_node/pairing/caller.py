@@ -27,7 +27,7 @@ import grpc
 from noloco_node.discovery.dht import PeerRecord
 from noloco_node.pairing.peer_policy import PeerPolicy
 from noloco_node.pairing.standing import PARTNER_CHOOSING_KINDS, Standing
-from noloco_node.rpc.client import UNACKNOWLEDGED, CallOwner, ExchangeError, exchange_with, settle_with
+from noloco_node.rpc.client import UNACKNOWLEDGED, CallOwner, ExchangeError, exchange_with
 from noloco_node.rpc.contracts import OutgoingPayload
 from noloco_node.rpc.metrics import ExchangeMetrics
 from noloco_node.rpc.transport import Transport
@@ -38,8 +38,6 @@ from noloco_node.wire.receive_buffers import ReceiveBuffers
 
 log = logging.getLogger(__name__)
 
-SETTLE_SECONDS = 5.0  # a Settle answer is a table lookup: the time is the network's
-
 
 @dataclass
 class CallSettings:
@@ -47,7 +45,6 @@ class CallSettings:
 
     run_fingerprint: str
     kinds: dict[str, PayloadKind]  # the run's payloads by kind (node/run_layout.py); an answer is of the same kind
-    # or of its family
     max_payload_bytes: int
     max_staleness: int
     transport: Transport
@@ -135,12 +132,10 @@ class PeerCaller:
         outgoing: OutgoingPayload,
         kind: str = "weights",
         complete: Callable[[Payload], Payload] | None = None,
-        unacknowledged: Callable[[], None] | None = None,
     ) -> Payload | None:
         """One exchange of payloads of ``kind`` with ``peer``; its admitted payload, or None (busy, failed, refused:
         recorded). ``complete`` makes the partner's payload whole before it is admitted (a stream run's progress,
-        pairing/stream.py); ``unacknowledged`` is told when this side committed and heard no acknowledgement (the
-        peer may have blended: :meth:`settle` asks)."""
+        pairing/stream.py)."""
         deadline = self.policy.deadline(peer.peer_id)
         started = time.monotonic()
         loop = asyncio.get_running_loop()
@@ -166,8 +161,6 @@ class PeerCaller:
             if not (isinstance(error, ExchangeError) and error.reason == "busy"):
                 self._spend_turn(peer, kind)
             self._failed(peer, deadline, error)
-            if unacknowledged is not None and isinstance(error, ExchangeError) and error.reason == UNACKNOWLEDGED:
-                unacknowledged()
             return None
         except asyncio.CancelledError:
             owner.cancel()
@@ -183,31 +176,6 @@ class PeerCaller:
         turn, would never meet."""
         if kind in PARTNER_CHOOSING_KINDS:
             self.standing.spend_stranger_turn(peer.peer_id)
-
-    async def settle(self, peer: PeerRecord, outer_step: int) -> bool | None:
-        """Whether ``peer`` blended this node's payload of ``outer_step`` in an exchange whose acknowledgement never
-        came (rpc/settle_serving.py), or None when it did not say (unreachable, still exchanging: ask again)."""
-        dial = await self.paths.prepare(peer)
-        if dial is None:
-            return None
-        settings = self.settings
-        timeout = SETTLE_SECONDS
-
-        def ask() -> bool:
-            return settle_with(
-                dial,
-                settings.run_fingerprint,
-                outer_step,
-                timeout=timeout,
-                transport=settings.transport,
-                peer_id=peer.peer_id,
-            )
-
-        try:
-            return await asyncio.wait_for(asyncio.get_running_loop().run_in_executor(self.executor, ask), timeout + 5)
-        except (grpc.RpcError, ExchangeError, asyncio.TimeoutError) as error:
-            log.info("settling with %s: no answer yet (%s)", peer.peer_id[-8:], error)
-            return None
 
     def _exchange(
         self,
@@ -243,12 +211,11 @@ class PeerCaller:
     ) -> Payload:
         settings = self.settings
         admit = self.admit if complete is None else (lambda payload: self.admit(complete(payload)))
-        answers = [k for k in settings.kinds.values() if k.family and k.family == kind.family] or [kind]
         return exchange_with(
             dial,
             outgoing,
             kind.layout,
-            answers=answers,
+            answers=[kind],
             run_fingerprint=settings.run_fingerprint,
             max_payload_bytes=settings.max_payload_bytes,
             wire_dtype=kind.wire_dtype,
@@ -272,7 +239,7 @@ class PeerCaller:
                 self.bad_payload(peer.peer_id, error.bad_payload)
         elif reason == UNACKNOWLEDGED:
             # The peer answered with its payload and took this side's commit; only its last frame was lost. Not a
-            # peer to set aside: a stream run asks it what it did (settle), and its next phase pairs with it again.
+            # peer to set aside: its next round pairs with it again.
             log.warning("exchange with %s: no acknowledgement (%s)", peer.peer_id[-8:], error)
         elif reason != "busy":
             avoid = self.policy.failed(peer.peer_id)

@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import math
 import threading
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Coroutine, Mapping, Sequence
@@ -34,7 +33,7 @@ import torch
 from noloco_node.discovery.dht import Discovery
 from noloco_node.observability.telemetry import Telemetry
 from noloco_node.pairing.caller import PeerCaller
-from noloco_node.rpc.contracts import ExchangeSession, NoSettleRecordError
+from noloco_node.rpc.contracts import ExchangeSession
 from noloco_node.training.replica import Replica
 from noloco_node.wire.codecs import ENCODED_WIRE_DTYPES, encode_into, wire_num_bytes
 from noloco_node.wire.frames import WIRE_DTYPES, PayloadKind, build_manifest
@@ -64,7 +63,7 @@ class OfferPublisher:
         shapes = [item.shape for item in kind.layout]
         if kind.wire_dtype in ENCODED_WIRE_DTYPES:  # published as encoded bytes, once, whoever streams them
             self.pool = BufferPool(
-                [(wire_num_bytes(math.prod(shape), kind.wire_dtype),) for shape in shapes],
+                [(wire_num_bytes(item.numel, kind.dtype_of(item)),) for item in kind.layout],
                 torch.uint8,
                 encode=lambda buffer, source: encode_into(source, kind.wire_dtype, buffer),
             )
@@ -102,10 +101,6 @@ class PairingContext:
     alone_grace: float
     max_staleness: int
     exchange_ceiling: float  # the longest one exchange may take, whatever its deadline
-    phi_every: int = 1  # stream mode: outer steps between the phase payloads that carry phi (node/run_layout.py)
-    # A sparse run: told the relative size of each progress this node sends, overall and per tensor (the norm bound
-    # learns from it).
-    observe_sent: Callable[[float, list[float]], None] | None = None
     loop: asyncio.AbstractEventLoop | None = None  # set when the node's event loop runs
 
     def spawn(self, coroutine: Coroutine[Any, Any, None], what: str) -> Future[None]:
@@ -143,11 +138,6 @@ class PairingStrategy(ABC):
     def open_session(self, partner_id: str, partner_outer_step: int, kind: str) -> ExchangeSession | None:
         """A session for an incoming exchange of payloads of ``kind`` from ``partner_id`` (a proven id), or None:
         busy (ABORTED)."""
-
-    def settle(self, partner_id: str, partner_outer_step: int) -> bool | None:
-        """gRPC thread: a partner that never heard this node's acknowledgement asks whether this node blended its
-        payload (rpc/contracts.py ``PeerNode.settle``). Only stream mode keeps the record to answer from."""
-        raise NoSettleRecordError(f"a {self.mode} run settles no exchange late (only stream mode does)")
 
     def complete_payload(self, payload: Payload) -> Payload:
         """gRPC or exchange thread, before the norm check: the payload to blend, made whole from what this strategy

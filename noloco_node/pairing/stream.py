@@ -28,12 +28,13 @@ The blend is exact NoLoCo up to the rounding of phi (bf16) and Delta (the wire d
 ``noloco-stream`` methods measure that cost (docs/algorithm-study.md). On the critical path there is only Delta,
 which quantizes well (its blocks scale to the progress, not to the weights): int8 is a quarter of the fp32 weights.
 
-With ``--wire-dtype sparse`` the progress is sent top-k coded with error feedback (wire/sparse.py: the residual is
-this strategy's, committed only when a partner took the progress; after an acknowledgement lost in flight the
-caller asks the server, :meth:`StreamPairing.settle`, and both residuals are set by the answer), phi crosses in
-int8 in one phase of ``--phi-every`` and a reservation (an empty phase payload) in the others, and the partner is
-blended as :func:`compressed_partner` makes it: the pair's sum moves as in NoLoCo
-(algorithm.compressed_partner_weights).
+With ``--wire-dtype sparse`` (the simulator's ``noloco-sparse-side``): phi crosses at every phase in the
+side-information code (pairing/side_phi.py: about 0.22 bytes a value, read against the receiver's own phi), the
+progress top-k coded (wire/sparse.py: 0.028 bytes a value, nothing of what it leaves out kept for later), and each
+side blends with the partner as :func:`compressed_partner` makes it after the exchange: theta_j = phi_j as read +
+D_j + c (Delta_i - D_i) (algorithm.compressed_partner_weights, c = algorithm.OWN_LEFT_OUT_WEIGHT). Read only once the
+exchange has settled, the partner's phi is judged then, with the rest of its payload, under the norm bound
+(node/outer_step.py); on arrival only its progress is.
 """
 
 from __future__ import annotations
@@ -44,8 +45,6 @@ import random
 import threading
 import time
 from collections.abc import Callable, Sequence
-from concurrent.futures import Future
-from concurrent.futures import wait as wait_for
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -54,11 +53,10 @@ import torch
 
 from noloco_node import algorithm
 from noloco_node.discovery.dht import PeerRecord
-from noloco_node.pairing.caller import SETTLE_SECONDS
 from noloco_node.pairing.peer_policy import LOSS_CHECK, UNDELIVERED
+from noloco_node.pairing.side_phi import SidePhi
 from noloco_node.pairing.strategy import PairingContext, PairingStrategy
 from noloco_node.pairing.sync import PairingRound, RepeatGrace, RoundSession, run_round
-from noloco_node.security.payload_guard import relative_norms
 from noloco_node.training.replica import Replica
 from noloco_node.wire import sparse
 from noloco_node.wire.frames import PayloadError
@@ -70,20 +68,6 @@ log = logging.getLogger(__name__)
 # How long the partner's record may be missing from every DHT lookup before the node stops waiting for it: about
 # three lookups (discovery/dht.py shares one lookup among the callers of a second).
 PARTNER_MISSING_SECONDS = 3.0
-SETTLE_RETRY_SECONDS = 1.0  # between Settle questions to a partner that did not answer (still exchanging, unreachable)
-
-
-@dataclass
-class ServedRound:
-    """The last progress exchange this node settled as the server: a partner that never heard the acknowledgement
-    asks about it (:meth:`StreamPairing.settle`), and a sparse run takes back its residual's commit then."""
-
-    peer_id: str
-    outer_step: int  # the partner's, in its progress payload
-    # The residual before and after that commit (wire/sparse.py); None once taken back, or in a dense run. Held
-    # until the next round: one fp32 copy of the model (the residual before) that would otherwise be freed.
-    residuals: tuple[list[torch.Tensor], list[torch.Tensor]] | None
-    generation: int  # the residual's, when committed
 
 
 @dataclass
@@ -91,7 +75,6 @@ class Phase:
     """One inner phase of this node, from its phase payload's point of view."""
 
     outer_step: int  # the outer step that ends this phase
-    kind: str  # "phase" (phi), or "reservation" (nothing) in the phases of a sparse run that send no phi
     offer: Published  # this node's phase payload, held until the next phase's replaces it
     partner: Payload | None = None  # the reserved partner's phase payload, until its progress arrives
     open: bool = True  # False once this node has stopped waiting for a reservation: no new one
@@ -112,19 +95,13 @@ class StreamPairing(PairingStrategy):
         self._records: dict[str, PeerRecord] = {}
         # The last round's partner and the grace the next phase gives it (sync.py RepeatGrace).
         self._last_round: tuple[str | None, float] = (None, 0.0)
-        # An acknowledgement lost in flight (rpc/settle_serving.py). As the caller: the partner whose
-        # acknowledgement of this round's progress never came, and whether this round settled by this node's own
-        # call. As the server: the last round it settled, and a Settle that came before the trainer took the round.
-        self._unacknowledged_by: str | None = None
-        self._settled_by_call = False
         self._partner_left = False  # this round's reserved partner went on past this phase, or left the swarm
-        self._served: ServedRound | None = None
-        self._disowned: tuple[str, int] | None = None
-        self._settling: Future[None] | None = None  # the question about the last unacknowledged exchange
-        # The sparse wire's residual: what of this node's progress no partner has received yet (wire/sparse.py).
         progress = ctx.offers["progress"].kind
-        self.feedback = (
-            sparse.ErrorFeedback([item.shape for item in progress.layout]) if progress.wire_dtype == "sparse" else None
+        # A sparse run's phi in the side-information code, and what it knows of the replicas' gaps.
+        self.side = (
+            SidePhi([item.shape for item in progress.layout], ctx.caller.settings.run_fingerprint)
+            if progress.wire_dtype == "sparse"
+            else None
         )
 
     # ---------------------------------------------------------------------------------- gRPC threads
@@ -142,7 +119,7 @@ class StreamPairing(PairingStrategy):
             return (
                 None if current is None else current.try_session(partner_id, partner_outer_step, self.ctx.max_staleness)
             )
-        if kind not in ("phase", "reservation"):
+        if kind != "phase":
             return None
         with self._guard:
             phase = self._phase
@@ -164,37 +141,10 @@ class StreamPairing(PairingStrategy):
                 return None
         return PhaseSession(self, phase, partner_id)
 
-    def settle(self, partner_id: str, partner_outer_step: int) -> bool | None:
-        """Whether this node blended ``partner_id``'s progress of ``partner_outer_step``, asked by that partner after
-        its acknowledgement was lost; the partner did not blend this node's, so a sparse run takes back what its
-        residual counted as received (once, however often it is asked). None while an exchange with it is in
-        flight. Answers from the current round (not yet taken by the trainer) or the last one served."""
-        with self._guard:
-            current = self._round
-            if current is not None and current.only_partner == partner_id:
-                taken = current.partner
-                if taken is not None:  # settled; the trainer has not taken it yet, and will not commit for it
-                    if taken.peer_id != partner_id or taken.outer_step != partner_outer_step:
-                        return False
-                    if self._disowned is None:
-                        self.ctx.caller.settings.metrics.outcome("settle_taken_back")
-                    self._disowned = (partner_id, partner_outer_step)
-                    return True
-                if current.lock.locked():
-                    return None
-            served = self._served
-            if served is None or (served.peer_id, served.outer_step) != (partner_id, partner_outer_step):
-                return False
-            if served.residuals is not None and self.feedback is not None:
-                self.feedback.take_back(*served.residuals, served.generation)
-                self.ctx.caller.settings.metrics.outcome("settle_taken_back")
-                served.residuals = None
-            return True
-
     def complete_payload(self, payload: Payload) -> Payload:
         """A progress payload becomes the partner's whole payload: theta = phi + Delta (fp32), with the phi (and
-        delta) of its phase payload. After a reservation, which carried no phi, it stays a progress (the trainer
-        completes it: :func:`compressed_partner`). Anything else is whole already."""
+        delta) of its phase payload; in a sparse run the progress with that phi still in its code (the trainer
+        reads it once the exchange has settled: :func:`compressed_partner`). Anything else is whole already."""
         if payload.parts != ["progress"]:
             return payload
         with self._guard:
@@ -219,13 +169,13 @@ class StreamPairing(PairingStrategy):
         return self._rebuild(partner, payload)
 
     def _rebuild(self, phase_payload: Payload, progress: Payload) -> Payload:
-        if not phase_payload.tensors:  # a reservation
-            phase_payload.release()
-            return progress
         pool = self.ctx.caller.settings.receive_buffers
         manifest = progress.manifest
         phase_tensors, phase_buffers = phase_payload.hand_over()
         progress_tensors, progress_buffers = progress.hand_over()
+        if self.side is not None:  # phi stays in its code until the trainer reads it
+            tensors = {**progress_tensors, **phase_tensors}
+            return Payload(manifest, tensors, buffers=[*phase_buffers, *progress_buffers], pool=pool)
         parameters = [name.split("/", 1)[1] for name in progress_tensors]
         deltas = list(progress_tensors.values())
         buffers = [pool.take(torch.float32, delta.numel()).view(delta.shape) for delta in deltas]
@@ -262,9 +212,9 @@ class StreamPairing(PairingStrategy):
             self.ctx.spawn(self.ctx.publish_record(), "publishing the DHT record")
 
     def _begin_phase(self, phi: Sequence[torch.Tensor], delta: Sequence[torch.Tensor], outer_step: int) -> None:
-        kind = "phase" if outer_step % self.ctx.phi_every == 0 else "reservation"
-        offer = self.ctx.offers[kind].publish({"phi": phi, "delta": delta}, outer_step)
-        phase = Phase(outer_step, kind, offer, repeat=RepeatGrace.starting_now(*self._last_round))
+        sent = phi if self.side is None else self.side.encode(phi, self.ctx.peer_id(), outer_step)
+        offer = self.ctx.offers["phase"].publish({"phi": sent, "delta": delta}, outer_step)
+        phase = Phase(outer_step, offer, repeat=RepeatGrace.starting_now(*self._last_round))
         with self._guard:
             previous, self._phase = self._phase, phase
         if previous is not None:
@@ -295,22 +245,18 @@ class StreamPairing(PairingStrategy):
             self._last_round = (None, 0.0)
             return None  # nobody swapped phase payloads with this node: a solo step
         progress = algorithm.phase_progress(replica.fast_weights(), replica.phi)
-        residual, before, left_out, generation = None, None, None, 0
-        if self.feedback is not None:  # sent compressed: what it leaves out waits for the next partner
-            if self._settling is not None:  # the answer about the last lost acknowledgement settles the residual
-                wait_for([self._settling], timeout=max(ctx.pair_timeout, SETTLE_RETRY_SECONDS) + 2 * SETTLE_SECONDS)
-                self._settling = None
-            generation = self.feedback.generation
-            encoded, decoded, residual = self.feedback.compress(progress)
-            before = self.feedback.residual  # what compress started from: the commit replaces it by ``residual``
-            if ctx.observe_sent is not None:  # before the exchange: the partner's code is checked against it
-                ctx.observe_sent(*relative_norms(decoded, replica.phi))
-            left_out = [whole.sub_(sent) for whole, sent in zip(progress, decoded, strict=True)]
+        left_out = None
+        if self.side is not None:  # sent top-k coded: what the code leaves out, Delta_i - D_i, stays here
+            encoded = [sparse.encode(whole) for whole in progress]
+            left_out = [
+                whole.sub_(sparse.decode(code, whole.numel()).view_as(whole).to(whole.device))
+                for whole, code in zip(progress, encoded, strict=True)
+            ]
             progress = encoded
         offer = ctx.offers["progress"].publish({"progress": progress}, replica.outer_step)
         del progress
         current = PairingRound(replica.outer_step, offer, only_partner=reserved.peer_id)
-        self._unacknowledged_by, self._settled_by_call, self._partner_left = None, False, False
+        self._partner_left = False
         self._round = current
         seeker = self._exchange_progress(current, phase, reserved.peer_id, reserved.outer_step)
         ctx.discovery.follow([reserved.peer_id])  # its record, fresh at every lookup: gone, or gone on without us
@@ -320,41 +266,18 @@ class StreamPairing(PairingStrategy):
             ctx.discovery.follow([])
         with self._guard:
             self._round = None
-            disowned = partner is not None and self._disowned == (partner.peer_id, partner.outer_step)
-            self._disowned = None
-            served = partner is not None and not self._settled_by_call
-            self._served = (
-                ServedRound(
-                    partner.peer_id,
-                    partner.outer_step,
-                    None if disowned or before is None or residual is None else (before, residual),
-                    generation,
-                )
-                if partner is not None and served
-                else None
-            )
             leftover, phase.partner = phase.partner, None  # not consumed: the progress never came
         if leftover is not None:
             leftover.release()
             if not self._partner_left and not ctx.stopping.is_set():
                 self._undelivered(reserved.peer_id, replica.outer_step)
-        unacknowledged = self._unacknowledged_by == reserved.peer_id
-        if partner is None and unacknowledged and before is not None and residual is not None:
-            # This node committed and never heard whether the partner did: ask it (its answer settles both
-            # residuals), while the trainer goes on with this step alone.
-            self._settling = ctx.spawn(
-                self._settle_late(reserved.peer_id, replica.outer_step, (before, residual), generation),
-                "settling an unacknowledged exchange",
-            )
         # The next phase's grace for this partner (sync.py RepeatGrace): a pair that blended a moment later than this
         # one is still inside its reserved phase, so without it each finds only its last partner open.
         last_partner = partner.peer_id if partner is not None else None
         others = bool(set(self._records) - {last_partner})
         self._last_round = (last_partner, RepeatGrace.seconds(last_partner, others, ctx.pair_timeout, phase_seconds))
-        if partner is not None and self.feedback is not None and residual is not None and left_out is not None:
-            if not disowned:  # the partner said it did not take this node's code before the trainer got here
-                self.feedback.commit(residual)
-            compressed_partner(partner, replica.names, replica.phi, left_out)
+        if partner is not None and self.side is not None and left_out is not None:
+            compressed_partner(partner, replica.names, replica.phi, left_out, self.side)
         return partner
 
     def _undelivered(self, partner_id: str, outer_step: int) -> None:
@@ -407,22 +330,12 @@ class StreamPairing(PairingStrategy):
         self._begin_phase(new_phi, new_delta, next_outer_step)
 
     def checkpoint_state(self) -> dict[str, Any]:
-        if self.feedback is None:
-            return {}
-        self.feedback.fold()
-        return {"sparse_residual": self.feedback.residual}
+        return {} if self.side is None else {"side_gap_estimates": self.side.state()}
 
     def restore(self, state: dict[str, Any]) -> None:
-        residual = state.get("sparse_residual")
-        if self.feedback is None or residual is None:
-            return
-        if [tuple(t.shape) for t in residual] != [tuple(t.shape) for t in self.feedback.residual]:
-            raise ValueError("the checkpoint's sparse residual does not match the model's shapes")
-        self.feedback.commit([t.to(torch.float32) for t in residual])
-
-    def state_replaced(self) -> None:
-        if self.feedback is not None:
-            self.feedback.reset()
+        estimates = state.get("side_gap_estimates")
+        if self.side is not None and estimates is not None:
+            self.side.restore(estimates)
 
     def interrupt(self) -> None:
         phase, current = self._phase, self._round
@@ -460,7 +373,7 @@ class StreamPairing(PairingStrategy):
                 if not (phase.open and phase.partner is None) or not self._swap_lock.acquire(blocking=False):
                     break  # reserved meanwhile (a peer called in), or a peer is swapping with us right now
                 try:
-                    payload = await ctx.caller.call(peer, phase.offer, kind=phase.kind)
+                    payload = await ctx.caller.call(peer, phase.offer, kind="phase")
                 finally:
                     self._swap_lock.release()
                 if payload is not None and self._reserve(phase, payload):
@@ -494,12 +407,11 @@ class StreamPairing(PairingStrategy):
                         current.offer,
                         kind="progress",
                         complete=self.complete_payload,
-                        unacknowledged=lambda: setattr(self, "_unacknowledged_by", partner_id),
                     )
                 finally:
                     current.lock.release()
                 if payload is not None:
-                    self._settled_by_call = current.settle(payload)
+                    current.settle(payload)
                     return
             await asyncio.sleep(random.uniform(0.05, 0.2))  # the partner's round is not open yet, or it calls us
             try:
@@ -516,34 +428,6 @@ class StreamPairing(PairingStrategy):
                 self._partner_left = past or listed  # it went on alone, or left: nothing was held back on purpose
                 current.stop_waiting()
                 return
-
-    async def _settle_late(
-        self,
-        partner_id: str,
-        outer_step: int,
-        residuals: tuple[list[torch.Tensor], list[torch.Tensor]],
-        generation: int,
-    ) -> None:
-        """This node committed its progress of ``outer_step`` and never heard the partner's acknowledgement: ask
-        the partner whether it blended (rpc/settle_serving.py) until it answers, for --pair-timeout at most (its
-        record of the round lasts its next phase); the next outer step's compression waits for the answer.
-        Blended: the residual is committed now, as it would have been (the partner has taken back its own). Not
-        blended, or no answer: the residual stays as it was, and with no answer this node's code may reach the
-        swarm twice (counted: ``settle_unanswered``)."""
-        assert self.feedback is not None
-        ctx = self.ctx
-        metrics = ctx.caller.settings.metrics
-        give_up = time.monotonic() + max(ctx.pair_timeout, SETTLE_RETRY_SECONDS)
-        while time.monotonic() < give_up and not ctx.stopping.is_set():
-            record = self._records.get(partner_id)
-            blended = None if record is None else await ctx.caller.settle(record, outer_step)
-            if blended is not None:
-                if blended:
-                    self.feedback.commit_late(*residuals, generation)
-                metrics.outcome("settled_blended" if blended else "settled_not_blended")
-                return
-            await asyncio.sleep(random.uniform(0.5, 1.0) * SETTLE_RETRY_SECONDS)
-        metrics.outcome("settle_unanswered")
 
 
 class PhaseSession:
@@ -566,15 +450,26 @@ class PhaseSession:
 
 
 def compressed_partner(
-    payload: Payload, names: Sequence[str], phi: Sequence[torch.Tensor], left_out: Sequence[torch.Tensor]
+    payload: Payload,
+    names: Sequence[str],
+    phi: Sequence[torch.Tensor],
+    left_out: Sequence[torch.Tensor],
+    side: SidePhi,
 ) -> None:
-    """Trainer thread, a sparse run: the partner's payload made what this node blends with:
-    theta_j = phi_j + D_j + (Delta_i - D_i), algorithm.compressed_partner_weights computed in the received buffers
-    (no model-sized allocation); phi_j is this node's own when the phase sent none (a reservation)."""
+    """Trainer thread, a sparse run, after the exchange: the partner's payload (progress D_j, phi_j in its code)
+    made what this node blends with: phi_j read against this node's ``phi`` (side_phi.py), and
+    theta_j = phi_j + D_j + c (Delta_i - D_i), algorithm.compressed_partner_weights computed in the received
+    progress's buffers. The payload is left unjudged: its phi was read only now, so the trainer judges all of it
+    (node/outer_step.py)."""
     tensors = payload.tensors
-    if "progress" in payload.parts:  # phi_i + D_j, in the received progress's own buffers
-        thetas = [tensors[f"progress/{name}"].add_(own) for name, own in zip(names, phi, strict=True)]
-        payload.tensors = {f"theta/{name}": theta for name, theta in zip(names, thetas, strict=True)}
-        payload.tensors.update({f"phi/{name}": own for name, own in zip(names, phi, strict=True)})
-    for name, extra in zip(names, left_out, strict=True):
-        payload.tensors[f"theta/{name}"].add_(extra)
+    seen = side.read([tensors[f"phi/{name}"] for name in names], phi, payload.peer_id, payload.outer_step)
+    thetas = [
+        tensors[f"progress/{name}"].add_(read).add_(extra, alpha=algorithm.OWN_LEFT_OUT_WEIGHT)
+        for name, read, extra in zip(names, seen, left_out, strict=True)
+    ]
+    whole = {f"theta/{name}": theta for name, theta in zip(names, thetas, strict=True)}
+    whole.update({f"phi/{name}": read for name, read in zip(names, seen, strict=True)})
+    whole.update({name: tensor for name, tensor in tensors.items() if name.startswith("delta/")})
+    payload.tensors = whole
+    payload.observer = None  # what it measured on arrival was the progress, not these
+    payload.unjudged = True

@@ -1,6 +1,6 @@
 """An RL node as its gRPC service sees it (rpc/contracts.py's PeerNode): it exchanges no weights and serves no
 state, so every Exchange is refused (FAILED_PRECONDITION ``payload_layout``: this node accepts no payload kind) and
-GetState finds nothing, and Settle has no exchange to answer for; Info says its round; GetRollouts is served from its
+GetState finds nothing; Info says its round; GetRollouts is served from its
 book (rpc/rollout_serving.py).
 """
 
@@ -10,7 +10,7 @@ from collections.abc import Callable, Sequence
 
 import grpc
 
-from noloco_node.rpc.contracts import ExchangeSession, HeldPayload, NoSettleRecordError
+from noloco_node.rpc.contracts import ExchangeSession, HeldPayload
 from noloco_node.wire import peer_pb2 as pb
 from noloco_node.wire.frames import PayloadError, PayloadKind
 from noloco_node.wire.payload import Payload, ValueObserver
@@ -39,9 +39,6 @@ class RolloutPeerNode:
 
     def info(self) -> pb.InfoReply:
         return self._info()
-
-    def settle(self, partner_id: str, partner_outer_step: int) -> bool | None:
-        raise NoSettleRecordError("an RL node exchanges no weights")
 
     def state_snapshot(self) -> HeldPayload | None:
         return None

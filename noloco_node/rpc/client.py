@@ -22,7 +22,6 @@ from noloco_node.rpc.contracts import (
     GET_ROLLOUTS_METHOD,
     INFO_METHOD,
     OUTER_STEP_HEADER,
-    SETTLE_METHOD,
     OutgoingPayload,
 )
 from noloco_node.rpc.metrics import ExchangeMetrics
@@ -160,7 +159,8 @@ def _outer_step_of(error: grpc.RpcError) -> int | None:
 
 
 # The reason of an exchange whose acknowledgement never came (the call ended otherwise after this side's commit):
-# the server may or may not have blended. Counted as an outcome; a stream run asks the server (settle_with).
+# the server may or may not have blended. Counted as an outcome: the round goes on as if nothing crossed (a solo
+# step here; the server may have blended this side's payload, once, as any partner's).
 UNACKNOWLEDGED = "unacknowledged"
 # How a call ends when the path or the server failed rather than the server deciding: after this side's commit, in
 # doubt. Every other status is one the server sent on purpose before blending (a refusal of this side's payload,
@@ -222,7 +222,7 @@ def exchange_with(
     checks it (it returns the payload to blend, or raises PayloadError); this side then sends its commit (or its
     refusal, and raises) and returns the payload only on the peer's acknowledgement, which the peer sends after it
     has blended with this side's payload. The one case left is an acknowledgement lost on its way back: then the
-    peer may have blended and this side has not (ExchangeError ``UNACKNOWLEDGED``; :func:`settle_with` asks).
+    peer may have blended and this side has not (ExchangeError ``UNACKNOWLEDGED``).
 
     ``answers``: the kinds of payload the peer may answer with (wire/frames.py ``PayloadKind``), when more than
     ``expected`` (in the kind's wire dtype) may.
@@ -398,17 +398,6 @@ def _unary(address: str, method: str, request: Any, *, timeout: float, transport
 def fetch_info(address: str, *, timeout: float, transport: Transport = PLAIN, peer_id: str = "") -> pb.InfoReply:
     """The Info of the node ``peer_id`` at ``address``."""
     return _unary(address, INFO_METHOD, pb.InfoRequest(), timeout=timeout, transport=transport, peer_id=peer_id)
-
-
-def settle_with(
-    address: str, run_fingerprint: str, outer_step: int, *, timeout: float, transport: Transport, peer_id: str
-) -> bool:
-    """Whether the node ``peer_id`` at ``address`` blended this node's payload of ``outer_step`` in an exchange whose
-    acknowledgement never came (rpc/settle_serving.py); the server then takes back what it counted as received
-    here. Every failure is a grpc.RpcError (UNAVAILABLE: still exchanging, ask again) or ExchangeError."""
-    request = pb.SettleRequest(run_fingerprint=run_fingerprint, outer_step=outer_step)
-    reply = _unary(address, SETTLE_METHOD, request, timeout=timeout, transport=transport, peer_id=peer_id)
-    return bool(reply.blended)
 
 
 def fetch_rollouts(

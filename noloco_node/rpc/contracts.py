@@ -22,7 +22,6 @@ EXCHANGE_METHOD = f"/{SERVICE}/Exchange"
 GET_STATE_METHOD = f"/{SERVICE}/GetState"
 INFO_METHOD = f"/{SERVICE}/Info"
 GET_ROLLOUTS_METHOD = f"/{SERVICE}/GetRollouts"
-SETTLE_METHOD = f"/{SERVICE}/Settle"
 SEEN_AS_HEADER = "noloco-seen-as"  # trailing metadata of Info: the caller's address as the server sees it
 OUTER_STEP_HEADER = "noloco-outer-step"  # trailing metadata of an out-of-reach refusal: the server's outer step
 
@@ -38,11 +37,6 @@ class OutOfReachError(NolocoError):
             f"(--max-staleness {max_staleness})"
         )
         self.outer_step = outer_step
-
-
-class NoSettleRecordError(NolocoError):
-    """A Settle request to a node whose pairing mode keeps no record of its rounds' partners (only stream mode,
-    whose sparse residual depends on the answer, settles an exchange late)."""
 
 
 class OutgoingPayload(Protocol):
@@ -101,12 +95,6 @@ class PeerNode(Protocol):
 
     def info(self) -> pb.InfoReply: ...
 
-    def settle(self, partner_id: str, partner_outer_step: int) -> bool | None:
-        """An exchange whose acknowledgement ``partner_id`` (a proven id) never heard: whether this node blended
-        that partner's payload of ``partner_outer_step``; the partner did not blend this node's, so what this
-        node counted as received by it is taken back (once). None: an exchange with that partner is still in
-        flight (ask again). Raises NoSettleRecordError in a mode that keeps none."""
-
     def state_snapshot(self) -> HeldPayload | None:
         """The full replica state at the last outer step, held for one joiner's download (the service releases
         it); None when there is none yet."""
@@ -146,6 +134,3 @@ class AdmitsEverything:
 
     def bad_payload(self, partner_id: str, error: PayloadError) -> None:
         return None
-
-    def settle(self, partner_id: str, partner_outer_step: int) -> bool | None:
-        raise NoSettleRecordError("this node keeps no record of its exchanges' partners")

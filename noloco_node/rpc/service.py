@@ -1,6 +1,5 @@
 """The gRPC service a node serves to its peers: weight exchange, state download (state_serving.py), peer info
-(info_serving.py), the late settling of an exchange whose acknowledgement was lost (settle_serving.py); the client
-is client.py.
+(info_serving.py), rollouts (rollout_serving.py); the client is client.py.
 
 ``Exchange`` is a bidirectional stream: each side sends its payload (wire/frames.py) while it receives the other's.
 Both directions run at once; a side that only wrote before reading would deadlock against HTTP/2 flow control
@@ -46,7 +45,6 @@ from noloco_node.rpc.contracts import (
 from noloco_node.rpc.info_serving import InfoServing
 from noloco_node.rpc.metrics import ExchangeMetrics
 from noloco_node.rpc.rollout_serving import RolloutServing, RolloutSource
-from noloco_node.rpc.settle_serving import SettleServing
 from noloco_node.rpc.state_serving import StateServing
 from noloco_node.rpc.transport import CHANNEL_OPTIONS, PLAIN, GuardedCall, Transport, Watchdog
 from noloco_node.security.caller_proof import CallerVerifier
@@ -108,7 +106,6 @@ class PeerService:
         self.max_call_seconds = max_call_seconds
         self.state = StateServing(node, self.gate, chunk_bytes=chunk_bytes, max_download_seconds=max_download_seconds)
         self.info = InfoServing(node, self.gate)
-        self.settle = SettleServing(node, self.gate)
         self.rollouts = RolloutServing(rollouts, self.gate)
 
     def _seal(self, proven: str | None, context: grpc.ServicerContext) -> PayloadSeal | None:
@@ -344,9 +341,6 @@ def _handlers(service: PeerService) -> grpc.GenericRpcHandler:
             "GetState": grpc.unary_stream_rpc_method_handler(service.state.GetState),  # parsed by the handler
             "Info": grpc.unary_unary_rpc_method_handler(
                 service.info.Info, response_serializer=pb.InfoReply.SerializeToString
-            ),
-            "Settle": grpc.unary_unary_rpc_method_handler(
-                service.settle.Settle, response_serializer=pb.SettleReply.SerializeToString
             ),
             "GetRollouts": grpc.unary_unary_rpc_method_handler(
                 service.rollouts.GetRollouts, response_serializer=pb.RolloutBatch.SerializeToString

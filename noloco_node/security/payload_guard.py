@@ -29,11 +29,8 @@ replicas, H = 20 and 50), ``d / max(recent own movement)`` stayed below 1.3, hen
 Whatever the movement, the bound never exceeds ``CEILING`` (0.9): weights as far from this node's as zero is
 (d = 1, and random weights sit at d >= 1) are nobody's honest partner, and early in a run, when a tiny model's
 first phases move it by up to 46% of its norm, 3x the movement alone would admit them.
-A sparse run (wire/sparse.py) differs twice: a partner's progress crosses as a top-k code that carries what earlier
-exchanges left out, so its norm is several times a phase's movement (``observe_sent``: the size of this node's own
-code counts like a movement, and a code as large as a steady-state one is always allowed), and its phi crosses
-once every --phi-every outer steps, between which nothing pulls the replicas' phi together
-(node/payload_admission.py allows that drift for a payload that carries phi).
+A sparse run's progress (wire/sparse.py) is a top-k code of one phase's progress, no larger than the progress
+itself, so the same bound holds it.
 Until this node has finished one phase it has no bound: a payload that arrives then (an overlap offer in the
 first phase) is kept unjudged and judged by the trainer, with the bound of its first phase, before it is blended
 (node/served.py, node/outer_step.py); ``admit`` itself refuses as *not ready* (ABORTED, never held against the
@@ -55,7 +52,6 @@ import grpc
 import torch
 
 from noloco_node.wire.frames import PayloadError
-from noloco_node.wire.sparse import KEEP
 
 log = logging.getLogger(__name__)
 
@@ -65,9 +61,6 @@ NORM_BOUND = "norm_bound"  # too far from this node's weights: drift or hostilit
 # Drift: two honest replicas that have not blended for k outer steps may be this much farther apart than the bound
 # of one phase allows (sqrt(1 + k): the spread of independent walks), for k up to this many steps.
 MAX_DRIFT_STEPS = 15
-# A sparse run's code in a steady state: each coordinate's mass of about 1/KEEP phases, sent on KEEP of them, so
-# sqrt(1/KEEP) phases' movement in L2 (8 for SparseLoCo's 1/64).
-STEADY_CODE_PHASES = math.sqrt(1 / KEEP)
 # A tensor's own bound is this many times the larger of the overall bound and its own (factor x movement) basis.
 # An honest partner's tensors stray further from this node's profile than its whole does: a joiner's first phase
 # after downloading a state (its Adam moments start from zero, so every coordinate moves by about the learning rate)
@@ -190,11 +183,8 @@ class NormGuard:
         self.fixed = fixed
         self.factor = factor
         self._per_lr: deque[float] = deque(maxlen=window)  # movement per unit of learning rate, per phase
-        # A sparse run: the size of the progress this node sent, per unit of learning rate, per phase (observe_sent)
-        self._sent_per_lr: deque[float] = deque(maxlen=window)
-        # The same two per tensor (each tensor's movement relative to its own norm): the per-tensor check of admit
+        # The same per tensor (each tensor's movement relative to its own norm): the per-tensor check of admit
         self._tensor_per_lr: deque[list[float]] = deque(maxlen=window)
-        self._tensor_sent_per_lr: deque[list[float]] = deque(maxlen=window)
         self._phase_lr = 0.0
         self._partner_lr = 0.0
         self._lock = threading.Lock()
@@ -216,24 +206,6 @@ class NormGuard:
                 self._phase_lr, self._partner_lr = phase_lr, partner_lr
                 if per_tensor is not None and all(math.isfinite(m) for m in per_tensor):
                     self._tensor_per_lr.append([m / phase_lr for m in per_tensor])
-
-    def observe_sent(self, size: float, per_tensor: Sequence[float] | None = None) -> None:
-        """Trainer thread, a sparse run: ``size`` = ||D|| / ||phi|| of the progress this node is about to send
-        for the phase it last observed (wire/sparse.py's top-k code with error feedback). An honest partner's
-        code is as large as this node's, not as its phase's movement: the code carries what earlier exchanges left
-        out, concentrated on a 64th of the values, so its L2 norm is several times a phase's movement (sqrt(64) in
-        a steady state: it carries the phase's L1 mass on 1/64 of the coordinates). The bound follows the larger of
-        the two, and never falls below that steady state (``STEADY_CODE_PHASES`` phases' movement, without the
-        factor): a code grows with the age of its sender's residual, and this node's own may be younger than its
-        partner's (it joined, caught up, restarted, or blended rarely: a residual grows only when a partner takes
-        the code). The codec on progress that keeps one direction every phase: 0.34 phases' movement for a fresh
-        residual, 6.3 after 150 commits; on the tiny model, 3 nodes: 4.3 at outer step 40, and a joiner's bound 0.12
-        against a partner's code at 0.105."""
-        with self._lock:
-            if math.isfinite(size) and self._phase_lr > 0:
-                self._sent_per_lr.append(size / self._phase_lr)
-                if per_tensor is not None and all(math.isfinite(m) for m in per_tensor):
-                    self._tensor_sent_per_lr.append([m / self._phase_lr for m in per_tensor])
 
     def observe_phase(
         self,
@@ -274,10 +246,7 @@ class NormGuard:
             if not self._per_lr:
                 return None
             movement = max(self._per_lr)
-            basis = self.factor * max(movement, max(self._sent_per_lr, default=0.0))
-            if self._sent_per_lr:  # a sparse run: an honest code may be as large as a steady-state one (observe_sent)
-                basis = max(basis, movement * STEADY_CODE_PHASES)
-            return min(CEILING, basis * self._partner_lr)
+            return min(CEILING, self.factor * movement * self._partner_lr)
 
     @property
     def basis(self) -> str:
@@ -290,26 +259,15 @@ class NormGuard:
     def tensor_bounds(self, bound: float, widen: float = 1.0) -> list[float] | None:
         """Each tensor's bound, for an overall ``bound`` already widened by ``widen`` for drift: ``TENSOR_SLACK``
         times the overall bound, or, for a tensor that moves more than that relative to its own norm, times
-        ``factor`` times its own largest movement (and code, in a sparse run) as for the whole, widened alike. None
+        ``factor`` times its own largest movement as for the whole, widened alike. None
         before this node has measured a phase tensor by tensor (a restart measures one before it pairs again), or
         with a fixed bound."""
         with self._lock:
             if self.fixed is not None or not self._tensor_per_lr:
                 return None
             movements = [max(column) for column in zip(*self._tensor_per_lr, strict=True)]
-            sent = (
-                [max(column) for column in zip(*self._tensor_sent_per_lr, strict=True)]
-                if self._tensor_sent_per_lr and len(self._tensor_sent_per_lr[-1]) == len(movements)
-                else None
-            )
             partner_lr = self._partner_lr
-        bounds = []
-        for i, movement in enumerate(movements):
-            basis = self.factor * max(movement, sent[i] if sent is not None else 0.0)
-            if sent is not None:
-                basis = max(basis, movement * STEADY_CODE_PHASES)
-            bounds.append(TENSOR_SLACK * max(bound, basis * partner_lr * widen))
-        return bounds
+        return [TENSOR_SLACK * max(bound, self.factor * movement * partner_lr * widen) for movement in movements]
 
     def admit(
         self,

@@ -59,6 +59,7 @@ from noloco_node.simulate.wire_views import (
     PHI_EVERY,
     SIDE_PHI,
     SIGN_RESIDUAL,
+    ErrorFeedback,
     bytes_per_parameter,
     late_pair_steps,
     partner_view,
@@ -66,7 +67,6 @@ from noloco_node.simulate.wire_views import (
 )
 from noloco_node.training.loop import InnerLoop
 from noloco_node.training.replica import Replica, resolve_device
-from noloco_node.wire import sparse
 
 ProgressFn = Callable[[str], None]
 
@@ -133,7 +133,7 @@ def _sparse_noloco_round(
     rng: np.random.Generator,
     cfg: SimulateConfig,
     method: str,
-    feedback: list[sparse.ErrorFeedback],
+    feedback: list[ErrorFeedback],
     gap_estimates: list[dict[int, torch.Tensor]],
 ) -> None:
     """One outer step of a sparse method (simulate/wire_views.py): compressed Deltas (error-fed unless the method
@@ -270,7 +270,7 @@ def run_method(
     result.bytes_per_parameter = bytes_per_parameter(
         method, [tuple(p.shape) for p in replicas[0].phi], sends_phi=cfg.outer.effective_gamma != cfg.outer.beta
     )
-    feedback = [sparse.ErrorFeedback([p.shape for p in r.phi]) for r in replicas] if method in PHI_EVERY else []
+    feedback = [ErrorFeedback([p.shape for p in r.phi]) for r in replicas] if method in PHI_EVERY else []
     gap_estimates: list[dict[int, torch.Tensor]] = [{} for _ in replicas]  # side-information methods' (wire_views.py)
     late_previous: list[list[torch.Tensor] | None] = [None] * len(replicas)  # the late methods' last fast weights
     started = time.perf_counter()

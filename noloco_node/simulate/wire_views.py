@@ -73,7 +73,7 @@ SIDE_PHI = {"noloco-sparse-side-ef", "noloco-sparse-side-c1", "noloco-sparse-sid
 NO_FEEDBACK = {"noloco-sparse-side-c1", "noloco-sparse-side", "noloco-sparse-phi1-noef"}
 # The weight c each side gives its own left-out progress as the estimate of its partner's (algorithm.
 # compressed_partner_weights); 1 (the pair's sum conserved) unless listed.
-OWN_LEFT_OUT_WEIGHT = {"noloco-sparse-side": 0.5}
+OWN_LEFT_OUT_WEIGHT = {"noloco-sparse-side": algorithm.OWN_LEFT_OUT_WEIGHT}
 # Sparse methods whose phase payload carries, in the phases without phi, phi's int8 codes' lowest bit alone (with the
 # block scales): the receiver takes the code of that parity nearest its own phi (its own slow weights as side
 # information, Wyner-Ziv), which is the int8 code itself while the two slow weights are less than half a step apart.
@@ -118,7 +118,7 @@ def side_view(
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """(what a receiver holding ``own`` reads of a tensor sent in the side-information code, the RMS gap per chunk
     it measured: None for a tensor sent in int8, which small and one-dimensional tensors are)."""
-    if sent.dim() < 2 or sent.numel() < side_info.CHUNK:
+    if not side_info.side_coded(sent.shape):
         return through_wire([sent], "int8")[0], None
     coded = side_info.encode(sent, sender_estimate, seed)
     return side_info.decode(side_info.unpack(side_info.pack(coded), sent.numel()), own, seed)
@@ -126,9 +126,7 @@ def side_view(
 
 def side_bytes(shape: tuple[int, ...]) -> int:
     numel = math.prod(shape)
-    if len(shape) < 2 or numel < side_info.CHUNK:
-        return quantize.encoded_bytes(numel, "int8")
-    return side_info.encoded_bytes(numel)
+    return side_info.encoded_bytes(numel) if side_info.side_coded(shape) else quantize.encoded_bytes(numel, "int8")
 
 
 def sign_bytes(numel: int) -> int:
@@ -194,12 +192,40 @@ def bytes_per_parameter(method: str, shapes: list[tuple[int, ...]], *, sends_phi
     return progress + _dense_bytes(numels, "bf16") / total, progress
 
 
+class ErrorFeedback:
+    """A replica's residual: the part of its progress that no partner has received yet, added to the next progress it
+    sends before that is compressed (error feedback, arXiv 1809.07599; SparseLoCo keeps one per replica).
+    :meth:`compress` changes nothing; the caller :meth:`commit`\\ s the residual it returned once a partner has taken
+    what was sent."""
+
+    def __init__(self, shapes: list[torch.Size] | list[tuple[int, ...]]) -> None:
+        self.residual = [torch.zeros(shape, dtype=torch.float32) for shape in shapes]
+
+    @torch.no_grad()
+    def compress(
+        self, progress: list[torch.Tensor]
+    ) -> tuple[list[torch.Tensor], list[torch.Tensor], list[torch.Tensor]]:
+        """(encoded, decoded, residual after sending them) of ``progress`` plus the residual, per tensor."""
+        encoded, decoded, residual = [], [], []
+        for step, kept_back in zip(progress, self.residual, strict=True):
+            total = step.to("cpu", torch.float32) + kept_back
+            code = sparse.encode(total)
+            sent = sparse.decode(code, total.numel()).view_as(total)
+            encoded.append(code)
+            decoded.append(sent)
+            residual.append(total.sub_(sent))
+        return encoded, decoded, residual
+
+    def commit(self, residual: list[torch.Tensor]) -> None:
+        self.residual = residual
+
+
 def sparse_pair_steps(
     groups: list[list[int]],
     thetas: list[list[torch.Tensor]],
     phis: list[list[torch.Tensor]],
     deltas: list[list[torch.Tensor]],
-    feedback: list[sparse.ErrorFeedback],
+    feedback: list[ErrorFeedback],
     *,
     phi_round: bool,
     sign_residual: bool = False,

@@ -4,8 +4,9 @@ A payload is a Manifest (run fingerprint, sender, outer step, and for each tenso
 byte size), then Chunks of at most ``chunk_bytes`` of one tensor each with an XXH3-64 checksum of their bytes, then
 an End. The sender converts one chunk at a time to the wire dtype (bf16 by default, fp32 selectable) unless the
 tensors already are in it (a node's published copies are), so it never builds a second copy of the whole model.
-The encoded wire dtypes (int8, int4: blockwise absmax; sparse: top-k per chunk; wire/codecs.py) travel as their
-encoded bytes; a tensor given as values is encoded whole, one tensor at a time.
+The encoded wire dtypes (int8, int4: blockwise absmax; sparse: top-k per chunk; side: a modulo code read against the
+receiver's own copy; wire/codecs.py) travel as their encoded bytes; a tensor given as values is encoded whole, one
+tensor at a time. A payload's tensors may travel in different dtypes (a tensor's layout may name its own).
 
 Frames travel as bytes, not as protobuf objects: chunk frames are written and read by hand in protobuf's own wire
 format (so the .proto stays the contract, and any protobuf client interoperates), because the objects' copies of
@@ -41,6 +42,7 @@ WIRE_DTYPES: dict[str, tuple[int, torch.dtype]] = {
     "int8": (pb.WIRE_DTYPE_INT8_BLOCK256, torch.uint8),
     "int4": (pb.WIRE_DTYPE_INT4_BLOCK256, torch.uint8),
     "sparse": (pb.WIRE_DTYPE_SPARSE_TOPK4096, torch.uint8),
+    "side": (pb.WIRE_DTYPE_SIDE_MOD3, torch.uint8),
 }
 _TORCH_DTYPE_OF_WIRE = {code: dtype for code, dtype in WIRE_DTYPES.values()}
 WIRE_NAME_OF_CODE = {code: name for name, (code, _) in WIRE_DTYPES.items()}
@@ -77,10 +79,12 @@ def _invalid(reason: str, message: str) -> PayloadError:
 
 @dataclass(frozen=True)
 class TensorLayout:
-    """A tensor a receiver expects: its name and shape."""
+    """A tensor a receiver expects: its name, shape, and the wire dtype it travels in when that is not its payload
+    kind's."""
 
     name: str
     shape: tuple[int, ...]
+    wire_dtype: str = ""  # "": the payload kind's
 
     @property
     def numel(self) -> int:
@@ -99,14 +103,16 @@ class PayloadKind:
     name: str
     layout: tuple[TensorLayout, ...]
     wire_dtype: str
-    family: str = ""  # kinds of one family may answer each other (a stream run's phase payload and reservation)
 
     @property
     def parts(self) -> list[str]:
         return list(dict.fromkeys(item.name.split("/", 1)[0] for item in self.layout))
 
+    def dtype_of(self, item: TensorLayout) -> str:
+        return item.wire_dtype or self.wire_dtype
+
     def wire_bytes(self) -> int:
-        return sum(wire_num_bytes(item.numel, self.wire_dtype) for item in self.layout)
+        return sum(wire_num_bytes(item.numel, self.dtype_of(item)) for item in self.layout)
 
 
 def layout_of(named_tensors: Sequence[tuple[str, torch.Tensor]]) -> list[TensorLayout]:
@@ -126,8 +132,7 @@ def build_manifest(
     metadata_json: str = "",
 ) -> pb.Manifest:
     """The manifest of ``tensors`` in ``wire_dtype``: named values (their shapes are what the receiver checks), or
-    their layout (a publisher whose buffers hold the encoded bytes)."""
-    code = WIRE_DTYPES[wire_dtype][0]
+    their layout (a publisher whose buffers hold the encoded bytes; an item that names its own dtype travels in it)."""
     layout = [
         item if isinstance(item, TensorLayout) else TensorLayout(item[0], tuple(item[1].shape)) for item in tensors
     ]
@@ -140,8 +145,8 @@ def build_manifest(
             pb.TensorSpec(
                 name=item.name,
                 shape=list(item.shape),
-                dtype=code,  # type: ignore[arg-type]
-                num_bytes=wire_num_bytes(item.numel, wire_dtype),
+                dtype=WIRE_DTYPES[item.wire_dtype or wire_dtype][0],  # type: ignore[arg-type]
+                num_bytes=wire_num_bytes(item.numel, item.wire_dtype or wire_dtype),
             )
             for item in layout
         ],

@@ -15,10 +15,12 @@ Nothing received is trusted: the fingerprint must be the run's; names, shapes, d
 expected manifest exactly; chunks must arrive in order, inside their tensor, with a matching checksum; the payload must
 be complete; values must be finite; a quantized tensor's scales must be finite and not negative and its codes
 within the encoder's range, a sparse tensor's records must hold positions inside their chunk in increasing order
-and ordered finite scales (checked chunk by chunk as they arrive; the tensor is decoded to fp32 as soon as it is
-complete); and in an exchange, the end's seal must be the expected sender's signature over the digest of all of
-it (security/payload_seal.py). Any failure raises :class:`PayloadError` carrying the gRPC status to answer
-with and a short reason label for the rejection metric, and nothing is handed to the caller.
+and ordered finite scales, a side-coded tensor's records a finite sketch, a finite step >= 0 and code bytes of
+base-3 digits (checked chunk by chunk as they arrive; the tensor is decoded to fp32 as soon as it is complete,
+except a side-coded one, which stays bytes: only the receiver's own weights read it); and in an exchange, the
+end's seal must be the expected sender's signature over the digest of all of it (security/payload_seal.py). Any
+failure raises :class:`PayloadError` carrying the gRPC status to answer with and a short reason label for the
+rejection metric, and nothing is handed to the caller.
 """
 
 from __future__ import annotations
@@ -31,7 +33,7 @@ import numpy as np
 import torch
 
 from noloco_node.wire import peer_pb2 as pb
-from noloco_node.wire.codecs import ENCODED_WIRE_DTYPES, ArrivalCheck, decode_into
+from noloco_node.wire.codecs import DECODED_ON_ARRIVAL, ENCODED_WIRE_DTYPES, ArrivalCheck, decode_into
 from noloco_node.wire.frames import (
     _TORCH_DTYPE_OF_WIRE,
     WIRE_DTYPES,
@@ -63,7 +65,8 @@ class ValueObserver(Protocol):
 
 class Payload:
     """A complete, verified payload: the sender's manifest and its tensors in manifest order, in the wire dtype
-    (bf16, fp32) or, for an encoded wire dtype (int8, int4, sparse), decoded to fp32."""
+    (bf16, fp32), decoded to fp32 (int8, int4, sparse), or, side-coded, as their checked bytes (flat uint8:
+    :attr:`side_coded`)."""
 
     def __init__(
         self,
@@ -94,6 +97,11 @@ class Payload:
     def parts(self) -> list[str]:
         """What it carries per parameter (``theta``, ``phi``, ``delta``, ``progress``), in manifest order."""
         return _parts(self.tensors)
+
+    @property
+    def side_coded(self) -> list[str]:
+        """The tensors still in the side code, which only the receiver's own weights read (pairing/stream.py)."""
+        return [name for name, tensor in self.tensors.items() if tensor.dtype == torch.uint8]
 
     def hand_over(self) -> tuple[dict[str, torch.Tensor], list[torch.Tensor]]:
         """Its tensors and the buffers behind them, for a payload assembled from this one (a stream run's phase and
@@ -219,12 +227,13 @@ class PayloadReceiver:
                 )
             if spec.dtype not in WIRE_NAME_OF_CODE:
                 raise _invalid("tensor_dtype", f"tensor {spec.name!r} has an unknown wire dtype {spec.dtype}")
-            if spec.dtype not in self.allowed_codes:
+            allowed = {WIRE_DTYPES[want.wire_dtype][0]} if want.wire_dtype else self.allowed_codes
+            if spec.dtype not in allowed:
                 raise PayloadError(
                     grpc.StatusCode.FAILED_PRECONDITION,
                     "wire_dtype",
                     f"tensor {spec.name!r} is sent in {WIRE_NAME_OF_CODE[spec.dtype]}; this node's run exchanges "
-                    f"{' or '.join(WIRE_NAME_OF_CODE[code] for code in sorted(self.allowed_codes))} (--wire-dtype)",
+                    f"{' or '.join(WIRE_NAME_OF_CODE[code] for code in sorted(allowed))} (--wire-dtype)",
                 )
             size = wire_num_bytes(want.numel, WIRE_NAME_OF_CODE[spec.dtype])
             if spec.num_bytes != size:
@@ -341,7 +350,7 @@ class PayloadReceiver:
             self._digest.chunk(index, chunk.offset, chunk.data)
         self._filled[index] += size
         self.bytes_received += size
-        if check is not None and self._filled[index] == spec.num_bytes:
+        if check is not None and check.wire_dtype in DECODED_ON_ARRIVAL and self._filled[index] == spec.num_bytes:
             # Decoded as soon as its last byte is in, while the next tensor's bytes are on their way.
             decoded = self._allocate(torch.float32, check.numel)
             decode_into(self._buffers[index], check.numel, check.wire_dtype, decoded)
@@ -366,7 +375,7 @@ class PayloadReceiver:
         if self.manifest is None or not self._ended:
             raise _invalid("incomplete", "the payload stopped before its end")
         tensors = {
-            spec.name: self._decoded.get(index, buffer).view(want.shape)
+            spec.name: buffer if spec.dtype == SIDE_CODE else self._decoded.get(index, buffer).view(want.shape)
             for index, (spec, want, buffer) in enumerate(
                 zip(self.manifest.tensors, self.expected, self._buffers, strict=True)
             )
@@ -378,6 +387,8 @@ class PayloadReceiver:
             payload.observer = self.observer
         return payload
 
+
+SIDE_CODE = WIRE_DTYPES["side"][0]  # stays its flat bytes in a payload: it has no values before it is read
 
 # What an exchange payload may carry per parameter (node/run_layout.py): fast weights, slow weights, outer
 # momentum, and a stream run's progress Delta = theta - phi.

@@ -15,12 +15,14 @@ class WireDType(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     WIRE_DTYPE_INT8_BLOCK256: _ClassVar[WireDType]
     WIRE_DTYPE_INT4_BLOCK256: _ClassVar[WireDType]
     WIRE_DTYPE_SPARSE_TOPK4096: _ClassVar[WireDType]
+    WIRE_DTYPE_SIDE_MOD3: _ClassVar[WireDType]
 WIRE_DTYPE_UNSPECIFIED: WireDType
 WIRE_DTYPE_FLOAT32: WireDType
 WIRE_DTYPE_BFLOAT16: WireDType
 WIRE_DTYPE_INT8_BLOCK256: WireDType
 WIRE_DTYPE_INT4_BLOCK256: WireDType
 WIRE_DTYPE_SPARSE_TOPK4096: WireDType
+WIRE_DTYPE_SIDE_MOD3: WireDType
 
 class TensorSpec(_message.Message):
     __slots__ = ("name", "shape", "dtype", "num_bytes")
@@ -103,20 +105,6 @@ class StateRequest(_message.Message):
     outer_step: int
     from_offset: int
     def __init__(self, run_fingerprint: _Optional[str] = ..., peer_id: _Optional[str] = ..., from_tensor: _Optional[int] = ..., outer_step: _Optional[int] = ..., from_offset: _Optional[int] = ...) -> None: ...
-
-class SettleRequest(_message.Message):
-    __slots__ = ("run_fingerprint", "outer_step")
-    RUN_FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
-    OUTER_STEP_FIELD_NUMBER: _ClassVar[int]
-    run_fingerprint: str
-    outer_step: int
-    def __init__(self, run_fingerprint: _Optional[str] = ..., outer_step: _Optional[int] = ...) -> None: ...
-
-class SettleReply(_message.Message):
-    __slots__ = ("blended",)
-    BLENDED_FIELD_NUMBER: _ClassVar[int]
-    blended: bool
-    def __init__(self, blended: _Optional[bool] = ...) -> None: ...
 
 class InfoRequest(_message.Message):
     __slots__ = ("dial_back",)

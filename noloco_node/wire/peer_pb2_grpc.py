@@ -49,11 +49,6 @@ class PeerStub:
                 request_serializer=noloco_dot_v1_dot_peer__pb2.InfoRequest.SerializeToString,
                 response_deserializer=noloco_dot_v1_dot_peer__pb2.InfoReply.FromString,
                 _registered_method=True)
-        self.Settle = channel.unary_unary(
-                '/noloco.v1.Peer/Settle',
-                request_serializer=noloco_dot_v1_dot_peer__pb2.SettleRequest.SerializeToString,
-                response_deserializer=noloco_dot_v1_dot_peer__pb2.SettleReply.FromString,
-                _registered_method=True)
         self.GetRollouts = channel.unary_unary(
                 '/noloco.v1.Peer/GetRollouts',
                 request_serializer=noloco_dot_v1_dot_peer__pb2.RolloutRequest.SerializeToString,
@@ -89,14 +84,6 @@ class PeerServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
-    def Settle(self, request, context):
-        """After an acknowledgement lost in flight: see SettleRequest. A server still exchanging with the caller answers
-        UNAVAILABLE (ask again); one whose pairing mode keeps no record of its rounds, FAILED_PRECONDITION.
-        """
-        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
-        context.set_details('Method not implemented!')
-        raise NotImplementedError('Method not implemented!')
-
     def GetRollouts(self, request, context):
         """A node doing RL post-training serves its rollouts of a recent round; a node that does not answers UNIMPLEMENTED.
         """
@@ -121,11 +108,6 @@ def add_PeerServicer_to_server(servicer, server):
                     servicer.Info,
                     request_deserializer=noloco_dot_v1_dot_peer__pb2.InfoRequest.FromString,
                     response_serializer=noloco_dot_v1_dot_peer__pb2.InfoReply.SerializeToString,
-            ),
-            'Settle': grpc.unary_unary_rpc_method_handler(
-                    servicer.Settle,
-                    request_deserializer=noloco_dot_v1_dot_peer__pb2.SettleRequest.FromString,
-                    response_serializer=noloco_dot_v1_dot_peer__pb2.SettleReply.SerializeToString,
             ),
             'GetRollouts': grpc.unary_unary_rpc_method_handler(
                     servicer.GetRollouts,
@@ -214,33 +196,6 @@ class Peer:
             '/noloco.v1.Peer/Info',
             noloco_dot_v1_dot_peer__pb2.InfoRequest.SerializeToString,
             noloco_dot_v1_dot_peer__pb2.InfoReply.FromString,
-            options,
-            channel_credentials,
-            insecure,
-            call_credentials,
-            compression,
-            wait_for_ready,
-            timeout,
-            metadata,
-            _registered_method=True)
-
-    @staticmethod
-    def Settle(request,
-            target,
-            options=(),
-            channel_credentials=None,
-            call_credentials=None,
-            insecure=False,
-            compression=None,
-            wait_for_ready=None,
-            timeout=None,
-            metadata=None):
-        return grpc.experimental.unary_unary(
-            request,
-            target,
-            '/noloco.v1.Peer/Settle',
-            noloco_dot_v1_dot_peer__pb2.SettleRequest.SerializeToString,
-            noloco_dot_v1_dot_peer__pb2.SettleReply.FromString,
             options,
             channel_credentials,
             insecure,

@@ -31,17 +31,20 @@ codes, five to a byte as base-3 digits, the lowest first (820 bytes; the last ho
 0). :func:`bad_records` refuses a sketch value or step that is not finite, a negative step, a byte above 242 and a
 padding digit set.
 
-The simulator's side-information methods (``noloco-sparse-side*`` for phi at every outer step, ``noloco-late-side``
-for the fast weights of the last phase; simulate/wire_views.py) use it; what it costs and saves:
-docs/algorithm-study.md, "Sparse progress".
+A stream run with ``--wire-dtype sparse`` sends its phi in it at every phase (pairing/stream.py; the simulator's
+``noloco-sparse-side``, and its variants in simulate/wire_views.py); what it costs and saves: docs/algorithm-study.md,
+"Sparse progress". Small and one-dimensional tensors (:func:`side_coded`) travel in int8 instead: their bytes are
+negligible, and a chunk padded from a few values would cost a whole record.
 
-All randomness (signs, dither) comes from a seed both sides derive from what they share, so nothing of it crosses.
-The functions here are pure: no state, no I/O.
+All randomness (signs, dither) comes from a seed both sides derive from what they share (:func:`seed_of`: the run,
+the sender, its outer step, the tensor), so nothing of it crosses. The functions here are pure: no state, no I/O.
 """
 
 from __future__ import annotations
 
+import hashlib
 import math
+import struct
 from dataclasses import dataclass
 
 import torch
@@ -57,6 +60,22 @@ MIN_STEP_IN_GAPS = 1.75  # a step under this many measured RMS gaps decodes wors
 CODE_BYTES = math.ceil(CHUNK / VALUES_PER_BYTE)  # 820: the last byte holds one code, its other four digits 0
 RECORD_BYTES = (SKETCH + 1) * 4 + CODE_BYTES  # per chunk: the sketch, the step (fp32, little end first), the codes
 MAX_CODE_BYTE = LEVELS**VALUES_PER_BYTE - 1  # 242
+
+
+def side_coded(shape: tuple[int, ...] | torch.Size) -> bool:
+    """Whether a tensor of ``shape`` travels in this code: a matrix of at least one chunk (the rest go in int8)."""
+    return len(shape) >= 2 and math.prod(shape) >= CHUNK
+
+
+def seed_of(run_fingerprint: str, sender: str, outer_step: int, tensor_index: int) -> int:
+    """The seed of one tensor's signs and dither, from what both sides of an exchange know: the run, the sender's
+    peer id, the outer step its payload is for, the tensor's place in it (63 bits of a SHA-256)."""
+    digest = hashlib.sha256(b"noloco-side-info-v1")
+    for text in (run_fingerprint, sender):
+        data = text.encode()
+        digest.update(struct.pack("<Q", len(data)) + data)
+    digest.update(struct.pack("<QQ", outer_step, tensor_index))
+    return int.from_bytes(digest.digest()[:8], "little") >> 1
 
 
 def encoded_bytes(numel: int) -> int:

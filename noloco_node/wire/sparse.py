@@ -17,14 +17,14 @@ does for the dense wire dtypes. Every record is checked as soon as its bytes are
 out of its chunk, repeated or out of order, a scale that is not finite, negative, or a low above the high, and any
 padding bit set are refused.
 
-The codec drops what it does not send; :class:`ErrorFeedback` keeps that residual and adds it to the next progress
-sent (the stream pairing holds one per node, pairing/stream.py).
+The codec drops what it does not send: a stream run's sender has applied its whole progress to itself, and blends
+what the code left out as part of its estimate of the partner's (pairing/stream.py). The simulator's error-feedback
+methods keep it for the next progress instead (simulate/wire_views.py ``ErrorFeedback``).
 """
 
 from __future__ import annotations
 
 import math
-import threading
 
 import torch
 
@@ -184,86 +184,3 @@ def decode(encoded: torch.Tensor, numel: int, out: torch.Tensor | None = None) -
         return flat
     out.view(-1).copy_(flat)
     return out
-
-
-class ErrorFeedback:
-    """A node's residual: the part of its progress that no partner has received yet, added to the next progress it
-    sends before that is compressed (error feedback, arXiv 1809.07599; SparseLoCo keeps one per replica). What one
-    exchange leaves out is not lost, only late. A node always applies its own progress whole; only what it sends is
-    compressed. The checkpoint keeps the residual.
-
-    :meth:`compress` changes nothing; the caller :meth:`commit`\\ s the residual it returned once a partner has
-    taken what was sent (an exchange that fails, or a solo step, sends nothing and leaves the residual as it was).
-    An outcome learnt later, after an acknowledgement lost in flight (pairing/stream.py), is settled whenever it is
-    learnt, from any thread: :meth:`commit_late` (the partner did take the code) or :meth:`take_back` (it did not),
-    each given the residual before and after that exchange's commit. The trainer folds it in before its next
-    compression: the residual becomes the one it should be exactly when nothing was committed since, and otherwise
-    moves by the difference (the residual is linear in what was sent). Committed residuals are never written in
-    place, so another thread may read one (the checkpoint writer)."""
-
-    def __init__(self, shapes: list[torch.Size] | list[tuple[int, ...]]) -> None:
-        self.residual = [torch.zeros(shape, dtype=torch.float32) for shape in shapes]
-        self._late: list[tuple[list[torch.Tensor], list[torch.Tensor]]] = []  # (from, to) learnt since the last fold
-        self._late_lock = threading.Lock()
-        # Counts resets: an outcome learnt late about an exchange before the last reset belongs to a state left
-        # behind, and is dropped.
-        self.generation = 0
-
-    @torch.no_grad()
-    def compress(
-        self, progress: list[torch.Tensor]
-    ) -> tuple[list[torch.Tensor], list[torch.Tensor], list[torch.Tensor]]:
-        """(encoded, decoded, residual after sending them) of ``progress`` plus the residual, per tensor."""
-        if len(progress) != len(self.residual):
-            raise ValueError(f"{len(progress)} progress tensors for {len(self.residual)} residuals")
-        self.fold()
-        encoded, decoded, residual = [], [], []
-        for step, kept_back in zip(progress, self.residual, strict=True):
-            total = step.to("cpu", torch.float32) + kept_back
-            code = encode(total)
-            sent = decode(code, total.numel()).view_as(total)
-            encoded.append(code)
-            decoded.append(sent)
-            residual.append(total.sub_(sent))
-        return encoded, decoded, residual
-
-    def commit(self, residual: list[torch.Tensor]) -> None:
-        self.residual = residual
-
-    def commit_late(self, before: list[torch.Tensor], after: list[torch.Tensor], generation: int) -> None:
-        """An exchange not committed here (in ``generation``) turned out to have been taken by the partner: the
-        residual moves from ``before`` to ``after`` (what :meth:`compress` returned for it), as the commit would
-        have made it."""
-        self._learnt(before, after, generation)
-
-    def take_back(self, before: list[torch.Tensor], after: list[torch.Tensor], generation: int) -> None:
-        """An exchange committed here (in ``generation``, from ``before`` to ``after``) turned out not to have been
-        taken by the partner: that commit is undone."""
-        self._learnt(after, before, generation)
-
-    def _learnt(self, start: list[torch.Tensor], end: list[torch.Tensor], generation: int) -> None:
-        with self._late_lock:
-            if generation == self.generation:
-                self._late.append((start, end))
-
-    @torch.no_grad()
-    def fold(self) -> None:
-        """Trainer thread, never between a :meth:`compress` and its :meth:`commit`: the outcomes learnt late
-        become part of the residual (a new list: the old one may still be read)."""
-        with self._late_lock:
-            late, self._late = self._late, []
-        for start, end in late:
-            if self.residual is start:  # nothing committed since: exactly what it should have been
-                self.residual = end
-            else:
-                self.residual = [
-                    (kept + later.to(kept.device) - earlier.to(kept.device))
-                    for kept, earlier, later in zip(self.residual, start, end, strict=True)
-                ]
-
-    def reset(self) -> None:
-        """Another state adopted (a donor's, or a rollback): this residual was progress of the state left behind."""
-        with self._late_lock:
-            self._late = []
-            self.generation += 1
-        self.residual = [torch.zeros_like(kept_back) for kept_back in self.residual]

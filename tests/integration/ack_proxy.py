@@ -47,7 +47,7 @@ def _data_payload(flags: int, payload: bytes) -> bytes:
 def _frame(message: bytes) -> pb.Frame | None:
     try:
         return pb.Frame.FromString(message)
-    except DecodeError:  # another method's message (Info, Settle)
+    except DecodeError:  # another method's message (Info)
         return None
 
 

@@ -10,10 +10,9 @@ from pathlib import Path
 
 import grpc
 
-from noloco_node.rpc.contracts import EXCHANGE_METHOD, SETTLE_METHOD
+from noloco_node.rpc.contracts import EXCHANGE_METHOD
 from noloco_node.security.caller_proof import prove
 from noloco_node.security.identity import NodeIdentity
-from noloco_node.wire import peer_pb2 as pb
 
 from .attacker import exchange_status, frames_of, fresh_identity, node_weights, payload, sealed
 from .swarm_harness import Bootstrap, NodeProcess
@@ -59,25 +58,8 @@ def test_a_payload_under_another_peers_id_is_refused_and_that_peer_is_untouched(
         code, details = send(attacker.peer_id, attacker, prove(attacker, EXCHANGE_METHOD, target))
         assert code == grpc.StatusCode.PERMISSION_DENIED and "refused" in details, details
 
-        # Settle (an exchange whose acknowledgement was lost) answers only the proven partner, of this run, in a
-        # mode that keeps the record (stream): here every question is refused, precisely, and nothing changes.
-        def settle(run_fingerprint: str, proof: list[tuple[str, str]] | None) -> tuple[grpc.StatusCode, str]:
-            request = pb.SettleRequest(run_fingerprint=run_fingerprint, outer_step=0).SerializeToString()
-            with grpc.insecure_channel(address) as channel:
-                try:
-                    channel.unary_unary(SETTLE_METHOD)(request, timeout=10, metadata=proof)
-                except grpc.RpcError as error:
-                    return error.code(), error.details()
-            return grpc.StatusCode.OK, ""
-
-        assert settle(run, None)[0] == grpc.StatusCode.UNAUTHENTICATED
-        code, details = settle("another-run", prove(honest, SETTLE_METHOD, target))
-        assert code == grpc.StatusCode.FAILED_PRECONDITION and "another run" in details, details
-        code, details = settle(run, prove(honest, SETTLE_METHOD, target))
-        assert code == grpc.StatusCode.FAILED_PRECONDITION and "only stream mode" in details, details
         with urllib.request.urlopen(f"{status['status_url']}/status", timeout=10) as answer:  # live, not status.json
             rejected = json.loads(answer.read())["rejected_payloads"]
-        assert rejected.get("settle_run") == 1 and rejected.get("settle_unsupported") == 1
         assert rejected.get("spoofed_peer_id") == 1
         assert rejected.get("identity_no_proof") == 2 and rejected.get("identity_replayed_proof") == 1
         assert rejected.get("identity_bad_proof") == 1

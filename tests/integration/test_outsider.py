@@ -466,7 +466,7 @@ def test_a_key_that_reserves_each_phase_and_never_delivers_holds_one_phase_per_s
     aside) each key holds at most one phase of each node, and the nodes keep blending with each other. Before the
     set-aside, such a key held every phase it reserved and the node stepped alone at every one."""
     args = [*TRAIN, "--steps", "100000", "--inner-steps", "10", "--pair-timeout", "3"]
-    args += ["--mode", "stream", "--wire-dtype", "sparse", "--phi-every", "2"]
+    args += ["--mode", "stream", "--wire-dtype", "sparse"]
     nodes = [NodeProcess(f"n{i}", bootstrap, tmp_path, *args, "--shard-index", str(i)) for i in range(2)]
     try:
         for n in nodes:

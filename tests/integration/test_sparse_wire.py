@@ -1,6 +1,7 @@
-"""The sparse wire dtype in a real pair of node processes: what each node blends and keeps is exactly what the
-algorithm says, over a phase that sends phi (int8) and one that sends a reservation instead, with the residual of
-error feedback carried from one outer step to the next and saved in the checkpoint."""
+"""The sparse wire dtype in a real pair of node processes: what each node blends is exactly what the algorithm
+says, phi crossing in the side-information code at every phase (read against the receiver's own phi, its step set by
+the sender's estimate of the gap, which each node learns from the gaps it measured) and the progress top-k coded;
+the gap estimates are saved in the checkpoint."""
 
 from __future__ import annotations
 
@@ -9,13 +10,13 @@ from pathlib import Path
 
 import torch
 
-from noloco_node.algorithm import compressed_partner_weights, noloco_pair_step, phase_progress
+from noloco_node.algorithm import OWN_LEFT_OUT_WEIGHT, compressed_partner_weights, noloco_pair_step, phase_progress
 from noloco_node.config.models import DataConfig, TrainConfig, model_config_for
 from noloco_node.data.corpus import ReplicaShard, load_corpus
 from noloco_node.model.source import SeededDecoder
 from noloco_node.training.loop import InnerLoop
 from noloco_node.training.replica import Replica
-from noloco_node.wire import quantize, sparse
+from noloco_node.wire import quantize, side_info, sparse
 
 from .ack_proxy import AckDroppingProxy
 from .swarm_harness import Bootstrap, NodeProcess, stop_all
@@ -28,7 +29,7 @@ THREADS = torch.get_num_threads()
 ARGS = [
     *("--model", "tiny", "--seq-len", "64", "--batch-size", "8", "--eval-batches", "4"),
     *("--steps", str(STEPS), "--inner-steps", str(H), "--seed", str(SEED)),
-    *("--mode", "stream", "--wire-dtype", "sparse", "--phi-every", "2"),
+    *("--mode", "stream", "--wire-dtype", "sparse"),
     # Idle while waiting for the partner: the blend then uses the weights sent, which the replay can know.
     "--no-train-while-waiting",
     *("--pair-timeout", "30", "--alone-grace", "30", "--wait-for-peers", "1"),
@@ -37,16 +38,15 @@ ARGS = [
 ]
 
 
-def test_two_sparse_nodes_blend_exactly_and_settle_an_acknowledgement_lost_in_flight(
+def test_two_sparse_nodes_blend_exactly_and_an_acknowledgement_lost_in_flight_half_applies_nothing(
     bootstrap: Bootstrap, tmp_path: Path
 ) -> None:
-    """--phi-every 2: outer steps 0 and 2 send phi in int8, outer step 1 a reservation (the partner's phi is taken to
-    be one's own). node0 reaches node1 only through a proxy that loses the acknowledgement of the second progress
-    exchange, and node1 cannot reach node0 at all, so node0 calls. At outer step 1 node1 blends; node0 commits,
-    hears nothing, goes on alone and asks node1 (Settle), and both residuals are then what they would be had each
-    known the other's outcome: node0's committed (node1 took its code), node1's not (node0 never took node1's).
-    Each node's phi, delta and residual at the end equal a replay of exactly that here, with the sparse codec and
-    each node's own error feedback."""
+    """Three outer steps, phi in the side code at each. node0 reaches node1 only through a proxy that loses the
+    acknowledgement of the second progress exchange, and node1 cannot reach node0 at all, so node0 calls. At outer
+    step 1 node1 blends; node0 commits, hears nothing, and goes on alone (counted ``unacknowledged``): each side's
+    step is whole, nothing of the other's is half-applied. Each node's phi, delta and gap estimates at the end equal a
+    replay of exactly that here, with the codecs and the algorithm's blend. At outer step 0 neither has measured a
+    gap, so each keeps its own phi for the other's matrices; from then on the code is read."""
     grpc_ports = [free_port(), free_port()]
     proxy = AckDroppingProxy(grpc_ports[1], skip=1, drops=1)
     unreachable = free_port()  # nothing listens there: node1's calls to node0 fail
@@ -72,18 +72,17 @@ def test_two_sparse_nodes_blend_exactly_and_settle_an_acknowledgement_lost_in_fl
     ids = [status["peer_id"] for status in statuses]
     partners = [[h["partner"] for h in status["history"]] for status in statuses]
     assert partners == [[ids[1], None, ids[1]], [ids[0]] * 3], partners
-    outcomes = [status["exchange_outcomes"] for status in statuses]
-    assert outcomes[0].get("unacknowledged") == 1 and outcomes[0].get("settled_blended") == 1, outcomes[0]
-    assert outcomes[1].get("settle_taken_back") == 1, outcomes[1]
-    both = ((True, True), (True, True))
-    # Outer step 1: node0 alone but committed (late), node1 blended but not committed (taken back).
-    _assert_checkpoints_replayed(nodes, [both, ((False, True), (True, False)), both])
+    assert statuses[0]["exchange_outcomes"].get("unacknowledged") == 1, statuses[0]["exchange_outcomes"]
+    assert all(status["rejected_payloads"] == {} for status in statuses), [s["rejected_payloads"] for s in statuses]
+    blends = [(True, True), (False, True), (True, True)]
+    _assert_checkpoints_replayed(nodes, statuses[0]["run_fingerprint"], ids, blends)
 
 
-def _assert_checkpoints_replayed(nodes: list[NodeProcess], steps: list[tuple[tuple[bool, bool], ...]]) -> None:
+def _assert_checkpoints_replayed(
+    nodes: list[NodeProcess], run_fingerprint: str, ids: list[str], blends: list[tuple[bool, bool]]
+) -> None:
     """Replays both nodes' phases here (same seed, shard and thread count: bit-identical) and compares each node's
-    checkpoint with it. ``steps``: per outer step, per node, (whether it blended with the other, whether its
-    residual took the commit of what it sent)."""
+    checkpoint with it. ``blends``: per outer step, whether each node blended with the other."""
     corpus = load_corpus(DataConfig())
     train_cfg = TrainConfig(
         model_size="tiny",
@@ -103,70 +102,89 @@ def _assert_checkpoints_replayed(nodes: list[NodeProcess], steps: list[tuple[tup
         replica = Replica(model, train_cfg, [shard])
         replicas.append(replica)
         phases.append(InnerLoop(replica, total_steps=STEPS, inner_steps=H).phases())
-    feedback = [sparse.ErrorFeedback([p.shape for p in replicas[0].phi]) for _ in range(2)]
-    for outer_step, outcome in enumerate(steps):
-        sends_phi = outer_step % 2 == 0  # --phi-every 2: outer step 0 sends phi, outer step 1 a reservation
+    estimates: list[dict[int, torch.Tensor]] = [{}, {}]  # each node's gap estimate per side-coded tensor
+    coded_any = False
+    for outer_step, blended in enumerate(blends):
         for phase in phases:
             next(phase)
+        # What each sends: phi (matrices in the side code with its own estimate, the rest in int8) and its progress
+        # top-k coded; what the code left out of its own progress stays with it.
         sent = []
         for i, replica in enumerate(replicas):
+            phi_sent = []
+            for k, phi in enumerate(replica.phi):
+                if side_info.side_coded(phi.shape):
+                    seed = side_info.seed_of(run_fingerprint, ids[i], outer_step, k)
+                    phi_sent.append(side_info.pack(side_info.encode(phi, estimates[i].get(k), seed)))
+                    coded_any = True
+                else:
+                    int8 = quantize.quantize(phi, "int8")
+                    phi_sent.append(quantize.dequantize(int8, phi.numel(), "int8").view_as(phi))
             progress = phase_progress(replica.fast_weights(), replica.phi)
-            _, decoded, residual = feedback[i].compress(progress)
-            left_out = [whole - part for whole, part in zip(progress, decoded, strict=True)]
-            sent.append((decoded, left_out, residual))
+            code = [sparse.decode(sparse.encode(p), p.numel()).view_as(p) for p in progress]
+            left_out = [whole - part for whole, part in zip(progress, code, strict=True)]
+            sent.append((phi_sent, code, left_out))
         stepped = []
         for i, replica in enumerate(replicas):
-            partner = replicas[1 - i]
-            if sends_phi:  # int8 on the wire
-                seen_phi = [
-                    quantize.dequantize(quantize.quantize(p, "int8"), p.numel(), "int8").view_as(p) for p in partner.phi
-                ]
-            else:
-                seen_phi = list(replica.phi)
-            partner_theta = compressed_partner_weights(seen_phi, sent[1 - i][0], sent[i][1])
+            j = 1 - i
+            if not blended[i]:
+                stepped.append(
+                    noloco_pair_step(
+                        replica.fast_weights(), replica.phi, replica.delta, None, alpha=0.5, beta=0.7, gamma=0.7
+                    )
+                )
+                continue
+            seen_phi = []
+            for k, (theirs, own) in enumerate(zip(sent[j][0], replica.phi, strict=True)):
+                if theirs.dtype != torch.uint8:
+                    seen_phi.append(theirs)
+                    continue
+                seed = side_info.seed_of(run_fingerprint, ids[j], outer_step, k)
+                seen, gap = side_info.decode(side_info.unpack(theirs, own.numel()), own, seed)
+                seen_phi.append(seen)
+                earlier = estimates[i].get(k)
+                estimates[i][k] = gap if earlier is None else (gap + earlier) / 2
+            partner_theta = compressed_partner_weights(seen_phi, sent[j][1], sent[i][2], OWN_LEFT_OUT_WEIGHT)
             stepped.append(
                 noloco_pair_step(
                     replica.fast_weights(),
                     replica.phi,
                     replica.delta,
-                    (partner_theta, seen_phi, []) if outcome[i][0] else None,
+                    (partner_theta, seen_phi, []),
                     alpha=0.5,
                     beta=0.7,
                     gamma=0.7,
                 )
             )
-        for i, replica in enumerate(replicas):
-            replica.apply_outer_step(*stepped[i])
-            if outcome[i][1]:
-                feedback[i].commit(sent[i][2])
+        for replica, step in zip(replicas, stepped, strict=True):
+            replica.apply_outer_step(*step)
+    assert coded_any
 
     for i, (node, replica) in enumerate(zip(nodes, replicas, strict=True)):
         saved = torch.load(node.data_dir / "checkpoint.pt", weights_only=True)
         state = saved["replica"]
-        assert state["outer_step"] == len(steps)
+        assert state["outer_step"] == len(blends)
         for name, got, want in zip(state["param_names"], state["phi"], replica.phi, strict=True):
             assert torch.equal(got, want), f"phi of {name} on node {i}"
         for name, got, want in zip(state["param_names"], state["delta"], replica.delta, strict=True):
             assert torch.equal(got, want), f"delta of {name} on node {i}"
-        residual = saved["strategy"]["sparse_residual"]
-        for name, got, want in zip(state["param_names"], residual, feedback[i].residual, strict=True):
-            assert torch.equal(got, want), f"residual of {name} on node {i}"
-        assert any(bool(r.abs().sum() > 0) for r in residual), "the residual kept nothing back"
+        kept = saved["strategy"]["side_gap_estimates"]
+        assert set(kept) == set(estimates[i]) and kept, (sorted(kept), sorted(estimates[i]))
+        for k, want in estimates[i].items():
+            assert torch.equal(kept[k], want), f"gap estimate of tensor {k} on node {i}"
 
 
 def test_three_sparse_nodes_blend_over_many_phases_and_refuse_no_honest_payload(
     bootstrap: Bootstrap, tmp_path: Path
 ) -> None:
-    """Two honest nodes, --phi-every 2 (phases that send phi in int8 alternate with reservations), and a third that
-    joins once the first has taken 10 outer steps and then takes 12 of its own: no payload is refused. The norm bound
-    once refused honest codes (a code carries what earlier exchanges left out, several times a phase's movement) and
-    slow weights that drifted between two phi phases; each refusal set the partner aside for 30 s, and such swarms
-    blended at under a third of their steps. A joiner's own residual is young, so its own codes are smaller than its
-    partners': a bound taken from its own code alone refused them."""
+    """Two honest nodes, and a third that joins once the first has taken 10 outer steps and then takes 12 of its
+    own: no payload is refused. A joiner has measured no gap yet (its step is 0, so its partners keep their own phi
+    for its matrices) and its partners' phi is read against its own downloaded state: all of it stays within the
+    bound its own phases set."""
     args = [
         *("--model", "tiny", "--seq-len", "64", "--batch-size", "8", "--eval-batches", "2"),
         *("--steps", "5000", "--inner-steps", "10", "--num-shards", "3"),
-        *("--mode", "stream", "--wire-dtype", "sparse", "--phi-every", "2", "--wait-for-peers", "1"),
+        *("--mode", "stream", "--wire-dtype", "sparse", "--wait-for-peers", "1"),
     ]
 
     def await_outer_steps(node: NodeProcess, count: int) -> None:
@@ -193,7 +211,7 @@ def test_three_sparse_nodes_blend_over_many_phases_and_refuse_no_honest_payload(
     for node, status in zip(nodes, statuses, strict=True):
         assert status["rejected_payloads"] == {}, (node.name, status["rejected_payloads"])
         assert "payload_guard: refused" not in node.output(), node.output()[-3000:]
-    assert blends[2] >= 1, (blends, taken)  # the joiner blended with partners whose residuals are older
+    assert blends[2] >= 1, (blends, taken)  # the joiner blended with partners that measured gaps before it
     # The swarm pairs at most of its steps. (Three nodes cannot all pair at every step, and which one is left out is
     # the machine's timing: under the suite's load one node blended at 11 of its 24, the other two at 23 and 24.)
     assert sum(blends) > sum(taken) / 2, (blends, taken)

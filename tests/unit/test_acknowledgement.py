@@ -1,6 +1,6 @@
 """rpc/client.py: how the caller reads the end of an exchange after its commit. The server said no (its round closed:
 busy, nothing failed), ended the call on purpose (a refusal: not committed), or the call ended otherwise (in doubt:
-unacknowledged, the case Settle answers)."""
+unacknowledged: the server may have blended, this side does not)."""
 
 from __future__ import annotations
 

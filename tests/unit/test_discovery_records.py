@@ -79,7 +79,6 @@ def test_run_wide_settings_are_in_the_fingerprint_and_a_mismatch_is_named() -> N
         {"outer": OuterConfig(alpha=0.3)},
         {"node": NodeConfig(wire_dtype="int8")},
         {"node": NodeConfig(blend_momenta=True)},
-        {"node": NodeConfig(phi_every=4)},
         {"node": NodeConfig(bucket_records=32)},  # where records are looked for: others would never find them
     ):
         other = RunLayout.of(

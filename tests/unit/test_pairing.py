@@ -11,13 +11,15 @@ import grpc
 import pytest
 import torch
 
+from noloco_node import algorithm
 from noloco_node.pairing.overlap import OfferBook
 from noloco_node.pairing.peer_policy import UNDELIVERED, PeerPolicy
 from noloco_node.pairing.strategy import OfferPublisher
-from noloco_node.pairing.stream import StreamPairing
+from noloco_node.pairing.stream import StreamPairing, compressed_partner
 from noloco_node.pairing.sync import PairingRound, RepeatGrace, Stage
 from noloco_node.rpc.metrics import ExchangeMetrics
 from noloco_node.wire import peer_pb2 as pb
+from noloco_node.wire import quantize, side_info, sparse
 from noloco_node.wire.frames import PayloadError, PayloadKind, TensorLayout
 from noloco_node.wire.payload import Payload
 from noloco_node.wire.published import BufferPool, LatestSnapshot, Published
@@ -206,19 +208,27 @@ def test_receive_buffers_are_reused_after_release() -> None:
     assert buffers.take(torch.float32, 10).data_ptr() == tensor.data_ptr()
 
 
-def stream_pairing(progress_dtype: str = "bf16", phi_every: int = 1) -> StreamPairing:
-    """A stream strategy with the parts of a node its phase bookkeeping uses (no loop, no network)."""
+def stream_pairing(
+    progress_dtype: str = "bf16", peer_id: str = "self", shapes: tuple[tuple[int, ...], ...] = ((3, 2),)
+):
+    """A stream strategy with the parts of a node its phase bookkeeping uses (no loop, no network). A sparse one's
+    phase payload is int8 with phi's matrices in the side code, as node/run_layout.py makes it."""
+    sparse_wire = progress_dtype == "sparse"
+    phi = tuple(
+        TensorLayout(f"phi/w{i}", shape, "side" if sparse_wire and side_info.side_coded(shape) else "")
+        for i, shape in enumerate(shapes)
+    )
     kinds = [
-        PayloadKind("phase", (TensorLayout("phi/w", (3, 2)),), "bf16", family="phase"),
-        PayloadKind("progress", (TensorLayout("progress/w", (3, 2)),), progress_dtype),
-        PayloadKind("reservation", (), "bf16", family="phase"),
+        PayloadKind("phase", phi, "int8" if sparse_wire else "bf16"),
+        PayloadKind("progress", tuple(TensorLayout(f"progress/w{i}", s) for i, s in enumerate(shapes)), progress_dtype),
     ]
     ctx = SimpleNamespace(
-        peer_id=lambda: "self",
-        offers={kind.name: OfferPublisher(kind, run_fingerprint="run", peer_id=lambda: "self") for kind in kinds},
-        phi_every=phi_every,
+        peer_id=lambda: peer_id,
+        offers={kind.name: OfferPublisher(kind, run_fingerprint="run", peer_id=lambda: peer_id) for kind in kinds},
         caller=SimpleNamespace(
-            settings=SimpleNamespace(receive_buffers=ReceiveBuffers(max_idle_bytes=0), metrics=ExchangeMetrics()),
+            settings=SimpleNamespace(
+                receive_buffers=ReceiveBuffers(max_idle_bytes=0), metrics=ExchangeMetrics(), run_fingerprint="run"
+            ),
             policy=PeerPolicy(exchange_timeout=60.0, min_deadline=5.0, avoid_seconds=30.0),
         ),
         loop=None,
@@ -236,20 +246,20 @@ def test_stream_reserves_the_first_phase_swap_and_rebuilds_its_partners_theta_fr
     session = strategy.open_session("b", 3, "phase")
     assert session is not None and strategy.open_session("c", 3, "phase") is None  # one swap at a time
     partner_phi = (phi + 0.001).to(torch.bfloat16)
-    session.complete(Payload(pb.Manifest(peer_id="b", outer_step=3), {"phi/w": partner_phi}))
+    session.complete(Payload(pb.Manifest(peer_id="b", outer_step=3), {"phi/w0": partner_phi}))
     session.release()
     assert not strategy.ready() and strategy.open_session("c", 3, "phase") is None  # reserved
 
     progress = torch.full((3, 2), 1e-4)
     with pytest.raises(PayloadError) as stranger:  # progress from a peer it did not swap with
-        strategy.complete_payload(Payload(pb.Manifest(peer_id="c", outer_step=3), {"progress/w": progress}))
+        strategy.complete_payload(Payload(pb.Manifest(peer_id="c", outer_step=3), {"progress/w0": progress}))
     assert (stranger.value.code, stranger.value.reason) == (grpc.StatusCode.FAILED_PRECONDITION, "no_phase_payload")
-    whole = strategy.complete_payload(Payload(pb.Manifest(peer_id="b", outer_step=3), {"progress/w": progress}))
+    whole = strategy.complete_payload(Payload(pb.Manifest(peer_id="b", outer_step=3), {"progress/w0": progress}))
     assert whole.parts == ["theta", "phi"] and whole.peer_id == "b"
     want = partner_phi.to(torch.float32) + progress  # in fp32: phi's bf16 rounding kept, the progress's digits too
-    assert whole.tensors["theta/w"].dtype == torch.float32 and torch.equal(whole.tensors["theta/w"], want)
+    assert whole.tensors["theta/w0"].dtype == torch.float32 and torch.equal(whole.tensors["theta/w0"], want)
     with pytest.raises(PayloadError) as again:  # one progress per reservation
-        strategy.complete_payload(Payload(pb.Manifest(peer_id="b", outer_step=3), {"progress/w": progress}))
+        strategy.complete_payload(Payload(pb.Manifest(peer_id="b", outer_step=3), {"progress/w0": progress}))
     assert again.value.reason == "no_phase_payload"
 
 
@@ -297,38 +307,73 @@ def test_stream_refuses_progress_of_another_phase_than_the_swapped_one() -> None
     strategy._begin_phase([torch.zeros(3, 2)], [torch.zeros(3, 2)], 3)
     session = strategy.open_session("b", 3, "phase")
     assert session is not None
-    session.complete(Payload(pb.Manifest(peer_id="b", outer_step=3), {"phi/w": torch.zeros(3, 2)}))
+    session.complete(Payload(pb.Manifest(peer_id="b", outer_step=3), {"phi/w0": torch.zeros(3, 2)}))
     session.release()
     with pytest.raises(PayloadError) as error:
-        strategy.complete_payload(Payload(pb.Manifest(peer_id="b", outer_step=4), {"progress/w": torch.zeros(3, 2)}))
+        strategy.complete_payload(Payload(pb.Manifest(peer_id="b", outer_step=4), {"progress/w0": torch.zeros(3, 2)}))
     assert (error.value.code, error.value.reason) == (grpc.StatusCode.FAILED_PRECONDITION, "progress_step")
     # A new phase drops the old reservation: nobody is reserved, swaps are open again.
     strategy._begin_phase([torch.zeros(3, 2)], [torch.zeros(3, 2)], 4)
     assert strategy.ready() and strategy.open_session("b", 4, "phase") is not None
 
 
-def test_a_sparse_stream_keeps_its_residual_across_a_restart_and_drops_it_for_another_state() -> None:
-    strategy = stream_pairing("sparse", phi_every=4)
-    assert strategy.feedback is not None and not stream_pairing().feedback  # only the sparse wire keeps one
-    kept = [torch.arange(6.0).view(3, 2)]
-    strategy.restore({"sparse_residual": kept})
-    assert torch.equal(strategy.checkpoint_state()["sparse_residual"][0], kept[0])
-    with pytest.raises(ValueError, match="shapes"):
-        strategy.restore({"sparse_residual": [torch.zeros(2, 3)]})
-    strategy.state_replaced()  # a donor's state, or a rollback: the residual was the progress of the state left
-    assert not strategy.checkpoint_state()["sparse_residual"][0].any()
-
-
-def test_a_sparse_stream_sends_phi_in_one_phase_of_phi_every_and_a_reservation_in_the_others() -> None:
-    strategy = stream_pairing("sparse", phi_every=4)
-    phi = torch.linspace(-1, 1, 6).view(3, 2)
-    kinds = []
-    for outer_step in range(6):
-        strategy._begin_phase([phi], [torch.zeros(3, 2)], outer_step)
-        phase = strategy._phase
-        assert phase is not None
-        kinds.append((phase.kind, len(phase.offer.manifest.tensors)))
-    assert kinds == [("phase", 1), *[("reservation", 0)] * 3, ("phase", 1), ("reservation", 0)]
-    session = strategy.open_session("peer-b", 5, "reservation")  # a peer in a phase without phi swaps too
-    assert session is not None and session.outgoing() is strategy._phase.offer  # type: ignore[union-attr]
+def test_a_sparse_stream_sends_phi_in_the_side_code_every_phase_and_blends_as_the_algorithm_says() -> None:
+    """Node a's phase payload carries its phi matrix in the side code and its vector in int8; node b reads it
+    against its own phi once the progress has crossed, and blends with phi_a as read + D_a + c (Delta_b - D_b),
+    bit for bit as the algorithm and the codec say (what the simulator's noloco-sparse-side replays). The gaps b
+    measured become its estimate, which its next phase payload's step follows and its checkpoint keeps."""
+    shapes = ((64, 96), (64,))
+    a, b = stream_pairing("sparse", "a", shapes), stream_pairing("sparse", "b", shapes)
+    generator = torch.Generator().manual_seed(0)
+    phi_b = [torch.randn(shape, generator=generator) for shape in shapes]
+    phi_a = [p + 0.01 * torch.randn(p.shape, generator=generator) for p in phi_b]
+    zeros = [torch.zeros(shape) for shape in shapes]
+    for strategy, phi in ((a, phi_a), (b, phi_b)):
+        strategy._begin_phase(phi, zeros, 7)
+        assert strategy._phase is not None
+    offer = a._phase.offer  # type: ignore[union-attr]
+    assert [spec.dtype for spec in offer.manifest.tensors] == [pb.WIRE_DTYPE_SIDE_MOD3, pb.WIRE_DTYPE_INT8_BLOCK256]
+    assert offer.manifest.tensors[0].num_bytes == side_info.encoded_bytes(64 * 96)
+    # What b receives: the side code as its checked bytes, the int8 vector decoded (wire/payload.py).
+    received = {"phi/w0": offer.tensors[0].clone(), "phi/w1": quantize.dequantize(offer.tensors[1], 64, "int8")}
+    session = b.open_session("a", 7, "phase")
+    assert session is not None and session.complete(Payload(pb.Manifest(peer_id="a", outer_step=7), received))
     session.release()
+
+    progress_a = [0.001 * torch.randn(shape, generator=generator) for shape in shapes]
+    sent_a = [sparse.decode(sparse.encode(p), p.numel()).view(p.shape) for p in progress_a]
+    whole = b.complete_payload(
+        Payload(pb.Manifest(peer_id="a", outer_step=7), {f"progress/w{i}": d.clone() for i, d in enumerate(sent_a)})
+    )
+    assert whole.parts == ["progress", "phi"] and whole.side_coded == ["phi/w0"]
+    left_out_b = [0.001 * torch.randn(shape, generator=generator) for shape in shapes]
+    assert b.side is not None and not b.side.estimates
+    compressed_partner(whole, ["w0", "w1"], phi_b, left_out_b, b.side)
+
+    seen, gap = side_info.decode(
+        side_info.unpack(offer.tensors[0], 64 * 96), phi_b[0], side_info.seed_of("run", "a", 7, 0)
+    )
+    seen_phi = [seen, received["phi/w1"]]
+    want = algorithm.compressed_partner_weights(seen_phi, sent_a, left_out_b, algorithm.OWN_LEFT_OUT_WEIGHT)
+    assert whole.unjudged and whole.parts == ["theta", "phi"]
+    for i in range(2):
+        assert torch.equal(whole.tensors[f"theta/w{i}"], want[i]) and torch.equal(
+            whole.tensors[f"phi/w{i}"], seen_phi[i]
+        )
+    assert torch.equal(b.side.estimates[0], gap) and set(b.side.estimates) == {0}
+    # Before it measured a gap a sent step 0 (its partner keeps its own phi there); b's next step follows its estimate.
+    assert not side_info.unpack(offer.tensors[0], 64 * 96).step.any()
+    b._begin_phase(phi_b, zeros, 8)
+    step = side_info.unpack(b._phase.offer.tensors[0], 64 * 96).step  # type: ignore[union-attr]
+    assert torch.equal(step, (gap * side_info.STEP_IN_GAPS).float())
+
+    state = b.checkpoint_state()
+    restarted = stream_pairing("sparse", "b", shapes)
+    restarted.restore(state)
+    assert restarted.side is not None and torch.equal(restarted.side.estimates[0], gap)
+    with pytest.raises(ValueError, match="chunks"):
+        restarted.restore({"side_gap_estimates": {0: torch.ones(5)}})
+    with pytest.raises(ValueError, match="no side-coded tensor"):
+        restarted.restore({"side_gap_estimates": {1: torch.ones(1)}})
+    assert torch.equal(restarted.side.estimates[0], gap)  # a refused state changed nothing
+    assert stream_pairing().checkpoint_state() == {}  # a dense run keeps nothing

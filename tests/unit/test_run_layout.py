@@ -37,33 +37,44 @@ def test_the_stall_bound_covers_two_chunks_at_the_slowest_link_accepted() -> Non
     assert layout(1e6, ((4096, 4096),)).stall_seconds(2.0) == pytest.approx(2 * 2**20 / 1e6)
 
 
-def test_a_sparse_stream_run_exchanges_int8_phi_a_reservation_and_sparse_progress() -> None:
+def test_a_sparse_stream_run_exchanges_phi_in_the_side_code_and_sparse_progress() -> None:
+    """phi's matrices travel in the side-information code, its small and one-dimensional tensors (and the outer
+    momentum) in int8, the progress top-k coded."""
     from dataclasses import replace
 
-    from noloco_node.wire import sparse
+    from noloco_node.wire import quantize, side_info, sparse
 
-    sparse_run = replace(layout(1e6), mode="stream", send_phi=True, wire_dtype="sparse", phi_every=8)
+    sparse_run = replace(layout(1e6), mode="stream", send_phi=True, send_delta=True, wire_dtype="sparse")
     kinds = {kind.name: kind for kind in sparse_run.payload_kinds()}
-    assert set(kinds) == {"phase", "progress", "reservation"}
-    assert (kinds["phase"].wire_dtype, kinds["phase"].parts) == ("int8", ["phi"])
+    assert set(kinds) == {"phase", "progress"}
+    phase = kinds["phase"]
+    assert (phase.wire_dtype, phase.parts) == ("int8", ["phi", "delta"])
+    assert [phase.dtype_of(item) for item in phase.layout] == ["side", "int8", "int8", "int8"]
+    assert phase.wire_bytes() == (
+        side_info.encoded_bytes(256 * 64)
+        + quantize.encoded_bytes(64, "int8")
+        + quantize.encoded_bytes(256 * 64, "int8")
+        + quantize.encoded_bytes(64, "int8")
+    )
     assert (kinds["progress"].wire_dtype, kinds["progress"].parts) == ("sparse", ["progress"])
-    assert kinds["reservation"].layout == () and kinds["reservation"].wire_bytes() == 0
-    assert kinds["phase"].family == kinds["reservation"].family == "phase" and not kinds["progress"].family
     numel = 256 * 64 + 64
     assert kinds["progress"].wire_bytes() == sparse.encoded_bytes(256 * 64) + sparse.encoded_bytes(64)
     # the progress is decoded to fp32 on arrival and the partner's theta rebuilt: both counted
-    assert sparse_run.receive_pool_bytes() >= kinds["phase"].wire_bytes() + 3 * 4 * numel
-    int4_run = replace(sparse_run, wire_dtype="int4", phi_every=1)
-    assert {kind.name for kind in int4_run.payload_kinds()} == {"phase", "progress"}
+    assert sparse_run.receive_pool_bytes() >= phase.wire_bytes() + 3 * 4 * numel
+    int4_run = replace(sparse_run, wire_dtype="int4")
+    assert {kind.name: kind.dtype_of(kind.layout[0]) for kind in int4_run.payload_kinds()} == {
+        "phase": "bf16",
+        "progress": "int4",
+    }
 
 
 def test_every_kind_that_reserves_a_partner_is_served_only_as_standing_allows() -> None:
-    """A stranger's reservation reserves the pair as a phase swap does: without this, free keys would buy partner
-    choice in every phase of a sparse run that sends no phi (node/served.py asks pairing/standing.py first)."""
+    """Every payload kind that reserves a pair is served to a stranger only as its standing allows (node/served.py
+    asks pairing/standing.py first): a stream run's phase swap as sync's weights."""
     from dataclasses import replace
 
     from noloco_node.node.served import PARTNER_CHOOSING_KINDS
 
-    for run in (layout(1e6), replace(layout(1e6), mode="stream", send_phi=True, wire_dtype="sparse", phi_every=8)):
+    for run in (layout(1e6), replace(layout(1e6), mode="stream", send_phi=True, wire_dtype="sparse")):
         for kind in run.payload_kinds():
             assert (kind.name in PARTNER_CHOOSING_KINDS) == (kind.name != "progress"), kind.name

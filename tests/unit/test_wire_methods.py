@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import torch
 
-from noloco_node.simulate.wire_views import partner_view
+from noloco_node.simulate.wire_views import ErrorFeedback, partner_view
 
 
 def _state(seed: int = 0) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
@@ -77,7 +77,6 @@ def test_phi_in_the_side_information_code_pulls_a_pair_together_at_every_outer_s
     step they come closer (less than with phi exact: the decoded gap is shrunk against the code's rounding), from
     the second exchange on (the first gives the sender its estimate of the gap)."""
     from noloco_node.simulate.wire_views import sparse_pair_steps
-    from noloco_node.wire import sparse
 
     g = torch.Generator().manual_seed(4)
     base = [torch.randn(128, 64, generator=g) * 0.05]
@@ -89,7 +88,7 @@ def test_phi_in_the_side_information_code_pulls_a_pair_together_at_every_outer_s
     def gap_after(rounds: int = 1, **how: object) -> float:
         """The gap between the two new slow weights after the last of ``rounds`` exchanges of the same state (the
         side-information code's first exchange measures the gap; later ones use it)."""
-        feedback = [sparse.ErrorFeedback([(128, 64)]) for _ in phis]
+        feedback = [ErrorFeedback([(128, 64)]) for _ in phis]
         estimates: list[dict[int, torch.Tensor]] = [{}, {}]
         for _ in range(rounds):
             steps = sparse_pair_steps(
@@ -153,3 +152,24 @@ def test_a_late_step_is_own_progress_now_and_the_pairs_half_of_the_last_phase() 
     assert torch.allclose(second[2][1][0], expected(2, (seen_from_0 - then[2]) * 0.35), atol=1e-7)
     assert torch.allclose(second[1][1][0], expected(1, 0.0), atol=1e-7)
     assert torch.allclose(second[2][0][0], phis[2][0] + second[2][1][0], atol=1e-7)
+
+
+def test_error_feedback_loses_nothing_over_outer_steps() -> None:
+    """What was sent over several outer steps plus the residual left is all the progress there was (the
+    simulator's error-feedback methods)."""
+    generator = torch.Generator().manual_seed(2)
+    feedback = ErrorFeedback([(4096,), (100,)])
+    total_progress = [torch.zeros(4096), torch.zeros(100)]
+    total_sent = [torch.zeros(4096), torch.zeros(100)]
+    for _ in range(5):
+        progress = [torch.randn(4096, generator=generator), torch.randn(100, generator=generator)]
+        _, decoded, residual = feedback.compress(progress)
+        feedback.commit(residual)
+        for k in range(2):
+            total_progress[k] += progress[k]
+            total_sent[k] += decoded[k]
+    for k in range(2):
+        assert torch.allclose(total_sent[k] + feedback.residual[k], total_progress[k], atol=1e-5)
+    before = [r.clone() for r in feedback.residual]
+    feedback.compress([torch.ones(4096), torch.ones(100)])  # not committed: nothing changes
+    assert all(torch.equal(a, b) for a, b in zip(before, feedback.residual, strict=True))
