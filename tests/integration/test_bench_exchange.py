@@ -89,6 +89,7 @@ def test_bench_exchange_compares_wire_dtypes_in_one_run() -> None:
     }
     assert set(rows) == {"bf16", "int8", "sparse"}, out
     from noloco_bench.exchange import _payload_bytes, _weights_meta
+    from noloco_node.wire import side_info
     from noloco_node.wire.frames import wire_num_bytes
 
     for dtype, (megabytes, exchange, total, ratio) in rows.items():
@@ -99,7 +100,8 @@ def test_bench_exchange_compares_wire_dtypes_in_one_run() -> None:
     assert _payload_bytes("tiny", 256, "int8") < 0.6 * _payload_bytes("tiny", 256, "bf16")
     assert re.search(r"raw TCP moving bf16's [\d.]+ MB both ways at once on the same path: [\d.]+ s", out), out
     # Per pairing mode: stream sends phi (bf16) on top, and only Delta (the dtype's bytes) is on the critical path;
-    # with the sparse wire phi crosses in int8 in one outer step of 8. Sync mode refuses the sparse wire.
+    # with the sparse wire phi crosses at every phase, its matrices in the side-information code and the rest in int8.
+    # Sync mode refuses the sparse wire.
     modes = {
         (m.group(1), m.group(2)): tuple(float(m.group(k)) for k in range(3, 9))
         for m in re.finditer(
@@ -110,9 +112,12 @@ def test_bench_exchange_compares_wire_dtypes_in_one_run() -> None:
     }
     assert set(modes) == {("sync", "bf16"), ("sync", "int8"), *(("stream", d) for d in ("bf16", "int8", "sparse"))}, out
     parameters = sum(t.numel() for _, t in _weights_meta("tiny", 256))
-    phi_int8 = sum(wire_num_bytes(t.numel(), "int8") for _, t in _weights_meta("tiny", 256))
+    phi_side = sum(
+        wire_num_bytes(t.numel(), "side" if side_info.side_coded(t.shape) else "int8")
+        for _, t in _weights_meta("tiny", 256)
+    )
     for (mode, dtype), (sent, critical, per_parameter, critical_per_parameter, seconds, ratio) in modes.items():
-        phi = {"sync": 0.0, "stream": rows["bf16"][0]}[mode] if dtype != "sparse" else phi_int8 / 8 / 1e6
+        phi = {"sync": 0.0, "stream": rows["bf16"][0]}[mode] if dtype != "sparse" else phi_side / 1e6
         assert critical == rows[dtype][0] and abs(sent - phi - critical) <= 0.0015, out
         assert abs(per_parameter - sent * 1e6 / parameters) <= 0.001 + 0.0005e6 / parameters, out
         assert abs(critical_per_parameter - critical * 1e6 / parameters) <= 0.001 + 0.0005e6 / parameters, out

@@ -472,7 +472,9 @@ def test_a_key_that_reserves_each_phase_and_never_delivers_holds_one_phase_per_s
         for n in nodes:
             _wait_for(lambda n=n: (s := n.status()) and s["address"] and s["outer_step"] >= 2 and s, 120, n.name)
         window = 20.0
-        started, seen = run_attacker("noloco_bench.outsider", nodes, window, "--attacks", "reserve")
+        started, seen = run_attacker(
+            "noloco_bench.outsider", nodes, window, "--attacks", "reserve", "--wire-dtype", "sparse"
+        )
         wait_for_steps_after(nodes, time.time())
         ended = time.time()
         steps = {n.name: [h for h in n.status()["history"] if started < h["time"] <= ended] for n in nodes}

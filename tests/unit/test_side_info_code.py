@@ -1,12 +1,17 @@
-"""The rotated modulo code (wire/side_info.py): a tensor read against the receiver's own close copy."""
+"""The rotated modulo code (wire/side_info.py): a tensor read against the receiver's own close copy; its wire form,
+and a phase payload carrying it, every malformed record refused on arrival with a precise status."""
 
 from __future__ import annotations
 
+import grpc
+import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from noloco_node.wire import side_info
+from noloco_node.wire.frames import PayloadError, PayloadKind, TensorLayout, build_manifest, iter_frames
+from noloco_node.wire.payload import PayloadReceiver
 
 
 def _pair(gap_scale: float, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
@@ -99,27 +104,93 @@ def _float_bytes(value: float) -> bytes:
     return bytes(torch.tensor([value], dtype=torch.float32).view(torch.uint8).tolist())
 
 
+def _break(record: bytearray, data: st.DataObject) -> str:
+    """Makes one field of ``record`` what no encoder writes; returns what bad_records says of it."""
+    kind = data.draw(st.sampled_from(["sketch", "step", "negative_step", "code", "padding"]))
+    bad = data.draw(st.sampled_from([float("nan"), float("inf"), float("-inf")]))
+    if kind == "sketch":
+        at = 4 * data.draw(st.integers(0, side_info.SKETCH - 1))
+        record[at : at + 4] = _float_bytes(bad)
+        return "a NaN or infinite sketch value"
+    if kind in ("step", "negative_step"):
+        at = 4 * side_info.SKETCH
+        record[at : at + 4] = _float_bytes(bad if kind == "step" else -data.draw(st.floats(1e-30, 1e30)))
+        return "a NaN, infinite or negative step"
+    if kind == "code":
+        at = data.draw(st.integers(4 * (side_info.SKETCH + 1), side_info.RECORD_BYTES - 1))
+        record[at] = data.draw(st.integers(side_info.MAX_CODE_BYTE + 1, 255))
+        return f"a code byte above {side_info.MAX_CODE_BYTE}"
+    record[-1] = data.draw(st.integers(side_info.LEVELS, side_info.MAX_CODE_BYTE))
+    return "padding digits set"
+
+
 @settings(max_examples=60, deadline=None)
 @given(data=st.data())
 def test_a_malformed_record_is_refused_with_what_is_wrong(data: st.DataObject) -> None:
     """Bytes no encoder writes, anywhere in a record: a sketch value or step that is not a finite number (a
     negative step too), a code byte above 3**5 - 1, a padding digit of the last byte set."""
     record = _record()
-    kind = data.draw(st.sampled_from(["sketch", "step", "negative_step", "code", "padding"]))
-    bad = data.draw(st.sampled_from([float("nan"), float("inf"), float("-inf")]))
-    if kind == "sketch":
-        at = 4 * data.draw(st.integers(0, side_info.SKETCH - 1))
-        record[at : at + 4] = _float_bytes(bad)
-        why = "a NaN or infinite sketch value"
-    elif kind in ("step", "negative_step"):
-        at = 4 * side_info.SKETCH
-        record[at : at + 4] = _float_bytes(bad if kind == "step" else -data.draw(st.floats(1e-30, 1e30)))
-        why = "a NaN, infinite or negative step"
-    elif kind == "code":
-        at = data.draw(st.integers(4 * (side_info.SKETCH + 1), side_info.RECORD_BYTES - 1))
-        record[at] = data.draw(st.integers(side_info.MAX_CODE_BYTE + 1, 255))
-        why = f"a code byte above {side_info.MAX_CODE_BYTE}"
-    else:
-        record[-1] = data.draw(st.integers(side_info.LEVELS, side_info.MAX_CODE_BYTE))
-        why = "padding digits set"
+    why = _break(record, data)
     assert side_info.bad_records(torch.tensor(list(record), dtype=torch.uint8).view(1, -1)) == why
+
+
+RUN = "run-side"
+# A sparse stream run's phase payload (node/run_layout.py): phi's matrix in the side code, its vector in int8.
+PHASE = (TensorLayout("phi/m", (96, 128), "side"), TensorLayout("phi/v", (64,)))
+
+
+def _phase_frames(
+    encoded: torch.Tensor, vector: torch.Tensor, chunk_bytes: int, side_dtype: str = "side"
+) -> list[bytes]:
+    layout = [TensorLayout(PHASE[0].name, PHASE[0].shape, side_dtype), PHASE[1]]
+    manifest = build_manifest(layout, wire_dtype="int8", run_fingerprint=RUN, peer_id="peer-1", outer_step=3)
+    return list(iter_frames(manifest, [encoded, vector], chunk_bytes=chunk_bytes))
+
+
+def _receiver() -> PayloadReceiver:
+    kind = PayloadKind("phase", PHASE, "int8")
+    return PayloadReceiver([], kinds=[kind], run_fingerprint=RUN, max_total_bytes=10**8)
+
+
+@settings(max_examples=40, deadline=None)
+@given(data=st.data())
+def test_a_phase_payload_with_a_malformed_side_record_is_refused_precisely_and_nothing_is_handed_over(
+    data: st.DataObject,
+) -> None:
+    """A sparse run's phase payload whose side-coded tensor has one record broken, sent with right checksums in
+    whatever chunking the sender chose: INVALID_ARGUMENT bad_side, nothing handed over. Whole, the same payload
+    arrives with the code as its checked bytes (only the receiver's own phi reads them) and the vector decoded."""
+    sent, _ = _pair(1e-3, seed=data.draw(st.integers(0, 3)))
+    encoded = side_info.pack(side_info.encode(sent, torch.full((3,), 1e-3), seed=2))
+    vector = torch.randn(64)
+    chunk_bytes = data.draw(st.sampled_from([64, 100, 888, 4096]))
+    received = _receiver()
+    for raw in _phase_frames(encoded, vector, chunk_bytes):
+        received.feed(raw)
+    whole = received.finish()
+    assert whole.side_coded == ["phi/m"] and torch.equal(whole.tensors["phi/m"], encoded)
+    assert whole.tensors["phi/v"].dtype == torch.float32
+
+    broken = bytearray(encoded.tolist())
+    record = data.draw(st.integers(0, 2))
+    part = bytearray(broken[record * side_info.RECORD_BYTES : (record + 1) * side_info.RECORD_BYTES])
+    why = _break(part, data)
+    broken[record * side_info.RECORD_BYTES : (record + 1) * side_info.RECORD_BYTES] = part
+    refusing = _receiver()
+    handed: list[object] = []
+    with pytest.raises(PayloadError) as refused:
+        for raw in _phase_frames(torch.tensor(list(broken), dtype=torch.uint8), vector, chunk_bytes):
+            refusing.feed(raw)
+        handed.append(refusing.finish())
+    assert not handed
+    assert (refused.value.code, refused.value.reason) == (grpc.StatusCode.INVALID_ARGUMENT, "bad_side"), refused.value
+    assert why in refused.value.message
+
+
+def test_a_side_tensor_sent_in_another_dtype_is_refused_by_its_manifest() -> None:
+    """The side-coded tensor in int8, or the int8 one in the side code: the run's layout names each tensor's dtype,
+    and another is FAILED_PRECONDITION wire_dtype before anything is allocated."""
+    sent, _ = _pair(1e-3)
+    with pytest.raises(PayloadError) as refused:
+        _receiver().feed(_phase_frames(sent, torch.randn(64), 4096, side_dtype="int8")[0])
+    assert (refused.value.code, refused.value.reason) == (grpc.StatusCode.FAILED_PRECONDITION, "wire_dtype")
