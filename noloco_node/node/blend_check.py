@@ -5,11 +5,11 @@ The norm bound (security/payload_guard.py) admits any partner whose weights sit 
 inside it, a member that earned standing honestly and then turned can send weights chosen to hurt. Minus its own
 slow weights at 0.85 of the bound, sent whenever it was drawn, raised a victim's final validation loss by 18-48% in
 `noloco-node bench outsider --mode stream` (int8, 14-17 blends of 60 outer steps), and no bound along the weights
-separates that from an honest partner's progress (a joiner's fresh Adam, or a sparse code's error feedback, moves
-honest weights the same way; docs/threat-model.md, section 4). What a blend does to the model is measured instead:
-both candidates, this node's outer step with the partner and without it, are evaluated on the same batches (what
-the batches happen to favour cancels out), and the partner is refused when the blend is worse than the step alone
-by more than it may be:
+separates that from an honest partner's progress (a joiner's fresh Adam moves honest weights the same way, and so
+did the error feedback of an earlier sparse wire; docs/threat-model.md, section 4). What a blend does to the model
+is measured instead: both candidates, this node's outer step with the partner and without it, are evaluated on the
+same batches (what the batches happen to favour cancels out), and the partner is refused when the blend is worse
+than the step alone by more than it may be:
 
     blended - alone > max(LOSS_TOLERANCE * alone, GAIN_FACTOR * (earlier - alone) / phases)
 

@@ -157,8 +157,8 @@ class CatchUp:
     run_start: dict[str, str] = field(default_factory=dict)  # the run's model and settings (node/run_layout.py)
     stopping: Callable[[], bool] = lambda: False  # SIGTERM or SIGINT: a download in progress is cancelled
     probation: Probation = field(init=False)
-    # The pairing strategy's state saved with the checkpoint this node resumed from (the sparse residual); empty
-    # when it started otherwise or adopted a donor's state since.
+    # The pairing strategy's state saved with the checkpoint this node resumed from (a sparse run's gap estimates);
+    # empty when it started otherwise or adopted a donor's state since.
     resumed_strategy_state: dict[str, Any] = field(default_factory=dict)
     # The standing this node's checkpoint kept (pairing/standing.py ``restore``): restored before any front is
     # taken, so that a restarting member believes the peers it had standing with.

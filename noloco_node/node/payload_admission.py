@@ -184,9 +184,9 @@ class PayloadAdmission:
         """Trainer thread: a partner whose blend failed the loss check (node/blend_check.py), after an exchange
         both sides committed: counted (rejection ``loss_check``), and at its LOSS_CHECK_STRIKES-th refusal with no
         blend taken between, set aside like one refused for the norm bound (a stream run swaps no phase with it
-        meanwhile, pairing/stream.py). Not at the first: an honest sparse code now and then measures worse on this
-        side alone (its error feedback hands on what earlier exchanges left out), and a 3-node swarm that set aside
-        each of those blended at 57% of its outer steps; a partner that sends harm sends it every time."""
+        meanwhile, pairing/stream.py). Not at the first: an honest compressed blend now and then measures worse on
+        one side alone (with an earlier sparse wire's error feedback a 3-node swarm that set aside each of those
+        blended at 57% of its outer steps); a partner that sends harm sends it every time."""
         self.metrics.rejection(LOSS_CHECK)
         strikes = self._strikes.pop(partner_id, 0) + 1
         if strikes < LOSS_CHECK_STRIKES:
