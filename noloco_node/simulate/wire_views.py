@@ -8,22 +8,22 @@ Dense methods (arXiv 2506.10911, eq. 3-5 with the partner's tensors as a wire de
   replicas train; at the outer step only Delta = theta - phi (bf16 or quantized); the receiver rebuilds theta as
   phi + Delta.
 
-Sparse methods (``noloco-sparse-*``, wire/sparse.py, the node's ``--wire-dtype sparse``): Delta crosses as the
-top-k per chunk with 2-bit values, the part left out kept by its sender and added to the next progress it sends
-(error feedback). Each side blends its own fast weights whole with the partner's seen as phi_j + D_j +
-(Delta_i - D_i) (algorithm.compressed_partner_weights: the pair's sum moves as in NoLoCo). phi crosses in int8
-every K outer steps (``-phiK``); in the other steps a replica takes the partner's phi to be its own, which drops
-the pull term gamma * (phi_i - mean(phi)) and nothing else. Two variants spend the bytes of the other steps
-differently: ``-sign-phi16`` also sends the residual as it stood at the phase's start, one bit a value (its sign
-at its block's mean magnitude: what earlier top-k codes left out reaches the partner one phase late, densely);
-``-parity-phi16`` sends in the other steps the lowest bit of phi's int8 codes, decoded against the receiver's own
-phi (side information). ``-side`` sends phi at every outer step in the rotated modulo code (wire/side_info.py: 1.6
-bits a value, read against the receiver's own phi, its step set by the gap between the two), so the pull acts at
-every step; it drops what its top-k code leaves out instead of feeding it back (the sender has applied it to
-itself, and its phi carries it to every later partner), and takes half its own left-out progress as its estimate of
-the partner's (``OWN_LEFT_OUT_WEIGHT``). ``-side-c1`` takes all of it (the pair's sum conserved); ``-side-ef`` is
-``-side-c1`` with error feedback, ``-phi1-noef`` ``-side-c1`` with phi in int8. A replica with no partner sends
-nothing: its residual waits for the next one.
+Sparse methods (``noloco-sparse-*``, wire/sparse.py; ``noloco-sparse-side`` is the node's ``--wire-dtype sparse``,
+``noloco-sparse-phi8`` its earlier form): Delta crosses as the top-k per chunk with 2-bit values, the part left out kept
+by its sender and added to the next progress it sends (error feedback). Each side blends its own fast weights whole with
+the partner's seen as phi_j + D_j + (Delta_i - D_i) (algorithm.compressed_partner_weights: the pair's sum moves as in
+NoLoCo). phi crosses in int8 every K outer steps (``-phiK``); in the other steps a replica takes the partner's phi to be
+its own, which drops the pull term gamma * (phi_i - mean(phi)) and nothing else. Two variants spend the bytes of the
+other steps differently: ``-sign-phi16`` also sends the residual as it stood at the phase's start, one bit a value (its
+sign at its block's mean magnitude: what earlier top-k codes left out reaches the partner one phase late, densely);
+``-parity-phi16`` sends in the other steps the lowest bit of phi's int8 codes, decoded against the receiver's own phi
+(side information). ``-side`` sends phi at every outer step in the rotated modulo code (wire/side_info.py: 1.6 bits a
+value, read against the receiver's own phi, its step set by the gap between the two), so the pull acts at every step; it
+drops what its top-k code leaves out instead of feeding it back (the sender has applied it to itself, and its phi
+carries it to every later partner), and takes half its own left-out progress as its estimate of the partner's
+(``OWN_LEFT_OUT_WEIGHT``). ``-side-c1`` takes all of it (the pair's sum conserved); ``-side-ef`` is ``-side-c1`` with
+error feedback, ``-phi1-noef`` ``-side-c1`` with phi in int8. A replica with no partner sends nothing: its residual
+waits for the next one.
 
 Late methods (``noloco-late``, ``noloco-late-side``): nothing crosses at the outer step. Each replica steps on its own
 progress whole, as if its partner's were the same, and the pair's half of the step comes one phase late: the two
