@@ -1,5 +1,5 @@
 """Faults a node can be told to simulate, for tests, drills and benchmarks: slower steps, emulated step times,
-a crash at a given step.
+a crash at a given step, a hold at a given step until a file appears (a test's synchronisation with the node).
 
 They are not settings (no flag, no settings-file field, nothing in ``join --help``): a node reads them from the
 ``NOLOCO_DRILL`` environment variable, a JSON object such as ``{"slow_factor": 5}``, checked like any setting (a
@@ -10,17 +10,24 @@ only when asked for, so a production node runs none of this code.
 from __future__ import annotations
 
 import hashlib
+import logging
+import threading
 import time
 from collections.abc import Mapping
+from pathlib import Path
 
 import numpy as np
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from noloco_node.node.catch_up import NodeError
 from noloco_node.training.loop import StepHook
 from noloco_node.training.replica import Replica, StepLoss
 
 DRILL_ENV = "NOLOCO_DRILL"
+HOLD_LIMIT_SECONDS = 600.0  # a hold whose file never appears (its test died) ends on its own
+HOLD_CHECK_SECONDS = 0.05
+
+log = logging.getLogger(__name__)
 
 
 class Drill(BaseModel):
@@ -37,6 +44,19 @@ class Drill(BaseModel):
     )
     step_time_sigma: float = Field(0.0, ge=0.0, le=3.0, description="Sigma of the log-normal step-time factor.")
     fail_at_inner_step: int | None = Field(None, ge=1, description="The trainer raises at this inner step.")
+    hold_after_inner_step: int | None = Field(
+        None,
+        ge=1,
+        description="After this inner step the trainer waits until release_file exists (HOLD_LIMIT_SECONDS at "
+        "most), serving calls meanwhile: a test holds a node inside its run for as long as it needs it there.",
+    )
+    release_file: str | None = Field(None, description="The file whose appearance ends hold_after_inner_step.")
+
+    @model_validator(mode="after")
+    def _hold_needs_its_file(self) -> Drill:
+        if (self.hold_after_inner_step is None) != (self.release_file is None):
+            raise ValueError("hold_after_inner_step and release_file go together")
+        return self
 
     @classmethod
     def from_environment(cls, environ: Mapping[str, str]) -> Drill:
@@ -87,4 +107,18 @@ def fault_hooks(drill: Drill, peer_id: str) -> list[StepHook]:
                 raise RuntimeError(f"injected fault at inner step {replica.inner_step} (fail_at_inner_step)")
 
         hooks.append(crash)
+    if drill.hold_after_inner_step is not None and drill.release_file is not None:
+        hold_at, release = drill.hold_after_inner_step, Path(drill.release_file)
+
+        def hold(replica: Replica, _loss: StepLoss, _seconds: float) -> None:
+            if replica.inner_step != hold_at:
+                return
+            waited, pause = 0.0, threading.Event()
+            while not release.exists() and waited < HOLD_LIMIT_SECONDS:
+                pause.wait(HOLD_CHECK_SECONDS)
+                waited += HOLD_CHECK_SECONDS
+            if not release.exists():
+                log.warning("held after inner step %d for %.0fs: %s never appeared", hold_at, waited, release)
+
+        hooks.append(hold)
     return hooks

@@ -136,7 +136,37 @@ def test_drills_are_no_setting_and_a_bad_one_is_named() -> None:
     assert Drill.from_environment({}) == Drill() and fault_hooks(Drill(), "peer") == []
     drill = Drill.from_environment(Drill(slow_factor=3, fail_at_inner_step=7).environment())
     assert drill.slow_factor == 3 and drill.fail_at_inner_step == 7 and len(fault_hooks(drill, "peer")) == 2
-    for bad, named in (('{"slow_factor": 0.5}', "slow_factor"), ('{"slow_facter": 2}', "slow_facter"), ("{", "")):
+    for bad, named in (
+        ('{"slow_factor": 0.5}', "slow_factor"),
+        ('{"slow_facter": 2}', "slow_facter"),
+        ("{", ""),
+        ('{"hold_after_inner_step": 3}', "release_file"),  # a hold without the file that ends it
+    ):
         with pytest.raises(NodeError, match=DRILL_ENV) as refused:
             Drill.from_environment({DRILL_ENV: bad})
         assert named in str(refused.value)
+
+
+def test_a_held_drill_waits_after_its_step_until_its_file_appears(tmp_path: Path) -> None:
+    """A test holds a node inside its run (hold_after_inner_step, release_file): the trainer's hook returns at once
+    at every other step, and at that one only once the file exists."""
+    import threading
+    from types import SimpleNamespace
+
+    from noloco_node.node.fault_injection import Drill, fault_hooks
+
+    release = tmp_path / "release"
+    (hold,) = fault_hooks(Drill(hold_after_inner_step=3, release_file=str(release)), "peer")
+    hold(SimpleNamespace(inner_step=2), None, 0.0)  # type: ignore[arg-type]  # not its step: no wait
+    done = threading.Event()
+
+    def at_its_step() -> None:
+        hold(SimpleNamespace(inner_step=3), None, 0.0)  # type: ignore[arg-type]
+        done.set()
+
+    held = threading.Thread(target=at_its_step)
+    held.start()
+    assert not done.wait(0.3)  # held while the file is missing
+    release.touch()
+    assert done.wait(5)
+    held.join()
