@@ -348,7 +348,11 @@ OWN_LEFT_OUT_WEIGHT = 0.5
 
 @torch.no_grad()
 def compressed_partner_weights(
-    partner_phi: TensorList, partner_sent: TensorList, own_left_out: TensorList, own_left_out_weight: float = 1.0
+    partner_phi: TensorList,
+    partner_sent: TensorList,
+    own_left_out: TensorList,
+    own_left_out_weight: float = 1.0,
+    out: Sequence[torch.Tensor] | None = None,
 ) -> list[torch.Tensor]:
     """The partner's fast weights as a compressed exchange lets this node blend with them (the ``sparse`` wire
     dtype): phi_j + D_j + (Delta_i - D_i), fp32.
@@ -367,12 +371,16 @@ def compressed_partner_weights(
     ``own_left_out_weight`` c < 1 takes c * (Delta_i - D_i) for the partner's left-out part instead: its
     least-squares estimate when the two left-out parts correlate at c, which trades the pair's sum (only
     (1 + c) / 2 of what the codes leave out moves the pair) for less of a single replica's progress in the step
-    (the simulator's ``noloco-sparse-side``, c = 0.5: docs/algorithm-study.md, "Sparse progress")."""
+    (the simulator's ``noloco-sparse-side``, c = 0.5: docs/algorithm-study.md, "Sparse progress").
+
+    Into ``out`` when given (fp32 tensors of the same shapes, which may be ``partner_sent``'s own: the node computes
+    it in the received progress's buffers)."""
     _check_same_shapes(partner_phi, partner_sent, "partner progress")
     _check_same_shapes(partner_phi, own_left_out, "own left-out progress")
+    targets = out if out is not None else [torch.empty(p.shape, dtype=torch.float32) for p in partner_phi]
     return [
-        p.to(torch.float32) + d.to(torch.float32) + c.to(torch.float32) * own_left_out_weight
-        for p, d, c in zip(partner_phi, partner_sent, own_left_out, strict=True)
+        t.copy_(d).add_(p).add_(c, alpha=own_left_out_weight)
+        for t, p, d, c in zip(targets, partner_phi, partner_sent, own_left_out, strict=True)
     ]
 
 

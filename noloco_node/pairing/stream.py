@@ -463,10 +463,8 @@ def compressed_partner(
     (node/outer_step.py)."""
     tensors = payload.tensors
     seen = side.read([tensors[f"phi/{name}"] for name in names], phi, payload.peer_id, payload.outer_step)
-    thetas = [
-        tensors[f"progress/{name}"].add_(read).add_(extra, alpha=algorithm.OWN_LEFT_OUT_WEIGHT)
-        for name, read, extra in zip(names, seen, left_out, strict=True)
-    ]
+    sent = [tensors[f"progress/{name}"] for name in names]
+    thetas = algorithm.compressed_partner_weights(seen, sent, left_out, algorithm.OWN_LEFT_OUT_WEIGHT, out=sent)
     whole = {f"theta/{name}": theta for name, theta in zip(names, thetas, strict=True)}
     whole.update({f"phi/{name}": read for name, read in zip(names, seen, strict=True)})
     whole.update({name: tensor for name, tensor in tensors.items() if name.startswith("delta/")})
