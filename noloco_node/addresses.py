@@ -25,6 +25,7 @@ the slots and bars of calls in (rpc/admission.py, keyed by the group of the addr
 
 from __future__ import annotations
 
+import functools
 import ipaddress
 
 IPV4_PREFIX = 24
@@ -72,10 +73,12 @@ def host_of_address(address: str) -> str:
     return host[1:-1] if host.startswith("[") and host.endswith("]") else host
 
 
+@functools.lru_cache(maxsize=1 << 14)
 def network_group(host: str) -> str:
     """The group ``host`` (an IP, as a socket or a record gives it) counts as: ``203.0.113.0/24``,
     ``2001:db8:1::/48``, or the address itself for a loopback, private or link-local one. Anything that is not an IP
-    (a tunnel's ``p2p:`` origin) is a group of its own."""
+    (a tunnel's ``p2p:`` origin) is a group of its own. Cached: standing asks it of every record in view at each
+    lookup, and parsing an address is most of what that costs."""
     literal = host[1:-1] if host.startswith("[") and host.endswith("]") else host
     try:
         ip = ipaddress.ip_address(literal)

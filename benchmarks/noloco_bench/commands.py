@@ -131,6 +131,24 @@ def add_bench_parsers(commands: Any) -> None:
     )
     discovery.add_argument("--publishers", type=int, default=2, help="processes publishing each run's records")
 
+    protocol = benches.add_parser(
+        "protocol",
+        help="the node's discovery, standing and sync pairing for 100-10,000 members in emulated time (no model)",
+    )
+    protocol.add_argument("--members", default="100,1000", help="honest members of each run, comma-separated")
+    protocol.add_argument("--seconds", type=float, default=600.0, help="emulated seconds of each run")
+    protocol.add_argument("--warmup", type=float, default=120.0, help="rounds opened before this are not counted")
+    protocol.add_argument("--phase-seconds", type=float, default=30.0, help="an outer step's inner steps (s)")
+    protocol.add_argument("--hostile-share", type=float, default=0.1, help="share of the hosts that are hostile")
+    protocol.add_argument("--keys-per-hostile", type=int, default=4, help="keys (records) of each hostile host")
+    protocol.add_argument("--churn-per-hour", type=float, default=0.1, help="share of members leaving per hour")
+    protocol.add_argument("--straggler-share", type=float, default=0.1, help="share of members that are slower")
+    protocol.add_argument(
+        "--bucket-records", type=int, default=DEFAULT_BUCKET_RECORDS, help="the run's --bucket-records"
+    )
+    protocol.add_argument("--seed", type=int, default=0)
+    protocol.add_argument("--out", type=Path, default=None, help="folder for protocol.json and protocol.png")
+
     idle = benches.add_parser(
         "idle", help="the trainer's idle fraction per pairing mode in a local swarm, and a node's peak memory"
     )
@@ -339,6 +357,22 @@ def run_bench(args: argparse.Namespace) -> int:
         )
         print(cost.report())
         return 0
+    if args.bench == "protocol":
+        from noloco_bench.swarm_protocol import ProtocolSettings, run_protocol_bench
+
+        settings = ProtocolSettings(
+            members=0,
+            seconds=args.seconds,
+            warmup=args.warmup,
+            phase_seconds=args.phase_seconds,
+            hostile_share=args.hostile_share,
+            keys_per_hostile=args.keys_per_hostile,
+            churn_per_hour=args.churn_per_hour,
+            straggler_share=args.straggler_share,
+            bucket_records=args.bucket_records,
+            seed=args.seed,
+        )
+        return run_protocol_bench([int(n) for n in args.members.split(",") if n.strip()], settings, args.out)
     if args.bench == "idle":
         from noloco_bench.idle import run_idle_bench
 

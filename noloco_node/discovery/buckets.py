@@ -22,6 +22,7 @@ more buckets: it dilutes the honest records a reader sees in proportion to its s
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import math
 import random
@@ -39,8 +40,10 @@ LEVEL_HYSTERESIS = 0.75  # the level moves when log2(size / bucket_records) is t
 EMPTY_READS_BEFORE_PROBING = 8  # reads at level 0 that found nobody else before the node probes again
 
 
+@functools.lru_cache(maxsize=1 << 16)
 def peer_hash(peer_id: str) -> int:
-    """The first HASH_BITS bits of sha256(peer id): where the peer's record lives at every level."""
+    """The first HASH_BITS bits of sha256(peer id): where the peer's record lives at every level. Cached: every read
+    asks it of each record the view holds (view.py), and a view holds up to 1,024."""
     return int.from_bytes(hashlib.sha256(peer_id.encode()).digest()[: HASH_BITS // 8], "big")
 
 
@@ -60,7 +63,12 @@ class Bucket:
         return cls(level, (rng or random).getrandbits(level) if level else 0)
 
     def holds(self, peer_id: str) -> bool:
-        return Bucket.of(peer_id, self.level) == self
+        return (peer_hash(peer_id) >> (HASH_BITS - self.level) if self.level else 0) == self.index
+
+    def overlaps(self, other: Bucket) -> bool:
+        """Whether some peer's record belongs to both (the one at the lower level holds the other's peers)."""
+        low, high = (self, other) if self.level <= other.level else (other, self)
+        return high.index >> (high.level - low.level) == low.index
 
     def key(self, run_fingerprint: str) -> str:
         bits = format(self.index, f"0{self.level}b") if self.level else ""

@@ -26,7 +26,6 @@ import ctypes
 import hashlib
 import logging
 import os
-import random
 import re
 import signal
 import sys
@@ -45,7 +44,7 @@ from hivemind.utils.timed_storage import get_dht_time
 from noloco_node.addresses import canonical_address, host_of_address, network_group
 from noloco_node.config.node_config import DEFAULT_BUCKET_RECORDS, NodeConfig
 from noloco_node.discovery.buckets import MAX_BUCKET_ENTRIES, Bucket, SwarmSize
-from noloco_node.discovery.view import RecordView
+from noloco_node.discovery.view import MAX_LIVE_PEERS, RecordView
 from noloco_node.discovery.vouched import VouchedRecords
 from noloco_node.security.auth import SwarmSecret, record_mac, record_mac_ok
 from noloco_node.security.identity import NodeIdentity, peer_id_of
@@ -112,7 +111,6 @@ def bound_dictionaries(limit: int = MAX_BUCKET_ENTRIES) -> None:
 
 DEFAULT_RECORD_TTL = 30.0
 MAX_RECORD_TTL = 600.0  # the longest lifetime a record may be stored for: a record expiring later is refused
-MAX_LIVE_PEERS = 1024  # records a node considers at once: a flood of fake ones cannot grow its tables
 MAX_FOLLOWED = 2  # peers whose buckets every lookup reads too
 # A peer record as its writer stores it (msgpack, before the DHT's signature): readers and writers refuse larger
 # ones. An honest record is 150-300 bytes; 8 relay multiaddrs and 8 relay ids of today's lengths stay under 1.5 KB.
@@ -225,20 +223,6 @@ def record_bytes(value: Any) -> int:
         return MAX_RECORD_BYTES + 1
 
 
-def kept_records(
-    records: list[PeerRecord], preferred: Callable[[str], bool], limit: int = MAX_LIVE_PEERS
-) -> list[PeerRecord]:
-    """At most ``limit`` of ``records``: the ``preferred`` peers' first, then a random sample of the rest. Records
-    cost nothing to publish, so which are kept must not be their writers' choice: readers once kept the newest by the
-    date each writer gave, and a flood dated in the future pushed out every honest record."""
-    if len(records) <= limit:
-        return records
-    first = [r for r in records if preferred(r.peer_id)]
-    others = [r for r in records if not preferred(r.peer_id)]
-    random.shuffle(others)
-    return (first + others)[:limit]
-
-
 def starts_key(run_name: str) -> str:
     """Where the nodes of one run *name* say what they started from, whatever their fingerprint: a node started
     from another model (or revision, tokenizer, seed) lives under another peers key and would otherwise never hear
@@ -346,9 +330,7 @@ class Discovery:
         self.vouched: VouchedRecords[PeerRecord] = VouchedRecords(record_ttl)
         # Peers whose records are kept first when the view holds more than MAX_LIVE_PEERS (the node's standing)
         self.preferred: Callable[[str], bool] = lambda _peer_id: False
-        self.view: RecordView[PeerRecord] = RecordView(
-            lambda records: kept_records(records, lambda p: p == self.peer_id or self.preferred(p))
-        )
+        self.view: RecordView[PeerRecord] = RecordView(lambda p: p == self.peer_id or self.preferred(p))
 
     @classmethod
     def of_node(

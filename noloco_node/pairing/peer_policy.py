@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 EWMA_WEIGHT = 0.3  # of the newest observation
@@ -45,10 +46,18 @@ class _PeerRecord:
 
 
 class PeerPolicy:
-    def __init__(self, *, exchange_timeout: float, min_deadline: float, avoid_seconds: float) -> None:
+    def __init__(
+        self,
+        *,
+        exchange_timeout: float,
+        min_deadline: float,
+        avoid_seconds: float,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
         self.exchange_timeout = exchange_timeout
         self.min_deadline = min_deadline
         self.avoid_seconds = avoid_seconds
+        self._clock = clock  # emulated in the protocol simulation (benchmarks/noloco_bench/swarm_protocol.py)
         self._lock = threading.Lock()
         self._peers: dict[str, _PeerRecord] = {}
         self._typical: float | None = None  # over all peers: the first call to a new peer uses it
@@ -79,7 +88,7 @@ class PeerPolicy:
             record = self._peers.setdefault(peer_id, _PeerRecord())
             record.failures += 1
             avoid = self.avoid_seconds * 2 ** min(record.failures - 1, MAX_BACKOFF_DOUBLINGS)
-            record.avoid_until = time.monotonic() + avoid
+            record.avoid_until = self._clock() + avoid
             record.avoid_reason = reason
             return avoid
 
@@ -93,7 +102,7 @@ class PeerPolicy:
         whether it lifted one."""
         with self._lock:
             record = self._peers.get(peer_id)
-            now = time.monotonic()
+            now = self._clock()
             if record is None or record.avoid_reason != FAILURE or record.avoid_until <= now:
                 return False
             if now - record.lifted_at < LIFT_EVERY_AVOIDS * self.avoid_seconds:
@@ -105,7 +114,7 @@ class PeerPolicy:
         """A peer that sent a bad payload: not called, and its calls refused, for ``seconds``."""
         with self._lock:
             record = self._peers.setdefault(peer_id, _PeerRecord())
-            record.quarantined_until = max(record.quarantined_until, time.monotonic() + seconds)
+            record.quarantined_until = max(record.quarantined_until, self._clock() + seconds)
             record.quarantine_reason = reason
 
     def lift(self, reason: str) -> list[str]:
@@ -113,7 +122,7 @@ class PeerPolicy:
         a donor's state lifts those for ``norm_bound``: they measured a distance from weights it no longer has."""
         lifted = []
         with self._lock:
-            now = time.monotonic()
+            now = self._clock()
             for peer_id, record in self._peers.items():
                 if record.quarantine_reason == reason and record.quarantined_until > now:
                     record.quarantined_until, record.quarantine_reason = 0.0, ""
@@ -126,24 +135,24 @@ class PeerPolicy:
     def quarantined(self, peer_id: str) -> bool:
         with self._lock:
             record = self._peers.get(peer_id)
-            return record is not None and record.quarantined_until > time.monotonic()
+            return record is not None and record.quarantined_until > self._clock()
 
     def avoided(self, peer_id: str) -> bool:
         with self._lock:
             record = self._peers.get(peer_id)
-            now = time.monotonic()
+            now = self._clock()
             return record is not None and (record.avoid_until > now or record.quarantined_until > now)
 
     def avoided_for(self, peer_id: str) -> str | None:
         """The reason this peer is avoided now (FAILURE, UNDELIVERED, a refusal's), or None if it is not."""
         with self._lock:
             record = self._peers.get(peer_id)
-            return record.avoid_reason if record is not None and record.avoid_until > time.monotonic() else None
+            return record.avoid_reason if record is not None and record.avoid_until > self._clock() else None
 
     def forget(self, live_peer_ids: set[str]) -> None:
         """Drop what is known of peers that left, so that a long run's bookkeeping does not grow without bound."""
         with self._lock:
-            now = time.monotonic()
+            now = self._clock()
             for gone in set(self._peers) - live_peer_ids:
                 record = self._peers[gone]
                 if record.avoid_until <= now and record.quarantined_until <= now:

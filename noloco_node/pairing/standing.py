@@ -365,10 +365,16 @@ def _lower_median(values: Sequence[int]) -> int:
 def _by_group(peers: Sequence[PeerRecord], last_paired: dict[str, int], rng: random.Random) -> list[PeerRecord]:
     """Peers ordered group by group: each group's least recently paired key first, groups least recently paired first
     (random among equal groups, whatever their number of keys); then the groups' other keys in the same way. Many
-    keys on one group weigh as one."""
+    keys on one group weigh as one: a group was paired when any of its keys was, so a host with many keys does not
+    come first again with a key it has not used yet."""
     shuffled = list(peers)
     rng.shuffle(shuffled)
     shuffled.sort(key=lambda p: last_paired.get(p.peer_id, -1))
+    group_paired: dict[str, int] = {}
+    for peer in shuffled:
+        group_paired[peer.network_group] = max(
+            group_paired.get(peer.network_group, -1), last_paired.get(peer.peer_id, -1)
+        )
     first: dict[str, PeerRecord] = {}
     rest: list[PeerRecord] = []
     for peer in shuffled:
@@ -378,5 +384,5 @@ def _by_group(peers: Sequence[PeerRecord], last_paired: dict[str, int], rng: ran
             first[peer.network_group] = peer
     groups = list(first.values())
     rng.shuffle(groups)
-    groups.sort(key=lambda p: last_paired.get(p.peer_id, -1))
+    groups.sort(key=lambda p: group_paired[p.network_group])
     return groups + rest

@@ -120,7 +120,7 @@ class Rec:
 
 
 def test_a_bucket_read_replaces_what_the_view_held_of_that_bucket_only() -> None:
-    view: RecordView[Rec] = RecordView(lambda records: records)
+    view: RecordView[Rec] = RecordView(lambda _peer_id: False)
     later = get_dht_time() + 60
     peers = [f"p{i}" for i in range(64)]
     view.replace(Bucket(0, 0), [(Rec(p), later) for p in peers])
@@ -133,10 +133,11 @@ def test_a_bucket_read_replaces_what_the_view_held_of_that_bucket_only() -> None
     assert view.records() == []
 
 
-def test_a_view_is_bounded_by_its_keep_rule() -> None:
-    view: RecordView[Rec] = RecordView(lambda records: sorted(records, key=lambda r: r.peer_id)[:10])
+def test_a_view_is_bounded_and_keeps_its_preferred_peers_first() -> None:
+    view: RecordView[Rec] = RecordView(lambda peer_id: peer_id < "p005", limit=10)
     view.replace(Bucket(0, 0), [(Rec(f"p{i:03d}"), get_dht_time() + 60) for i in range(500)])
-    assert len(view) == 10 and {r.peer_id for r in view.records()} == {f"p{i:03d}" for i in range(10)}
+    kept = {r.peer_id for r in view.records()}
+    assert len(view) == 10 and {f"p{i:03d}" for i in range(5)} <= kept
 
 
 def test_a_dht_peer_keeps_a_bounded_number_of_entries_under_one_key(monkeypatch: pytest.MonkeyPatch) -> None:

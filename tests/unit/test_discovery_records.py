@@ -14,9 +14,9 @@ from noloco_node.discovery.dht import (
     MAX_STORED_VALUE_BYTES,
     BoundedRecords,
     PeerRecord,
-    kept_records,
     record_bytes,
 )
+from noloco_node.discovery.view import kept_records
 from noloco_node.model.source import SeededDecoder, run_fingerprint
 
 

@@ -200,7 +200,9 @@ def test_established_peers_come_host_by_host_least_recently_paired_first() -> No
     for peer in peers:
         standing.blended(peer.peer_id, 0)
     order = [p.peer_id for p in standing.order(peers, {"a1": 5, "a2": 1, "b": 3})]
-    assert order == ["a2", "b", "a1"]  # host 10.0.0.1 by its least recently paired key, then b, then a1
+    # Host 10.0.0.1 was paired at step 5 (a1): b (3) comes first, then that host's least recently paired key, a2. A
+    # host with a key it has not used yet does not come first again for it.
+    assert order == ["b", "a2", "a1"]
 
 
 def test_standing_survives_a_partition_and_steps_apart_count_this_nodes_own_steps() -> None:

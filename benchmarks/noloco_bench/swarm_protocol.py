@@ -1,0 +1,644 @@
+"""`noloco-node bench protocol`: the swarm's protocol at internet size, in emulated time.
+
+A real node's discovery, standing and peer policy (discovery/buckets.py ``SwarmSize`` and ``Bucket``, discovery/
+view.py ``RecordView``, pairing/standing.py ``Standing``, pairing/peer_policy.py
+``PeerPolicy``) run here unchanged for 100 to 10,000 members, on an emulated clock and an emulated DHT, with no
+model: a member is its outer-step counter. What is emulated around them follows the node:
+
+- **The DHT** holds each bucket's entries with their expirations, at most MAX_BUCKET_ENTRIES live ones per key (a
+  new subkey past it is refused, as every DHT peer of a run does: dht.py ``bound_dictionaries``). A reader keeps a
+  record only from its owner's bucket. Its bytes are a model calibrated on the real one (the issue's measurement and
+  ``bench discovery``): a bucket read moves ENTRY_BYTES per entry (honest or not) from each of ANSWERING_PEERS DHT
+  peers plus REQUEST_BYTES each; a store reads the bucket once (the nearest-node search answers with it) and sends
+  the record to STORE_PEERS peers.
+- **A member** looks up once a second (one random bucket at its level: the pairing loop and the status watch share
+  a lookup), publishes its record every third of ``record_ttl`` and at each round (ready), and trains outer steps of
+  ``phase_seconds`` (x its slowdown if it is a straggler, +-10% each). At a step it runs a sync round as
+  pairing/sync.py does: the candidates of its view that are ready, within ``max_staleness`` and not avoided,
+  ordered by ``Standing.order``, called one at a time (a call takes a round trip; an answer busy moves to the
+  next; a member that is gone fails after CONNECT_FAIL_SECONDS and is avoided), again after 0.05-0.3 s, until a
+  partner or ``pair_timeout`` (``alone_grace`` with nobody within reach). A call is taken when the callee's round
+  is open and free, within reach, not its last partner inside the repeat grace, and ``Standing.may_serve``; both
+  spend a stranger turn as the node does. An exchange holds both for ``exchange_seconds`` plus a round trip. The
+  straggler rule (``Standing.swarm_step``) moves a member that most of its known swarm is ahead of.
+- **Churn**: members leave at ``churn_per_hour`` of the swarm per hour (half of them crash, half write a tombstone),
+  and as many join, each a cold start: it probes for the swarm's level, takes the lower median outer step of its
+  view (a state download) and trains from there.
+- **Hostile hosts**, ``hostile_share`` of the hosts, each a network group of its own with ``keys_per_hostile``
+  keys whose records are always ready at the step most of their view is at. Each key takes every call and calls
+  ready honest members of its view all the time; its payload passes every check (an echo of the callee's weights,
+  which no check can tell from an honest one). What they get is what standing lets them have.
+
+Measured over the rounds that open after ``warmup`` seconds, for the honest members: blends per outer step taken,
+the share of those blends with a hostile key, the seconds from a round's opening to its exchange, discovery bytes
+per member per second, the members' level and size estimate. ``run`` returns them; ``--members`` runs one size per
+value, each its own swarm with the same seed.
+"""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+import json
+import math
+import random
+import statistics
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field, replace
+from pathlib import Path
+from typing import Any
+
+from noloco_node.discovery.buckets import MAX_BUCKET_ENTRIES, Bucket, SwarmSize
+from noloco_node.discovery.dht import PeerRecord
+from noloco_node.discovery.view import RecordView
+from noloco_node.pairing.peer_policy import PeerPolicy
+from noloco_node.pairing.standing import Standing
+from noloco_node.pairing.sync import RepeatGrace
+
+ENTRY_BYTES = 1005  # per record per answering DHT peer (measured, issue 43: RSA-2048 owner subkeys, signatures)
+REQUEST_BYTES = 300  # a get or store request and the answer's framing, per DHT peer
+ANSWERING_PEERS = 2  # DHT peers that answer a read with the key's entries (measured, issue 43)
+STORE_PEERS = 2  # DHT peers a record is stored at
+LOOKUP_EVERY = 1.0  # a member's lookups (pairing loop and status watch share one: LOOKUP_SHARING_SECONDS)
+CONNECT_FAIL_SECONDS = 1.0  # a call to a member that is gone fails after this
+HOSTILE_CALL_EVERY = 0.5  # a hostile key calls one ready honest member this often
+FINGERPRINT = "protocol"
+
+
+@dataclass(frozen=True)
+class ProtocolSettings:
+    members: int  # honest members at the start (hostile keys come on top)
+    seconds: float = 900.0  # emulated
+    warmup: float = 120.0  # rounds opened before this are not counted
+    phase_seconds: float = 30.0  # an outer step's inner steps
+    exchange_seconds: float = 2.0  # one exchange's transfer (a 125m model's int8 payload at ~60 MB/s)
+    hostile_share: float = 0.1  # of the hosts
+    keys_per_hostile: int = 4
+    churn_per_hour: float = 0.1  # of the members, leaving (and as many joining) per hour
+    straggler_share: float = 0.1
+    straggler_slowdown: float = 1.3
+    bucket_records: int = 16
+    record_ttl: float = 20.0
+    pair_timeout: float = 10.0
+    alone_grace: float = 1.0
+    max_staleness: int = 2
+    standing_seconds: float = 120.0
+    stranger_share: float = 0.1
+    avoid_seconds: float = 30.0
+    seed: int = 0
+
+
+class Clock:
+    """Emulated seconds, and what is due when: callbacks in time order (ties in the order they were scheduled)."""
+
+    def __init__(self) -> None:
+        self.now = 0.0
+        self._due: list[tuple[float, int, Callable[[], object]]] = []
+        self._order = itertools.count()
+
+    def __call__(self) -> float:
+        return self.now
+
+    def after(self, seconds: float, callback: Callable[[], object]) -> None:
+        heapq.heappush(self._due, (self.now + max(0.0, seconds), next(self._order), callback))
+
+    def run_until(self, end: float) -> None:
+        while self._due and self._due[0][0] <= end:
+            self.now, _, callback = heapq.heappop(self._due)
+            callback()
+        self.now = end
+
+
+class EmulatedDHT:
+    """The run's buckets: each key's live entries, bounded as every DHT peer of a run bounds them."""
+
+    def __init__(self, clock: Clock) -> None:
+        self._clock = clock
+        self._keys: dict[Bucket, dict[str, tuple[PeerRecord, float]]] = {}
+
+    def _live(self, bucket: Bucket) -> dict[str, tuple[PeerRecord, float]]:
+        entries = self._keys.setdefault(bucket, {})
+        now = self._clock.now
+        for peer_id in [p for p, (_, expires) in entries.items() if expires < now]:
+            del entries[peer_id]
+        return entries
+
+    def store(self, bucket: Bucket, record: PeerRecord, expires: float) -> tuple[bool, int]:
+        """Whether the entry was stored, and the bytes it cost its writer."""
+        entries = self._live(bucket)
+        cost = self.read_bytes(len(entries)) + STORE_PEERS * (ENTRY_BYTES + REQUEST_BYTES)
+        if record.peer_id not in entries and len(entries) >= MAX_BUCKET_ENTRIES:
+            return False, cost
+        entries[record.peer_id] = (record, expires)
+        return True, cost
+
+    def read(self, bucket: Bucket) -> tuple[list[tuple[PeerRecord, float]], int]:
+        """The bucket's entries (every one, whoever wrote it) and the bytes the read cost its reader."""
+        entries = self._live(bucket)
+        return list(entries.values()), self.read_bytes(len(entries))
+
+    @staticmethod
+    def read_bytes(entries: int) -> int:
+        return ANSWERING_PEERS * (REQUEST_BYTES + entries * ENTRY_BYTES)
+
+
+@dataclass
+class MemberCounts:
+    rounds: int = 0  # outer steps taken in the measured window
+    blends: int = 0
+    hostile_blends: int = 0
+    clock_moves: int = 0
+    found_seconds: list[float] = field(default_factory=list)  # a round's opening to its exchange
+    discovery_bytes: int = 0  # in the measured window
+    first_blend_after: float | None = None  # a joiner: seconds from its start to its first blend
+
+
+class Member:
+    """One key of the swarm: an honest member, or one of a hostile host's keys."""
+
+    def __init__(self, swarm: Swarm, peer_id: str, address: str, *, hostile: bool, slowdown: float) -> None:
+        self.swarm, self.peer_id, self.address, self.hostile, self.slowdown = swarm, peer_id, address, hostile, slowdown
+        settings, clock = swarm.settings, swarm.clock
+        self.rng = random.Random(swarm.rng.getrandbits(64))
+        self.size = SwarmSize(settings.bucket_records)
+        self.standing = Standing(
+            standing_seconds=settings.standing_seconds,
+            stranger_share=settings.stranger_share,
+            clock=clock,
+            rng=self.rng,
+        )
+        self.policy = PeerPolicy(
+            exchange_timeout=60.0, min_deadline=5.0, avoid_seconds=settings.avoid_seconds, clock=clock
+        )
+        self.view: RecordView[PeerRecord] = RecordView(self.standing.established, clock=clock)
+        self.last_paired: dict[str, int] = {}
+        self.alive = True
+        self.started = clock.now
+        self.outer_step: int | None = None  # None: not training yet (probing for the swarm, then downloading)
+        self.round: int = 0  # the current round's number; its_open says whether it is open
+        self.round_open = False
+        self.round_opened = 0.0
+        self.busy = False  # an exchange (or a call) in flight
+        self.last_partner: str | None = None
+        self.repeat_until = 0.0
+        self.counts = MemberCounts()
+        self._candidates_at = -1.0
+        self._looked_up = 0.0  # when the last lookup ended
+        self._candidates: list[PeerRecord] = []
+        self._within_reach = False
+        self._all_ahead = False
+
+    # ------------------------------------------------------------------------------------------- discovery
+
+    def record(self) -> PeerRecord:
+        return PeerRecord(
+            peer_id=self.peer_id,
+            address=self.address,
+            run_fingerprint=FINGERPRINT,
+            outer_step=self.outer_step or 0,
+            ready=self.round_open,
+            updated=self.swarm.clock.now,
+        )
+
+    def publish(self, leaving: bool = False) -> None:
+        record = replace(self.record(), leaving=leaving)
+        expires = self.swarm.clock.now + self.swarm.settings.record_ttl
+        for level in self.size.written_levels():
+            _, cost = self.swarm.dht.store(Bucket.of(self.peer_id, level), record, expires)
+            self._count_bytes(cost)
+
+    def refresh_loop(self) -> None:
+        if not self.alive:
+            return
+        self.publish()
+        self.swarm.clock.after(self.swarm.settings.record_ttl / 3, self.refresh_loop)
+
+    def lookup_loop(self) -> None:
+        if not self.alive:
+            return
+        bucket = Bucket.random(self.size.read_level(), self.rng)
+        entries, cost = self.swarm.dht.read(bucket)
+        self._count_bytes(cost)
+        found = [(record, expires) for record, expires in entries if bucket.holds(record.peer_id)]
+        self.view.replace(bucket, [(record, expires) for record, expires in found if not record.leaving])
+        others = sum(1 for record, _ in found if record.peer_id != self.peer_id)
+        if self.size.observe(bucket, len(found), others):
+            self.publish()
+        if self.outer_step is None and not self.hostile and not self.size.probing:
+            self._join_training()
+        self._looked_up = self.swarm.clock.now
+        self.swarm.clock.after(LOOKUP_EVERY, self.lookup_loop)
+
+    def live(self) -> list[PeerRecord]:
+        return [r for r in self.view.records() if r.peer_id != self.peer_id]
+
+    def _front(self) -> int:
+        steps = sorted(r.outer_step for r in self.live())
+        return steps[(len(steps) - 1) // 2] if steps else 0
+
+    def _count_bytes(self, count: int) -> None:
+        if self.swarm.measured(self.swarm.clock.now):
+            self.counts.discovery_bytes += count
+
+    # ------------------------------------------------------------------------------------------- training
+
+    def start_training(self, outer_step: int, first_phase: float) -> None:
+        self.outer_step = outer_step
+        self.swarm.clock.after(first_phase, self.open_round)
+
+    def _join_training(self) -> None:
+        """A joiner that found the swarm downloads a donor's state (the lower median step in view) and trains on."""
+        front = self._front()
+        self.outer_step = -1  # downloading
+        self.swarm.clock.after(self.swarm.settings.exchange_seconds, lambda: self.start_training(front, self._phase()))
+
+    def _phase(self) -> float:
+        return self.swarm.settings.phase_seconds * self.slowdown * self.rng.uniform(0.9, 1.1)
+
+    def open_round(self) -> None:
+        if not self.alive:
+            return
+        settings, clock = self.swarm.settings, self.swarm.clock
+        assert self.outer_step is not None
+        live = self.live()
+        moved = self.standing.swarm_step(
+            self.outer_step,
+            {r.peer_id: r.outer_step for r in live},
+            settings.max_staleness,
+            settings.phase_seconds * self.slowdown,
+        )
+        if moved is not None:
+            self.outer_step = moved.outer_step
+            if self.swarm.measured(clock.now):
+                self.counts.clock_moves += 1
+        self.round += 1
+        self.round_open, self.round_opened = True, clock.now
+        if self.swarm.measured(clock.now):
+            self.counts.rounds += 1
+        self.publish()
+        number = self.round
+        clock.after(settings.pair_timeout, lambda: self._timeout(number))
+        clock.after(self.rng.uniform(0.05, 0.25), lambda: self._seek(number, clock.now + settings.alone_grace))
+
+    def _timeout(self, number: int) -> None:
+        if self.round == number and self.round_open and not self.busy:
+            self._close(None)
+
+    def _close(self, partner: Member | None) -> None:
+        settings, clock = self.swarm.settings, self.swarm.clock
+        self.round_open = False
+        others = self._within_reach
+        grace = RepeatGrace.seconds(
+            partner.peer_id if partner else None, others, settings.pair_timeout, settings.phase_seconds
+        )
+        self.last_partner, self.repeat_until = (partner.peer_id if partner else None), clock.now + grace
+        assert self.outer_step is not None
+        self.outer_step += 1
+        next_round = max(self.round_opened + self._phase(), clock.now + 0.01)  # borrowed inner steps while waiting
+        clock.after(next_round - clock.now, self.open_round)
+
+    def _refresh_candidates(self) -> list[PeerRecord]:
+        """What the pairing loop reads from a lookup: recomputed once per lookup (the node shares one a second)."""
+        clock, settings = self.swarm.clock, self.swarm.settings
+        if clock.now - self._candidates_at >= LOOKUP_EVERY:
+            assert self.outer_step is not None
+            live = self.live()
+            self.standing.observe(live, self.outer_step, settings.max_staleness)
+            self.policy.forget({r.peer_id for r in live})
+            for gone in set(self.last_paired) - {r.peer_id for r in live}:
+                del self.last_paired[gone]
+            near = [r for r in live if abs(r.outer_step - self.outer_step) <= settings.max_staleness]
+            self._candidates = [r for r in near if r.ready]
+            self._within_reach = bool(near)
+            self._all_ahead = bool(live) and all(r.outer_step > self.outer_step + settings.max_staleness for r in live)
+            self._candidates_at = clock.now
+        return self._candidates
+
+    def _seek(self, number: int, alone_until: float) -> None:
+        if self.round != number or not self.round_open or self.busy or not self.alive:
+            return
+        clock = self.swarm.clock
+        candidates = self._refresh_candidates()
+        reachable = [c for c in candidates if not self.policy.avoided(c.peer_id)]
+        if not self._within_reach and (self._all_ahead or clock.now >= alone_until):
+            self._close(None)
+            return
+        order = self.standing.order([c for c in reachable if self._may_pair_with(c.peer_id)], self.last_paired)
+        self._call_in_turn(number, order, alone_until)
+
+    def _call_in_turn(self, number: int, order: list[PeerRecord], alone_until: float) -> None:
+        if self.round != number or not self.round_open or self.busy or not self.alive:
+            return
+        if not order:
+            self.swarm.clock.after(self.rng.uniform(0.05, 0.3), lambda: self._seek(number, alone_until))
+            return
+        peer, rest = order[0], order[1:]
+        self.busy = True
+        callee = self.swarm.members.get(peer.peer_id)
+        rtt = self.swarm.round_trip(self, callee)
+        if callee is None or not callee.alive:
+
+            def failed() -> None:
+                self.busy = False
+                self.policy.failed(peer.peer_id)
+                self._after_call(number, rest, alone_until)
+
+            self.swarm.clock.after(CONNECT_FAIL_SECONDS, failed)
+            return
+        if not callee.takes_call_from(self):
+
+            def refused() -> None:
+                self.busy = False
+                self._after_call(number, rest, alone_until)
+
+            self.swarm.clock.after(rtt, refused)
+            return
+        self.standing.spend_stranger_turn(peer.peer_id)
+        self.swarm.exchange(self, callee, rtt)
+
+    def _after_call(self, number: int, rest: list[PeerRecord], alone_until: float) -> None:
+        if (
+            self.round == number
+            and self.round_open
+            and self.swarm.clock.now >= self.round_opened + (self.swarm.settings.pair_timeout)
+        ):
+            self._close(None)
+            return
+        self._call_in_turn(number, rest, alone_until)
+
+    def _may_pair_with(self, peer_id: str) -> bool:
+        return peer_id != self.last_partner or self.swarm.clock.now >= self.repeat_until
+
+    def takes_call_from(self, caller: Member) -> bool:
+        """An incoming call: taken when this member's round is open and free, the caller within reach, not a
+        repeat inside the grace, and served by standing (which then spends a stranger turn if it needs one)."""
+        if not self.alive or self.busy or not self.round_open or self.outer_step is None or caller.outer_step is None:
+            return False
+        if self.hostile:
+            return True
+        if abs(caller.outer_step - self.outer_step) > self.swarm.settings.max_staleness:
+            return False
+        if not self._may_pair_with(caller.peer_id) or self.policy.quarantined(caller.peer_id):
+            return False
+        if not self.standing.may_serve(caller.peer_id):
+            return False
+        self.standing.spend_stranger_turn(caller.peer_id)
+        return True
+
+    def blended(self, partner: Member, seconds: float) -> None:
+        clock = self.swarm.clock
+        self.busy = False
+        if self.hostile:
+            return
+        assert self.outer_step is not None
+        self.last_paired[partner.peer_id] = self.outer_step
+        self.standing.blended(partner.peer_id, self.outer_step)
+        self.policy.succeeded(partner.peer_id, seconds)
+        if self.swarm.measured(self.round_opened):
+            self.counts.blends += 1
+            self.counts.hostile_blends += partner.hostile
+            self.counts.found_seconds.append(clock.now - seconds - self.round_opened)
+        if self.counts.first_blend_after is None:
+            self.counts.first_blend_after = clock.now - self.started
+        self._close(partner)
+
+    # ------------------------------------------------------------------------------------------- hostile keys
+
+    def hostile_loop(self) -> None:
+        """A hostile key: always ready, at the front of its view; calls a ready honest member now and then."""
+        if not self.alive:
+            return
+        if self._candidates_at < self._looked_up:  # what the last lookup showed: the front and the ready members
+            live = self.live()
+            steps = sorted(r.outer_step for r in live)
+            self.outer_step = steps[(len(steps) - 1) // 2] if steps else 0
+            members = self.swarm.members
+            self._candidates = [
+                r
+                for r in live
+                if r.ready
+                and abs(r.outer_step - self.outer_step) <= self.swarm.settings.max_staleness
+                and r.peer_id in members
+                and not members[r.peer_id].hostile
+            ]
+            self._candidates_at = self._looked_up
+        self.round_open = True
+        if not self.busy and self._candidates:
+            callee = self.swarm.members.get(self.rng.choice(self._candidates).peer_id)
+            if callee is not None and callee.takes_call_from(self):
+                self.busy = True
+                self.swarm.exchange(self, callee, self.swarm.round_trip(self, callee))
+        self.swarm.clock.after(HOSTILE_CALL_EVERY, self.hostile_loop)
+
+    def leave(self, crashed: bool) -> None:
+        if not crashed:
+            self.publish(leaving=True)
+        self.alive = False
+
+
+class Swarm:
+    def __init__(self, settings: ProtocolSettings) -> None:
+        self.settings = settings
+        self.rng = random.Random(settings.seed)
+        self.clock = Clock()
+        self.dht = EmulatedDHT(self.clock)
+        self.members: dict[str, Member] = {}
+        self.departed: list[Member] = []
+        self._latency: dict[str, float] = {}
+        self._hosts = itertools.count(1)
+
+    def _address(self) -> str:
+        """A public address of a /24 of its own (addresses.network_group): 11.0.0.1, 11.0.1.1, ..."""
+        host = next(self._hosts)
+        return f"{11 + host // 65536}.{host // 256 % 256}.{host % 256}.1:7000"
+
+    def _peer_id(self) -> str:
+        return "nl" + format(self.rng.getrandbits(160), "040x")
+
+    def add_honest(self, *, joining: bool) -> Member:
+        settings = self.settings
+        slowdown = settings.straggler_slowdown if self.rng.random() < settings.straggler_share else 1.0
+        member = Member(self, self._peer_id(), self._address(), hostile=False, slowdown=slowdown)
+        self._enter(member)
+        if not joining:  # the swarm's first members start at step 0, each when its own launch brings it up
+            member.start_training(0, self.rng.uniform(0, settings.phase_seconds))
+        return member
+
+    def add_hostile_host(self) -> None:
+        address = self._address()
+        for _ in range(self.settings.keys_per_hostile):
+            member = Member(self, self._peer_id(), address, hostile=True, slowdown=1.0)
+            member.outer_step = 0
+            self._enter(member)
+            self.clock.after(self.rng.uniform(0, HOSTILE_CALL_EVERY), member.hostile_loop)
+
+    def _enter(self, member: Member) -> None:
+        self.members[member.peer_id] = member
+        self._latency[member.peer_id] = self.rng.uniform(0.01, 0.15)  # one way, to the internet's core
+        self.clock.after(self.rng.uniform(0, LOOKUP_EVERY), member.lookup_loop)
+        self.clock.after(self.rng.uniform(0, 0.5), member.refresh_loop)
+
+    def measured(self, moment: float) -> bool:
+        """Whether a round opened (or bytes moved) at ``moment`` counts: after the warm-up, and early enough that
+        its round has settled before the end."""
+        settings = self.settings
+        return settings.warmup <= moment <= settings.seconds - settings.pair_timeout - settings.exchange_seconds - 2
+
+    def round_trip(self, a: Member, b: Member | None) -> float:
+        return 2 * (self._latency[a.peer_id] + (self._latency[b.peer_id] if b is not None else 0.1))
+
+    def exchange(self, caller: Member, callee: Member, rtt: float) -> None:
+        caller.busy = callee.busy = True
+        seconds = self.settings.exchange_seconds + 2 * rtt
+        started = self.clock.now
+
+        def done() -> None:
+            if not (caller.alive and callee.alive):  # one side left mid-exchange: the other's call failed
+                for side, other in ((caller, callee), (callee, caller)):
+                    side.busy = False
+                    if side.alive and not side.hostile:
+                        side.policy.failed(other.peer_id)
+                        side._after_call(side.round, [], self.clock.now)
+                return
+            caller.blended(callee, self.clock.now - started)
+            callee.blended(caller, self.clock.now - started)
+
+        self.clock.after(seconds, done)
+
+    def churn(self) -> None:
+        """One member leaves (a crash or a tombstone) and a new one joins a while later."""
+        honest = [m for m in self.members.values() if not m.hostile and m.alive]
+        if honest:
+            leaving = self.rng.choice(honest)
+            leaving.leave(crashed=self.rng.random() < 0.5)
+            del self.members[leaving.peer_id]
+            self.departed.append(leaving)
+            self.clock.after(self.rng.uniform(0, 60), lambda: self.add_honest(joining=True))
+        rate = self.settings.churn_per_hour * self.settings.members / 3600
+        if rate > 0:
+            self.clock.after(self.rng.expovariate(rate), self.churn)
+
+    def run(self) -> dict[str, Any]:
+        settings = self.settings
+        for _ in range(settings.members):
+            self.add_honest(joining=False)
+        hosts = round(settings.members * settings.hostile_share / (1 - settings.hostile_share))
+        for _ in range(hosts):
+            self.add_hostile_host()
+        rate = settings.churn_per_hour * settings.members / 3600
+        if rate > 0:
+            self.clock.after(self.rng.expovariate(rate), self.churn)
+        started = time.process_time()
+        self.clock.run_until(settings.seconds)
+        return self._report(hosts, time.process_time() - started)
+
+    def _report(self, hostile_hosts: int, cpu_seconds: float) -> dict[str, Any]:
+        settings = self.settings
+        honest = [m for m in [*self.members.values(), *self.departed] if not m.hostile]
+        staying = [m for m in self.members.values() if not m.hostile]
+        rounds = sum(m.counts.rounds for m in honest)
+        blends = sum(m.counts.blends for m in honest)
+        hostile_blends = sum(m.counts.hostile_blends for m in honest)
+        found = sorted(s for m in honest for s in m.counts.found_seconds)
+        window = settings.seconds - settings.pair_timeout - settings.exchange_seconds - 2 - settings.warmup
+        joiners = [m.counts.first_blend_after for m in honest if m.started > 0]
+        rates = sorted(m.counts.blends / m.counts.rounds for m in staying if m.counts.rounds >= 5)
+        levels = [m.size.level for m in staying]
+        estimates = [m.size.estimate for m in staying if m.size.estimate is not None]
+        return {
+            "members": settings.members,
+            "hostile_hosts": hostile_hosts,
+            "hostile_keys": hostile_hosts * settings.keys_per_hostile,
+            "hostile_host_share": hostile_hosts / max(1, hostile_hosts + settings.members),
+            "emulated_seconds": settings.seconds,
+            "left_and_joined": len(self.departed),
+            "rounds": rounds,
+            "blend_rate": blends / rounds if rounds else 0.0,
+            "members_below_90_percent": sum(rate < 0.9 for rate in rates),
+            "lowest_member_rate": rates[0] if rates else None,
+            "hostile_share_of_blends": hostile_blends / blends if blends else 0.0,
+            "clock_moves": sum(m.counts.clock_moves for m in honest),
+            "found_partner_median_s": statistics.median(found) if found else None,
+            "found_partner_p90_s": found[int(0.9 * (len(found) - 1))] if found else None,
+            "joiners": len(joiners),
+            "joiners_blended": sum(j is not None for j in joiners),
+            "joiner_first_blend_median_s": statistics.median([j for j in joiners if j is not None])
+            if any(j is not None for j in joiners)
+            else None,
+            "discovery_bytes_per_member_s": sum(m.counts.discovery_bytes for m in honest) / len(honest) / window,
+            "level_median": statistics.median(levels) if levels else None,
+            "estimate_median": statistics.median(estimates) if estimates else None,
+            "view_median": statistics.median(len(m.view) for m in staying) if staying else None,
+            "simulation_cpu_s": cpu_seconds,
+        }
+
+
+def run(settings: ProtocolSettings) -> dict[str, Any]:
+    return Swarm(settings).run()
+
+
+def run_protocol_bench(member_counts: list[int], settings: ProtocolSettings, out: Path | None) -> int:
+    results = []
+    print(
+        f"noloco-node bench protocol: {settings.seconds:.0f} s emulated, outer steps of "
+        f"{settings.phase_seconds:.0f} s, "
+        f"{settings.hostile_share:.0%} hostile hosts x {settings.keys_per_hostile} keys, churn "
+        f"{settings.churn_per_hour:.0%}/h, {settings.straggler_share:.0%} stragglers x {settings.straggler_slowdown}, "
+        f"seed {settings.seed}",
+        flush=True,
+    )
+    for members in member_counts:
+        result = run(replace(settings, members=members))
+        results.append(result)
+        print(_line(result), flush=True)
+    if out is not None:
+        out.mkdir(parents=True, exist_ok=True)
+        (out / "protocol.json").write_text(json.dumps({"settings": asdict(settings), "results": results}, indent=2))
+        _plot(results, out / "protocol.png")
+        print(f"wrote {out / 'protocol.json'} and {out / 'protocol.png'}")
+    return 0
+
+
+def _line(r: dict[str, Any]) -> str:
+    found = r["found_partner_median_s"]
+    return (
+        f"{r['members']:>6} members (+{r['hostile_keys']} hostile keys on {r['hostile_hosts']} hosts): blends "
+        f"{r['blend_rate']:.1%} of {r['rounds']} outer steps (target >= 95%; members under 90%: "
+        f"{r['members_below_90_percent']}), hostile keys' share of blends {r['hostile_share_of_blends']:.1%} "
+        f"(hosts {r['hostile_host_share']:.1%}), partner found after {found if found is None else round(found, 2)} s "
+        f"median, discovery {r['discovery_bytes_per_member_s'] / 1000:.1f} KB/s per member, level "
+        f"{r['level_median']}, estimate {r['estimate_median'] and round(r['estimate_median'])}, "
+        f"view {r['view_median']}, {r['left_and_joined']} left and joined ({r['joiners_blended']} of "
+        f"{r['joiners']} joiners blended), clock moves {r['clock_moves']}, {r['simulation_cpu_s']:.0f} s CPU"
+    )
+
+
+def _plot(results: list[dict[str, Any]], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    sizes = [r["members"] for r in results]
+    fig, axes = plt.subplots(1, 3, figsize=(13, 3.8))
+    axes[0].plot(sizes, [100 * r["blend_rate"] for r in results], "o-", label="blends per outer step")
+    axes[0].plot(sizes, [100 * r["hostile_share_of_blends"] for r in results], "s-", label="hostile keys' share")
+    axes[0].axhline(95, color="grey", linestyle=":", label="95% target")
+    axes[0].axhline(100 * results[0]["hostile_host_share"], color="red", linestyle=":", label="hostile share of hosts")
+    axes[0].set_ylabel("%")
+    axes[0].legend(fontsize=7)
+    axes[1].plot(sizes, [r["discovery_bytes_per_member_s"] / 1000 for r in results], "o-")
+    axes[1].set_ylabel("discovery KB/s per member")
+    axes[2].plot(sizes, [r["found_partner_median_s"] or math.nan for r in results], "o-", label="median")
+    axes[2].plot(sizes, [r["found_partner_p90_s"] or math.nan for r in results], "s-", label="90th percentile")
+    axes[2].set_ylabel("seconds to a partner")
+    axes[2].legend(fontsize=7)
+    for axis in axes:
+        axis.set_xscale("log")
+        axis.set_xlabel("honest members")
+        axis.set_ylim(bottom=0)
+    fig.suptitle("bench protocol: the node's discovery, standing and pairing in emulated time", fontsize=10)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)

@@ -1,0 +1,42 @@
+"""bench protocol (noloco_bench/swarm_protocol.py): the node's discovery, standing and sync pairing in emulated time."""
+
+from __future__ import annotations
+
+from noloco_bench.swarm_protocol import (
+    ANSWERING_PEERS,
+    ENTRY_BYTES,
+    REQUEST_BYTES,
+    Clock,
+    EmulatedDHT,
+    ProtocolSettings,
+    run,
+)
+from noloco_node.discovery.buckets import MAX_BUCKET_ENTRIES, Bucket
+from noloco_node.discovery.dht import PeerRecord
+
+
+def test_the_emulated_dht_bounds_a_key_and_charges_its_readers_per_entry() -> None:
+    clock = Clock()
+    dht = EmulatedDHT(clock)
+    bucket = Bucket(0, 0)
+    stored = [dht.store(bucket, PeerRecord(f"p{i}", "11.0.0.1:7000", "fp"), 30.0)[0] for i in range(300)]
+    assert stored.count(True) == MAX_BUCKET_ENTRIES  # past the bound a new key is refused, as by every DHT peer
+    assert dht.store(bucket, PeerRecord("p3", "11.0.0.1:7000", "fp", outer_step=1), 40.0)[0]  # a refresh is not
+    entries, cost = dht.read(bucket)
+    assert len(entries) == MAX_BUCKET_ENTRIES
+    assert cost == ANSWERING_PEERS * (REQUEST_BYTES + MAX_BUCKET_ENTRIES * ENTRY_BYTES)
+    clock.run_until(35.0)
+    assert [record.peer_id for record, _ in dht.read(bucket)[0]] == ["p3"]  # the others expired at 30 s
+
+
+def test_a_swarm_of_honest_members_settles_its_level_and_each_run_of_a_seed_is_the_same() -> None:
+    settings = ProtocolSettings(members=100, seconds=150.0, warmup=60.0, hostile_share=0.0, churn_per_hour=0.0)
+    first, again = run(settings), run(settings)
+    assert {k: v for k, v in first.items() if k != "simulation_cpu_s"} == {
+        k: v for k, v in again.items() if k != "simulation_cpu_s"
+    }
+    # 100 members at 16 records a bucket: level 2 or 3 (hysteresis), every member's estimate near the swarm's size
+    assert first["level_median"] in (2, 3) and 70 <= first["estimate_median"] <= 140
+    assert first["rounds"] > 100 and first["hostile_share_of_blends"] == 0.0
+    # A lookup a second of one bucket of 25-50 records: tens of KB/s per member, not the swarm's size in records
+    assert 10_000 < first["discovery_bytes_per_member_s"] < 200_000
