@@ -139,7 +139,9 @@ def add_bench_parsers(commands: Any) -> None:
     protocol.add_argument("--seconds", type=float, default=600.0, help="emulated seconds of each run")
     protocol.add_argument("--warmup", type=float, default=120.0, help="rounds opened before this are not counted")
     protocol.add_argument("--phase-seconds", type=float, default=30.0, help="an outer step's inner steps (s)")
-    protocol.add_argument("--hostile-share", type=float, default=0.1, help="share of the hosts that are hostile")
+    protocol.add_argument(
+        "--hostile-shares", default="0.1,0", help="shares of the hosts that are hostile, a run of each, comma-separated"
+    )
     protocol.add_argument("--keys-per-hostile", type=int, default=4, help="keys (records) of each hostile host")
     protocol.add_argument("--churn-per-hour", type=float, default=0.1, help="share of members leaving per hour")
     protocol.add_argument("--straggler-share", type=float, default=0.1, help="share of members that are slower")
@@ -365,14 +367,18 @@ def run_bench(args: argparse.Namespace) -> int:
             seconds=args.seconds,
             warmup=args.warmup,
             phase_seconds=args.phase_seconds,
-            hostile_share=args.hostile_share,
             keys_per_hostile=args.keys_per_hostile,
             churn_per_hour=args.churn_per_hour,
             straggler_share=args.straggler_share,
             bucket_records=args.bucket_records,
             seed=args.seed,
         )
-        return run_protocol_bench([int(n) for n in args.members.split(",") if n.strip()], settings, args.out)
+        return run_protocol_bench(
+            [int(n) for n in args.members.split(",") if n.strip()],
+            [float(x) for x in args.hostile_shares.split(",") if x.strip()],
+            settings,
+            args.out,
+        )
     if args.bench == "idle":
         from noloco_bench.idle import run_idle_bench
 
