@@ -637,7 +637,7 @@ def _plot(series: dict[float, list[dict[str, Any]]], path: Path) -> None:
     axes[0].axhline(10, color="red", linestyle=":", label="10%: the hostile share of hosts")
     axes[0].set_ylabel("% of honest members' outer steps")
     axes[1].set_ylabel("discovery KB/s per member")
-    axes[2].set_ylabel("seconds from a round's opening to its exchange")
+    axes[2].set_ylabel("seconds to a partner")
     for axis in axes:
         axis.set_xscale("log")
         axis.set_xlabel("honest members")
