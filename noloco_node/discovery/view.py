@@ -3,7 +3,8 @@ held of that bucket (discovery/buckets.py).
 
 At level 0 every lookup reads the one bucket, so the view is the swarm as the last lookup saw it. Higher, a lookup
 reads one random bucket (and the buckets of the peers the node follows), and what it saw of other buckets stays
-until the DHT would have let it expire: the view is a sample that renews itself, bounded in size.
+until the DHT would have let it expire: the view is a sample that renews itself, bounded in size (past
+MAX_LIVE_PEERS records, the node's preferred peers first and a random sample of the rest: kept_records).
 """
 
 from __future__ import annotations
