@@ -61,12 +61,19 @@ def _check_same_shapes(reference: TensorList, other: TensorList, what: str) -> N
             raise ValueError(f"{what}[{k}] has shape {tuple(got.shape)}, expected {tuple(ref.shape)}")
 
 
+def _beside(tensor: torch.Tensor, where: torch.Tensor) -> torch.Tensor:
+    """``tensor`` in fp32 on the device of ``where``: an outer step computes where the replica's own outer state
+    lives (a GPU's memory, or the host), and what came from elsewhere (a partner's payload, on the host) is moved
+    there one tensor at a time."""
+    return tensor.to(device=where.device, dtype=torch.float32)
+
+
 def _group_mean(own: torch.Tensor, others: Sequence[torch.Tensor], weight: float = 1.0) -> torch.Tensor:
     """fp32 mean of one tensor over the group (own first, each other counted ``weight`` times), into a fresh
-    buffer."""
+    buffer on the device of ``own``."""
     total = own.to(torch.float32, copy=True)
     for other in others:
-        total.add_(other.to(torch.float32), alpha=weight)
+        total.add_(_beside(other, total), alpha=weight)
     return total.div_(1 + weight * len(others))
 
 
@@ -83,7 +90,7 @@ def noloco_outer_step(
     gamma: float,
     peer_weight: float = 1.0,
 ) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
-    """One NoLoCo outer step of one replica; returns ``(new_phi, new_delta)`` as fresh fp32 tensors.
+    """One NoLoCo outer step of one replica; returns ``(new_phi, new_delta)`` as fresh fp32 tensors on phi's device.
 
     Args:
         theta: this replica's fast weights after its inner phase, one tensor per parameter (any float dtype).
@@ -116,17 +123,17 @@ def noloco_outer_step(
     new_phi: list[torch.Tensor] = []
     new_delta: list[torch.Tensor] = []
     for k in range(len(theta)):
-        phi_k = phi[k].to(torch.float32)
-        mean_theta = _group_mean(theta[k], [peer[k] for peer in peer_thetas], peer_weight)
+        phi_k = phi[k].to(torch.float32)  # computed where phi lives; every other operand is moved there
+        mean_theta = _group_mean(_beside(theta[k], phi_k), [peer[k] for peer in peer_thetas], peer_weight)
         if fast_path:
             # beta*(mean(theta) - mean(phi)) - beta*(phi - mean(phi)) == beta*(mean(theta) - phi)
             step = mean_theta.sub_(phi_k).mul_(beta)
         else:
-            mean_phi = _group_mean(phi[k], [peer[k] for peer in peer_phis], peer_weight)
+            mean_phi = _group_mean(phi_k, [peer[k] for peer in peer_phis], peer_weight)
             mean_fast_minus_slow = mean_theta.sub_(mean_phi)
             pull = phi_k - mean_phi
             step = mean_fast_minus_slow.mul_(beta).sub_(pull, alpha=gamma)
-        delta_k = step.add_(delta[k].to(torch.float32), alpha=alpha)
+        delta_k = step.add_(_beside(delta[k], phi_k), alpha=alpha)
         new_delta.append(delta_k)
         new_phi.append(phi_k + delta_k)
     return new_phi, new_delta
@@ -316,17 +323,17 @@ def projected_fast_weights(new_phi: TensorList, theta: TensorList, old_phi: Tens
     _check_same_shapes(new_phi, theta, "theta")
     _check_same_shapes(new_phi, old_phi, "old_phi")
     return [
-        p.to(torch.float32) + (t.to(torch.float32) - o.to(torch.float32))
-        for p, t, o in zip(new_phi, theta, old_phi, strict=True)
+        p.to(torch.float32) + (_beside(t, p) - _beside(o, p)) for p, t, o in zip(new_phi, theta, old_phi, strict=True)
     ]
 
 
 @torch.no_grad()
 def phase_progress(theta: TensorList, phi: TensorList) -> list[torch.Tensor]:
-    """A phase's progress Delta = theta - phi in fp32: what stream mode sends at the outer step. (DiLoCo's
-    pseudo-gradient is its negative, phi - mean(theta): this project says progress for theta - phi throughout.)"""
+    """A phase's progress Delta = theta - phi in fp32, on theta's device: what stream mode sends at the outer step.
+    (DiLoCo's pseudo-gradient is its negative, phi - mean(theta): this project says progress for theta - phi
+    throughout.)"""
     _check_same_shapes(theta, phi, "phi")
-    return [t.to(torch.float32) - p.to(torch.float32) for t, p in zip(theta, phi, strict=True)]
+    return [t.to(torch.float32) - _beside(p, t) for t, p in zip(theta, phi, strict=True)]
 
 
 @torch.no_grad()
@@ -337,7 +344,7 @@ def fast_weights_from(
     wire delivered them (each may have been rounded: bf16 phi, quantized Delta), into ``out`` when given."""
     _check_same_shapes(phi, progress, "progress")
     targets = out if out is not None else [torch.empty(p.shape, dtype=torch.float32) for p in phi]
-    return [t.copy_(p).add_(d) for t, p, d in zip(targets, phi, progress, strict=True)]
+    return [t.copy_(p).add_(_beside(d, t)) for t, p, d in zip(targets, phi, progress, strict=True)]
 
 
 # The share c of its own left-out progress Delta_i - D_i that a sparse run blends as its estimate of the partner's
@@ -379,7 +386,7 @@ def compressed_partner_weights(
     _check_same_shapes(partner_phi, own_left_out, "own left-out progress")
     targets = out if out is not None else [torch.empty(p.shape, dtype=torch.float32) for p in partner_phi]
     return [
-        t.copy_(d).add_(p).add_(c, alpha=own_left_out_weight)
+        t.copy_(d).add_(_beside(p, t)).add_(_beside(c, t), alpha=own_left_out_weight)
         for t, p, d, c in zip(targets, partner_phi, partner_sent, own_left_out, strict=True)
     ]
 

@@ -3,9 +3,15 @@
 # installing the package (PYTHONPATH): the same functions as `noloco-node bench train` and `bench outer-step`.
 #   train: bench train at the node's own plan beside the eager, unplanned step, 125m and 1.3b, vocabularies of 256
 #          and 32,000;
-#   outer: bench outer-step at 1.3b and 125m (H = 50): the outer step and its upkeep as a share of the phase;
+#   outer: bench outer-step at 1.3b and 125m (OUTER_SIZES; H = 50): the outer step and its upkeep as a share of the
+#          phase, with the outer state on the GPU and on the host;
 #   solo:  `noloco-node train` of 125m on the embedded corpus for 3 outer steps (the plan, evaluation, checkpoints).
-# Usage: bash benchmarks/gpu/figures.sh [train] [outer] [solo]     (default: all three). Reports go to $OUT.
+#   check: the unit tests of the step plan and the outer state's placements (the one that needs a GPU runs here);
+#   swarm: `noloco-node swarm --nodes 2` on the one GPU at H = 50 (SWARM_MODEL, default 125m; SWARM_BATCH x 1,024
+#          tokens, default 128, micro-batch SWARM_MICRO, default 32: two probes at once would each plan for the
+#          whole card): the outer step and its upkeep from the nodes' histories, and the nodes' peak host memory.
+# Usage: bash benchmarks/gpu/figures.sh [train] [outer] [solo] [check] [swarm]   (default: the first three).
+# Reports go to $OUT.
 set -uo pipefail
 OUT=${OUT:-runs/gpu-figures}
 PARTS=${*:-train outer solo}
@@ -25,7 +31,7 @@ from noloco_bench.train import run_train_bench
 print(run_train_bench('$1', vocab_size=$2, steps=6, warmup=2).report())" 2>&1 | tee "$OUT/train-$1-$2.txt"
     done ;;
   outer)
-    for size in 1.3b 125m; do
+    for size in ${OUTER_SIZES:-1.3b 125m}; do
       echo "== bench outer-step --model $size"
       python3 -c "$LOGGING
 from noloco_bench.outer_step import run_outer_step_bench
@@ -42,5 +48,18 @@ replica = run_training(train, OuterConfig(), DataConfig(), checkpoint_dir=Path('
 print('solo run finished at inner step', replica.inner_step, 'outer step', replica.outer_step)" 2>&1 \
       | tee "$OUT/solo.txt"
     rm -rf "$OUT/solo" ;;
+  check)
+    python3 -m pytest -q -p no:cacheprovider tests/unit/test_step_plan.py tests/unit/test_bench_train.py 2>&1 \
+      | tee "$OUT/check.txt" ;;
+  swarm)
+    model=${SWARM_MODEL:-125m} batch=${SWARM_BATCH:-128} micro=${SWARM_MICRO:-32} runs=${SWARM_DIR:-/tmp/swarm}
+    echo "== swarm --nodes 2 --model $model --batch-size $batch --micro-batch $micro --seq-len 1024 --inner-steps 50"
+    (while sleep 2; do ps -C python3 -o rss=,args= | grep -- " join " | awk '{print $1}' | sort -n | tail -1; done \
+      > "$runs.rss") &
+    sampler=$!
+    python3 -m noloco_node swarm --nodes 2 --model "$model" --batch-size "$batch" --micro-batch "$micro" \
+      --seq-len 1024 --inner-steps 50 --steps 150 --lr 1e-3 --out "$runs" 2>&1 | tail -20 | tee "$OUT/swarm-$model.txt"
+    kill $sampler
+    python3 benchmarks/gpu/outer_share.py "$runs" "$runs.rss" 2>&1 | tee -a "$OUT/swarm-$model.txt" ;;
   esac
 done

@@ -1,18 +1,23 @@
 """`noloco-node bench outer-step`: what an outer step and its upkeep cost beside the inner phase they follow.
 
 One replica of a named size on this device (synthetic tokens, the node's own step plan) trains a few inner steps
-to time one; a phase is H of them. Then the pieces of an outer step, each timed as the node runs them
-(node/outer_step.py), with a partner's fp32 payload made from this replica's own weights:
+to time one; a phase is H of them. Then the pieces of an outer step with a partner, each timed as the node runs
+them (node/outer_step.py), with a partner's fp32 payload on the host made from this replica's own weights:
 
-- **gather**: theta copied to the host (the norm bound and the offers read it there);
-- **blend**: the NoLoCo pair step (algorithm.noloco_pair_step) on the host, where the outer state lives;
+- **movement**: ||theta - phi|| / ||phi||, which sets the norm bound a partner is checked against;
+- **gather**: theta copied to the host, where the exchange sends it from;
+- **blend and check**: the step alone and its validation loss, then the blend with the partner
+  (algorithm.noloco_pair_step) and its loss: the loss check of node/blend_check.py, on validation batches of the
+  node's own shape (``eval_batches`` x ``eval_batch_size`` sequences);
 - **adopt**: ``apply_outer_step`` (theta = phi again);
 - **snapshot**: the upkeep on the trainer thread: phi, delta and Adam's moments copied into the reused snapshot
   buffers (training/checkpoints.py) that GetState serves and the checkpoint is written from;
 - **checkpoint**: written from that snapshot by the writer thread while training goes on; timed, but off the
   critical path.
 
-The share of a phase is (gather + blend + adopt + snapshot) / (H x step time).
+On a GPU the pieces are timed twice in the same run: with the outer state where the plan put it (on the GPU when
+it fits: training/step_plan.py) and with it in pinned host memory, the placement of a member whose GPU has no room
+for it. The share of a phase is the sum of the pieces before the checkpoint over H x the step's time.
 """
 
 from __future__ import annotations
@@ -21,7 +26,7 @@ import tempfile
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -29,9 +34,25 @@ import torch
 from noloco_bench.train import step_shape, synthetic_replica
 from noloco_node import algorithm
 from noloco_node.config.models import TrainConfig
-from noloco_node.security.payload_guard import relative_distance
+from noloco_node.security.payload_guard import relative_distances
 from noloco_node.training.checkpoints import CheckpointWriter, Snapshots, replica_state_of
-from noloco_node.training.replica import resolve_device
+from noloco_node.training.replica import Batch, Replica, resolve_device
+
+
+@dataclass
+class OuterStepParts:
+    """One placement's timings of the outer step's pieces (seconds)."""
+
+    placement: str  # where the outer state lived: "the GPU", "the host", "the CPU"
+    movement: float
+    gather: float
+    blend_and_check: float
+    adopt: float
+    snapshot: float
+
+    @property
+    def critical(self) -> float:
+        return self.movement + self.gather + self.blend_and_check + self.adopt + self.snapshot
 
 
 @dataclass
@@ -41,30 +62,31 @@ class OuterStepBenchResult:
     plan: str
     inner_steps: int
     step_seconds: float
-    gather_seconds: float
-    adopt_seconds: float
-    snapshot_seconds: float
+    validation_tokens: int
     checkpoint_seconds: float
-    blend_seconds: float
+    placements: list[OuterStepParts] = field(default_factory=list)
 
     @property
     def phase_seconds(self) -> float:
         return self.inner_steps * self.step_seconds
 
-    @property
-    def share(self) -> float:
-        critical = self.gather_seconds + self.blend_seconds + self.adopt_seconds + self.snapshot_seconds
-        return critical / self.phase_seconds
+    def share(self, parts: OuterStepParts) -> float:
+        return parts.critical / self.phase_seconds
 
     def report(self) -> str:
         lines = [
             f"model {self.size} on {self.device}",
             f"  {self.plan}",
             f"  inner step {self.step_seconds:.3f} s: a phase of H = {self.inner_steps} is {self.phase_seconds:.1f} s",
-            f"  gather theta to the host {self.gather_seconds:.3f} s, blend {self.blend_seconds:.3f} s, adopt "
-            f"{self.adopt_seconds:.3f} s, snapshot (upkeep) {self.snapshot_seconds:.3f} s",
-            f"  outer step + upkeep = {self.share:.2%} of the phase",
+            f"  the loss check evaluates {self.validation_tokens:,} validation tokens per candidate (two candidates)",
         ]
+        for parts in self.placements:
+            lines += [
+                f"  outer state on {parts.placement}: movement {parts.movement:.3f} s, gather theta to the host "
+                f"{parts.gather:.3f} s, blend and loss check {parts.blend_and_check:.3f} s, adopt {parts.adopt:.3f} s, "
+                f"snapshot (upkeep) {parts.snapshot:.3f} s",
+                f"    outer step + upkeep = {parts.critical:.3f} s = {self.share(parts):.2%} of the phase",
+            ]
         lines.append(f"  checkpoint written off the critical path in {self.checkpoint_seconds:.1f} s (writer thread)")
         return "\n".join(lines)
 
@@ -80,6 +102,54 @@ def _timed(device: torch.device, work: Callable[[], object]) -> float:
     work()
     _sync(device)
     return time.perf_counter() - started
+
+
+def _validation(train_cfg: TrainConfig, vocab_size: int) -> list[Batch]:
+    """Synthetic validation batches of the node's shape (node/trainer.py): the loss check's cost is their size."""
+    generator = torch.Generator().manual_seed(1)
+    batches = []
+    for _ in range(train_cfg.eval_batches):
+        tokens = torch.randint(0, vocab_size, (train_cfg.eval_batch_size, train_cfg.seq_len + 1), generator=generator)
+        batches.append((tokens[:, :-1], tokens[:, 1:]))
+    return batches
+
+
+def _time_parts(replica: Replica, placement: str, validation: list[Batch]) -> OuterStepParts:
+    """One outer step with a partner, piece by piece, as node/outer_step.py takes it."""
+    device = replica.device
+    replica.train_step()  # theta moves on: the gather is a real copy again
+    partner = [t.clone().mul_(1.001) for t in replica.fast_weights()]  # as the wire decodes it: fp32 on the host
+    replica.train_step()
+    movement = _timed(device, lambda: relative_distances(replica.outer_theta(), replica.phi))
+    gather = _timed(device, replica.fast_weights)
+
+    def step(received: tuple[list[torch.Tensor], list[torch.Tensor], list[torch.Tensor]] | None) -> tuple:
+        return algorithm.noloco_pair_step(
+            replica.outer_theta(), replica.phi, replica.delta, received, alpha=0.5, beta=0.7, gamma=0.7
+        )
+
+    outcome: list[tuple] = []
+
+    def blend_and_check() -> None:
+        replica.loss_of(step(None)[0], validation)
+        blended = step((partner, [], []))
+        replica.loss_of(blended[0], validation)
+        outcome.append(blended)
+
+    check = _timed(device, blend_and_check)
+    adopt = _timed(device, lambda: replica.apply_outer_step(*outcome[0]))
+    snapshots = Snapshots(replica)
+    snapshots.take(replica).release()  # the buffers are allocated once, at start, in a node
+    snapshot = _timed(device, lambda: snapshots.take(replica).release())
+    return OuterStepParts(placement, movement, gather, check, adopt, snapshot)
+
+
+def _outer_state_to_host(replica: Replica) -> None:
+    """The placement of a member whose GPU has no room for the outer state: pinned host memory."""
+    replica.phi = [t.to("cpu").pin_memory() for t in replica.phi]
+    replica.delta = [t.to("cpu").pin_memory() for t in replica.delta]
+    replica.outer_device = torch.device("cpu")
+    torch.cuda.empty_cache()
 
 
 def run_outer_step_bench(
@@ -104,7 +174,7 @@ def run_outer_step_bench(
         warmup_steps=0,
         device=device,
     )
-    replica = synthetic_replica(size, train_cfg, vocab_size, torch_device, steps=timed_steps + 6)
+    replica = synthetic_replica(size, train_cfg, vocab_size, torch_device, steps=timed_steps + 12)
     for _ in range(2):
         replica.train_step()
     _sync(torch_device)
@@ -114,36 +184,24 @@ def run_outer_step_bench(
     _sync(torch_device)
     step_seconds = (time.perf_counter() - started) / timed_steps
 
-    # A partner's payload as the wire decodes it: fp32 host tensors (here: this replica's theta, nudged).
-    partner_theta = [t.clone().mul_(1.001) for t in replica.fast_weights()]
-    replica.train_step()  # theta moves on: the gather is a real copy again
-    gather = _timed(torch_device, lambda: relative_distance(replica.fast_weights(), replica.phi))
-    outcome: list[tuple[list[torch.Tensor], list[torch.Tensor]]] = []
-    blend = _timed(
-        torch_device,
-        lambda: outcome.append(
-            algorithm.noloco_pair_step(
-                replica.fast_weights(),
-                replica.phi,
-                replica.delta,
-                (partner_theta, [], []),
-                alpha=0.5,
-                beta=0.7,
-                gamma=0.7,
-            )
-        ),
-    )
-    adopt = _timed(torch_device, lambda: replica.apply_outer_step(*outcome[0]))
+    validation = _validation(train_cfg, vocab_size)
+    placements = []
+    if not on_gpu:
+        placements.append(_time_parts(replica, "the CPU", validation))
+    else:
+        if replica.outer_device.type == "cuda":
+            placements.append(_time_parts(replica, "the GPU", validation))
+            _outer_state_to_host(replica)
+        placements.append(_time_parts(replica, "the host", validation))
+
     snapshots = Snapshots(replica)
-    snapshots.take(replica).release()  # the buffers are allocated once, at start, in a node
-    copies = []
-    snapshot = _timed(torch_device, lambda: copies.append(snapshots.take(replica)))
+    copy = snapshots.take(replica)
     written = threading.Event()
     with tempfile.TemporaryDirectory() as folder:
         writer = CheckpointWriter(Path(folder) / "checkpoint.pt", on_written=written.set)
         writer.start()
         started = time.perf_counter()
-        writer.submit(lambda: {"replica": replica_state_of(copies[0])}, copies[0].release)
+        writer.submit(lambda: {"replica": replica_state_of(copy)}, copy.release)
         writer.flush()
         checkpoint = time.perf_counter() - started
         writer.close()
@@ -153,9 +211,7 @@ def run_outer_step_bench(
         plan=replica.plan.summary(),
         inner_steps=inner_steps,
         step_seconds=step_seconds,
-        gather_seconds=gather,
-        adopt_seconds=adopt,
-        snapshot_seconds=snapshot,
+        validation_tokens=train_cfg.eval_batches * train_cfg.eval_batch_size * seq_len,
         checkpoint_seconds=checkpoint,
-        blend_seconds=blend,
+        placements=placements,
     )

@@ -120,6 +120,12 @@ class DataConfig(StrictSettings):
     )
 
 
+# The most sequences a validation batch holds. A node evaluates at every outer step, twice when a partner answered
+# (the loss check: node/blend_check.py), so validation sized with a GPU's batch (256 sequences x 8 batches) would
+# cost as much as a dozen inner steps' forward passes per outer step; this keeps it a fixed, small share.
+EVAL_BATCH_SEQUENCES = 16
+
+
 class TrainConfig(StrictSettings):
     """The inner phase: Adam without weight decay, clipping, warmup + cosine schedule, evaluation."""
 
@@ -152,6 +158,13 @@ class TrainConfig(StrictSettings):
         description="Recompute each block's activations in the backward pass: auto turns it on only where not even "
         "one sequence per micro-batch fits without it.",
     )
+    outer_state: Literal["auto", "device", "host"] = Field(
+        "auto",
+        description="Where a GPU member keeps its outer state (phi and delta, 8 bytes per parameter): auto keeps it "
+        "on the GPU when the micro-batch stays what it would be without it, where the outer step is a few passes "
+        "over device memory; on the host (pinned) it is bound by the host's memory bandwidth. Each member's own "
+        "(not in the fingerprint); a CPU member's is in host memory either way.",
+    )
     total_steps: int = Field(600, ge=1, description="Inner steps per replica over the whole run.")
     inner_steps: int = Field(50, ge=1, description="H: inner steps between outer steps.")
     lr: float = Field(3e-3, gt=0.0, le=1.0, description="Peak learning rate of the inner Adam.")
@@ -161,9 +174,16 @@ class TrainConfig(StrictSettings):
     adam_beta2: float = Field(0.999, ge=0.0, lt=1.0, description="Inner Adam beta2.")
     adam_eps: float = Field(1e-8, gt=0.0, description="Inner Adam epsilon.")
     grad_clip: float = Field(1.0, gt=0.0, description="Gradient norm clipping of every inner step.")
-    eval_batches: int = Field(8, ge=1, description="Validation batches per evaluation.")
+    eval_batches: int = Field(
+        8, ge=1, description="Validation batches per evaluation, each of batch_size sequences (at most 16)."
+    )
     seed: int = Field(0, ge=0, description="Seed of the run: initial weights, data order, pairings.")
     device: str = Field("auto", description="'auto' (CUDA when available), 'cpu', 'cuda', 'cuda:1', ...")
+
+    @property
+    def eval_batch_size(self) -> int:
+        """Sequences per validation batch: the training batch's, at most :data:`EVAL_BATCH_SEQUENCES`."""
+        return min(self.batch_size, EVAL_BATCH_SEQUENCES)
 
     @property
     def effective_warmup_steps(self) -> int:

@@ -1,7 +1,8 @@
 """A local swarm, the main job: a bootstrap peer and N `noloco-node join` processes on 127.0.0.1.
 
-Each node is a separate process with one torch thread, its own data directory and its own shard of the corpus;
-they find each other only through the DHT and exchange only over gRPC, exactly as machines on the internet would.
+Each node is a separate process with one torch thread (on a GPU, its share of the host's cores), its own data
+directory and its own shard of the corpus; they find each other only through the DHT and exchange only over gRPC,
+exactly as machines on the internet would.
 The launcher shows progress while they train, forwards Ctrl-C (SIGTERM to every node, so each leaves gracefully),
 and writes a summary with every node's validation loss.
 """
@@ -61,6 +62,8 @@ def summarize(out_dir: Path, num_nodes: int) -> dict[str, Any]:
                 "solo_steps": sum(1 for h in history if not h["partner"]),
                 "wait_seconds": sum(h["wait_seconds"] for h in history),
                 "train_seconds": sum(h["train_seconds"] for h in history),
+                # The outer steps' own work and their upkeep (snapshot, checkpoint), beside the phases' training.
+                "outer_step_seconds": sum(h.get("blend_seconds", 0.0) + h.get("upkeep_seconds", 0.0) for h in history),
                 "bytes_sent": status["bytes_sent"],
                 "bytes_received": status["bytes_received"],
                 "rejected": status["rejected_payloads"],

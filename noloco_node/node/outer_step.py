@@ -226,13 +226,14 @@ class OuterStep:
 
     def __call__(self, phase: InnerPhase) -> None:
         deps, replica = self.deps, self.deps.replica
+        phase_ended = time.monotonic()
         # This phase's own movement, before pairing: the norm bound a partner is checked against comes from it
         # (payload_guard.py), so the first exchange is already bounded and no payload can widen the bound.
         steps = max(1, len(phase.losses))
         phase_lr, partner_lr = phase_learning_rates(
             replica.train_cfg, replica.inner_step, deps.max_staleness, phase_steps=steps
         )
-        distance, per_tensor = relative_distances(replica.fast_weights(), replica.phi)
+        distance, per_tensor = relative_distances(replica.outer_theta(), replica.phi)
         movement = deps.norm_guard.observe_phase(
             distance, steps, replica.train_cfg.inner_steps, phase_lr, partner_lr, per_tensor
         )
@@ -249,10 +250,8 @@ class OuterStep:
             partner = None
         extra_seconds, extra_steps = (extra.seconds, len(extra.losses)) if extra is not None else (0.0, 0)
         waited = time.monotonic() - wait_started - extra_seconds
-        blend_started = time.monotonic()
         self._clock_joined_from = None
         weight, verdict = self._blend(partner, sent if extra is not None and extra.losses else None)
-        blend_seconds = time.monotonic() - blend_started
         if partner is not None:
             partner.release()  # blended or refused: its buffers can take the next outer step's payload
             if weight is None:
@@ -286,6 +285,9 @@ class OuterStep:
         if rolled_back:
             deps.strategy.state_replaced()
             deps.strategy.start(replica)  # what it offers peers comes from its own state again
+        # The outer step's own work since the phase ended: the movement, the blend and its loss check, the
+        # evaluation (not the wait for the partner, nor the steps trained meanwhile).
+        blend_seconds = time.monotonic() - phase_ended - waited - extra_seconds
         entry = {
             "outer_step": replica.outer_step,
             "inner_step": replica.inner_step,
@@ -409,10 +411,11 @@ class OuterStep:
         weight in the blend (STRANGER_WEIGHT without standing; None: a solo step) and the loss check's verdict
         (None: no partner answered)."""
         deps, replica = self.deps, self.deps.replica
-        # theta on the host: gathered once per outer step (the norm bound measured it), again only when the node
-        # trained on while it waited. The blend runs on the host: on an H100 machine it took 2.7 s at 1.3b (16
-        # cores), and one parameter at a time on the GPU 8.9 s, its copies over PCIe costing more than the maths.
-        fast = replica.fast_weights()
+        # theta where the outer state lives (training/step_plan.py places it): the live weights on a GPU that holds
+        # it, where the blends and the loss check's candidates are a few passes over device memory; else theta
+        # gathered on the host once per outer step (again only when the node trained on while it waited). A
+        # partner's tensors are moved there one at a time (algorithm.py).
+        fast = replica.outer_theta()
 
         def outer_step(received: PartnerTensors | None, partner_weight: float = 1.0) -> tuple[list[torch.Tensor], ...]:
             return algorithm.noloco_pair_step(

@@ -90,7 +90,7 @@ class Trainer:
         validation = validation_batches(
             self.corpus.validation,
             seq_len=self.train_cfg.seq_len,
-            batch_size=self.train_cfg.batch_size,
+            batch_size=self.train_cfg.eval_batch_size,
             num_batches=self.train_cfg.eval_batches,
         )
         catch_up = CatchUp(

@@ -85,7 +85,11 @@ class OuterStepRecord(BaseModel):
         "at least half of the hosts the node has standing with were beyond reach ahead (a healed split).",
     )
     wait_seconds: float = Field(description="Time the trainer waited for communication at this outer step.")
-    blend_seconds: float = Field(0.0, description="Time the trainer spent computing the outer step (the blend).")
+    blend_seconds: float = Field(
+        0.0,
+        description="Time the trainer spent on the outer step's own work after the phase (its movement, the blend "
+        "and the loss check, the evaluation), the wait for a partner left out.",
+    )
     upkeep_seconds: float = Field(
         0.0, description="Trainer time at this outer step outside the wait, blend and evaluation: snapshot, checkpoint."
     )

@@ -259,7 +259,7 @@ def run_method(
     else:
         replicas = [Replica(source, train, [shard], device=device) for shard in shards]
     val = validation_batches(
-        corpus.validation, seq_len=train.seq_len, batch_size=train.batch_size, num_batches=train.eval_batches
+        corpus.validation, seq_len=train.seq_len, batch_size=train.eval_batch_size, num_batches=train.eval_batches
     )
     if method.startswith("noloco"):
         algorithm.warn_on_unstable_hyperparameters(cfg.outer.alpha, cfg.outer.beta, cfg.outer.effective_gamma)

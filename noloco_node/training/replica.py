@@ -149,15 +149,17 @@ class Replica:
             fused=True if self.device.type == "cuda" else None,
         )
         self._in_flight: deque[StepLoss] = deque()
-        # Outer state in fp32 whatever the training dtype (docs/architecture.md): phi starts as theta, delta at zero. It
-        # lives on the host whatever the training device: on a GPU it would take two more model copies of GPU
-        # memory, and the outer step, the exchange and the donor snapshot all work on the host. Pinned on a CUDA
-        # machine, so that the copies to and from the GPU are asynchronous DMA.
-        pinned = self.device.type == "cuda"
-        self.phi = [_host_buffer(p.shape, pinned).copy_(p.detach()) for p in self.params]
-        self.delta = [_host_buffer(p.shape, pinned).zero_() for p in self.params]
-        # Where theta is gathered on the host at an outer step (the exchange sends it, the blend reads it).
-        self._theta_host = [_host_buffer(p.shape, pinned) for p in self.params] if pinned else None
+        # Outer state in fp32 whatever the training dtype (docs/architecture.md): phi starts as theta, delta at zero.
+        # Where the plan put it (training/step_plan.py): on the GPU, where the outer step is a few passes over device
+        # memory, or on the host, pinned so that the copies to and from the GPU are asynchronous DMA. The outer step
+        # computes where it lives (algorithm.py moves a partner's host tensors there).
+        on_gpu = self.device.type == "cuda"
+        self.outer_device = self.device if self.plan.outer_state_on_device else torch.device("cpu")
+        pinned = on_gpu and self.outer_device.type == "cpu"
+        self.phi = [_outer_buffer(p.shape, self.outer_device, pinned).copy_(p.detach()) for p in self.params]
+        self.delta = [_outer_buffer(p.shape, self.outer_device, pinned).zero_() for p in self.params]
+        # Where theta is gathered on the host at an outer step (the exchange sends it from there).
+        self._theta_host = [_outer_buffer(p.shape, torch.device("cpu"), True) for p in self.params] if on_gpu else None
         # Every write to theta moves the version on; the host copy is made again only when it is behind.
         self._theta_version, self._theta_gathered = 0, -1
         self.inner_step = 0
@@ -167,7 +169,12 @@ class Replica:
         """The micro-batch, accumulation, compile and checkpointing of this member (training/step_plan.py)."""
         settled = self.train_cfg.micro_batch is not None and self.train_cfg.compile == "off"
         if self.device.type != "cuda" or settled:
-            plan = plan_without_probe(self.train_cfg, self.device, compilable=isinstance(self.model, LlamaDecoder))
+            plan = plan_without_probe(
+                self.train_cfg,
+                self.device,
+                compilable=isinstance(self.model, LlamaDecoder),
+                parameters=sum(p.numel() for p in self.params),
+            )
             if isinstance(self.model, LlamaDecoder):
                 self.model.run_blocks(compiled=plan.compiled, checkpointed=plan.checkpointed)
             return plan
@@ -239,9 +246,18 @@ class Replica:
         """theta (fast_weights), phi and delta by part name, as an offer publishes them (pairing/strategy.py)."""
         return {"theta": self.fast_weights(), "phi": list(self.phi), "delta": list(self.delta)}
 
+    def outer_theta(self) -> list[torch.Tensor]:
+        """theta where the outer state lives, one tensor per parameter, for the outer step's own maths (the norm
+        bound's movement, the blend): views of the live weights when that is the training device (copy before
+        training on), else :meth:`fast_weights`."""
+        if self.outer_device == self.device:
+            return [p.detach() for p in self.params]
+        return self.fast_weights()
+
     def fast_weights(self) -> list[torch.Tensor]:
-        """theta on the host, one tensor per parameter. On a CPU: views of the live weights (copy before training
-        on). On a GPU: the weights copied into pinned host buffers (reused from one outer step to the next)."""
+        """theta on the host, one tensor per parameter, as the exchange sends it. On a CPU: views of the live
+        weights (copy before training on). On a GPU: the weights copied into pinned host buffers (reused from one
+        outer step to the next)."""
         if self._theta_host is None:
             return [p.detach() for p in self.params]
         if self._theta_gathered != self._theta_version:  # else the host copy is still theta's (one per outer step)
@@ -261,8 +277,9 @@ class Replica:
         ):
             phi.copy_(phi_new)
             delta.copy_(delta_new)
-            # From pinned memory this is an asynchronous DMA; the next inner step is queued behind it on the same
-            # stream, and phi is not written again before the next outer step, long after it completed.
+            # On the GPU a copy within its memory; from pinned host memory an asynchronous DMA. Either way the next
+            # inner step is queued behind it on the same stream, and phi is not written again before the next outer
+            # step, long after it completed.
             param.copy_(phi, non_blocking=True)
         self.outer_step += 1
         self._theta_version += 1
@@ -379,5 +396,5 @@ class Replica:
             torch.cuda.set_rng_state_all(state["rng_cuda"])
 
 
-def _host_buffer(shape: torch.Size, pinned: bool) -> torch.Tensor:
-    return torch.empty(shape, dtype=torch.float32, pin_memory=pinned)
+def _outer_buffer(shape: torch.Size, device: torch.device, pinned: bool) -> torch.Tensor:
+    return torch.empty(shape, dtype=torch.float32, device=device, pin_memory=pinned)

@@ -27,7 +27,7 @@ log = logging.getLogger(__name__)
 def solo_outer_step(replica: Replica, outer_cfg: OuterConfig) -> None:
     """The outer step of a group of one (no partner answered, or no swarm at all)."""
     new_phi, new_delta = algorithm.noloco_pair_step(
-        replica.fast_weights(),
+        replica.outer_theta(),
         replica.phi,
         replica.delta,
         None,
@@ -62,7 +62,7 @@ def run_training(
     val = validation_batches(
         corpus.validation,
         seq_len=train_cfg.seq_len,
-        batch_size=train_cfg.batch_size,
+        batch_size=train_cfg.eval_batch_size,
         num_batches=train_cfg.eval_batches,
     )
     algorithm.warn_on_unstable_hyperparameters(outer_cfg.alpha, outer_cfg.beta, outer_cfg.effective_gamma)

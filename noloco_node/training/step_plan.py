@@ -15,6 +15,11 @@ averaged). This module decides that split, and says what it expects of it:
   per-sequence parts from the parameter count and the shape (:func:`model_memory`), with the activation bytes per
   token per layer measured on an H100 (docs/benchmarks.md, "Filling the GPU").
 
+On a GPU the plan also places the **outer state** (phi and delta, fp32: :data:`OUTER_STATE_BYTES` per parameter).
+On the GPU the outer step is a few passes over device memory; on the host it is bound by the host's memory
+bandwidth (2.7 s for one blend at 1.3b on 16 cores of an H100 machine, and the loss check computes two). ``auto``
+keeps it on the GPU when the micro-batch stays what it would be without it: the inner steps come first.
+
 The plan is logged at start, shown in ``/status`` and printed by ``doctor``.
 """
 
@@ -42,6 +47,8 @@ MEMORY_MARGIN = 0.85
 WEIGHT_BYTES, GRADIENT_BYTES, ADAM_BYTES = 4, 4, 8
 # A data-parallel member's gradient buckets (DDP keeps a flat copy of the gradients to all-reduce).
 DDP_BUCKET_BYTES = 4
+# The outer state, phi and delta in fp32, where the plan keeps it on the GPU.
+OUTER_STATE_BYTES = 8
 # Saved activations per token and layer, bytes = ACTIVATION_HIDDEN x hidden + ACTIVATION_FFN x intermediate: eager
 # blocks under bf16 autocast with flash attention, fitted to the probe on an H100 (125m: 53 KB, 1.3b: 137 KB per
 # token and layer; compiled blocks keep about a third less). Checkpointed, a block keeps its fp32 input.
@@ -84,9 +91,30 @@ class ModelMemory:
 
     fixed_bytes: int
     per_sequence_bytes: int
+    outer_state_bytes: int = 0  # phi and delta, where the plan puts them on the GPU
 
-    def micro_batch_fits(self, micro_batch: int, memory_bytes: int) -> bool:
-        return self.fixed_bytes + micro_batch * self.per_sequence_bytes <= MEMORY_MARGIN * memory_bytes
+    def micro_batch_fits(self, micro_batch: int, memory_bytes: int, *, besides: int = 0) -> bool:
+        """Whether ``micro_batch`` sequences fit under the margin, with ``besides`` bytes more (the outer state)."""
+        return self.fixed_bytes + besides + micro_batch * self.per_sequence_bytes <= MEMORY_MARGIN * memory_bytes
+
+    def largest_micro_batch(self, batch_size: int, memory_bytes: int, *, besides: int = 0) -> int:
+        """The largest micro-batch that divides the batch and fits beside ``besides`` bytes; 0 when none does."""
+        room = (MEMORY_MARGIN * memory_bytes - self.fixed_bytes - besides) // max(1, self.per_sequence_bytes)
+        return largest_divisor_at_most(batch_size, int(room)) if room >= 1 else 0
+
+    def place_outer_state(
+        self, setting: str, batch_size: int, memory_bytes: int, micro_batch: int | None
+    ) -> tuple[int, bool]:
+        """The micro-batch and whether the outer state goes on the GPU. ``auto``: on the GPU when the micro-batch
+        (``micro_batch`` when set) stays what it would be without it, else on the host."""
+        outer_bytes = self.outer_state_bytes
+        if micro_batch is not None:
+            fits = self.micro_batch_fits(micro_batch, memory_bytes, besides=outer_bytes)
+            return micro_batch, setting == "device" or (setting == "auto" and fits)
+        alone = self.largest_micro_batch(batch_size, memory_bytes)
+        beside = self.largest_micro_batch(batch_size, memory_bytes, besides=outer_bytes)
+        on_device = setting == "device" or (setting == "auto" and beside == alone and beside > 0)
+        return (beside if on_device else alone), on_device
 
 
 def model_memory(
@@ -100,7 +128,7 @@ def model_memory(
     # Checkpointed, one block's activations are alive again during its backward pass.
     recomputed = (ACTIVATION_HIDDEN * hidden + ACTIVATION_FFN * ffn) * seq_len if checkpointed else 0
     per_token = model_cfg.num_layers * per_layer + 2 * hidden  # + the loss's gradient of the hidden states (bf16)
-    return ModelMemory(parameters * per_parameter, per_token * seq_len + recomputed)
+    return ModelMemory(parameters * per_parameter, per_token * seq_len + recomputed, OUTER_STATE_BYTES * parameters)
 
 
 def largest_divisor_at_most(batch_size: int, limit: int) -> int:
@@ -123,6 +151,7 @@ class StepPlan:
     compiled: bool
     checkpointed: bool
     source: str  # "settings", "probe" or "memory model": where the micro-batch came from
+    outer_state_on_device: bool = True  # phi and delta on the training device (a CPU's always are), or the host
     memory_bytes: int | None = None  # the card's
     peak_bytes: int | None = None  # predicted (memory model, probe fit) or measured (the compiled probe)
     tokens_per_second: float | None = None  # measured by the probe (forward and backward, no optimizer step)
@@ -140,6 +169,8 @@ class StepPlan:
             f"compile {'on' if self.compiled else 'off'}",
             f"activation checkpointing {'on' if self.checkpointed else 'off'}",
         ]
+        if not self.device.startswith("cpu"):
+            parts.append(f"outer state on the {'GPU' if self.outer_state_on_device else 'host'}")
         if self.peak_bytes is not None and self.memory_bytes:
             parts.append(f"memory {self.peak_bytes / GIB:.1f} of {self.memory_bytes / GIB:.1f} GiB")
         if self.tokens_per_second is not None:
@@ -156,18 +187,31 @@ def wanted(setting: str, default: bool) -> bool:
     return default if setting == "auto" else setting == "on"
 
 
-def plan_without_probe(train_cfg: TrainConfig, device: torch.device, *, compilable: bool) -> StepPlan:
+def plan_without_probe(
+    train_cfg: TrainConfig, device: torch.device, *, compilable: bool, parameters: int = 0
+) -> StepPlan:
     """The plan where nothing is probed: a CPU member, or a GPU member whose micro-batch is set with compile off.
     The whole batch at once unless micro_batch says otherwise; compiled only when asked (auto is off on a CPU) and
-    the model is the project's decoder."""
+    the model is the project's decoder. On a GPU the outer state of ``parameters`` goes beside the weights,
+    gradients and Adam when they fit under the margin of the card (activations unmeasured: the setting's own
+    micro-batch is the user's call)."""
+    micro = train_cfg.micro_batch or train_cfg.batch_size
+    on_device = True
+    if device.type == "cuda":
+        _free, total = torch.cuda.mem_get_info(device)
+        memory = ModelMemory(
+            parameters * (WEIGHT_BYTES + GRADIENT_BYTES + ADAM_BYTES), 0, OUTER_STATE_BYTES * parameters
+        )
+        on_device = memory.place_outer_state(train_cfg.outer_state, train_cfg.batch_size, total, micro)[1]
     return StepPlan(
         device=str(device),
         batch_size=train_cfg.batch_size,
         seq_len=train_cfg.seq_len,
-        micro_batch=train_cfg.micro_batch or train_cfg.batch_size,
+        micro_batch=micro,
         compiled=compilable and wanted(train_cfg.compile, device.type == "cuda"),
         checkpointed=compilable and wanted(train_cfg.activation_checkpointing, False),
         source="settings",
+        outer_state_on_device=on_device,
     )
 
 
@@ -181,8 +225,9 @@ def plan_for_memory(
     checkpointed_memory = model_memory(model_cfg, train_cfg.seq_len, checkpointed=True, data_parallel=data_parallel)
     checkpointed = wanted(train_cfg.activation_checkpointing, not plain.micro_batch_fits(1, memory_bytes))
     memory = checkpointed_memory if checkpointed else plain
-    room = int((MEMORY_MARGIN * memory_bytes - memory.fixed_bytes) // max(1, memory.per_sequence_bytes))
-    micro = train_cfg.micro_batch or largest_divisor_at_most(train_cfg.batch_size, room)
+    micro, on_device = memory.place_outer_state(
+        train_cfg.outer_state, train_cfg.batch_size, memory_bytes, train_cfg.micro_batch
+    )
     plan = StepPlan(
         device=f"a GPU of {memory_bytes / GIB:.0f} GiB",
         batch_size=train_cfg.batch_size,
@@ -191,10 +236,14 @@ def plan_for_memory(
         compiled=wanted(train_cfg.compile, True),
         checkpointed=checkpointed,
         source="memory model",
+        outer_state_on_device=on_device,
         memory_bytes=memory_bytes,
-        peak_bytes=memory.fixed_bytes + max(micro, 1) * memory.per_sequence_bytes,
+        peak_bytes=memory.fixed_bytes
+        + max(micro, 1) * memory.per_sequence_bytes
+        + (memory.outer_state_bytes if on_device else 0),
     )
-    if micro == 0 or not memory.micro_batch_fits(micro, memory_bytes):
+    besides = memory.outer_state_bytes if on_device else 0
+    if micro == 0 or not memory.micro_batch_fits(micro, memory_bytes, besides=besides):
         plan.notes.append(
             f"does not fit: {memory.fixed_bytes / GIB:.1f} GiB for weights, gradients and Adam "
             f"({parameter_count(model_cfg) / 1e9:.2f}B parameters x "
@@ -257,9 +306,15 @@ def probe_plan(
         train_cfg.seq_len,
         ", checkpointed" if checkpointed else "",
     )
-    room = int((MEMORY_MARGIN * memory_bytes - fixed) // per_sequence)
-    micro = train_cfg.micro_batch or largest_divisor_at_most(train_cfg.batch_size, max(1, room))
-    micro = agree(micro)
+    parameters = sum(p.numel() for p in model.parameters())
+    measured = ModelMemory(fixed, per_sequence, OUTER_STATE_BYTES * parameters)
+    micro, on_device = measured.place_outer_state(
+        train_cfg.outer_state, train_cfg.batch_size, memory_bytes, train_cfg.micro_batch
+    )
+    micro = agree(max(1, micro))
+    if on_device:
+        missing_state += measured.outer_state_bytes  # allocated once the plan is made (training/replica.py)
+        fixed += measured.outer_state_bytes
     plan = StepPlan(
         device=f"{device} ({torch.cuda.get_device_name(device)})",
         batch_size=train_cfg.batch_size,
@@ -268,6 +323,7 @@ def probe_plan(
         compiled=False,
         checkpointed=checkpointed,
         source="settings" if train_cfg.micro_batch else "probe",
+        outer_state_on_device=on_device,
         memory_bytes=memory_bytes,
         peak_bytes=fixed + micro * per_sequence,
         notes=notes,

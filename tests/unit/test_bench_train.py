@@ -34,8 +34,12 @@ def test_the_outer_step_bench_reports_its_parts_as_a_share_of_the_phase() -> Non
     from noloco_bench.outer_step import run_outer_step_bench
 
     result = run_outer_step_bench("tiny", inner_steps=20, batch_size=2, seq_len=32, device="cpu")
-    parts = [result.gather_seconds, result.blend_seconds, result.adopt_seconds, result.snapshot_seconds]
-    assert all(seconds > 0 for seconds in parts) and result.step_seconds > 0 and result.checkpoint_seconds > 0
+    assert [parts.placement for parts in result.placements] == ["the CPU"]  # a GPU adds the host placement
+    parts = result.placements[0]
+    pieces = [parts.movement, parts.gather, parts.blend_and_check, parts.adopt, parts.snapshot]
+    assert all(seconds > 0 for seconds in pieces) and result.step_seconds > 0 and result.checkpoint_seconds > 0
     assert result.phase_seconds == pytest.approx(20 * result.step_seconds)
-    assert result.share == pytest.approx(sum(parts) / result.phase_seconds)
-    assert f"{result.share:.2%} of the phase" in result.report()
+    assert result.share(parts) == pytest.approx(sum(pieces) / result.phase_seconds)
+    # The loss check evaluates the node's validation shape: 8 batches of the training batch's 2 sequences.
+    assert result.validation_tokens == 8 * 2 * 32
+    assert f"{result.share(parts):.2%} of the phase" in result.report()

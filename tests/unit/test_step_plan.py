@@ -26,7 +26,9 @@ TOKENS = (np.arange(200_000) * 7919 % 251).astype(np.uint8)
 
 
 def make_replica(**train: object) -> Replica:
-    cfg = TrainConfig(seq_len=32, batch_size=8, total_steps=100, warmup_steps=2, device="cpu", **train)
+    cfg = TrainConfig(
+        **{"seq_len": 32, "batch_size": 8, "total_steps": 100, "warmup_steps": 2, "device": "cpu", **train}
+    )
     source = SeededDecoder(model_config_for("tiny", vocab_size=256, max_seq_len=32), seed=0)
     return Replica(source, cfg, [ReplicaShard(TOKENS, replica=0, num_replicas=1, seq_len=32, seed=0)])
 
@@ -139,6 +141,56 @@ def test_the_planner_checkpoints_when_one_sequence_does_not_fit_and_refuses_what
     big = model_config_for("6.8b", vocab_size=32000, max_seq_len=1024)
     refused = plan_for_memory(big, TrainConfig(model_size="6.8b", batch_size=64, seq_len=1024), 80 * GIB)
     assert refused.micro_batch == 0 and "does not fit" in refused.notes[0] and "GiB" in refused.notes[0]
+
+
+def test_the_planner_keeps_the_outer_state_on_the_gpu_only_where_the_micro_batch_stays_the_same() -> None:
+    train = TrainConfig(model_size="1.3b", batch_size=64, seq_len=1024)
+    cfg = model_config_for("1.3b", vocab_size=256, max_seq_len=1024)
+    memory = model_memory(cfg, 1024)
+    assert memory.outer_state_bytes == 8 * (memory.fixed_bytes // 16)  # phi and delta in fp32
+    roomy = plan_for_memory(cfg, train, 80 * GIB)  # 24 GiB fixed + 12 GiB outer state leave 8 sequences of 3.2
+    assert roomy.outer_state_on_device and roomy.micro_batch == 8
+    assert memory.micro_batch_fits(8, 80 * GIB, besides=memory.outer_state_bytes)
+    assert "outer state on the GPU" in roomy.summary()
+    tight = plan_for_memory(cfg, train, 40 * GIB)  # the outer state would leave no sequence: it stays on the host
+    assert not tight.outer_state_on_device and tight.micro_batch == 2 and "outer state on the host" in tight.summary()
+    assert memory.largest_micro_batch(64, 40 * GIB, besides=memory.outer_state_bytes) == 0
+    # Each member's own choice, either way; asked for on the GPU where it leaves no room, the plan says so.
+    host = plan_for_memory(cfg, train.model_copy(update={"outer_state": "host"}), 80 * GIB)
+    assert not host.outer_state_on_device and host.micro_batch == 8
+    forced = plan_for_memory(cfg, train.model_copy(update={"outer_state": "device"}), 40 * GIB)
+    assert forced.outer_state_on_device and forced.micro_batch == 0 and "does not fit" in forced.notes[0]
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="the outer state has two places only beside a GPU")
+def test_the_outer_step_on_the_gpu_computes_what_the_host_computes() -> None:
+    """The same replica, its outer state on the GPU and in pinned host memory: the norm bound's movement, the
+    blend with a partner's host tensors, its loss and the adopted weights agree."""
+    from noloco_node import algorithm
+    from noloco_node.security.payload_guard import relative_distances
+
+    on_gpu = make_replica(device="cuda", micro_batch=8, compile="off", outer_state="device")
+    for _ in range(3):
+        on_gpu.train_step()
+    on_host = make_replica(device="cuda", micro_batch=8, compile="off", outer_state="host")
+    on_host.load_state_dict(on_gpu.state_dict())  # the same theta, phi, delta and Adam state
+    results = {}
+    for where, replica in (("device", on_gpu), ("host", on_host)):
+        assert replica.outer_device.type == ("cuda" if where == "device" else "cpu")
+        partner = [t.clone().mul_(1.01) for t in replica.fast_weights()]  # on the host, as the wire delivers
+        movement = relative_distances(replica.outer_theta(), replica.phi)[0]
+        new_phi, new_delta = algorithm.noloco_pair_step(
+            replica.outer_theta(), replica.phi, replica.delta, (partner, [], []), alpha=0.5, beta=0.7, gamma=0.7
+        )
+        assert all(t.device == replica.outer_device for t in new_phi)
+        validation = [replica.shards[0].next_batch(4)]
+        loss = replica.loss_of(new_phi, validation)
+        replica.apply_outer_step(new_phi, new_delta)
+        results[where] = (movement, loss, [p.detach().cpu() for p in replica.params])
+    (movement, loss, weights), (host_movement, host_loss, host_weights) = results["device"], results["host"]
+    assert movement == pytest.approx(host_movement, rel=1e-5) and loss == pytest.approx(host_loss, rel=1e-5)
+    for mine, reference in zip(weights, host_weights, strict=True):
+        assert torch.allclose(mine, reference, atol=1e-6)
 
 
 def test_largest_divisor() -> None:
