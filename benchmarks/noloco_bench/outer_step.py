@@ -6,9 +6,10 @@ them (node/outer_step.py), with a partner's fp32 payload on the host made from t
 
 - **movement**: ||theta - phi|| / ||phi||, which sets the norm bound a partner is checked against;
 - **gather**: theta copied to the host, where the exchange sends it from;
-- **blend and check**: the step alone and its validation loss, then the blend with the partner
-  (algorithm.noloco_pair_step) and its loss: the loss check of node/blend_check.py, on validation batches of the
-  node's own shape (``eval_batches`` x ``eval_batch_size`` sequences);
+- **blends**: the two candidates of the loss check (node/blend_check.py): the step alone and the blend with the
+  partner (algorithm.noloco_pair_step), the partner's host tensors moved to where the outer state lives;
+- **check**: the two candidates' validation losses, on batches of the node's own shape (``eval_batches`` x
+  ``eval_batch_size`` sequences), after one evaluation untimed (the node's first compiles the blocks for it);
 - **adopt**: ``apply_outer_step`` (theta = phi again);
 - **snapshot**: the upkeep on the trainer thread: phi, delta and Adam's moments copied into the reused snapshot
   buffers (training/checkpoints.py) that GetState serves and the checkpoint is written from;
@@ -46,13 +47,14 @@ class OuterStepParts:
     placement: str  # where the outer state lived: "the GPU", "the host", "the CPU"
     movement: float
     gather: float
-    blend_and_check: float
+    blends: float
+    check: float
     adopt: float
     snapshot: float
 
     @property
     def critical(self) -> float:
-        return self.movement + self.gather + self.blend_and_check + self.adopt + self.snapshot
+        return self.movement + self.gather + self.blends + self.check + self.adopt + self.snapshot
 
 
 @dataclass
@@ -83,8 +85,8 @@ class OuterStepBenchResult:
         for parts in self.placements:
             lines += [
                 f"  outer state on {parts.placement}: movement {parts.movement:.3f} s, gather theta to the host "
-                f"{parts.gather:.3f} s, blend and loss check {parts.blend_and_check:.3f} s, adopt {parts.adopt:.3f} s, "
-                f"snapshot (upkeep) {parts.snapshot:.3f} s",
+                f"{parts.gather:.3f} s, blends {parts.blends:.3f} s, loss check {parts.check:.3f} s, adopt "
+                f"{parts.adopt:.3f} s, snapshot (upkeep) {parts.snapshot:.3f} s",
                 f"    outer step + upkeep = {parts.critical:.3f} s = {self.share(parts):.2%} of the phase",
             ]
         lines.append(f"  checkpoint written off the critical path in {self.checkpoint_seconds:.1f} s (writer thread)")
@@ -128,20 +130,14 @@ def _time_parts(replica: Replica, placement: str, validation: list[Batch]) -> Ou
             replica.outer_theta(), replica.phi, replica.delta, received, alpha=0.5, beta=0.7, gamma=0.7
         )
 
-    outcome: list[tuple] = []
-
-    def blend_and_check() -> None:
-        replica.loss_of(step(None)[0], validation)
-        blended = step((partner, [], []))
-        replica.loss_of(blended[0], validation)
-        outcome.append(blended)
-
-    check = _timed(device, blend_and_check)
-    adopt = _timed(device, lambda: replica.apply_outer_step(*outcome[0]))
+    candidates: list[tuple] = []
+    blends = _timed(device, lambda: candidates.extend([step(None), step((partner, [], []))]))
+    check = _timed(device, lambda: [replica.loss_of(phi, validation) for phi, _ in candidates])
+    adopt = _timed(device, lambda: replica.apply_outer_step(*candidates[1]))
     snapshots = Snapshots(replica)
     snapshots.take(replica).release()  # the buffers are allocated once, at start, in a node
     snapshot = _timed(device, lambda: snapshots.take(replica).release())
-    return OuterStepParts(placement, movement, gather, check, adopt, snapshot)
+    return OuterStepParts(placement, movement, gather, blends, check, adopt, snapshot)
 
 
 def _outer_state_to_host(replica: Replica) -> None:
@@ -185,6 +181,7 @@ def run_outer_step_bench(
     step_seconds = (time.perf_counter() - started) / timed_steps
 
     validation = _validation(train_cfg, vocab_size)
+    replica.evaluate(validation)  # a node's first evaluation compiles the blocks for it, once
     placements = []
     if not on_gpu:
         placements.append(_time_parts(replica, "the CPU", validation))

@@ -183,7 +183,9 @@ class LlamaDecoder(CausalLM):
         x = self.embed_tokens(tokens)
         for runner in self._block_runners:
             if self.checkpoint_blocks and torch.is_grad_enabled():
-                x = checkpoint(runner, x, cos, sin, use_reentrant=False)
+                # No randomness in a block (no dropout): nothing to replay, and no device state to capture (which a
+                # CPU model on a machine with an untouched GPU would otherwise initialize mid-forward, refused).
+                x = checkpoint(runner, x, cos, sin, use_reentrant=False, preserve_rng_state=False)
             else:
                 x = runner(x, cos, sin)
         hidden = self.norm(x)

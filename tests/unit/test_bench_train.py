@@ -36,7 +36,7 @@ def test_the_outer_step_bench_reports_its_parts_as_a_share_of_the_phase() -> Non
     result = run_outer_step_bench("tiny", inner_steps=20, batch_size=2, seq_len=32, device="cpu")
     assert [parts.placement for parts in result.placements] == ["the CPU"]  # a GPU adds the host placement
     parts = result.placements[0]
-    pieces = [parts.movement, parts.gather, parts.blend_and_check, parts.adopt, parts.snapshot]
+    pieces = [parts.movement, parts.gather, parts.blends, parts.check, parts.adopt, parts.snapshot]
     assert all(seconds > 0 for seconds in pieces) and result.step_seconds > 0 and result.checkpoint_seconds > 0
     assert result.phase_seconds == pytest.approx(20 * result.step_seconds)
     assert result.share(parts) == pytest.approx(sum(pieces) / result.phase_seconds)
