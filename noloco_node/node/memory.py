@@ -1,8 +1,9 @@
 """The host memory a node needs for its model, and the warning at start when this machine has less.
 
 A node holds, per parameter (fp32 unless said): the fast weights theta, their gradients and Adam's two moments
-(16 bytes; on a GPU these live in GPU memory), the slow weights phi and outer momentum delta (8 bytes, always on the
-host; arXiv 2506.10911 eq. 3-5 need both), up to two copies of the outer state (phi, delta, moments: 2 x 16
+(16 bytes; on a GPU these live in GPU memory), the slow weights phi and outer momentum delta (8 bytes, on the host
+unless the step plan keeps them on the GPU, which the start check does not yet know: it counts them here; arXiv
+2506.10911 eq. 3-5 need both), up to two copies of the outer state (phi, delta, moments: 2 x 16
 bytes) that serve GetState and the checkpoint writer while the trainer goes on (training/checkpoints.py), and the
 exchange's offer and receive buffers in the wire dtype (about 4 bytes). docs/data-and-models.md has the measured
 figures and what sizes fit where.
