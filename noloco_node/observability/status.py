@@ -214,7 +214,8 @@ class NodeStatus(BaseModel):
     step_plan: dict[str, Any] | None = Field(
         None,
         description="How this member runs an inner step: micro_batch, accumulation, compiled, checkpointed, source "
-        "(settings, probe or memory model), memory_bytes and peak_bytes, the probe's tokens_per_second and mfu, notes.",
+        "(settings, probe or memory model), outer_state_on_device (phi and delta on the GPU, or the host), "
+        "memory_bytes and peak_bytes, the probe's tokens_per_second and mfu, notes.",
     )
     comm_wait_fraction: float = Field(description="Share of the trainer's wall time spent waiting on communication.")
     peak_rss_mb: float | None = Field(None, description="The node process's peak resident memory so far, in MB.")
