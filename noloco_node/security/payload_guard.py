@@ -93,8 +93,10 @@ def relative_distances(
             a, b, c = theirs.reshape(-1), mine.reshape(-1), size.reshape(-1)
             tensor_gap, tensor_norm = 0.0, 0.0
             for start in range(0, a.numel(), DISTANCE_SLICE):
-                diff = a[start : start + DISTANCE_SLICE].float() - b[start : start + DISTANCE_SLICE].float()
-                size_slice = c[start : start + DISTANCE_SLICE].float()
+                # Where this node's own tensor lives (a GPU's outer state, or the host): a partner's slice moves there.
+                own_slice = b[start : start + DISTANCE_SLICE].float()
+                diff = a[start : start + DISTANCE_SLICE].to(own_slice.device, torch.float32) - own_slice
+                size_slice = c[start : start + DISTANCE_SLICE].to(own_slice.device, torch.float32)
                 tensor_gap += float(torch.dot(diff, diff))
                 tensor_norm += float(torch.dot(size_slice, size_slice))
             gap, norm = gap + tensor_gap, norm + tensor_norm
