@@ -199,6 +199,7 @@ class Member:
             outer_step=self.outer_step or 0,
             ready=self.round_open,
             updated=self.swarm.clock.now,
+            partners=self.standing.recent_partners(),
         )
 
     def publish(self, leaving: bool = False) -> None:

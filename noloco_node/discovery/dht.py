@@ -154,6 +154,9 @@ class PeerRecord:
     # and their task families. The rollouts themselves never enter the DHT.
     rollout_round: int = -1
     rollout_families: tuple[str, ...] = ()
+    # The peers of its latest blends (pairing/standing.py): a stranger that a node's established peer names here
+    # takes that node's stranger turn before other strangers.
+    partners: tuple[str, ...] = ()
 
     @classmethod
     def from_value(cls, peer_id: str, value: Any) -> PeerRecord | None:
@@ -177,6 +180,7 @@ class PeerRecord:
                 relays=_short_texts(value.get("relays", ())),
                 rollout_round=int(value.get("rollout_round", -1)),
                 rollout_families=_short_texts(value.get("rollout_families", ())),
+                partners=_short_texts(value.get("partners", ())),
             )
         except (KeyError, TypeError, ValueError):
             return None
@@ -196,6 +200,7 @@ class PeerRecord:
         del value["peer_id"]  # readers derive it from the subkey, the owner key: a claim here would prove nothing
         value["p2p_addrs"], value["relays"] = list(self.p2p_addrs), list(self.relays)
         value["rollout_families"] = list(self.rollout_families)
+        value["partners"] = list(self.partners)
         return value
 
 

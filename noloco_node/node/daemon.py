@@ -195,6 +195,7 @@ class Node:
             inner_step=replica.inner_step if replica else 0,
             ready=self.ready_to_pair(),
             shard=-1 if self.trainer.shard is None else self.trainer.shard,
+            partners=self.standing.recent_partners(),
             **self.reach.record_fields(),
         )
 

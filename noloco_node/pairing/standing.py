@@ -25,6 +25,12 @@ completes first, can have every round taken by one stranger minting keys and ech
   strangers at every step: it has no one better to pair with. One whose established peers are live but out of
   reach (it fell behind, or they did) does not: it catches up with them (node/outer_step.py downloads a state after
   a few solo steps), and keeping it behind buys an attacker no more than the stranger share.
+- **Introductions.** A node's record names the peers of its latest blends (``recent_partners``). A stranger that
+  an established peer names there was blended with by a peer this node trusts: its network group takes the stranger
+  turn before the groups nobody names. Two honest members that are strangers to each other (a joiner and a member
+  that restarted, say) but blend with the same established peer then meet at their next turns instead of losing
+  them to whatever groups free keys fill the view with; the turns stay the stranger share. A peer with standing
+  can name any key, and so steer a node's stranger turns while it keeps its standing, never more of them.
 - **A bounded weight for strangers.** Once a node has established peers, a partner without standing counts as
   ``STRANGER_WEIGHT`` of a replica in its blend: a stranger's blend moves it a third of the way to the stranger's
   weights, not half (an honest newcomer mixes in a little more slowly; it joined from a peer's state anyway).
@@ -64,6 +70,8 @@ CALLS_IN_PER_WINDOW = 2
 # node has established peers (``believable``): its pull on this node's weights is a third of the gap instead of a
 # half, so that what a stranger's step can move is bounded by the weight as well as by the stranger share.
 STRANGER_WEIGHT = 0.5
+# The partners a record names (its latest blends): enough to introduce the peers a node alternates between.
+INTRODUCED_PARTNERS = 2
 
 
 @dataclass
@@ -140,9 +148,13 @@ class Standing:
             established = {p.peer_id for p in peers if self._established(p.peer_id, now)}
             self._established_live = bool(established)
             self._groups_within_reach = len({p.network_group for p in within_reach if p.peer_id in established})
-            stranger_groups = sorted({p.network_group for p in within_reach if p.peer_id not in established})
+            strangers = [p for p in within_reach if p.peer_id not in established]
+            introduced = {named for p in peers if p.peer_id in established for named in p.partners}
+            stranger_groups = sorted({p.network_group for p in strangers})
+            introduced_groups = sorted({p.network_group for p in strangers if p.peer_id in introduced})
             if self._enter_step(own_step) or self._turn_group not in stranger_groups:
-                self._turn_group = self._rng.choice(stranger_groups) if stranger_groups else None
+                drawn_from = introduced_groups or stranger_groups
+                self._turn_group = self._rng.choice(drawn_from) if drawn_from else None
 
     def blended(self, peer_id: str, own_step: int) -> None:
         """A blend with ``peer_id`` at this node's outer step ``own_step`` (its payload passed every check)."""
@@ -156,6 +168,13 @@ class Standing:
     def established(self, peer_id: str) -> bool:
         with self._lock:
             return self._established(peer_id, self._clock())
+
+    def recent_partners(self) -> tuple[str, ...]:
+        """The peers of this node's latest blends, latest first (``INTRODUCED_PARTNERS`` of them), for its record:
+        the introductions its established peers read."""
+        with self._lock:
+            blended = [(t.last_blend_time, peer) for peer, t in self._tracks.items() if t.last_blend_time is not None]
+        return tuple(peer for _, peer in sorted(blended, reverse=True)[:INTRODUCED_PARTNERS])
 
     def believable(self, peer_id: str) -> bool:
         """Whether what ``peer_id`` says of itself (its outer step: the swarm's front) counts: once this node has
