@@ -57,7 +57,7 @@ def filled_value(record: PeerRecord) -> dict[str, Any]:
     base = {**record.to_value(), "updated": get_dht_time()}
     for length in range(LONGEST_TEXT, 0, -8):
         text = ("/ip4/127.0.0.9/tcp/1/p2p/" + "x" * length)[:length]
-        lists = {field: [text] * MOST_TEXTS for field in ("p2p_addrs", "relays", "rollout_families")}
+        lists = {field: [text] * MOST_TEXTS for field in ("p2p_addrs", "relays", "rollout_families", "partners")}
         value = {**base, "p2p_id": text, **lists}
         if record_bytes(value) <= MAX_RECORD_BYTES:
             return value
