@@ -27,9 +27,11 @@ completes first, can have every round taken by one stranger minting keys and ech
   a few solo steps), and keeping it behind buys an attacker no more than the stranger share.
 - **Introductions.** A node's record names the peers of its latest blends (``recent_partners``). A stranger that
   an established peer names there was blended with by a peer this node trusts: its network group takes the stranger
-  turn before the groups nobody names. Two honest members that are strangers to each other (a joiner and a member
-  that restarted, say) but blend with the same established peer then meet at their next turns instead of losing
-  them to whatever groups free keys fill the view with; the turns stay the stranger share. A peer with standing
+  turn before the groups nobody names, until it has standing here (a bounded table remembers the introductions:
+  the introducer's record moves on to its next partners long before this node's next turn). Two honest members that
+  are strangers to each other (a joiner and a member that restarted, say) but blend with the same established peer
+  then meet at their next turns instead of losing them to whatever groups free keys fill the view with; the turns
+  stay the stranger share. A peer with standing
   can name any key, and so steer a node's stranger turns while it keeps its standing, never more of them.
 - **A bounded weight for strangers.** Once a node has established peers, a partner without standing counts as
   ``STRANGER_WEIGHT`` of a replica in its blend: a stranger's blend moves it a third of the way to the stranger's
@@ -72,6 +74,8 @@ CALLS_IN_PER_WINDOW = 2
 STRANGER_WEIGHT = 0.5
 # The partners a record names (its latest blends): enough to introduce the peers a node alternates between.
 INTRODUCED_PARTNERS = 2
+# Introductions a node remembers: a bounded table, the oldest forgotten first (a peer with standing can name any key).
+MAX_INTRODUCED = 64
 
 
 @dataclass
@@ -126,6 +130,7 @@ class Standing:
         # in view (within reach), so that whoever calls in first does not decide who gets it (a key per phase
         # calling in first would take every turn). None: no turn held, or no stranger in view.
         self._turn_group: str | None = None
+        self._introduced: dict[str, None] = {}  # strangers established peers named, oldest first (an ordered set)
         self._had_established = False
         self.stranger_steps = 0  # outer steps that admitted strangers while established peers were live
 
@@ -149,12 +154,25 @@ class Standing:
             self._established_live = bool(established)
             self._groups_within_reach = len({p.network_group for p in within_reach if p.peer_id in established})
             strangers = [p for p in within_reach if p.peer_id not in established]
-            introduced = {named for p in peers if p.peer_id in established for named in p.partners}
+            self._remember_introductions(peers, established)
             stranger_groups = sorted({p.network_group for p in strangers})
-            introduced_groups = sorted({p.network_group for p in strangers if p.peer_id in introduced})
+            introduced_groups = sorted({p.network_group for p in strangers if p.peer_id in self._introduced})
             if self._enter_step(own_step) or self._turn_group not in stranger_groups:
                 drawn_from = introduced_groups or stranger_groups
                 self._turn_group = self._rng.choice(drawn_from) if drawn_from else None
+
+    def _remember_introductions(self, peers: Sequence[PeerRecord], established: set[str]) -> None:
+        """The strangers the established peers' records name, kept until they have standing here or newer ones push
+        them out: an introducer's record moves on to its next partners long before this node's next turn."""
+        for peer in peers:
+            if peer.peer_id in established:
+                for named in peer.partners:
+                    self._introduced.pop(named, None)
+                    self._introduced[named] = None  # the latest last
+        for known in [named for named in self._introduced if named in established]:
+            del self._introduced[known]
+        while len(self._introduced) > MAX_INTRODUCED:
+            del self._introduced[next(iter(self._introduced))]
 
     def blended(self, peer_id: str, own_step: int) -> None:
         """A blend with ``peer_id`` at this node's outer step ``own_step`` (its payload passed every check)."""

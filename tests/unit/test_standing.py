@@ -160,15 +160,16 @@ def test_the_stranger_turn_goes_to_a_group_drawn_among_records_in_view_not_to_wh
 
 def test_a_stranger_an_established_peer_names_as_its_partner_takes_the_turn_before_groups_nobody_names() -> None:
     """A joiner that blended with one of this member's established peers is named in that peer's record: the turn
-    goes to the joiner's group, not to one of the many groups free keys fill the view with. Unnamed, the joiner got
-    about 1/9 of the turns against eight attacker groups; named, every turn while it is in view. A record naming
+    goes to the joiner's group, not to one of the many groups free keys fill the view with, and keeps going there
+    after the peer's record has moved on to other partners. Unnamed, the joiner got about 1/9 of the turns against
+    eight attacker groups; introduced, every turn. A record naming
     itself or an established peer introduces nobody new, and a stranger's record introduces nobody."""
     clock = Clock()
     standing, honest = established_swarm(clock, seed=5)
     attackers = [record(f"key{g}", f"192.0.{g}.1", 9000) for g in range(8)]  # eight /24s of free keys
     served = {"joiner": 0, "attackers": 0}
     for step in range(1, 401):
-        named = step > 200  # halfway, an established peer blends with the joiner and names it in its record
+        named = 200 < step <= 203  # halfway an established peer blends with the joiner, names it, then moves on
         at_step = [
             replace(p, outer_step=step, partners=("joiner",) if named and i == 0 else ()) for i, p in enumerate(honest)
         ]
