@@ -247,8 +247,10 @@ def plan_for_memory(
         plan.notes.append(
             f"does not fit: {memory.fixed_bytes / GIB:.1f} GiB for weights, gradients and Adam "
             f"({parameter_count(model_cfg) / 1e9:.2f}B parameters x "
-            f"{memory.fixed_bytes // max(1, parameter_count(model_cfg))} B) + {memory.per_sequence_bytes / GIB:.2f} "
-            f"GiB per sequence of {train_cfg.seq_len} tokens, over {MEMORY_MARGIN:.0%} of {memory_bytes / GIB:.1f} GiB"
+            f"{memory.fixed_bytes // max(1, parameter_count(model_cfg))} B)"
+            + (f" + {besides / GIB:.1f} GiB of outer state on the GPU" if besides else "")
+            + f" + {memory.per_sequence_bytes / GIB:.2f} GiB per sequence of {train_cfg.seq_len} tokens, over "
+            f"{MEMORY_MARGIN:.0%} of {memory_bytes / GIB:.1f} GiB"
         )
     return plan
 

@@ -160,6 +160,7 @@ def test_the_planner_keeps_the_outer_state_on_the_gpu_only_where_the_micro_batch
     assert not host.outer_state_on_device and host.micro_batch == 8
     forced = plan_for_memory(cfg, train.model_copy(update={"outer_state": "device"}), 40 * GIB)
     assert forced.outer_state_on_device and forced.micro_batch == 0 and "does not fit" in forced.notes[0]
+    assert "12.0 GiB of outer state on the GPU" in forced.notes[0]
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="the outer state has two places only beside a GPU")
