@@ -28,10 +28,10 @@ completes first, can have every round taken by one stranger minting keys and ech
 - **Introductions.** A node's record names the peers of its latest blends (``recent_partners``). A stranger that
   an established peer names there was blended with by a peer this node trusts: its network group takes the stranger
   turn before the groups nobody names, until it has standing here (a bounded table remembers the introductions:
-  the introducer's record moves on to its next partners long before this node's next turn). Two honest members that
-  are strangers to each other (a joiner and a member that restarted, say) but blend with the same established peer
-  then meet at their next turns instead of losing them to whatever groups free keys fill the view with; the turns
-  stay the stranger share. A peer with standing
+  the introducer's record moves on to its next partners long before this node's next turn). The turns of two honest
+  members that are strangers to each other (a joiner and a member that restarted, say) but blend with the same
+  established peer then go to each other, not to whatever groups free keys fill the view with; the turns stay the
+  stranger share. A peer with standing
   can name any key, and so steer a node's stranger turns while it keeps its standing, never more of them.
 - **A bounded weight for strangers.** Once a node has established peers, a partner without standing counts as
   ``STRANGER_WEIGHT`` of a replica in its blend: a stranger's blend moves it a third of the way to the stranger's
