@@ -154,7 +154,7 @@ class PeerRecord:
     # and their task families. The rollouts themselves never enter the DHT.
     rollout_round: int = -1
     rollout_families: tuple[str, ...] = ()
-    # The peers of its latest blends (pairing/standing.py): a stranger that a node's established peer names here
+    # The established peers of its latest blends (pairing/standing.py): a stranger a node's established peer names
     # takes that node's stranger turn before other strangers.
     partners: tuple[str, ...] = ()
 

@@ -25,14 +25,14 @@ completes first, can have every round taken by one stranger minting keys and ech
   strangers at every step: it has no one better to pair with. One whose established peers are live but out of
   reach (it fell behind, or they did) does not: it catches up with them (node/outer_step.py downloads a state after
   a few solo steps), and keeping it behind buys an attacker no more than the stranger share.
-- **Introductions.** A node's record names the peers of its latest blends (``recent_partners``). A stranger that
-  an established peer names there was blended with by a peer this node trusts: its network group takes the stranger
-  turn before the groups nobody names, until it has standing here (a bounded table remembers the introductions:
-  the introducer's record moves on to its next partners long before this node's next turn). The turns of two honest
-  members that are strangers to each other (a joiner and a member that restarted, say) but blend with the same
-  established peer then go to each other, not to whatever groups free keys fill the view with; the turns stay the
-  stranger share. A peer with standing
-  can name any key, and so steer a node's stranger turns while it keeps its standing, never more of them.
+- **Introductions.** A node's record names the established peers of its latest blends (``recent_partners``). A
+  stranger that an established peer names there has earned standing with a peer this node trusts: its network
+  group takes the stranger turn before the groups nobody names, until it has standing here (a bounded table
+  remembers the introductions: the introducer's record moves on to its next partners long before this node's next
+  turn). The turns of two honest members that are strangers to each other (a joiner and a member that restarted,
+  say) but have standing with the same peer then go to each other, not to whatever groups free keys fill the view
+  with; the turns stay the stranger share. A peer with standing can name any key, and so steer a node's stranger
+  turns while it keeps its standing, never more of them.
 - **A bounded weight for strangers.** Once a node has established peers, a partner without standing counts as
   ``STRANGER_WEIGHT`` of a replica in its blend: a stranger's blend moves it a third of the way to the stranger's
   weights, not half (an honest newcomer mixes in a little more slowly; it joined from a peer's state anyway).
@@ -72,7 +72,8 @@ CALLS_IN_PER_WINDOW = 2
 # node has established peers (``believable``): its pull on this node's weights is a third of the gap instead of a
 # half, so that what a stranger's step can move is bounded by the weight as well as by the stranger share.
 STRANGER_WEIGHT = 0.5
-# The partners a record names (its latest blends): enough to introduce the peers a node alternates between.
+# The partners a record names (its latest blends with established peers): enough to introduce the peers a node
+# alternates between.
 INTRODUCED_PARTNERS = 2
 # Introductions a node remembers: a bounded table, the oldest forgotten first (a peer with standing can name any key).
 MAX_INTRODUCED = 64
@@ -188,10 +189,16 @@ class Standing:
             return self._established(peer_id, self._clock())
 
     def recent_partners(self) -> tuple[str, ...]:
-        """The peers of this node's latest blends, latest first (``INTRODUCED_PARTNERS`` of them), for its record:
-        the introductions its established peers read."""
+        """The established peers of this node's latest blends, latest first (``INTRODUCED_PARTNERS`` of them), for
+        its record: the introductions its established peers read. Established ones only: an echoing free key that
+        won one stranger turn here would otherwise be introduced to every node that trusts this one."""
+        now = self._clock()
         with self._lock:
-            blended = [(t.last_blend_time, peer) for peer, t in self._tracks.items() if t.last_blend_time is not None]
+            blended = [
+                (t.last_blend_time, peer)
+                for peer, t in self._tracks.items()
+                if t.last_blend_time is not None and self._established(peer, now)
+            ]
         return tuple(peer for _, peer in sorted(blended, reverse=True)[:INTRODUCED_PARTNERS])
 
     def believable(self, peer_id: str) -> bool:

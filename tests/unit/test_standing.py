@@ -189,14 +189,18 @@ def test_a_stranger_an_established_peer_names_as_its_partner_takes_the_turn_befo
     assert served["attackers"] == 0 and served["joiner"] >= 19, served  # every turn of the second half
 
 
-def test_a_record_names_the_peers_of_the_latest_blends_latest_first() -> None:
+def test_a_record_names_the_established_peers_of_the_latest_blends_latest_first() -> None:
+    """Established partners only: a free key that won one stranger turn here is not introduced to the nodes that
+    trust this one."""
     clock = Clock()
     standing = Standing(standing_seconds=30, stranger_share=0.1, clock=clock)
     assert standing.recent_partners() == ()
-    for step, peer in enumerate(("a", "b", "c", "b")):
-        clock.now = float(step)
+    standing.observe([record(p, f"10.0.0.{i + 1}", 7000) for i, p in enumerate("abc")], 0, 2)
+    clock.now = 40.0  # a, b and c seen for 40 s
+    for step, peer in enumerate(("a", "b", "c", "b", "fresh")):
+        clock.now = 40.0 + step
         standing.blended(peer, step)
-    assert standing.recent_partners() == ("b", "c")
+    assert standing.recent_partners() == ("b", "c")  # "fresh", the latest, is no one's to introduce
     named = replace(record("x", "10.0.0.1", 7000), partners=("b", "c"))
     read = PeerRecord.from_value("x", named.to_value())
     assert read is not None and read.partners == ("b", "c")  # through the DHT's value and back
