@@ -104,6 +104,24 @@ class NodeProcess:
     def output(self) -> str:
         return self.log_path.read_text()
 
+    def blend_report(self) -> str:
+        """Why this node blended as it did, for a failing assertion: each outer step's partner or the loss check's
+        verdict, its exchanges' outcomes, and its log's tail."""
+        status = self.status() or {}
+        steps = [
+            f"{h['outer_step']}: "
+            + (
+                f"{h['partner'][-8:]}@{h['partner_step']}"
+                if h["partner"]
+                else "refused by the loss check" if h.get("loss_with_partner") is not None else "no partner"
+            )
+            for h in status.get("history", [])
+        ]
+        return (
+            f"{self.name}: {'; '.join(steps)}\nexchanges: {status.get('exchange_outcomes')}\n"
+            + self.output()[-3000:]
+        )
+
     def stop(self) -> None:
         stop_gracefully(self.process, 30)
 
