@@ -11,28 +11,30 @@ completes first, can have every round taken by one stranger minting keys and ech
   (G: the established groups within reach), so that many keys of one group calling first every step take no more
   than the share of one group.
 - **A bounded share for strangers.** Every other id is a stranger. Strangers are called, and their calls served,
-  only with a *stranger turn*: a token bucket that earns ``stranger_share`` of a turn per outer step (its phase
-  starts at random, so that nodes started together do not open the same steps) and holds at most one. A turn is
-  for one network group, drawn at random at each outer step among the groups of the strangers whose records are
-  in view within reach; the first session of a stranger of that group this node serves, or the first call to one
-  that is not answered busy, spends it (``spend_stranger_turn``). Whatever the number of keys and addresses,
-  strangers take at most that share of a node's rounds, a thousand keys on one address, or on one /24, weigh as
-  one, and whoever calls in first does not decide who gets the turn (a fresh key calling in at every phase took
-  every turn, and an honest newcomer none); a key whose record this node has not seen gets none. The turn waits
-  for a stranger instead of lapsing with its step, and a call answered busy does not spend it: two honest
-  newcomers, each a stranger to the other, meet at the first chance, where they once met only when both nodes'
-  turns coincided. A node none of whose established peers is live (a new swarm, a joiner, a partition) admits
-  strangers at every step: it has no one better to pair with. One whose established peers are live but out of
-  reach (it fell behind, or they did) does not: it catches up with them (node/outer_step.py downloads a state after
-  a few solo steps), and keeping it behind buys an attacker no more than the stranger share.
+  only with a *stranger turn* (or on an introducer's share, below): a token bucket that earns ``stranger_share`` of
+  a turn per outer step (its phase starts at random, so that nodes started together do not open the same steps) and
+  holds at most one. A turn is for one network group, drawn at random at each outer step among the groups of the
+  strangers whose records are in view within reach; the first session of a stranger of that group this node serves,
+  or the first call to one that is not answered busy, spends it (``spend_stranger_turn``). Whatever the number of
+  keys and addresses, strangers take at most that share of a node's rounds, a thousand keys on one address, or on
+  one /24, weigh as one, and whoever calls in first does not decide who gets the turn (a fresh key calling in at
+  every phase took every turn, and an honest newcomer none); a key whose record this node has not seen gets none.
+  The turn waits for a stranger instead of lapsing with its step, and a call answered busy does not spend it: two
+  honest newcomers, each a stranger to the other, meet at the first chance, where they once met only when both
+  nodes' turns coincided. A node none of whose established peers is live (a new swarm, a joiner, a partition) admits
+  strangers at every step: it has no one better to pair with. One whose established peers are live but out of reach
+  (it fell behind, or they did) does not: it catches up with them (node/outer_step.py downloads a state after a few
+  solo steps), and keeping it behind buys an attacker no more than the stranger share.
 - **Introductions.** A node's record names the established peers of its latest blends (``recent_partners``). A
-  stranger that an established peer names there has earned standing with a peer this node trusts: its network
-  group takes the stranger turn before the groups nobody names, until it has standing here (a bounded table
-  remembers the introductions: the introducer's record moves on to its next partners long before this node's next
-  turn). The turns of two honest members that are strangers to each other (a joiner and a member that restarted,
-  say) but have standing with the same peer then go to each other, not to whatever groups free keys fill the view
-  with; the turns stay the stranger share. A peer with standing can name any key, and so steer a node's stranger
-  turns while it keeps its standing, never more of them.
+  stranger that an established peer names there has earned standing with a peer this node trusts, and rides on its
+  introducer's share: it is called and served like an established peer, without a stranger turn, and its blends
+  count against the introducer's network group (``CALLS_IN_PER_WINDOW`` in 2G outer steps, the group and all it
+  names together), until it has standing here (a bounded table remembers the introductions: the introducer's
+  record moves on to its next partners long before the stranger earns standing). Two honest members that are
+  strangers to each other (a joiner and a member that restarted, say) but have standing with the same peer then
+  pair as soon as that peer names them, where they once waited until both held a stranger turn (10% of steps
+  each). A peer with standing can name any key, and so give its share to whom it likes: the keys it names take
+  what it could take itself, never more.
 - **A bounded weight for strangers.** Once a node has established peers, a partner without standing counts as
   ``STRANGER_WEIGHT`` of a replica in its blend: a stranger's blend moves it a third of the way to the stranger's
   weights, not half (an honest newcomer mixes in a little more slowly; it joined from a peer's state anyway).
@@ -131,7 +133,9 @@ class Standing:
         # in view (within reach), so that whoever calls in first does not decide who gets it (a key per phase
         # calling in first would take every turn). None: no turn held, or no stranger in view.
         self._turn_group: str | None = None
-        self._introduced: dict[str, None] = {}  # strangers established peers named, oldest first (an ordered set)
+        # Strangers established peers named, oldest first: each with its introducer's network group, whose share
+        # its blends count against.
+        self._introduced: dict[str, str] = {}
         self._had_established = False
         self.stranger_steps = 0  # outer steps that admitted strangers while established peers were live
 
@@ -157,19 +161,17 @@ class Standing:
             strangers = [p for p in within_reach if p.peer_id not in established]
             self._remember_introductions(peers, established)
             stranger_groups = sorted({p.network_group for p in strangers})
-            introduced_groups = sorted({p.network_group for p in strangers if p.peer_id in self._introduced})
             if self._enter_step(own_step) or self._turn_group not in stranger_groups:
-                drawn_from = introduced_groups or stranger_groups
-                self._turn_group = self._rng.choice(drawn_from) if drawn_from else None
+                self._turn_group = self._rng.choice(stranger_groups) if stranger_groups else None
 
     def _remember_introductions(self, peers: Sequence[PeerRecord], established: set[str]) -> None:
         """The strangers the established peers' records name, kept until they have standing here or newer ones push
-        them out: an introducer's record moves on to its next partners long before this node's next turn."""
+        them out: an introducer's record moves on to its next partners long before the stranger earns standing."""
         for peer in peers:
             if peer.peer_id in established:
                 for named in peer.partners:
                     self._introduced.pop(named, None)
-                    self._introduced[named] = None  # the latest last
+                    self._introduced[named] = peer.network_group  # the latest last
         for known in [named for named in self._introduced if named in established]:
             del self._introduced[known]
         while len(self._introduced) > MAX_INTRODUCED:
@@ -309,10 +311,10 @@ class Standing:
         with self._lock:
             now = self._clock()
             if not self._established(peer_id, now):
-                return not self._established_live or self._holds_turn_for(peer_id)
-            return self._group_blends_within(self._tracks[peer_id].group, 2 * self._groups_within_reach) < (
-                CALLS_IN_PER_WINDOW
-            )
+                return (
+                    not self._established_live or self._on_introducers_share(peer_id) or self._holds_turn_for(peer_id)
+                )
+            return self._share_left(self._tracks[peer_id].group)
 
     def spend_stranger_turn(self, peer_id: str) -> None:
         """A session of a partner-choosing kind opened with ``peer_id`` (served, or called): a stranger's takes the
@@ -320,14 +322,17 @@ class Standing:
         with self._lock:
             if self._established(peer_id, self._clock()) or not self._established_live or self._tokens < 1.0:
                 return
+            if self._on_introducers_share(peer_id):
+                return
             self._tokens -= 1.0
             self._turn_group = None
             self.stranger_steps += 1
 
     def order(self, candidates: Sequence[PeerRecord], last_paired: dict[str, int]) -> list[PeerRecord]:
-        """Whom to call, in order: the established peers, least recently paired group first, and with a stranger
-        turn one stranger before them (a random key of the turn's group; the call spends the turn); with no
-        established peer live, every candidate alike, one group at a time.
+        """Whom to call, in order: the established peers and the strangers on an introducer's share (each counted
+        in its introducer's group), least recently paired group first, and with a stranger turn one other stranger
+        before them (a random key of the turn's group; the call spends the turn); with no established peer live,
+        every candidate alike, one group at a time.
 
         Least recently paired first: nodes of equal speed reach their outer steps in lockstep and would otherwise
         keep finding their last partner ready first, splitting the swarm into fixed pairs that never mix. One
@@ -335,11 +340,14 @@ class Standing:
         now = self._clock()
         with self._lock:
             if not self._established_live:
-                return _by_group(candidates, last_paired, self._rng)
-            established = [p for p in candidates if self._established(p.peer_id, now)]
-            strangers = [p for p in candidates if not self._established(p.peer_id, now)]
+                return _by_group(candidates, last_paired, self._rng, lambda p: p.network_group)
+            trusted = [
+                p for p in candidates if self._established(p.peer_id, now) or self._on_introducers_share(p.peer_id)
+            ]
+            strangers = [p for p in candidates if p not in trusted]
             turn = [p for p in strangers if self._tokens >= 1.0 and p.network_group == self._turn_group]
-        ordered = _by_group(established, last_paired, self._rng)
+            share_group = {p.peer_id: self._introduced.get(p.peer_id, p.network_group) for p in trusted}
+        ordered = _by_group(trusted, last_paired, self._rng, lambda p: share_group[p.peer_id])
         if turn:
             ordered.insert(0, self._rng.choice(turn))
         return ordered
@@ -367,15 +375,34 @@ class Standing:
             and track.group == self._turn_group
         )
 
+    def _on_introducers_share(self, peer_id: str) -> bool:
+        """Whether ``peer_id`` is a stranger an established peer named (and whose record this node has seen) and its
+        introducer's group has share left: it is then called and served like an established peer."""
+        track = self._tracks.get(peer_id)
+        introducer_group = self._introduced.get(peer_id)
+        return (
+            introducer_group is not None
+            and self._groups_within_reach > 0  # out of reach of its peers, a node catches up: strangers wait
+            and track is not None
+            and track.first_seen != NEVER_SEEN
+            and self._share_left(introducer_group)
+        )
+
+    def _share_left(self, group: str) -> bool:
+        """Whether ``group`` blended with this node fewer than ``CALLS_IN_PER_WINDOW`` times in its last 2G outer
+        steps (G: the groups of established peers within reach), the strangers it introduced counted with it."""
+        return self._group_blends_within(group, 2 * self._groups_within_reach) < CALLS_IN_PER_WINDOW
+
     def _group_blends_within(self, group: str, steps: int) -> int:
-        """Blends with ``group`` at this node's last ``steps`` outer steps, the current one included."""
+        """Blends charged to ``group`` (its own keys', and those of the strangers it introduced) at this node's
+        last ``steps`` outer steps, the current one included."""
         if self._step is None or steps <= 0:
             return 0
         first = self._step - steps + 1
         return sum(
             1
-            for track in self._tracks.values()
-            if track.group == group
+            for peer_id, track in self._tracks.items()
+            if self._introduced.get(peer_id, track.group) == group
             for step in track.recent_blend_steps
             if step >= first
         )
@@ -406,27 +433,30 @@ def _lower_median(values: Sequence[int]) -> int:
     return sorted(values)[(len(values) - 1) // 2]
 
 
-def _by_group(peers: Sequence[PeerRecord], last_paired: dict[str, int], rng: random.Random) -> list[PeerRecord]:
-    """Peers ordered group by group: each group's least recently paired key first, groups least recently paired first
-    (random among equal groups, whatever their number of keys); then the groups' other keys in the same way. Many
-    keys on one group weigh as one: a group was paired when any of its keys was, so a host with many keys does not
-    come first again with a key it has not used yet."""
+def _by_group(
+    peers: Sequence[PeerRecord],
+    last_paired: dict[str, int],
+    rng: random.Random,
+    group_of: Callable[[PeerRecord], str],
+) -> list[PeerRecord]:
+    """Peers ordered group by group (``group_of``: a peer's network group, or its introducer's): each group's least
+    recently paired key first, groups least recently paired first (random among equal groups, whatever their number
+    of keys); then the groups' other keys in the same way. Many keys on one group weigh as one: a group was paired
+    when any of its keys was, so a host with many keys does not come first again with a key it has not used yet."""
     shuffled = list(peers)
     rng.shuffle(shuffled)
     shuffled.sort(key=lambda p: last_paired.get(p.peer_id, -1))
     group_paired: dict[str, int] = {}
     for peer in shuffled:
-        group_paired[peer.network_group] = max(
-            group_paired.get(peer.network_group, -1), last_paired.get(peer.peer_id, -1)
-        )
+        group_paired[group_of(peer)] = max(group_paired.get(group_of(peer), -1), last_paired.get(peer.peer_id, -1))
     first: dict[str, PeerRecord] = {}
     rest: list[PeerRecord] = []
     for peer in shuffled:
-        if peer.network_group in first:
+        if group_of(peer) in first:
             rest.append(peer)
         else:
-            first[peer.network_group] = peer
+            first[group_of(peer)] = peer
     groups = list(first.values())
     rng.shuffle(groups)
-    groups.sort(key=lambda p: group_paired[p.network_group])
+    groups.sort(key=lambda p: group_paired[group_of(p)])
     return groups + rest

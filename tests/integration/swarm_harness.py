@@ -113,13 +113,14 @@ class NodeProcess:
             + (
                 f"{h['partner'][-8:]}@{h['partner_step']}"
                 if h["partner"]
-                else "refused by the loss check" if h.get("loss_with_partner") is not None else "no partner"
+                else "refused by the loss check"
+                if h.get("loss_with_partner") is not None
+                else "no partner"
             )
             for h in status.get("history", [])
         ]
         return (
-            f"{self.name}: {'; '.join(steps)}\nexchanges: {status.get('exchange_outcomes')}\n"
-            + self.output()[-3000:]
+            f"{self.name}: {'; '.join(steps)}\nexchanges: {status.get('exchange_outcomes')}\n" + self.output()[-3000:]
         )
 
     def stop(self) -> None:

@@ -14,6 +14,7 @@ from noloco_node.algorithm import OWN_LEFT_OUT_WEIGHT, compressed_partner_weight
 from noloco_node.config.models import DataConfig, TrainConfig, model_config_for
 from noloco_node.data.corpus import ReplicaShard, load_corpus
 from noloco_node.model.source import SeededDecoder
+from noloco_node.node.fault_injection import Drill
 from noloco_node.training.loop import InnerLoop
 from noloco_node.training.replica import Replica
 from noloco_node.wire import quantize, side_info, sparse
@@ -193,10 +194,13 @@ def test_three_sparse_nodes_blend_over_many_phases_and_refuse_no_honest_payload(
             assert node.process.poll() is None and time.monotonic() < deadline, node.output()[-3000:]
             time.sleep(0.2)
 
-    nodes = [NodeProcess(f"node{i}", bootstrap, tmp_path, *args, "--shard-index", str(i)) for i in range(2)]
+    # Steps of 50 ms: tiny's own take a few, and a node whose first step came 0.5 s after its peer's (under the
+    # suite's load) was out of reach of it for its first outer steps, trained alone, and then downloaded a state.
+    paced = Drill(step_time_seconds=0.05).environment()
+    nodes = [NodeProcess(f"node{i}", bootstrap, tmp_path, *args, "--shard-index", str(i), env=paced) for i in range(2)]
     try:
         await_outer_steps(nodes[0], 10)
-        nodes.append(NodeProcess("node2", bootstrap, tmp_path, *args, "--shard-index", "2"))
+        nodes.append(NodeProcess("node2", bootstrap, tmp_path, *args, "--shard-index", "2", env=paced))
         await_outer_steps(nodes[2], 12)
     finally:
         codes = stop_all(nodes)

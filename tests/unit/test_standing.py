@@ -28,13 +28,15 @@ def record(peer_id: str, host: str, port: int, step: int = 0) -> PeerRecord:
     return PeerRecord(peer_id, f"{host}:{port}", "run", outer_step=step, ready=True)
 
 
-def established_swarm(clock: Clock, share: float = 0.1, seed: int = 0) -> tuple[Standing, list[PeerRecord]]:
-    standing = Standing(standing_seconds=30, stranger_share=share, clock=clock, rng=random.Random(seed))
+def established_swarm(
+    clock: Clock, share: float = 0.1, seed: int = 0, standing_seconds: float = 30
+) -> tuple[Standing, list[PeerRecord]]:
+    standing = Standing(standing_seconds=standing_seconds, stranger_share=share, clock=clock, rng=random.Random(seed))
     honest = [record(f"honest{i}", f"10.0.0.{i + 1}", 7000) for i in range(3)]
     standing.observe(honest, 0, 2)
     for peer in honest:
         standing.blended(peer.peer_id, 0)
-    clock.now = 31.0
+    clock.now = standing_seconds + 1
     return standing, honest
 
 
@@ -158,35 +160,94 @@ def test_the_stranger_turn_goes_to_a_group_drawn_among_records_in_view_not_to_wh
     assert 12 <= served["newcomer"] <= 28, served  # about half: two stranger groups in view
 
 
-def test_a_stranger_an_established_peer_names_as_its_partner_takes_the_turn_before_groups_nobody_names() -> None:
-    """A joiner that blended with one of this member's established peers is named in that peer's record: the turn
-    goes to the joiner's group, not to one of the many groups free keys fill the view with, and keeps going there
-    after the peer's record has moved on to other partners. Unnamed, the joiner got about 1/9 of the turns against
-    eight attacker groups; introduced, every turn. A record naming
-    itself or an established peer introduces nobody new, and a stranger's record introduces nobody."""
+def test_a_stranger_an_established_peer_names_rides_on_that_peers_share_until_it_has_standing() -> None:
+    """A joiner that blended with one of this member's established peers is named in that peer's record: from then
+    on it is called and served like an established peer, without a stranger turn, its blends counted against its
+    introducer's group with the introducer's own (one group's share: G = 3 here), long after the introducer's record
+    has moved on to other partners. Before it was named it had only the stranger share's turns, most of them going
+    to the groups free keys fill the view with; a stranger's record (the free keys name each other) introduces
+    nobody."""
     clock = Clock()
-    standing, honest = established_swarm(clock, seed=5)
-    attackers = [record(f"key{g}", f"192.0.{g}.1", 9000) for g in range(8)]  # eight /24s of free keys
-    served = {"joiner": 0, "attackers": 0}
+    standing, honest = established_swarm(clock, seed=5, standing_seconds=1000)  # strangers stay strangers here
+    attackers = [record(f"key{g}", f"192.0.{g}.1", 9000) for g in range(8)]  # eight groups of free keys
+    partners: dict[str, list[int]] = {}
     for step in range(1, 401):
-        named = 200 < step <= 203  # halfway an established peer blends with the joiner, names it, then moves on
+        named = 200 < step <= 203  # halfway honest0 blends with the joiner, names it, then moves on
         at_step = [
             replace(p, outer_step=step, partners=("joiner",) if named and i == 0 else ()) for i, p in enumerate(honest)
         ]
-        # An attacker's record names its own keys: a stranger's record introduces nobody.
         flood = [replace(a, outer_step=step, partners=("key0", "key1")) for a in attackers]
-        joiner = record("joiner", "10.0.9.1", 7000, step)
-        standing.observe([*at_step, *flood, joiner], step, 2)
-        for caller in (*(a.peer_id for a in flood), "joiner"):
-            if standing.may_serve(caller):
-                served["joiner" if caller == "joiner" else "attackers"] += 1
-                standing.spend_stranger_turn(caller)
-                break
-        if step == 200:
-            unnamed, served = dict(served), {"joiner": 0, "attackers": 0}
+        joiner = replace(record("joiner", "10.0.9.1", 7000, step), partners=("key2",))
+        live = [*at_step, *flood, joiner]
+        standing.observe(live, step, 2)
+        # The free keys call in first, then the joiner; with nobody served, this node calls (caller.py).
+        served = next((c for c in (*flood, joiner) if standing.may_serve(c.peer_id)), None)
+        partner = served or standing.order(live, {k: v[-1] for k, v in partners.items()})[0]
+        standing.spend_stranger_turn(partner.peer_id)
+        standing.blended(partner.peer_id, step)
+        partners.setdefault(partner.peer_id, []).append(step)
         clock.now += 1.0
-    assert unnamed["joiner"] <= 6 and unnamed["joiner"] + unnamed["attackers"] >= 19, unnamed
-    assert served["attackers"] == 0 and served["joiner"] >= 19, served  # every turn of the second half
+    attacker_steps = [s for a in attackers for s in partners.get(a.peer_id, [])]
+    joiner_steps = partners.get("joiner", [])
+    before = [s for s in joiner_steps if s <= 200]
+    assert len(before) <= 6 and len(before) + sum(1 for s in attacker_steps if s <= 200) >= 19, partners
+    after = [s for s in joiner_steps if s > 203]
+    assert len(after) >= 20, len(after)  # part of its introducer's share (a third of the steps), not turns
+    introducers_share = [s for s in (*partners["honest0"], *after) if s > 203]
+    assert len(introducers_share) >= 50, len(introducers_share)  # about the share of one group of three
+    assert sum(1 for s in attacker_steps if s > 200) <= 21  # the stranger share, all that is left to the free keys
+    assert not standing.established("key2")  # named by a stranger's record: never introduced
+
+
+def _one_partner_per_step(
+    standing: Standing, honest: list[PeerRecord], clock: Clock, keys: list[PeerRecord], names: bool
+) -> dict[str, list[int]]:
+    """200 outer steps of a node with one partner each: ``keys`` call in first, every step (named by honest1's
+    record if ``names``, else honest1 itself calls in, every step, before them); with none served, the node calls."""
+    partners: dict[str, list[int]] = {}
+    for step in range(1, 201):
+        at_step = [
+            replace(p, outer_step=step, partners=tuple(k.peer_id for k in keys) if names and i == 1 else ())
+            for i, p in enumerate(honest)
+        ]
+        live = [*at_step, *(replace(k, outer_step=step) for k in keys)]
+        standing.observe(live, step, 2)
+        callers = keys if names else [at_step[1], *keys]
+        served = next((c for c in callers if standing.may_serve(c.peer_id)), None)
+        partner = served or standing.order(live, {k: v[-1] for k, v in partners.items()})[0]
+        standing.spend_stranger_turn(partner.peer_id)
+        standing.blended(partner.peer_id, step)
+        partners.setdefault(partner.peer_id, []).append(step)
+        clock.now += 1.0
+    return partners
+
+
+def test_a_peer_with_standing_that_names_many_keys_gives_them_its_own_share_never_more() -> None:
+    """A member that turned names eight fresh keys on eight groups in its record, and they call in at every step:
+    they are served on its share, the member and all it names counted as the one group the member is. They take
+    what the member takes calling in at every step itself, and the stranger turns (which any stranger may win),
+    never more; and once this node is out of reach of every established peer (it fell behind), nobody rides on a
+    share: it catches up."""
+    named_keys = [record(f"named{g}", f"192.0.{g}.1", 9000) for g in range(8)]
+    taken = {}
+    for names in (False, True):
+        clock = Clock()
+        standing, honest = established_swarm(clock, seed=7, standing_seconds=1000)  # strangers stay strangers
+        partners = _one_partner_per_step(standing, honest, clock, named_keys, names)
+        taken[names] = sum(len(partners.get(p, [])) for p in ("honest1", *(k.peer_id for k in named_keys)))
+        assert len(partners.get("honest0", [])) >= 45 and len(partners.get("honest2", [])) >= 45, partners
+    assert taken[True] <= taken[False] + 200 / 10 + 3, taken
+    # Out of reach of every established peer (they are far ahead): a named key is served on a stranger turn only.
+    ahead = [replace(p, outer_step=500, partners=("named0",)) for p in honest]
+    served = 0
+    for step in range(201, 241):
+        live = [*ahead, replace(named_keys[0], outer_step=step)]
+        standing.observe(live, step, 2)
+        if standing.may_serve("named0"):
+            served += 1
+            standing.spend_stranger_turn("named0")
+        clock.now += 1.0
+    assert served <= 5, served
 
 
 def test_a_record_names_the_established_peers_of_the_latest_blends_latest_first() -> None:
