@@ -111,7 +111,7 @@ def test_members_whose_records_live_in_buckets_past_level_0_find_each_other_and_
     process = subprocess.Popen(
         [
             *(sys.executable, "-m", "noloco_node", "swarm", "--nodes", "4", "--out", str(out)),
-            *("--steps", "300", "--inner-steps", "20", "--mode", "stream", "--wire-dtype", "int8"),
+            *("--steps", "240", "--inner-steps", "20", "--mode", "stream", "--wire-dtype", "int8"),
             *("--bucket-records", "2"),
         ],
         stdout=subprocess.DEVNULL,
