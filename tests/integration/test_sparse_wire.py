@@ -194,9 +194,10 @@ def test_three_sparse_nodes_blend_over_many_phases_and_refuse_no_honest_payload(
             assert node.process.poll() is None and time.monotonic() < deadline, node.output()[-3000:]
             time.sleep(0.2)
 
-    # Steps of 50 ms: tiny's own take a few, and a node whose first step came 0.5 s after its peer's (under the
-    # suite's load) was out of reach of it for its first outer steps, trained alone, and then downloaded a state.
-    paced = Drill(step_time_seconds=0.05).environment()
+    # Steps of 150 ms, phases of 1.5 s: tiny's own steps take a few ms, a node sees its peers' steps 1-3 s late, and
+    # two nodes started together begin up to 2 s apart; with unpaced phases (0.2 s) a node that began 0.5 s after its
+    # peer (under the suite's load) was out of its reach for its first outer steps, trained alone, then downloaded.
+    paced = Drill(step_time_seconds=0.15).environment()
     nodes = [NodeProcess(f"node{i}", bootstrap, tmp_path, *args, "--shard-index", str(i), env=paced) for i in range(2)]
     try:
         await_outer_steps(nodes[0], 10)

@@ -295,9 +295,12 @@ def test_a_peer_killed_mid_exchange_costs_the_survivor_one_round(bootstrap: Boot
 
 
 def test_overlap_mode_blends_without_waiting_for_partners(bootstrap: Bootstrap, tmp_path: Path) -> None:
-    # The three train together (--wait-for-peers), in steps of 50 ms: tiny's own steps take a few ms, and a run of
-    # 200 was over before a node that came up 3 s late had started (it then trained alone).
-    drill = Drill(step_time_seconds=0.05).environment()
+    # The three train together (--wait-for-peers), in steps of 100 ms: tiny's own steps take a few ms, and a run of
+    # 200 was over before a node that came up 3 s late had started (it then trained alone). Not 50 ms: a node sees
+    # its peers' steps 1-3 s late (records read through shared lookups), the last of three to see the others starts
+    # up to 2 s after them, and with phases of 1 s a node that started 3 phases behind (under the suite's load) saw
+    # its peers' records alternate between within reach and beyond it, never caught up, and blended 0 times.
+    drill = Drill(step_time_seconds=0.1).environment()
     nodes = [
         NodeProcess(
             f"node{i}",
