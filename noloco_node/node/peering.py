@@ -94,6 +94,7 @@ class Peering:
             bad_payload=admission.bad_payload,
             observer=admission.value_observer,
             on_peer_step=telemetry.on_live_step,
+            on_view=telemetry.on_peers,
             executor=exchanges,
             paths=reach,
         )

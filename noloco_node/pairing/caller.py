@@ -85,6 +85,7 @@ class PeerCaller:
         executor: ThreadPoolExecutor,
         observer: Callable[[], ValueObserver | None] = lambda: None,
         on_peer_step: Callable[[str, int], None] = lambda _peer, _step: None,
+        on_view: Callable[[list[PeerRecord]], None] = lambda _peers: None,
         paths: PeerPaths | None = None,
     ) -> None:
         self.settings = settings
@@ -96,10 +97,14 @@ class PeerCaller:
         self.bad_payload = bad_payload
         self.executor = executor
         self.on_peer_step = on_peer_step  # a peer that refused this node as out of reach said where it is
+        # The live peers as pairing sees them, for the node's view of where its peers are (observability/telemetry.py:
+        # catch-up reads it); the status watch's lookups alone lag pairing's by seconds.
+        self.on_view = on_view
         self.last_paired: dict[str, int] = {}  # peer id -> outer step of the last blend; live peers only
 
     def choosable(self, peers: Sequence[PeerRecord], own_step: int) -> list[PeerRecord]:
         """Peers worth calling now; forgets what it knew of peers no longer live (bounded tables)."""
+        self.on_view(list(peers))
         live = {p.peer_id for p in peers}
         self.standing.observe(peers, own_step, self.settings.max_staleness)
         self.policy.forget(live)

@@ -365,7 +365,6 @@ class StreamPairing(PairingStrategy):
             except (TimeoutError, OSError) as error:
                 log.warning("DHT lookup failed: %s", error)
                 continue
-            ctx.telemetry.on_peers(live)
             self._records = {p.peer_id: p for p in live}
             for peer in ctx.caller.order(ctx.caller.choosable(live, phase.outer_step)):
                 if not phase.repeat.allows(peer.peer_id):

@@ -256,7 +256,6 @@ class SyncPairing(PairingStrategy):
                 self._known_peers = {
                     p.peer_id for p in live if abs(p.outer_step - current.outer_step) <= ctx.max_staleness
                 }
-                ctx.telemetry.on_peers(live)
                 candidates = ctx.caller.choosable(live, current.outer_step)
             except (TimeoutError, OSError) as error:
                 log.warning("DHT lookup failed: %s", error)

@@ -583,6 +583,35 @@ def test_a_node_left_out_of_reach_catches_up_and_blends_again(bootstrap: Bootstr
         stop_all([*early, *([behind] if behind else [])])
 
 
+def test_an_overlap_node_a_few_phases_behind_catches_up_though_its_peers_records_lag(
+    bootstrap: Bootstrap, tmp_path: Path
+) -> None:
+    """Overlap mode, phases of 1 s: the late node is held after its first inner step until its peer's 4th outer step,
+    so it trains 3-4 phases behind, at the same pace, just beyond --max-staleness (2). The peer's records reach it
+    1-3 s late; read from the status watch's lookups alone, they showed the peer within reach at most steps, the node
+    never caught up, and it blended 0 times (CI). Pairing's own lookups now feed the node's view (pairing/caller.py),
+    as in every mode: after three solo steps it downloads a state, and then blends."""
+    release = tmp_path / "release"
+    args = [*TRAIN, "--mode", "overlap", "--steps", "300", "--inner-steps", "20", "--num-shards", "2"]
+    args += ["--wait-for-peers", "1", "--log-every", "0"]
+    ahead = NodeProcess(
+        "ahead", bootstrap, tmp_path, *args, "--shard-index", "0", env=Drill(step_time_seconds=0.05).environment()
+    )
+    held = Drill(step_time_seconds=0.05, hold_after_inner_step=1, release_file=str(release))
+    late = NodeProcess("late", bootstrap, tmp_path, *args, "--shard-index", "1", env=held.environment())
+    try:
+        _wait_until(lambda: _outer_step(ahead) >= 4, 120, "the first node's 4th outer step")
+        release.touch()
+        assert late.wait(timeout=300) == 0, late.output()[-3000:]
+    finally:
+        stop_all([ahead, late])
+    output = late.output()
+    assert "every live peer is" in output and "caught up with the swarm: state of outer step" in output, output[-3000:]
+    caught_up = int(output.split("caught up with the swarm: state of outer step")[1].split()[0])
+    after = [h for h in late.status()["history"] if h["outer_step"] > caught_up]
+    assert after and sum(1 for h in after if h["partner"]) >= len(after) - 1, late.blend_report()
+
+
 def _outer_step(node: NodeProcess) -> int:
     status = node.status()
     return status["outer_step"] if status else 0
