@@ -155,7 +155,7 @@ class PeerRecord:
     rollout_round: int = -1
     rollout_families: tuple[str, ...] = ()
     # The established peers of its latest blends (pairing/standing.py): a stranger a node's established peer names
-    # takes that node's stranger turn before other strangers.
+    # rides on that peer's share of the node's steps, without a stranger turn.
     partners: tuple[str, ...] = ()
 
     @classmethod
