@@ -52,7 +52,7 @@ import math
 import random
 import threading
 import time
-from collections import deque
+from collections import Counter, deque
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -341,8 +341,11 @@ class Standing:
         with self._lock:
             if not self._established_live:
                 return _by_group(candidates, last_paired, self._rng, lambda p: p.network_group)
+            charged = self._charged_blends()  # once: a pass over the tables, not one per candidate
             trusted = [
-                p for p in candidates if self._established(p.peer_id, now) or self._on_introducers_share(p.peer_id)
+                p
+                for p in candidates
+                if self._established(p.peer_id, now) or self._on_introducers_share(p.peer_id, charged)
             ]
             strangers = [p for p in candidates if p not in trusted]
             turn = [p for p in strangers if self._tokens >= 1.0 and p.network_group == self._turn_group]
@@ -375,9 +378,10 @@ class Standing:
             and track.group == self._turn_group
         )
 
-    def _on_introducers_share(self, peer_id: str) -> bool:
+    def _on_introducers_share(self, peer_id: str, charged: Counter[str] | None = None) -> bool:
         """Whether ``peer_id`` is a stranger an established peer named (and whose record this node has seen) and its
-        introducer's group has share left: it is then called and served like an established peer."""
+        introducer's group has share left: it is then called and served like an established peer. ``charged``:
+        ``_charged_blends()``, when the caller asks of many peers."""
         track = self._tracks.get(peer_id)
         introducer_group = self._introduced.get(peer_id)
         return (
@@ -385,27 +389,28 @@ class Standing:
             and self._groups_within_reach > 0  # out of reach of its peers, a node catches up: strangers wait
             and track is not None
             and track.first_seen != NEVER_SEEN
-            and self._share_left(introducer_group)
+            and (charged if charged is not None else self._charged_blends())[introducer_group] < CALLS_IN_PER_WINDOW
         )
 
     def _share_left(self, group: str) -> bool:
         """Whether ``group`` blended with this node fewer than ``CALLS_IN_PER_WINDOW`` times in its last 2G outer
         steps (G: the groups of established peers within reach), the strangers it introduced counted with it."""
-        return self._group_blends_within(group, 2 * self._groups_within_reach) < CALLS_IN_PER_WINDOW
+        return self._charged_blends()[group] < CALLS_IN_PER_WINDOW
 
-    def _group_blends_within(self, group: str, steps: int) -> int:
-        """Blends charged to ``group`` (its own keys', and those of the strangers it introduced) at this node's
-        last ``steps`` outer steps, the current one included."""
+    def _charged_blends(self) -> Counter[str]:
+        """Blends at this node's last 2G outer steps (G: the groups of established peers within reach), the current
+        one included, per network group they are charged to: a peer's own, or its introducer's while it is a
+        stranger introduced here."""
+        steps = 2 * self._groups_within_reach
+        charged: Counter[str] = Counter()
         if self._step is None or steps <= 0:
-            return 0
+            return charged
         first = self._step - steps + 1
-        return sum(
-            1
-            for peer_id, track in self._tracks.items()
-            if self._introduced.get(peer_id, track.group) == group
-            for step in track.recent_blend_steps
-            if step >= first
-        )
+        for peer_id, track in self._tracks.items():
+            recent = sum(1 for step in track.recent_blend_steps if step >= first)
+            if recent:
+                charged[self._introduced.get(peer_id, track.group)] += recent
+        return charged
 
     def _enter_step(self, own_step: int) -> bool:
         """Moves the stranger share's bucket on to ``own_step``; whether that is a new step."""
