@@ -38,18 +38,22 @@ def test_the_live_page_draws_both_nodes_curves_in_chromium(tmp_path: Path) -> No
             time.sleep(0.2)
         browser = Browser(tmp_path / "chromedriver.log")
         browser.open(status["status_url"] + "/")
-        # The page polls /status every 2 s; wait until its chart holds this node's and the peer's curves.
+        # The page polls /status every 2 s; wait until its chart holds this node's and the peer's curves, and it
+        # says the node trains and lists its one peer.
         deadline = time.monotonic() + 120
         while True:
-            series, points = browser.run("return [document.body.dataset.series, document.body.dataset.points]")
-            if int(series) >= 2 and int(points) >= 12:
+            series, points, health, peer_rows = browser.run(
+                "return [document.body.dataset.series, document.body.dataset.points,"
+                " document.getElementById('health').textContent,"
+                " document.querySelectorAll('#peers tr').length - 1]"
+            )
+            if int(series) >= 2 and int(points) >= 12 and health == "training" and peer_rows == 1:
                 break
-            assert time.monotonic() < deadline, f"the chart never drew both curves (series {series}, points {points})"
+            assert time.monotonic() < deadline, (
+                f"the page never showed both curves, the health and the peer: series {series}, points {points}, "
+                f"health {health!r}, peer rows {peer_rows}"
+            )
             time.sleep(1.0)
-        time.sleep(2.5)  # one more refresh, so the screenshot shows a settled page
-        health = browser.run("return document.getElementById('health').textContent")
-        peer_rows = browser.run("return document.querySelectorAll('#peers tr').length - 1")
-        assert health == "training" and peer_rows == 1
         shot = tmp_path / "status-page.png"
         browser.screenshot(shot)
         assert shot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and shot.stat().st_size > 20_000
