@@ -133,7 +133,7 @@ def add_bench_parsers(commands: Any) -> None:
 
     protocol = benches.add_parser(
         "protocol",
-        help="the node's discovery, standing and sync pairing for 100-10,000 members in emulated time (no model)",
+        help="the node's discovery, standing and pairing for 100-10,000 members in emulated time (no model)",
     )
     protocol.add_argument("--members", default="100,1000", help="honest members of each run, comma-separated")
     protocol.add_argument("--seconds", type=float, default=600.0, help="emulated seconds of each run")
@@ -147,6 +147,19 @@ def add_bench_parsers(commands: Any) -> None:
     protocol.add_argument("--straggler-share", type=float, default=0.1, help="share of members that are slower")
     protocol.add_argument(
         "--bucket-records", type=int, default=DEFAULT_BUCKET_RECORDS, help="the run's --bucket-records"
+    )
+    protocol.add_argument(
+        "--pairing",
+        default="ready,reserve",
+        help="how members pair, a run of each, comma-separated: ready (sync: calls to records flagged ready) or "
+        "reserve (draw, then meet: a partner asked during the phase, met at both outer steps)",
+    )
+    protocol.add_argument(
+        "--partners",
+        default="established,known",
+        help="who is a partner on its group's share, a run of each, comma-separated: established (the node's rule: "
+        "a record seen for --standing-seconds and a blend) or known (the record seen for --standing-seconds alone; "
+        "a group once in G outer steps)",
     )
     protocol.add_argument("--seed", type=int, default=0)
     protocol.add_argument("--out", type=Path, default=None, help="folder for protocol.json and protocol.png")
@@ -376,6 +389,8 @@ def run_bench(args: argparse.Namespace) -> int:
         return run_protocol_bench(
             [int(n) for n in args.members.split(",") if n.strip()],
             [float(x) for x in args.hostile_shares.split(",") if x.strip()],
+            [p.strip() for p in args.pairing.split(",") if p.strip()],
+            [p.strip() for p in args.partners.split(",") if p.strip()],
             settings,
             args.out,
         )

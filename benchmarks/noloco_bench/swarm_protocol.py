@@ -53,7 +53,7 @@ from noloco_node.discovery.buckets import MAX_BUCKET_ENTRIES, Bucket, SwarmSize
 from noloco_node.discovery.dht import PeerRecord
 from noloco_node.discovery.view import RecordView
 from noloco_node.pairing.peer_policy import PeerPolicy
-from noloco_node.pairing.standing import Standing
+from noloco_node.pairing.standing import NEVER_SEEN, Standing
 from noloco_node.pairing.sync import RepeatGrace
 
 ENTRY_BYTES = 1005  # per record per answering DHT peer (measured, issue 43: RSA-2048 owner subkeys, signatures)
@@ -63,7 +63,16 @@ STORE_PEERS = 2  # DHT peers a record is stored at
 LOOKUP_EVERY = 1.0  # a member's lookups (pairing loop and status watch share one: LOOKUP_SHARING_SECONDS)
 CONNECT_FAIL_SECONDS = 1.0  # a call to a member that is gone fails after this
 HOSTILE_CALL_EVERY = 0.5  # a hostile key calls one ready honest member this often
+HOSTILE_VIEW_EVERY = 4.0  # a hostile key rereads its view (the front and the ready members) this often
+MEET_WINDOW = 0.7  # draw, then meet: two members whose outer steps are due this share of --pair-timeout apart meet
 FINGERPRINT = "protocol"
+
+
+@dataclass(frozen=True)
+class TimedRecord(PeerRecord):
+    """A record that also says when its owner's next outer step is due (emulated time; 0: not training)."""
+
+    next_step_at: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -86,7 +95,26 @@ class ProtocolSettings:
     standing_seconds: float = 120.0
     stranger_share: float = 0.1
     avoid_seconds: float = 30.0
+    pairing: str = "ready"  # "ready": sync's calls to records flagged ready; "reserve": draw, then meet
+    partners: str = "established"  # "established": the node's Standing; "known": KnownGroupsStanding
     seed: int = 0
+
+
+class KnownGroupsStanding(Standing):
+    """The node's standing with the line between partner and stranger drawn at the record's age alone: a peer whose
+    record this member has seen for ``standing_seconds`` is called and served on its network group's share, blended
+    or not, and a group blends at most once in G outer steps (G: those groups within reach). Under the node's rule a
+    group must blend once first, and the groups that blended first in a new swarm were the always-ready ones."""
+
+    blends_per_window = 1
+
+    def _partner(self, peer_id: str, now: float) -> bool:
+        track = self._tracks.get(peer_id)
+        return track is not None and track.first_seen != NEVER_SEEN and now - track.first_seen >= self.standing_seconds
+
+
+STANDINGS: dict[str, type[Standing]] = {"established": Standing, "known": KnownGroupsStanding}
+PAIRINGS = ("ready", "reserve")
 
 
 class Clock:
@@ -148,6 +176,8 @@ class MemberCounts:
     rounds: int = 0  # outer steps taken in the measured window
     blends: int = 0
     hostile_blends: int = 0
+    late_blends: int = 0  # in rounds opened in the last third of the measured window
+    late_hostile_blends: int = 0
     clock_moves: int = 0
     found_seconds: list[float] = field(default_factory=list)  # a round's opening to its exchange
     discovery_bytes: int = 0  # in the measured window
@@ -162,7 +192,7 @@ class Member:
         settings, clock = swarm.settings, swarm.clock
         self.rng = random.Random(swarm.rng.getrandbits(64))
         self.size = SwarmSize(settings.bucket_records)
-        self.standing = Standing(
+        self.standing = STANDINGS[settings.partners](
             standing_seconds=settings.standing_seconds,
             stranger_share=settings.stranger_share,
             clock=clock,
@@ -180,27 +210,48 @@ class Member:
         self.round_open = False
         self.round_opened = 0.0
         self.busy = False  # an exchange (or a call) in flight
+        self.asking = False  # draw, then meet: an ask in flight (asks in are still answered meanwhile)
         self.last_partner: str | None = None
         self.repeat_until = 0.0
+        self.next_round_at = 0.0  # when the next round opens (draw, then meet: a member's own estimate, told)
+        self.reserved: str | None = None  # draw, then meet: the partner this member meets at its next round
+        self.phase = 0  # phases begun: a draw belongs to one
+        self._tried: set[str] = set()  # draw, then meet: asked in this pass over the candidates, and refused
         self.counts = MemberCounts()
         self._candidates_at = -1.0
         self._looked_up = 0.0  # when the last lookup ended
         self._candidates: list[PeerRecord] = []
+        self._near: list[PeerRecord] = []
+        self._order: list[PeerRecord] = []  # draw, then meet: whom to ask, from the last lookup
+        self._order_at: tuple[float, int] = (-1.0, 0)
         self._within_reach = False
         self._all_ahead = False
 
     # ------------------------------------------------------------------------------------------- discovery
 
-    def record(self) -> PeerRecord:
-        return PeerRecord(
+    def record(self) -> TimedRecord:
+        return TimedRecord(
             peer_id=self.peer_id,
             address=self.address,
             run_fingerprint=FINGERPRINT,
             outer_step=self.outer_step or 0,
-            ready=self.round_open,
+            ready=(self.reserved is None and self.outer_step is not None) if self._reserving() else self.round_open,
             updated=self.swarm.clock.now,
             partners=self.standing.recent_partners(),
+            next_step_at=self._advertised_due(),
         )
+
+    def _advertised_due(self) -> float:
+        """When this member says its next outer step is due; a hostile key says what most of its view says."""
+        if self.hostile:  # the next due time most of its view will reach (records' phases carried forward)
+            now, phase = self.swarm.clock.now, self.swarm.settings.phase_seconds
+            dues = sorted(
+                r.next_step_at + phase * max(0, math.ceil((now - r.next_step_at) / phase))
+                for r in self._near
+                if isinstance(r, TimedRecord) and r.next_step_at > 0
+            )
+            return dues[len(dues) // 2] if dues else now
+        return self._due() if self.outer_step is not None and self.outer_step >= 0 else 0.0
 
     def publish(self, leaving: bool = False) -> None:
         record = replace(self.record(), leaving=leaving)
@@ -246,7 +297,21 @@ class Member:
 
     def start_training(self, outer_step: int, first_phase: float) -> None:
         self.outer_step = outer_step
+        self.next_round_at = self.swarm.clock.now + first_phase
         self.swarm.clock.after(first_phase, self.open_round)
+        self._begin_phase()
+
+    def _reserving(self) -> bool:
+        return self.swarm.settings.pairing == "reserve"
+
+    def _begin_phase(self) -> None:
+        self.phase += 1
+        self.reserved = None
+        self._tried.clear()
+        if self._reserving():
+            self.publish()  # looking again
+            phase = self.phase
+            self.swarm.clock.after(self.rng.uniform(0.05, 0.3), lambda: self._draw(phase))
 
     def _join_training(self) -> None:
         """A joiner that found the swarm downloads a donor's state (the lower median step in view) and trains on."""
@@ -280,10 +345,15 @@ class Member:
         self.publish()
         number = self.round
         clock.after(settings.pair_timeout, lambda: self._timeout(number))
+        if self._reserving():
+            if not self._meet() and self.reserved is None:
+                self._draw(self.phase)
+            return
         clock.after(self.rng.uniform(0.05, 0.25), lambda: self._seek(number, clock.now + settings.alone_grace))
 
     def _timeout(self, number: int) -> None:
         if self.round == number and self.round_open and not self.busy:
+            self.reserved = None
             self._close(None)
 
     def _close(self, partner: Member | None) -> None:
@@ -296,8 +366,9 @@ class Member:
         self.last_partner, self.repeat_until = (partner.peer_id if partner else None), clock.now + grace
         assert self.outer_step is not None
         self.outer_step += 1
-        next_round = max(self.round_opened + self._phase(), clock.now + 0.01)  # borrowed inner steps while waiting
-        clock.after(next_round - clock.now, self.open_round)
+        self.next_round_at = max(self.round_opened + self._phase(), clock.now + 0.01)  # steps borrowed while waiting
+        clock.after(self.next_round_at - clock.now, self.open_round)
+        self._begin_phase()
 
     def _refresh_candidates(self) -> list[PeerRecord]:
         """What the pairing loop reads from a lookup: recomputed once per lookup (the node shares one a second)."""
@@ -310,6 +381,7 @@ class Member:
             for gone in set(self.last_paired) - {r.peer_id for r in live}:
                 del self.last_paired[gone]
             near = [r for r in live if abs(r.outer_step - self.outer_step) <= settings.max_staleness]
+            self._near = near
             self._candidates = [r for r in near if r.ready]
             self._within_reach = bool(near)
             self._all_ahead = bool(live) and all(r.outer_step > self.outer_step + settings.max_staleness for r in live)
@@ -368,6 +440,120 @@ class Member:
             return
         self._call_in_turn(number, rest, alone_until)
 
+    # ------------------------------------------------------------------------------------------- draw, then meet
+
+    def _due(self) -> float:
+        """When this member is at its next outer step: its open round's opening, or the next round's."""
+        return self.round_opened if self.round_open else self.next_round_at
+
+    def _draw(self, phase: int) -> None:
+        """Draw, then meet: ask the next candidate in ``Standing.order`` (every record within reach, ready or not)
+        to meet at both members' next outer steps; until one says yes, or the round settles."""
+        if self.phase != phase or self.reserved is not None or self.asking or self.busy or not self.alive:
+            return
+        settings, clock = self.swarm.settings, self.swarm.clock
+        self._refresh_candidates()
+        alone = self._all_ahead or clock.now >= self.round_opened + settings.alone_grace
+        if self.round_open and not self._within_reach and alone:
+            self._close(None)
+            return
+        if self._order_at != (self._candidates_at, phase):  # once per lookup and phase, not once per ask
+            window = MEET_WINDOW * settings.pair_timeout
+            due = [r for r in self._near if isinstance(r, TimedRecord) and abs(r.next_step_at - self._due()) <= window]
+            # Those whose records say they are still looking first: a member reserved early in its phase stays so
+            looking = self.standing.order([r for r in due if r.ready], self.last_paired)
+            self._order = looking or self.standing.order(due, self.last_paired)
+            self._order_at = (self._candidates_at, phase)
+        peer = next(
+            (
+                r
+                for r in self._order
+                if r.peer_id not in self._tried
+                and not self.policy.avoided(r.peer_id)
+                and self._may_pair_with(r.peer_id)
+            ),
+            None,
+        )
+        if peer is None:  # a pass over every candidate met no yes: ask them again after the next lookup
+            self._tried.clear()
+            clock.after(LOOKUP_EVERY, lambda: self._draw(phase))
+            return
+        callee = self.swarm.members.get(peer.peer_id)
+        self.asking = True
+        if callee is None or not callee.alive:
+
+            def failed() -> None:
+                self.asking = False
+                self.policy.failed(peer.peer_id)
+                self._after_draw(phase)
+
+            clock.after(CONNECT_FAIL_SECONDS, failed)
+            return
+
+        def answered() -> None:
+            self.asking = False
+            if self.reserved is not None:  # reserved by a peer's ask meanwhile: this one is withdrawn
+                return
+            if self.phase == phase and callee.takes_reservation_from(self):
+                self.standing.spend_stranger_turn(peer.peer_id)
+                self.reserved = callee.peer_id
+                self.publish()
+                if not callee.hostile:
+                    callee.reserved = self.peer_id
+                    callee.publish()
+                if not self._meet() and callee.round_open and not callee.hostile:
+                    callee._meet()
+                return
+            self._tried.add(peer.peer_id)
+            self._after_draw(phase)
+
+        clock.after(self.swarm.round_trip(self, callee), answered)
+
+    def _after_draw(self, phase: int) -> None:
+        if self.round_open and self.swarm.clock.now >= self.round_opened + self.swarm.settings.pair_timeout:
+            self._close(None)
+        else:
+            self._draw(phase)
+
+    def takes_reservation_from(self, caller: Member) -> bool:
+        """A request to meet at both members' next outer steps: taken when this member is free and unreserved, the
+        caller within reach, both due within ``MEET_WINDOW`` of --pair-timeout of each other, not a repeat inside
+        the grace, and served by standing (which then spends a stranger turn if it needs one)."""
+        settings = self.swarm.settings
+        if not self.alive or self.busy or self.reserved is not None or caller.outer_step is None:
+            return False
+        if self.outer_step is None or self.outer_step < 0:
+            return False
+        if self.hostile:  # always there, at any step
+            return True
+        if abs(caller.outer_step - self.outer_step) > settings.max_staleness:
+            return False
+        due = self._due() if caller.hostile else caller._due()  # a hostile key says whatever suits
+        if abs(due - self._due()) > MEET_WINDOW * settings.pair_timeout:
+            return False
+        if self.round_open and self.swarm.clock.now >= self.round_opened + settings.pair_timeout:
+            return False
+        if not self._may_pair_with(caller.peer_id) or self.policy.quarantined(caller.peer_id):
+            return False
+        if not self.standing.may_serve(caller.peer_id):
+            return False
+        self.standing.spend_stranger_turn(caller.peer_id)
+        return True
+
+    def _meet(self) -> bool:
+        """Exchanges with the reserved partner if both are at their outer steps; drops a reservation the partner no
+        longer holds. Whether an exchange began."""
+        if self.reserved is None or not self.round_open or self.busy:
+            return False
+        partner = self.swarm.members.get(self.reserved)
+        if partner is None or not partner.alive or (not partner.hostile and partner.reserved != self.peer_id):
+            self.reserved = None
+            return False
+        if partner.hostile or (partner.round_open and not partner.busy):
+            self.swarm.exchange(self, partner, self.swarm.round_trip(self, partner))
+            return True
+        return False
+
     def _may_pair_with(self, peer_id: str) -> bool:
         return peer_id != self.last_partner or self.swarm.clock.now >= self.repeat_until
 
@@ -399,6 +585,9 @@ class Member:
         if self.swarm.measured(self.round_opened):
             self.counts.blends += 1
             self.counts.hostile_blends += partner.hostile
+            if self.swarm.late(self.round_opened):
+                self.counts.late_blends += 1
+                self.counts.late_hostile_blends += partner.hostile
             self.counts.found_seconds.append(clock.now - seconds - self.round_opened)
         if self.counts.first_blend_after is None:
             self.counts.first_blend_after = clock.now - self.started
@@ -407,10 +596,12 @@ class Member:
     # ------------------------------------------------------------------------------------------- hostile keys
 
     def hostile_loop(self) -> None:
-        """A hostile key: always ready, at the front of its view; calls a ready honest member now and then."""
+        """A hostile key: always ready, at the front of its view; calls a ready honest member now and then (draw, then
+        meet: asks any honest member within reach to meet it, and is there whenever the member comes)."""
         if not self.alive:
             return
-        if self._candidates_at < self._looked_up:  # what the last lookup showed: the front and the ready members
+        # What a recent lookup showed (every few seconds: hundreds of keys, always ready, need not read every one)
+        if self._candidates_at < self._looked_up - HOSTILE_VIEW_EVERY:
             live = self.live()
             steps = sorted(r.outer_step for r in live)
             self.outer_step = steps[(len(steps) - 1) // 2] if steps else 0
@@ -418,16 +609,22 @@ class Member:
             self._candidates = [
                 r
                 for r in live
-                if r.ready
+                if (r.ready or self._reserving())
                 and abs(r.outer_step - self.outer_step) <= self.swarm.settings.max_staleness
                 and r.peer_id in members
                 and not members[r.peer_id].hostile
             ]
             self._candidates_at = self._looked_up
+            self._near = self._candidates
         self.round_open = True
         if not self.busy and self._candidates:
             callee = self.swarm.members.get(self.rng.choice(self._candidates).peer_id)
-            if callee is not None and callee.takes_call_from(self):
+            if self._reserving():
+                if callee is not None and callee.takes_reservation_from(self):
+                    callee.reserved = self.peer_id
+                    callee.publish()
+                    callee._meet()
+            elif callee is not None and callee.takes_call_from(self):
                 self.busy = True
                 self.swarm.exchange(self, callee, self.swarm.round_trip(self, callee))
         self.swarm.clock.after(HOSTILE_CALL_EVERY, self.hostile_loop)
@@ -486,6 +683,13 @@ class Swarm:
         settings = self.settings
         return settings.warmup <= moment <= settings.seconds - settings.pair_timeout - settings.exchange_seconds - 2
 
+    def late(self, moment: float) -> bool:
+        """Whether a round opened at ``moment`` is in the last third of the measured window: where the hostile share
+        has left the first G-step windows behind."""
+        settings = self.settings
+        end = settings.seconds - settings.pair_timeout - settings.exchange_seconds - 2
+        return moment >= end - (end - settings.warmup) / 3
+
     def round_trip(self, a: Member, b: Member | None) -> float:
         return 2 * (self._latency[a.peer_id] + (self._latency[b.peer_id] if b is not None else 0.1))
 
@@ -500,7 +704,11 @@ class Swarm:
                     side.busy = False
                     if side.alive and not side.hostile:
                         side.policy.failed(other.peer_id)
-                        side._after_call(side.round, [], self.clock.now)
+                        if side._reserving():
+                            side.reserved = None
+                            side._after_draw(side.phase)
+                        else:
+                            side._after_call(side.round, [], self.clock.now)
                 return
             caller.blended(callee, self.clock.now - started)
             callee.blended(caller, self.clock.now - started)
@@ -541,6 +749,8 @@ class Swarm:
         rounds = sum(m.counts.rounds for m in honest)
         blends = sum(m.counts.blends for m in honest)
         hostile_blends = sum(m.counts.hostile_blends for m in honest)
+        late = sum(m.counts.late_blends for m in honest)
+        late_hostile = sum(m.counts.late_hostile_blends for m in honest)
         found = sorted(s for m in honest for s in m.counts.found_seconds)
         window = settings.seconds - settings.pair_timeout - settings.exchange_seconds - 2 - settings.warmup
         joiners = [m.counts.first_blend_after for m in honest if m.started > 0]
@@ -549,6 +759,8 @@ class Swarm:
         estimates = [m.size.estimate for m in staying if m.size.estimate is not None]
         return {
             "members": settings.members,
+            "pairing": settings.pairing,
+            "partners": settings.partners,
             "hostile_hosts": hostile_hosts,
             "hostile_keys": hostile_hosts * settings.keys_per_hostile,
             "hostile_host_share": hostile_hosts / max(1, hostile_hosts + settings.members),
@@ -559,6 +771,7 @@ class Swarm:
             "members_below_90_percent": sum(rate < 0.9 for rate in rates),
             "lowest_member_rate": rates[0] if rates else None,
             "hostile_share_of_blends": hostile_blends / blends if blends else 0.0,
+            "hostile_share_of_late_blends": late_hostile / late if late else 0.0,
             "clock_moves": sum(m.counts.clock_moves for m in honest),
             "found_partner_median_s": statistics.median(found) if found else None,
             "found_partner_p90_s": found[int(0.9 * (len(found) - 1))] if found else None,
@@ -580,9 +793,20 @@ def run(settings: ProtocolSettings) -> dict[str, Any]:
 
 
 def run_protocol_bench(
-    member_counts: list[int], hostile_shares: list[float], settings: ProtocolSettings, out: Path | None
+    member_counts: list[int],
+    hostile_shares: list[float],
+    pairings: list[str],
+    partners: list[str],
+    settings: ProtocolSettings,
+    out: Path | None,
 ) -> int:
-    """One run per size and hostile share (each a swarm of its own, the same seed), printed as it ends."""
+    """One run per pairing, partner rule, hostile share and size (each a swarm of its own, the same seed), printed
+    as it ends."""
+    for option, values, allowed in (("--pairing", pairings, PAIRINGS), ("--partners", partners, tuple(STANDINGS))):
+        unknown = [v for v in values if v not in allowed]
+        if unknown:
+            print(f"noloco-node bench protocol: {option} {','.join(unknown)}: not one of {', '.join(allowed)}")
+            return 2
     print(
         f"noloco-node bench protocol: {settings.seconds:.0f} s emulated, outer steps of "
         f"{settings.phase_seconds:.0f} s, hostile hosts of {settings.keys_per_hostile} keys, churn "
@@ -590,12 +814,15 @@ def run_protocol_bench(
         f"seed {settings.seed}",
         flush=True,
     )
-    series: dict[float, list[dict[str, Any]]] = {}
-    for share in hostile_shares:
-        for members in member_counts:
-            result = run(replace(settings, members=members, hostile_share=share))
-            series.setdefault(share, []).append(result)
-            print(_line(result), flush=True)
+    series: dict[tuple[str, float], list[dict[str, Any]]] = {}
+    for pairing in pairings:
+        for rule in partners:
+            for share in hostile_shares:
+                for members in member_counts:
+                    run_settings = replace(settings, members=members, hostile_share=share, pairing=pairing)
+                    result = run(replace(run_settings, partners=rule))
+                    series.setdefault((f"{pairing}, {rule}", share), []).append(result)
+                    print(_line(result), flush=True)
     if out is not None:
         out.mkdir(parents=True, exist_ok=True)
         document = {"settings": asdict(settings), "results": [r for rs in series.values() for r in rs]}
@@ -608,10 +835,12 @@ def run_protocol_bench(
 def _line(r: dict[str, Any]) -> str:
     found = r["found_partner_median_s"]
     return (
-        f"{r['members']:>6} members (+{r['hostile_keys']} hostile keys on {r['hostile_hosts']} hosts): blends "
+        f"{r['pairing']:>7}, {r['partners']:>11}: {r['members']:>6} members (+{r['hostile_keys']} hostile keys "
+        f"on {r['hostile_hosts']} hosts): blends "
         f"{r['blend_rate']:.1%} of {r['rounds']} outer steps (target >= 95%; members under 90%: "
         f"{r['members_below_90_percent']}), hostile keys' share of blends {r['hostile_share_of_blends']:.1%} "
-        f"(hosts {r['hostile_host_share']:.1%}), partner found after {found if found is None else round(found, 2)} s "
+        f"(last third {r['hostile_share_of_late_blends']:.1%}; hosts {r['hostile_host_share']:.1%}), partner found "
+        f"after {found if found is None else round(found, 2)} s "
         f"median, discovery {r['discovery_bytes_per_member_s'] / 1000:.1f} KB/s per member, level "
         f"{r['level_median']}, estimate {r['estimate_median'] and round(r['estimate_median'])}, "
         f"view {r['view_median']}, {r['left_and_joined']} left and joined ({r['joiners_blended']} of "
@@ -619,19 +848,24 @@ def _line(r: dict[str, Any]) -> str:
     )
 
 
-def _plot(series: dict[float, list[dict[str, Any]]], path: Path) -> None:
+def _plot(series: dict[tuple[str, float], list[dict[str, Any]]], path: Path) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     fig, axes = plt.subplots(1, 3, figsize=(13, 3.8))
-    for share, results in series.items():
+    for (pairing, share), results in series.items():
         sizes = [r["members"] for r in results]
-        label = f"{share:.0%} hostile hosts"
+        label = f"{pairing}, {share:.0%} hostile hosts"
         axes[0].plot(sizes, [100 * r["blend_rate"] for r in results], "o-", label=f"blends per outer step, {label}")
         if share > 0:
-            axes[0].plot(sizes, [100 * r["hostile_share_of_blends"] for r in results], "s--", label="hostile share")
+            axes[0].plot(
+                sizes,
+                [100 * r["hostile_share_of_late_blends"] for r in results],
+                "s--",
+                label=f"{pairing}, hostile share (last third)",
+            )
         axes[1].plot(sizes, [r["discovery_bytes_per_member_s"] / 1000 for r in results], "o-", label=label)
         axes[2].plot(sizes, [r["found_partner_median_s"] or math.nan for r in results], "o-", label=f"median, {label}")
     axes[0].axhline(95, color="grey", linestyle=":", label="95% target")
@@ -644,7 +878,7 @@ def _plot(series: dict[float, list[dict[str, Any]]], path: Path) -> None:
         axis.set_xlabel("honest members")
         axis.set_ylim(bottom=0)
         axis.legend(fontsize=7)
-    fig.suptitle("bench protocol: the node's discovery, standing and sync pairing in emulated time", fontsize=10)
+    fig.suptitle("bench protocol: the node's discovery, standing and pairing in emulated time", fontsize=10)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)

@@ -9,7 +9,7 @@ completes first, can have every round taken by one stranger minting keys and ech
   are mixed at random among themselves, as the algorithm needs (least recently paired first, one network group at
   a time: noloco_node/addresses.py). Their calls in are served too, but a group at most twice in 2G outer steps
   (G: the established groups within reach), so that many keys of one group calling first every step take no more
-  than the share of one group.
+  than the share of one group; a group whose share is spent is called last.
 - **A bounded share for strangers.** Every other id is a stranger. Strangers are called, and their calls served,
   only with a *stranger turn* (or on an introducer's share, below): a token bucket that earns ``stranger_share`` of
   a turn per outer step (its phase starts at random, so that nodes started together do not open the same steps) and
@@ -105,6 +105,10 @@ class SwarmStep:
 class Standing:
     """Thread-safe: read by gRPC threads (incoming sessions) and the event loop (calls), written by both."""
 
+    # A group's blends with this node in any ``blends_per_window`` x G outer steps (G: the groups of partners within
+    # reach): its share, 1/G.
+    blends_per_window = CALLS_IN_PER_WINDOW
+
     def __init__(
         self,
         *,
@@ -127,7 +131,7 @@ class Standing:
         # Strangers are let in at every step only while no peer with standing is live at all (a new swarm, a joiner,
         # a partition): one whose established peers are live but out of reach catches up with them instead
         # (node/outer_step.py), and an attacker that keeps it behind gains no more than the stranger share.
-        self._established_live = False
+        self._partners_live = False
         self._groups_within_reach = 0  # network groups of the established peers within reach
         # The network group the stranger turn is for: drawn at each outer step among the groups of the strangers
         # in view (within reach), so that whoever calls in first does not decide who gets it (a key per phase
@@ -156,23 +160,24 @@ class Standing:
             self._forget_beyond_limit()
             within_reach = [p for p in peers if abs(p.outer_step - own_step) <= max_staleness]
             established = {p.peer_id for p in peers if self._established(p.peer_id, now)}
-            self._established_live = bool(established)
-            self._groups_within_reach = len({p.network_group for p in within_reach if p.peer_id in established})
-            strangers = [p for p in within_reach if p.peer_id not in established]
-            self._remember_introductions(peers, established)
+            partners = {p.peer_id for p in peers if self._partner(p.peer_id, now)}
+            self._partners_live = bool(partners)
+            self._groups_within_reach = len({p.network_group for p in within_reach if p.peer_id in partners})
+            strangers = [p for p in within_reach if p.peer_id not in partners]
+            self._remember_introductions(peers, established, partners)
             stranger_groups = sorted({p.network_group for p in strangers})
             if self._enter_step(own_step) or self._turn_group not in stranger_groups:
                 self._turn_group = self._rng.choice(stranger_groups) if stranger_groups else None
 
-    def _remember_introductions(self, peers: Sequence[PeerRecord], established: set[str]) -> None:
-        """The strangers the established peers' records name, kept until they have standing here or newer ones push
+    def _remember_introductions(self, peers: Sequence[PeerRecord], established: set[str], partners: set[str]) -> None:
+        """The strangers the established peers' records name, kept until they are partners here or newer ones push
         them out: an introducer's record moves on to its next partners long before the stranger earns standing."""
         for peer in peers:
             if peer.peer_id in established:
                 for named in peer.partners:
                     self._introduced.pop(named, None)
                     self._introduced[named] = peer.network_group  # the latest last
-        for known in [named for named in self._introduced if named in established]:
+        for known in [named for named in self._introduced if named in partners]:
             del self._introduced[known]
         while len(self._introduced) > MAX_INTRODUCED:
             del self._introduced[next(iter(self._introduced))]
@@ -310,17 +315,15 @@ class Standing:
         keys of one group earns that group no more than its share, 1/G, of this node's steps."""
         with self._lock:
             now = self._clock()
-            if not self._established(peer_id, now):
-                return (
-                    not self._established_live or self._on_introducers_share(peer_id) or self._holds_turn_for(peer_id)
-                )
+            if not self._partner(peer_id, now):
+                return not self._partners_live or self._on_introducers_share(peer_id) or self._holds_turn_for(peer_id)
             return self._share_left(self._tracks[peer_id].group)
 
     def spend_stranger_turn(self, peer_id: str) -> None:
         """A session of a partner-choosing kind opened with ``peer_id`` (served, or called): a stranger's takes the
         stranger share's turn, while peers with standing are live (without them strangers pair freely)."""
         with self._lock:
-            if self._established(peer_id, self._clock()) or not self._established_live or self._tokens < 1.0:
+            if self._partner(peer_id, self._clock()) or not self._partners_live or self._tokens < 1.0:
                 return
             if self._on_introducers_share(peer_id):
                 return
@@ -330,7 +333,8 @@ class Standing:
 
     def order(self, candidates: Sequence[PeerRecord], last_paired: dict[str, int]) -> list[PeerRecord]:
         """Whom to call, in order: the established peers and the strangers on an introducer's share (each counted
-        in its introducer's group), least recently paired group first, and with a stranger turn one other stranger
+        in its introducer's group), least recently paired group first and the groups whose share is spent (the
+        calls in ``may_serve`` would refuse) last, and with a stranger turn one other stranger
         before them (a random key of the turn's group; the call spends the turn); with no established peer live,
         every candidate alike, one group at a time.
 
@@ -339,18 +343,36 @@ class Standing:
         stranger only, before the peers that answered before: a record costs nothing to publish."""
         now = self._clock()
         with self._lock:
-            if not self._established_live:
+            if not self._partners_live:
                 return _by_group(candidates, last_paired, self._rng, lambda p: p.network_group)
             charged = self._charged_blends()  # once: a pass over the tables, not one per candidate
             trusted = [
+                p for p in candidates if self._partner(p.peer_id, now) or self._on_introducers_share(p.peer_id, charged)
+            ]
+            trusted_ids = {p.peer_id for p in trusted}  # a set: candidates number in the hundreds at a high level
+            turn = [
                 p
                 for p in candidates
-                if self._established(p.peer_id, now) or self._on_introducers_share(p.peer_id, charged)
+                if p.peer_id not in trusted_ids and self._tokens >= 1.0 and p.network_group == self._turn_group
             ]
-            strangers = [p for p in candidates if p not in trusted]
-            turn = [p for p in strangers if self._tokens >= 1.0 and p.network_group == self._turn_group]
             share_group = {p.peer_id: self._introduced.get(p.peer_id, p.network_group) for p in trusted}
-        ordered = _by_group(trusted, last_paired, self._rng, lambda p: share_group[p.peer_id])
+        # Groups whose share is spent come last: their calls in would be refused (may_serve), and a group that is
+        # always ready must not take by being called what it cannot take by calling in.
+        spent = {group for group, blends in charged.items() if blends >= self.blends_per_window}
+        ordered = [
+            *_by_group(
+                [p for p in trusted if share_group[p.peer_id] not in spent],
+                last_paired,
+                self._rng,
+                lambda p: share_group[p.peer_id],
+            ),
+            *_by_group(
+                [p for p in trusted if share_group[p.peer_id] in spent],
+                last_paired,
+                self._rng,
+                lambda p: share_group[p.peer_id],
+            ),
+        ]
         if turn:
             ordered.insert(0, self._rng.choice(turn))
         return ordered
@@ -362,6 +384,11 @@ class Standing:
         with self._lock:
             track = self._tracks.get(peer_id)
             return track.group if track is not None and track.first_seen != NEVER_SEEN else None
+
+    def _partner(self, peer_id: str, now: float) -> bool:
+        """Whether ``peer_id`` is called and served on its group's share (and counts in G): a peer with standing.
+        (``noloco-node bench protocol --partners known`` measures drawing this line at the record's age alone.)"""
+        return self._established(peer_id, now)
 
     def _established(self, peer_id: str, now: float) -> bool:
         track = self._tracks.get(peer_id)
@@ -389,19 +416,19 @@ class Standing:
             and self._groups_within_reach > 0  # out of reach of its peers, a node catches up: strangers wait
             and track is not None
             and track.first_seen != NEVER_SEEN
-            and (charged if charged is not None else self._charged_blends())[introducer_group] < CALLS_IN_PER_WINDOW
+            and (charged if charged is not None else self._charged_blends())[introducer_group] < self.blends_per_window
         )
 
     def _share_left(self, group: str) -> bool:
         """Whether ``group`` blended with this node fewer than ``CALLS_IN_PER_WINDOW`` times in its last 2G outer
         steps (G: the groups of established peers within reach), the strangers it introduced counted with it."""
-        return self._charged_blends()[group] < CALLS_IN_PER_WINDOW
+        return self._charged_blends()[group] < self.blends_per_window
 
     def _charged_blends(self) -> Counter[str]:
         """Blends at this node's last 2G outer steps (G: the groups of established peers within reach), the current
         one included, per network group they are charged to: a peer's own, or its introducer's while it is a
         stranger introduced here."""
-        steps = 2 * self._groups_within_reach
+        steps = self.blends_per_window * self._groups_within_reach
         charged: Counter[str] = Counter()
         if self._step is None or steps <= 0:
             return charged
