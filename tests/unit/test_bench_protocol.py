@@ -48,7 +48,7 @@ def test_draw_then_meet_pairs_a_swarm_whose_phases_run_at_random_offsets_where_c
     """Outer steps of 30 s at random offsets, records read seconds late: calls to records flagged ready mostly meet
     rounds that closed meanwhile, while a partner asked during the phase (draw, then meet) is there at the step;
     with every group whose record was seen long enough a partner (``known``), nearly every step blends."""
-    settings = ProtocolSettings(members=100, seconds=420.0, warmup=150.0, hostile_share=0.0, churn_per_hour=0.0)
+    settings = ProtocolSettings(members=100, seconds=330.0, warmup=150.0, hostile_share=0.0, churn_per_hour=0.0)
     ready = run(replace(settings, pairing="ready"))
     reserve = run(replace(settings, pairing="reserve", partners="known"))
     assert ready["blend_rate"] < 0.6, ready
