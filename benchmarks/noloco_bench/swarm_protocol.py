@@ -1,4 +1,5 @@
-"""`noloco-node bench protocol`: the swarm's protocol at internet size, in emulated time.
+"""`noloco-node bench protocol`: the swarm's protocol at internet size, in emulated time, with the node's rules and
+two candidates beside them.
 
 A real node's discovery, standing and peer policy (discovery/buckets.py ``SwarmSize`` and ``Bucket``, discovery/
 view.py ``RecordView``, pairing/standing.py ``Standing``, pairing/peer_policy.py
@@ -21,18 +22,28 @@ model: a member is its outer-step counter. What is emulated around them follows 
   is open and free, within reach, not its last partner inside the repeat grace, and ``Standing.may_serve``; both
   spend a stranger turn as the node does. An exchange holds both for ``exchange_seconds`` plus a round trip. The
   straggler rule (``Standing.swarm_step``) moves a member that most of its known swarm is ahead of.
+- **Draw, then meet** (``pairing="reserve"``), a rule the node does not have yet: from the start of its phase a
+  member asks the candidates within reach, in ``Standing.order`` (records saying they are still looking first), to
+  meet at both members' next outer steps; yes from a member that is not reserved, within reach, due within
+  ``MEET_WINDOW`` of --pair-timeout of the asker (``TimedRecord.next_step_at`` hints at it; the ask says it), not
+  its last partner inside the repeat grace, and let in by ``Standing.may_serve``. The two exchange when both are at
+  their steps (the first there waits, up to --pair-timeout); one still unreserved at its step keeps asking.
+- **Partners** (``partners``): the node's ``Standing`` (``established``: a record seen for --standing-seconds and a
+  blend), or ``KnownGroupsStanding`` (``known``: the record's age alone, a group once in G outer steps).
 - **Churn**: members leave at ``churn_per_hour`` of the swarm per hour (half of them crash, half write a tombstone),
   and as many join, each a cold start: it probes for the swarm's level, takes the lower median outer step of its
   view (a state download) and trains from there.
 - **Hostile hosts**, ``hostile_share`` of the hosts, each a network group of its own with ``keys_per_hostile``
-  keys whose records are always ready at the step most of their view is at. Each key takes every call and calls
-  ready honest members of its view all the time; its payload passes every check (an echo of the callee's weights,
+  keys whose records are always ready at the step most of their view is at. Each key takes every call (and every
+  ask, with the due time most of its view has) and calls ready honest members of its view all the time (asks any,
+  when members draw); its payload passes every check (an echo of the callee's weights,
   which no check can tell from an honest one). What they get is what standing lets them have.
 
 Measured over the rounds that open after ``warmup`` seconds, for the honest members: blends per outer step taken,
-the share of those blends with a hostile key, the seconds from a round's opening to its exchange, discovery bytes
-per member per second, the members' level and size estimate. ``run`` returns them; ``--members`` runs one size per
-value, each its own swarm with the same seed.
+the share of those blends with a hostile key (and in the window's last third), the seconds from a round's opening to
+its exchange, discovery bytes per member per second, the members' level and size estimate. ``run`` returns them;
+``--members``, ``--hostile-shares``, ``--pairing`` and ``--partners`` run one swarm per combination, each with the
+same seed.
 """
 
 from __future__ import annotations
@@ -533,12 +544,7 @@ class Member:
             return False
         if self.round_open and self.swarm.clock.now >= self.round_opened + settings.pair_timeout:
             return False
-        if not self._may_pair_with(caller.peer_id) or self.policy.quarantined(caller.peer_id):
-            return False
-        if not self.standing.may_serve(caller.peer_id):
-            return False
-        self.standing.spend_stranger_turn(caller.peer_id)
-        return True
+        return self._lets_in(caller)
 
     def _meet(self) -> bool:
         """Exchanges with the reserved partner if both are at their outer steps; drops a reservation the partner no
@@ -566,6 +572,11 @@ class Member:
             return True
         if abs(caller.outer_step - self.outer_step) > self.swarm.settings.max_staleness:
             return False
+        return self._lets_in(caller)
+
+    def _lets_in(self, caller: Member) -> bool:
+        """Not a repeat inside the grace, not quarantined, and served by standing (which then spends a stranger turn
+        if it needs one): what a call in and an ask in must both pass."""
         if not self._may_pair_with(caller.peer_id) or self.policy.quarantined(caller.peer_id):
             return False
         if not self.standing.may_serve(caller.peer_id):
