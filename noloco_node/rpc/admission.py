@@ -28,6 +28,7 @@ import ipaddress
 import threading
 import time
 from collections import OrderedDict
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from noloco_node.errors import NolocoError
@@ -82,8 +83,10 @@ class Admission:
         per_address: int = 4,
         bar_seconds: float = 30.0,
         max_bar_seconds: float = 600.0,
+        clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self.slots = dict(slots)
+        self._clock = clock
         self.per_address = per_address
         self.bar_seconds = bar_seconds
         self.max_bar_seconds = max_bar_seconds
@@ -95,7 +98,7 @@ class Admission:
 
     def enter(self, kind: str, *, peer: str | None, address: str) -> Ticket:
         """A slot for one call of ``kind``, or Refused (barred, or the kind, peer or address is at its limit)."""
-        now = time.monotonic()
+        now = self._clock()
         with self._lock:
             if kind == EXCHANGE:
                 for what, key in (("peer", f"peer:{peer}" if peer else ""), ("address", f"address:{address}")):
@@ -136,7 +139,7 @@ class Admission:
     def bar(self, ticket: Ticket) -> float:
         """A call of this ticket was cut for stalling or trickling: bar its peer and its address from new exchanges
         (doubling each time); returns the address's bar in seconds."""
-        now = time.monotonic()
+        now = self._clock()
         seconds = 0.0
         with self._lock:
             for key in (f"peer:{ticket.peer}" if ticket.peer else None, f"address:{ticket.address}"):

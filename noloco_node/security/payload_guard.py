@@ -327,15 +327,18 @@ class Complaints:
     """Logs a refusal once per (peer, reason), then at most once per ``interval`` with the count suppressed, so
     that a peer sending garbage in a loop cannot flood the log."""
 
-    def __init__(self, interval: float = 60.0, max_tracked: int = 10_000) -> None:
+    def __init__(
+        self, interval: float = 60.0, max_tracked: int = 10_000, clock: Callable[[], float] = time.monotonic
+    ) -> None:
         self.interval = interval
+        self._clock = clock
         self.max_tracked = max_tracked
         self._last: dict[tuple[str, str], tuple[float, int]] = {}
         self._lock = threading.Lock()
 
     def complain(self, peer: str, reason: str, message: str) -> bool:
         """Log ``message`` unless this complaint was logged recently; returns whether it was logged."""
-        now = time.monotonic()
+        now = self._clock()
         with self._lock:
             if len(self._last) >= self.max_tracked:
                 self._last.clear()

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import time
-
 import pytest
 
 from noloco_node.node.descriptors import connection_budget
@@ -37,7 +35,10 @@ def test_each_kind_has_its_own_slots_and_one_host_cannot_take_them_all() -> None
 
 
 def test_a_stall_bars_its_peer_and_address_from_exchanges_doubling_each_time() -> None:
-    admission = Admission(slots={EXCHANGE: 4, DOWNLOAD: 1, INFO: 1}, bar_seconds=0.2, max_bar_seconds=10)
+    now = [0.0]
+    admission = Admission(
+        slots={EXCHANGE: 4, DOWNLOAD: 1, INFO: 1}, bar_seconds=0.2, max_bar_seconds=10, clock=lambda: now[0]
+    )
     ticket = admission.enter(EXCHANGE, peer="hog", address="10.0.0.9")
     admission.leave(ticket)
     assert admission.bar(ticket) == pytest.approx(0.2)
@@ -47,7 +48,7 @@ def test_a_stall_bars_its_peer_and_address_from_exchanges_doubling_each_time() -
         assert barred.value.reason == "barred"
     admission.leave(admission.enter(INFO, peer="hog", address="10.0.0.9"))  # still answered
     admission.leave(admission.enter(EXCHANGE, peer="honest", address="10.0.0.1"))
-    time.sleep(0.25)
+    now[0] += 0.25  # past the bar
     again = admission.enter(EXCHANGE, peer="hog", address="10.0.0.9")
     admission.leave(again)
     assert admission.bar(again) == pytest.approx(0.4)

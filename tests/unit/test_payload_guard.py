@@ -169,25 +169,27 @@ def test_a_payload_that_spends_the_whole_allowance_on_one_tensor_is_refused_by_t
 
 
 def test_complaints_are_logged_once_per_peer_and_reason_per_interval(caplog: pytest.LogCaptureFixture) -> None:
-    complaints = Complaints(interval=0.2)
+    now = [0.0]
+    complaints = Complaints(interval=0.2, clock=lambda: now[0])
     with caplog.at_level(logging.WARNING):
         assert complaints.complain("a", "norm_bound", "far")
         assert not complaints.complain("a", "norm_bound", "far")
         assert complaints.complain("a", "checksum", "bad")
         assert complaints.complain("b", "norm_bound", "far")
-        time.sleep(0.25)
+        now[0] += 0.25  # past the interval
         assert complaints.complain("a", "norm_bound", "far")
     assert len(caplog.records) == 4 and "1 more since the last report" in caplog.records[-1].getMessage()
 
 
 def test_a_quarantine_outlives_a_success_and_ends() -> None:
-    policy = PeerPolicy(exchange_timeout=10, min_deadline=1, avoid_seconds=1)
+    now = [0.0]
+    policy = PeerPolicy(exchange_timeout=10, min_deadline=1, avoid_seconds=1, clock=lambda: now[0])
     policy.quarantine("p", 0.2)
     policy.succeeded("p", 0.1)
     assert policy.quarantined("p") and policy.avoided("p")
     policy.forget(set())  # a quarantined peer that left is remembered until the quarantine ends
     assert policy.quarantined("p")
-    time.sleep(0.25)
+    now[0] += 0.25  # past the quarantine
     assert not policy.quarantined("p") and not policy.avoided("p")
 
 
