@@ -9,7 +9,8 @@
 #   check: the unit tests of the step plan and the outer state's placements (the one that needs a GPU runs here);
 #   swarm: `noloco-node swarm --nodes 2` on the one GPU at H = 50 (SWARM_MODEL, default 125m; SWARM_BATCH x 1,024
 #          tokens, default 128, micro-batch SWARM_MICRO, default 32: two probes at once would each plan for the
-#          whole card): the outer step and its upkeep from the nodes' histories, and the nodes' peak host memory.
+#          whole card; SWARM_STEPS inner steps, default 150, cut at SWARM_LIMIT seconds, default 3600): the outer
+#          step and its upkeep from the nodes' histories, and the nodes' peak host memory.
 # Usage: bash benchmarks/gpu/figures.sh [train] [outer] [solo] [check] [swarm]   (default: the first three).
 # Reports go to $OUT.
 set -uo pipefail
@@ -53,12 +54,14 @@ print('solo run finished at inner step', replica.inner_step, 'outer step', repli
       | grep -v "^DEBUG" | tee "$OUT/check.txt" ;;
   swarm)
     model=${SWARM_MODEL:-125m} batch=${SWARM_BATCH:-128} micro=${SWARM_MICRO:-32} runs=${SWARM_DIR:-/tmp/swarm}
-    echo "== swarm --nodes 2 --model $model --batch-size $batch --micro-batch $micro --seq-len 1024 --inner-steps 50"
+    steps=${SWARM_STEPS:-150}
+    echo "== swarm --nodes 2 --model $model --batch-size $batch --micro-batch $micro --seq-len 1024 --inner-steps 50 --steps $steps"
     (while sleep 2; do ps -C python3 -o rss=,args= | grep -- " join " | awk '{print $1}' | sort -n | tail -1; done \
       > "$runs.rss") &
     sampler=$!
-    python3 -m noloco_node swarm --nodes 2 --model "$model" --batch-size "$batch" --micro-batch "$micro" \
-      --seq-len 1024 --inner-steps 50 --steps 150 --lr 1e-3 --out "$runs" 2>&1 | tail -20 | tee "$OUT/swarm-$model.txt"
+    timeout "${SWARM_LIMIT:-3600}" python3 -m noloco_node swarm --nodes 2 --model "$model" --batch-size "$batch" \
+      --micro-batch "$micro" --seq-len 1024 --inner-steps 50 --steps "$steps" --lr 1e-3 --out "$runs" 2>&1 \
+      | tail -20 | tee "$OUT/swarm-$model.txt"
     kill $sampler
     python3 benchmarks/gpu/outer_share.py "$runs" "$runs.rss" 2>&1 | tee -a "$OUT/swarm-$model.txt" ;;
   esac

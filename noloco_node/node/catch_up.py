@@ -198,7 +198,7 @@ class CatchUp:
         self, shard_index: int, corpus: Corpus, source: ModelSource, data_parallel: DataParallel | None
     ) -> Replica:
         """The replica on its shard (of this member's slice of it, on several GPUs), in its initial state; in a
-        multi-GPU member every rank then starts from rank 0's state."""
+        multi-GPU member the other ranks take their shards of it (they follow rank 0's whole-model calls)."""
         index, count = shard_index, self.cfg.num_shards
         if data_parallel is not None:
             await asyncio.to_thread(data_parallel.share_shard_index, index)
@@ -209,8 +209,6 @@ class CatchUp:
         replica = await asyncio.to_thread(Replica, source, self.train_cfg, [shard], data_parallel=data_parallel)
         self.telemetry.phase = "looking for a checkpoint or a donor's state"
         await self.initial_state(replica)
-        if data_parallel is not None:
-            await asyncio.to_thread(data_parallel.broadcast_state, replica)
         return replica
 
     async def initial_state(self, replica: Replica) -> None:

@@ -53,7 +53,6 @@ from noloco_node.pairing.standing import Standing
 from noloco_node.rpc.metrics import ExchangeMetrics
 from noloco_node.rpc.service import start_server
 from noloco_node.security.caller_proof import CallerVerifier
-from noloco_node.training.data_parallel import weights_digest
 from noloco_node.training.replica import Replica, resolve_device
 from noloco_node.wire import peer_pb2 as pb
 from noloco_node.wire.published import LatestSnapshot
@@ -358,10 +357,6 @@ class Node:
         await asyncio.to_thread(self.trainer.checkpoints.close, 60.0)
         data_parallel, replica = self.trainer.data_parallel, self.replica
         if data_parallel is not None and replica is not None:
-            log.info(
-                "rank 0 of %d stopped at inner step %d, weights digest %s",
-                data_parallel.world_size,
-                replica.inner_step,
-                weights_digest(replica.params),
-            )
+            await asyncio.to_thread(replica.report_stopped)
+            await asyncio.to_thread(replica.release_followers, train=False)
             data_parallel.close()

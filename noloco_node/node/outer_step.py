@@ -184,8 +184,15 @@ class OuterStep:
             stop_requested=stop_requested,
             after_step=self._hooks,
         )
+        # A sharded member's other ranks (training/data_parallel.py) take part in what this outer step does with
+        # the whole model, and train when it lets them: from here, and after each outer step.
+        replica = deps.replica
+        replica.release_followers(train=True, first=True)
         for phase in inner.phases():
+            replica.followers_wait()
             self(phase)
+            replica.release_followers(train=True)
+        replica.followers_wait()  # the phases are over for every rank: the final checkpoint is taken with them
 
     def _next_phase(self, outer_step: int) -> int | None:
         """The outer step that ends the node's next phase, or None when it trains no further phase (its run is
@@ -265,8 +272,6 @@ class OuterStep:
             deps.strategy.state_replaced()
         if caught_up or moved_from is not None:
             deps.strategy.start(replica)  # what it offers peers now comes from the adopted state, or step
-        if deps.data_parallel is not None:
-            deps.data_parallel.broadcast_params(replica.params)  # the other ranks adopt theta = phi
         # The loss check measured the adopted weights already, unless a downloaded state replaced them since.
         if verdict is not None and not caught_up:
             val_loss = verdict.alone if weight is None else verdict.blended
@@ -481,7 +486,7 @@ class OuterStep:
         keep = max(1, deps.max_staleness - 1)
         if blended is None or next_phase is None or blended.outer_step - replica.outer_step <= keep:
             return None
-        if not deps.believe(blended.peer_id) or deps.data_parallel is not None:  # its ranks would have to move too
+        if not deps.believe(blended.peer_id):
             return None
         target = blended.outer_step + 1 - keep
         skipped_steps = (target - next_phase) * replica.train_cfg.inner_steps

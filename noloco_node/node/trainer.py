@@ -122,9 +122,6 @@ class Trainer:
                 if "phase_lr" in h and h.get("movement") is not None
             ]
         )
-        # A multi-GPU member's ranks would all have to adopt a state, or move their counters, in one collective:
-        # neither is done there.
-        single = self.data_parallel is None
         outer_step = OuterStep(
             OuterStepDeps(
                 replica=replica,
@@ -152,10 +149,10 @@ class Trainer:
                 refuse_blend=self.peering.admission.refuse_blend,
                 far_groups_since=self.peering.admission.far_groups_since,
                 train_while_waiting=self.cfg.train_while_waiting,
-                catch_up=functools.partial(self._catch_up, catch_up, replica) if single else None,
+                catch_up=functools.partial(self._catch_up, catch_up, replica),
                 believe=self.standing.believable,
-                swarm_step=self._swarm_step if single else None,
-                probation=catch_up.probation if single else None,
+                swarm_step=self._swarm_step,
+                probation=catch_up.probation,
                 data_parallel=self.data_parallel,
             )
         )

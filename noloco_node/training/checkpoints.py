@@ -53,14 +53,14 @@ class Snapshots:
 
     def take(self, replica: Replica) -> Published:
         """Trainer thread, at an outer step: the copy (the caller holds it; ``release`` it when superseded)."""
-        moments: dict[str, list[torch.Tensor]] = {"exp_avg": [], "exp_avg_sq": []}
-        steps: list[float | None] = []
-        for param in replica.params:
-            state = replica.optimizer.state.get(param, {})
-            for moment, tensors in moments.items():
-                value = state.get(moment)
-                tensors.append(value if value is not None else torch.zeros(param.shape))
-            steps.append(float(state["step"]) if "step" in state else None)
+        exp_avg, exp_avg_sq, steps = replica.adam_moments()
+        moments = {
+            name: [
+                value if value is not None else torch.zeros(param.shape)
+                for value, param in zip(values, replica.params, strict=True)
+            ]
+            for name, values in (("exp_avg", exp_avg), ("exp_avg_sq", exp_avg_sq))
+        }
         adam_step = int(max((s for s in steps if s is not None), default=0))
         metadata: dict[str, Any] = {
             "counters": {"inner_step": replica.inner_step, "outer_step": replica.outer_step, "adam_step": adam_step},

@@ -1,31 +1,37 @@
-"""One swarm member on several processes (several GPUs of one machine): torch DDP inside, one replica outside.
+"""One swarm member on several processes (several GPUs of one machine): its model sharded across them, one replica
+outside.
 
 Started under torchrun (``torchrun --nproc_per_node N -m noloco_node join ...``), every process trains the same
-replica on its own slice of the member's data shard, and ``DistributedDataParallel`` averages the gradients of
-every inner step, so all ranks hold identical weights and identical Adam state. Only rank 0 is a swarm member:
-it runs the DHT, the gRPC service, the status endpoint and the pairing, and takes the outer step (NoLoCo, eq. 3-5,
-on its outer state); then it broadcasts the new weights (theta = phi) to the other ranks. The swarm sees one
-replica, exchanging one model-sized payload per outer step, whatever the number of GPUs behind it.
+replica on its own slice of the member's data shard. The model and Adam are **sharded** across the ranks (FSDP2,
+``fully_shard`` on each decoder block and on the whole): each rank holds 1/N of the weights, of the gradients and of
+Adam's moments, gathers a block's weights for its forward and backward, and the gradients are reduce-scattered and
+averaged at the last micro-batch of every inner step. A model too large for one GPU trains on several.
+
+Only rank 0 is a swarm member: it runs the DHT, the gRPC service, the status endpoint and the pairing, holds the
+member's outer state (phi, delta) whole on its host and takes the outer step (NoLoCo, eq. 3-5). Whatever it does
+with the whole model between two phases (gather theta for the exchange, write the blended weights, evaluate a
+candidate, take a snapshot, resume a checkpoint) the other ranks do with it: they wait in :meth:`Replica.follow`
+for rank 0 to name the call (:meth:`DataParallel.announce`) and take their part in its collectives, until rank 0
+lets them train again. The swarm sees one replica, exchanging one model-sized payload per outer step, whatever the
+number of GPUs behind it.
 
 Ranks agree on every inner step before taking it (a one-element all-reduce of a stop flag), so that a member that
 stops (SIGTERM on rank 0, which torchrun forwards) stops all its ranks at the same step instead of leaving them
-blocked in a gradient all-reduce. At start rank 0 sends its whole state (weights, Adam moments, counters, data
-position) after it resumed or downloaded it, so a restarted member's ranks start from the same point too.
+blocked in a collective.
 """
 
 from __future__ import annotations
 
 import datetime
-import hashlib
 import logging
 import os
 import sys
-from collections.abc import Sequence
-from typing import NoReturn
+from typing import Any, NoReturn
 
 import torch
 import torch.distributed as dist
-from torch.nn.parallel import DistributedDataParallel
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import fully_shard
 
 from noloco_node.errors import NolocoError
 
@@ -119,8 +125,25 @@ class DataParallel:
         """This rank's slice of the member's data shard, as (index, count) over num_shards x world_size slices."""
         return shard_index * self.world_size + self.rank, num_shards * self.world_size
 
-    def wrap(self, model: torch.nn.Module, device: torch.device) -> DistributedDataParallel:
-        return DistributedDataParallel(model, device_ids=[device.index] if device.type == "cuda" else None)
+    def wrap(self, model: torch.nn.Module, device: torch.device) -> torch.nn.Module:
+        """Shard ``model`` across the ranks in place (FSDP2): each decoder block its own unit, so that one block's
+        weights are whole at a time, then the rest (embeddings, final norm, head) as the root. Its parameters become
+        DTensors holding this rank's shard; take them from the model afterwards."""
+        mesh = init_device_mesh(device.type, (self.world_size,))
+        for block in getattr(model, "layers", ()):
+            fully_shard(block, mesh=mesh)
+        fully_shard(model, mesh=mesh)
+        return model
+
+    def announce(self, call: str, args: tuple[Any, ...] = ()) -> None:
+        """Rank 0: name the whole-model call the other ranks take part in next (they wait in Replica.follow)."""
+        dist.broadcast_object_list([call, args], src=0, device=self.collective_device)
+
+    def receive(self) -> tuple[str, tuple[Any, ...]]:
+        """Another rank: the call rank 0 announced."""
+        message: list[Any] = [None, None]
+        dist.broadcast_object_list(message, src=0, device=self.collective_device)
+        return message[0], message[1]
 
     def agree_to_continue(self, stop: bool, device: torch.device) -> bool:
         """Every rank calls this before each inner step; False (for all) as soon as any rank wants to stop."""
@@ -135,53 +158,6 @@ class DataParallel:
         dist.all_reduce(value, op=dist.ReduceOp.MIN)
         return int(value.item())
 
-    @torch.no_grad()
-    def broadcast_params(self, params: Sequence[torch.Tensor]) -> None:
-        """Rank 0's weights to every rank (after its outer step)."""
-        flat = torch.cat([p.detach().reshape(-1) for p in params])
-        dist.broadcast(flat, src=0)
-        offset = 0
-        for p in params:
-            p.copy_(flat[offset : offset + p.numel()].view_as(p))
-            offset += p.numel()
-
-    @torch.no_grad()
-    def broadcast_state(self, replica: object) -> None:
-        """Rank 0's whole replica state (weights, Adam, counters, data position) to every rank, at start."""
-        from noloco_node.training.replica import Replica
-
-        assert isinstance(replica, Replica)
-        optimizer = replica.optimizer
-        adam_step = int(optimizer.state[replica.params[0]]["step"]) if replica.params[0] in optimizer.state else 0
-        position = replica.shards[0].position
-        counters = torch.tensor(
-            [replica.inner_step, replica.outer_step, adam_step, position["epoch"], position["cursor"]],
-            dtype=torch.int64,
-            device=self.collective_device,
-        )
-        dist.broadcast(counters, src=0)
-        inner_step, outer_step, adam_step, epoch, cursor = (int(v) for v in counters.tolist())
-        self.broadcast_params(replica.params)
-        if adam_step > 0:
-            for param in replica.params:
-                state = optimizer.state.setdefault(param, {})
-                for moment in ("exp_avg", "exp_avg_sq"):
-                    if moment not in state:
-                        state[moment] = torch.zeros_like(param, dtype=torch.float32)
-                    dist.broadcast(state[moment], src=0)
-                state["step"] = torch.tensor(float(adam_step))
-        replica.inner_step, replica.outer_step = inner_step, outer_step
-        for shard in replica.shards:  # each rank's slice has its own length: the same place, within it
-            shard.seek({"epoch": epoch, "cursor": min(cursor, shard.num_windows)})
-
 
 class DataParallelError(NolocoError):
     """A multi-process member that cannot run as laid out (more ranks than GPUs)."""
-
-
-def weights_digest(params: Sequence[torch.Tensor]) -> str:
-    """A short digest of the weights' bytes: ranks of one member must print the same one."""
-    digest = hashlib.sha256()
-    for p in params:
-        digest.update(p.detach().cpu().contiguous().numpy().tobytes())
-    return digest.hexdigest()[:16]

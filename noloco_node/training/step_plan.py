@@ -45,8 +45,9 @@ MEMORY_MARGIN = 0.85
 # weights are alive during the forward pass, the gradients fill in during the backward: the probe on an H100 put
 # the fixed part at 14-15 B/param with Adam, so 16 errs on the safe side.)
 WEIGHT_BYTES, GRADIENT_BYTES, ADAM_BYTES = 4, 4, 8
-# A data-parallel member's gradient buckets (DDP keeps a flat copy of the gradients to all-reduce).
-DDP_BUCKET_BYTES = 4
+# A member sharded over several ranks (training/data_parallel.py) holds whole, besides its shards, the weights of
+# the root unit (embeddings, final norm, head) and of two blocks at a time (the one computing, the next gathered).
+GATHERED_BLOCKS = 2
 # The outer state, phi and delta in fp32, where the plan keeps it on the GPU.
 OUTER_STATE_BYTES = 8
 # Saved activations per token and layer, bytes = ACTIVATION_HIDDEN x hidden + ACTIVATION_FFN x intermediate: eager
@@ -117,18 +118,23 @@ class ModelMemory:
         return (beside if on_device else alone), on_device
 
 
-def model_memory(
-    model_cfg: ModelConfig, seq_len: int, *, checkpointed: bool = False, data_parallel: bool = False
-) -> ModelMemory:
-    """The memory model of a decoder of this shape (no probe): what ``doctor`` and a CPU member use."""
+def model_memory(model_cfg: ModelConfig, seq_len: int, *, checkpointed: bool = False, ranks: int = 1) -> ModelMemory:
+    """The memory model of a decoder of this shape (no probe): what ``doctor``, a CPU member and a sharded member
+    use. Over ``ranks`` ranks each holds its share of the weights, gradients and Adam, and the units being
+    gathered whole."""
     parameters = parameter_count(model_cfg)
-    per_parameter = WEIGHT_BYTES + GRADIENT_BYTES + ADAM_BYTES + (DDP_BUCKET_BYTES if data_parallel else 0)
+    per_parameter = WEIGHT_BYTES + GRADIENT_BYTES + ADAM_BYTES
+    fixed = parameters * per_parameter
+    if ranks > 1:
+        embeddings = model_cfg.vocab_size * model_cfg.hidden_size * (1 if model_cfg.tie_embeddings else 2)
+        block = (parameters - embeddings) // max(1, model_cfg.num_layers)
+        fixed = -(-fixed // ranks) + (embeddings + GATHERED_BLOCKS * block) * WEIGHT_BYTES
     hidden, ffn = model_cfg.hidden_size, model_cfg.intermediate_size
     per_layer = CHECKPOINTED_HIDDEN * hidden if checkpointed else ACTIVATION_HIDDEN * hidden + ACTIVATION_FFN * ffn
     # Checkpointed, one block's activations are alive again during its backward pass.
     recomputed = (ACTIVATION_HIDDEN * hidden + ACTIVATION_FFN * ffn) * seq_len if checkpointed else 0
     per_token = model_cfg.num_layers * per_layer + 2 * hidden  # + the loss's gradient of the hidden states (bf16)
-    return ModelMemory(parameters * per_parameter, per_token * seq_len + recomputed, OUTER_STATE_BYTES * parameters)
+    return ModelMemory(fixed, per_token * seq_len + recomputed, OUTER_STATE_BYTES * parameters)
 
 
 def largest_divisor_at_most(batch_size: int, limit: int) -> int:
@@ -215,21 +221,21 @@ def plan_without_probe(
     )
 
 
-def plan_for_memory(
-    model_cfg: ModelConfig, train_cfg: TrainConfig, memory_bytes: int, *, data_parallel: bool = False
-) -> StepPlan:
-    """The plan the memory model gives a card of ``memory_bytes``: the largest micro-batch that fits, checkpointing
-    only when one sequence does not fit without it. ``micro_batch`` 0 when nothing fits (the plan's notes say
-    why): the caller refuses the size."""
-    plain = model_memory(model_cfg, train_cfg.seq_len, data_parallel=data_parallel)
-    checkpointed_memory = model_memory(model_cfg, train_cfg.seq_len, checkpointed=True, data_parallel=data_parallel)
+def plan_for_memory(model_cfg: ModelConfig, train_cfg: TrainConfig, memory_bytes: int, *, ranks: int = 1) -> StepPlan:
+    """The plan the memory model gives a card of ``memory_bytes`` (one of ``ranks`` that shard the model): the
+    largest micro-batch that fits, checkpointing only when one sequence does not fit without it. ``micro_batch`` 0
+    when nothing fits (the plan's notes say why): the caller refuses the size."""
+    plain = model_memory(model_cfg, train_cfg.seq_len, ranks=ranks)
+    checkpointed_memory = model_memory(model_cfg, train_cfg.seq_len, checkpointed=True, ranks=ranks)
     checkpointed = wanted(train_cfg.activation_checkpointing, not plain.micro_batch_fits(1, memory_bytes))
     memory = checkpointed_memory if checkpointed else plain
+    # A sharded member keeps its outer state whole on rank 0's host (training/replica.py).
+    outer_setting = train_cfg.outer_state if ranks == 1 else "host"
     micro, on_device = memory.place_outer_state(
-        train_cfg.outer_state, train_cfg.batch_size, memory_bytes, train_cfg.micro_batch
+        outer_setting, train_cfg.batch_size, memory_bytes, train_cfg.micro_batch
     )
     plan = StepPlan(
-        device=f"a GPU of {memory_bytes / GIB:.0f} GiB",
+        device=f"a GPU of {memory_bytes / GIB:.0f} GiB" + (f", 1 of {ranks} sharding the model" if ranks > 1 else ""),
         batch_size=train_cfg.batch_size,
         seq_len=train_cfg.seq_len,
         micro_batch=micro,
@@ -245,8 +251,9 @@ def plan_for_memory(
     besides = memory.outer_state_bytes if on_device else 0
     if micro == 0 or not memory.micro_batch_fits(micro, memory_bytes, besides=besides):
         plan.notes.append(
-            f"does not fit: {memory.fixed_bytes / GIB:.1f} GiB for weights, gradients and Adam "
-            f"({parameter_count(model_cfg) / 1e9:.2f}B parameters x "
+            f"does not fit: {memory.fixed_bytes / GIB:.1f} GiB for weights, gradients and Adam"
+            + (f" (this rank's share of {ranks}, and the units gathered whole) " if ranks > 1 else " ")
+            + f"({parameter_count(model_cfg) / 1e9:.2f}B parameters x "
             f"{memory.fixed_bytes // max(1, parameter_count(model_cfg))} B)"
             + (f" + {besides / GIB:.1f} GiB of outer state on the GPU" if besides else "")
             + f" + {memory.per_sequence_bytes / GIB:.2f} GiB per sequence of {train_cfg.seq_len} tokens, over "
