@@ -23,7 +23,7 @@ from noloco_node.discovery.reachability import announce_host
 from noloco_node.model.source import ModelSource
 from noloco_node.node.memory import GIB, available_memory, host_bytes_per_parameter
 from noloco_node.training.replica import resolve_device
-from noloco_node.training.step_plan import plan_for_memory
+from noloco_node.training.step_plan import fewest_ranks_to_fit, plan_for_memory
 
 log = logging.getLogger(__name__)
 
@@ -95,8 +95,16 @@ def step_plan_checks(train_cfg: TrainConfig, model_cfg: ModelConfig | None, memo
     fits = []
     for size in MODEL_SIZES:
         other = model_config_for(size, vocab_size=model_cfg.vocab_size, max_seq_len=train_cfg.seq_len)
-        sized = plan_for_memory(other, train_cfg.model_copy(update={"micro_batch": None}), memory_bytes)
-        fits.append(f"{size} micro-batch {sized.micro_batch}" if sized.micro_batch else f"{size} does not fit")
+        unset = train_cfg.model_copy(update={"micro_batch": None})
+        sized = plan_for_memory(other, unset, memory_bytes)
+        if sized.micro_batch:
+            fits.append(f"{size} micro-batch {sized.micro_batch}")
+            continue
+        sharded = fewest_ranks_to_fit(other, unset, memory_bytes)
+        fits.append(
+            f"{size} does not fit"
+            + (f" (sharded over {sharded.ranks} such GPUs: micro-batch {sharded.micro_batch})" if sharded else "")
+        )
     what_fits = Check(
         "what fits",
         "ok",
@@ -104,12 +112,18 @@ def step_plan_checks(train_cfg: TrainConfig, model_cfg: ModelConfig | None, memo
         f"batch {train_cfg.batch_size}: " + ", ".join(fits),
     )
     if plan.micro_batch == 0:
+        sharded = fewest_ranks_to_fit(model_cfg, train_cfg, memory_bytes)
+        shard_hint = (
+            f", or shard it over {sharded.ranks} such GPUs (torchrun --nproc-per-node {sharded.ranks})"
+            if sharded
+            else ""
+        )
         return [
             Check(
                 "step plan",
                 "fail",
                 f"{model_cfg.num_layers}-layer model: " + "; ".join(plan.notes),
-                "pick a smaller --model or --seq-len (see what fits), or a GPU with more memory",
+                f"pick a smaller --model or --seq-len (see what fits), or a GPU with more memory{shard_hint}",
             ),
             what_fits,
         ]

@@ -232,7 +232,7 @@ class Replica:
             # while the others are not would leave them waiting in one.
             _free, total = torch.cuda.mem_get_info(self.device)
             plan = plan_for_memory(self.model.config, self.train_cfg, total, ranks=ranks.world_size)
-            plan.device = f"{self.device} ({torch.cuda.get_device_name(self.device)}), 1 of {ranks.world_size} ranks"
+            plan.device = f"{self.device} ({torch.cuda.get_device_name(self.device)})"
             plan.outer_state_on_device = False
             plan.micro_batch = ranks.agree_on_micro_batch(max(1, plan.micro_batch), self.device)
             self.model.run_blocks(compiled=plan.compiled, checkpointed=plan.checkpointed)
@@ -514,7 +514,7 @@ class Replica:
         with self._whole_model("report_stopped"):
             digest = hashlib.sha256()
             for param in self.params:
-                whole = param.detach().full_tensor() if is_sharded(param) else param.detach()  # type: ignore[operator]
+                whole = param.detach().full_tensor() if is_sharded(param) else param.detach()
                 digest.update(whole.cpu().contiguous().numpy().tobytes())
             rank, ranks = (self.data_parallel.rank, self.data_parallel.world_size) if self.data_parallel else (0, 1)
             log.info(

@@ -162,6 +162,7 @@ class StepPlan:
     peak_bytes: int | None = None  # predicted (memory model, probe fit) or measured (the compiled probe)
     tokens_per_second: float | None = None  # measured by the probe (forward and backward, no optimizer step)
     mfu: float | None = None
+    ranks: int = 1  # the GPUs of a member that shards the model over them (training/data_parallel.py)
     notes: list[str] = field(default_factory=list)
 
     @property
@@ -175,6 +176,8 @@ class StepPlan:
             f"compile {'on' if self.compiled else 'off'}",
             f"activation checkpointing {'on' if self.checkpointed else 'off'}",
         ]
+        if self.ranks > 1:
+            parts.append(f"the model sharded over {self.ranks} ranks")
         if not self.device.startswith("cpu"):
             parts.append(f"outer state on the {'GPU' if self.outer_state_on_device else 'host'}")
         if self.peak_bytes is not None and self.memory_bytes:
@@ -235,7 +238,7 @@ def plan_for_memory(model_cfg: ModelConfig, train_cfg: TrainConfig, memory_bytes
         outer_setting, train_cfg.batch_size, memory_bytes, train_cfg.micro_batch
     )
     plan = StepPlan(
-        device=f"a GPU of {memory_bytes / GIB:.0f} GiB" + (f", 1 of {ranks} sharding the model" if ranks > 1 else ""),
+        device=f"a GPU of {memory_bytes / GIB:.0f} GiB",
         batch_size=train_cfg.batch_size,
         seq_len=train_cfg.seq_len,
         micro_batch=micro,
@@ -244,6 +247,7 @@ def plan_for_memory(model_cfg: ModelConfig, train_cfg: TrainConfig, memory_bytes
         source="memory model",
         outer_state_on_device=on_device,
         memory_bytes=memory_bytes,
+        ranks=ranks,
         peak_bytes=memory.fixed_bytes
         + max(micro, 1) * memory.per_sequence_bytes
         + (memory.outer_state_bytes if on_device else 0),
@@ -260,6 +264,18 @@ def plan_for_memory(model_cfg: ModelConfig, train_cfg: TrainConfig, memory_bytes
             f"{MEMORY_MARGIN:.0%} of {memory_bytes / GIB:.1f} GiB"
         )
     return plan
+
+
+def fewest_ranks_to_fit(
+    model_cfg: ModelConfig, train_cfg: TrainConfig, memory_bytes: int, *, most: int = 8
+) -> StepPlan | None:
+    """The plan of the fewest ranks (2 to ``most`` GPUs of ``memory_bytes`` each, one member sharding the model)
+    on which a model that one such GPU cannot hold fits; None when even ``most`` are not enough."""
+    for ranks in range(2, most + 1):
+        plan = plan_for_memory(model_cfg, train_cfg, memory_bytes, ranks=ranks)
+        if plan.micro_batch > 0 and not plan.notes:
+            return plan
+    return None
 
 
 # ---------------------------------------------------------------------------------------------- the probe on a GPU

@@ -92,9 +92,7 @@ def main(out: Path) -> None:
         new_delta = [a - b for a, b in zip(halfway, replica.phi, strict=True)]
         replica.apply_outer_step(halfway, new_delta)
         state = replica.state_dict()
-        report["state_theta_is_halfway"] = all(
-            torch.equal(a, b) for a, b in zip(state["theta"], halfway, strict=True)
-        )
+        report["state_theta_is_halfway"] = all(torch.equal(a, b) for a, b in zip(state["theta"], halfway, strict=True))
         replica.load_state_dict(state)
         replica.release_followers(train=True)
         for _ in range(PHASE):

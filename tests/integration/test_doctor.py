@@ -85,6 +85,9 @@ def test_on_a_card_of_given_memory_the_plan_names_what_fits_and_refuses_what_doe
     assert "does not fit: 128.0 GiB for weights, gradients and Adam (8.59B parameters x 16 B)" in refused["detail"]
     assert "over 85% of 80.0 GiB" in refused["detail"] and "smaller --model" in refused["fix"]
     assert "1.3b micro-batch 8" in refused_checks["what fits"]["detail"]
+    # ... and where it would fit: sharded over two such GPUs, one member (training/data_parallel.py).
+    assert "shard it over 2 such GPUs (torchrun --nproc-per-node 2)" in refused["fix"]
+    assert "6.8b does not fit (sharded over 2 such GPUs: micro-batch 2)" in refused_checks["what fits"]["detail"]
 
 
 def test_a_gpu_with_a_cpu_build_of_torch_is_a_failure(tmp_path: Path) -> None:

@@ -17,6 +17,7 @@ from noloco_node.training.replica import Replica
 from noloco_node.training.step_plan import (
     GIB,
     MEMORY_MARGIN,
+    fewest_ranks_to_fit,
     largest_divisor_at_most,
     model_memory,
     plan_for_memory,
@@ -141,6 +142,24 @@ def test_the_planner_checkpoints_when_one_sequence_does_not_fit_and_refuses_what
     big = model_config_for("6.8b", vocab_size=32000, max_seq_len=1024)
     refused = plan_for_memory(big, TrainConfig(model_size="6.8b", batch_size=64, seq_len=1024), 80 * GIB)
     assert refused.micro_batch == 0 and "does not fit" in refused.notes[0] and "GiB" in refused.notes[0]
+
+
+def test_a_member_sharding_the_model_holds_its_share_of_it_and_the_units_it_gathers() -> None:
+    cfg = model_config_for("6.8b", vocab_size=32000, max_seq_len=1024)
+    whole, halves, quarters = (model_memory(cfg, 1024, ranks=ranks) for ranks in (1, 2, 4))
+    gathered = halves.fixed_bytes - whole.fixed_bytes / 2  # the root and two blocks, fp32, whole on every rank
+    assert 0 < gathered < 0.05 * whole.fixed_bytes
+    assert quarters.fixed_bytes == pytest.approx(whole.fixed_bytes / 4 + gathered, rel=1e-6)
+    assert halves.per_sequence_bytes == whole.per_sequence_bytes  # each rank computes its own micro-batches
+    train = TrainConfig(model_size="6.8b", batch_size=64, seq_len=1024)
+    assert plan_for_memory(cfg, train, 80 * GIB).micro_batch == 0  # not on one H100
+    sharded = fewest_ranks_to_fit(cfg, train, 80 * GIB)
+    assert sharded is not None and sharded.ranks >= 2 and sharded.micro_batch >= 1  # the fewest that fit
+    fewer = plan_for_memory(cfg, train, 80 * GIB, ranks=sharded.ranks - 1)
+    assert fewer.micro_batch == 0 or fewer.notes
+    assert not sharded.outer_state_on_device  # rank 0 keeps the outer state on its host
+    assert f"sharded over {sharded.ranks} ranks" in sharded.summary()
+    assert fewest_ranks_to_fit(cfg, train, 16 * GIB) is None  # eight 16 GiB cards are not enough
 
 
 def test_the_planner_keeps_the_outer_state_on_the_gpu_only_where_the_micro_batch_stays_the_same() -> None:
