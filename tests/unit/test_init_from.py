@@ -155,9 +155,9 @@ def test_a_node_says_at_start_when_its_model_will_not_fit_in_memory(monkeypatch:
     from noloco_node.node import machine_checks, memory
 
     monkeypatch.setattr(machine_checks, "available_memory", lambda: 24 * 2**30)
-    assert memory.host_bytes_per_parameter(on_gpu=False) == 60 and memory.host_bytes_per_parameter(on_gpu=True) == 48
+    assert memory.host_bytes_per_parameter(on_gpu=False) == 76 and memory.host_bytes_per_parameter(on_gpu=True) == 64
     assert machine_checks.host_memory(160_000_000, on_gpu=False).level == "ok"  # 9 GiB: fits
-    short = machine_checks.host_memory(1_100_000_000, on_gpu=False)  # 61 GiB: does not
+    short = machine_checks.host_memory(1_100_000_000, on_gpu=False)  # 78 GiB: does not
     assert short.level == "fail", short
-    assert "1100.0M parameters x 60 B/param = 61.47 GiB" in short.detail and "24.00 GiB available" in short.detail
+    assert "1100.0M parameters x 76 B/param = 77.86 GiB" in short.detail and "24.00 GiB available" in short.detail
     assert "smaller --model" in short.fix
