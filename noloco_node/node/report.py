@@ -29,13 +29,14 @@ from noloco_node.observability.status import (
     DiscoveryStatus,
     ExchangeRecord,
     Health,
+    KnownPeer,
     NodeStatus,
     OuterStepRecord,
     SecurityStatus,
     TaskStatus,
 )
 from noloco_node.observability.telemetry import Telemetry
-from noloco_node.rpc.client import fetch_info
+from noloco_node.rpc.client import REFUSED, fetch_info
 from noloco_node.rpc.metrics import ExchangeMetrics
 from noloco_node.rpc.transport import PLAIN, Transport
 from noloco_node.training.replica import Replica
@@ -128,6 +129,7 @@ def node_status(node: ReportedNode) -> NodeStatus:
     counters = node.metrics.snapshot()
     val_loss = node.telemetry.val_loss()
     last_checkpoint = node.telemetry.last_checkpoint
+    peers = node.telemetry.known_peers()
     return NodeStatus(
         peer_id=node.peer_id,
         run_name=node.cfg.run_name,
@@ -154,6 +156,9 @@ def node_status(node: ReportedNode) -> NodeStatus:
         grad_norm=node.telemetry.grad_norm(),
         step_plan=node.telemetry.step_plan,
         comm_wait_fraction=node.telemetry.comm_wait_fraction(),
+        blends=node.telemetry.blends_since_start,
+        outer_steps_behind=steps_behind(replica.outer_step if replica else 0, peers),
+        refusing_peers=refusing_peers(counters["recent"]),
         peak_rss_mb=peak_rss_mb(),
         checkpoint_age_seconds=time.time() - last_checkpoint if last_checkpoint else None,
         bytes_sent=counters["bytes_sent"],
@@ -163,7 +168,7 @@ def node_status(node: ReportedNode) -> NodeStatus:
         calls_in_use=counters["calls_in_use"],
         background_errors=counters["background_errors"],
         exchanges=[ExchangeRecord(**entry) for entry in counters["recent"][-20:]],
-        peers=node.telemetry.known_peers(),
+        peers=peers,
         discovery=DiscoveryStatus(**node.discovery.describe()) if node.discovery.dht is not None else None,
         refused_peers=list(node.telemetry.refused_starts.values()),
         history=[OuterStepRecord(**entry) for entry in node.telemetry.history_list(200)],
@@ -174,6 +179,22 @@ def node_status(node: ReportedNode) -> NodeStatus:
         ],
         health=node.health(),
     )
+
+
+def steps_behind(own_outer_step: int, peers: list[KnownPeer]) -> int | None:
+    """How far the furthest live peer is ahead of this node, in outer steps (0 when none is); None without peers."""
+    if not peers:
+        return None
+    return max(0, max(peer.outer_step for peer in peers) - own_outer_step)
+
+
+def refusing_peers(recent: list[dict[str, Any]]) -> int:
+    """Peers whose last answer among these exchanges (oldest first) was a refusal of this node."""
+    last: dict[str, str] = {}
+    for entry in recent:
+        if entry["role"] == "caller":
+            last[entry["peer"]] = entry["outcome"]
+    return sum(1 for outcome in last.values() if outcome == REFUSED)
 
 
 def peak_rss_mb() -> float | None:

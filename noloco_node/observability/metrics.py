@@ -49,6 +49,9 @@ class _StatusCollector:
             "noloco_inner_steps", "Inner optimizer steps of this replica.", value=status.inner_step
         )
         yield CounterMetricFamily("noloco_outer_steps", "Outer steps of this replica.", value=status.outer_step)
+        yield CounterMetricFamily(
+            "noloco_blends", "Outer steps blended with a partner since this node started.", value=status.blends
+        )
         gauges: list[tuple[str, str, float | None]] = [
             ("noloco_train_loss", "Mean training loss over the recent inner steps.", status.train_loss),
             ("noloco_val_loss", "Validation loss at the last outer step.", status.val_loss),
@@ -59,7 +62,22 @@ class _StatusCollector:
             ("noloco_checkpoint_age_seconds", "Since the last checkpoint.", status.checkpoint_age_seconds),
             ("noloco_uptime_seconds", "Since the node started.", status.uptime_seconds),
             ("noloco_known_peers", "Live peers of the run in the DHT.", float(len(status.peers))),
+            (
+                "noloco_outer_steps_behind",
+                "The highest outer step among live peers minus this node's (0 when none is ahead).",
+                None if status.outer_steps_behind is None else float(status.outer_steps_behind),
+            ),
+            (
+                "noloco_refusing_peers",
+                "Peers whose last answer among this node's recent exchanges refused it (quarantined it).",
+                float(status.refusing_peers),
+            ),
             ("noloco_healthy", "1 when /healthz answers 200.", 1.0 if status.health.ok else 0.0),
+            (
+                "noloco_established_peers",
+                "Live peers with standing: seen for --standing-seconds and blended with this node.",
+                float(status.security.established_peers),
+            ),
             ("noloco_norm_bound", "Bound on a partner's relative L2 weight distance.", status.security.norm_bound),
             (
                 "noloco_partner_distance",

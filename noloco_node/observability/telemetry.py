@@ -65,6 +65,7 @@ class Telemetry:
         self.history: deque[dict[str, Any]] = deque(maxlen=KEEP_OUTER_STEPS)
         self.train_seconds_total = 0.0
         self.wait_seconds_total = 0.0
+        self.blends_since_start = 0  # outer steps of this process blended with a partner
         self.last_checkpoint: float | None = None
         self.last_progress = time.monotonic()
         self.last_peer_seen = time.monotonic()
@@ -87,6 +88,7 @@ class Telemetry:
             self.history.append(record)
             self.train_seconds_total += record["train_seconds"]
             self.wait_seconds_total += record["wait_seconds"]
+            self.blends_since_start += 1 if record.get("partner") else 0
             self.last_progress = time.monotonic()
 
     def restore_history(self, records: list[dict[str, Any]]) -> None:

@@ -158,6 +158,9 @@ def _outer_step_of(error: grpc.RpcError) -> int | None:
     return None
 
 
+# The outcome of an exchange the called peer refused outright (PERMISSION_DENIED): it holds this node quarantined
+# for a bad payload, or in a private run did not accept its proof. Counted apart: many refusing peers are an alert.
+REFUSED = "refused"
 # The reason of an exchange whose acknowledgement never came (the call ended otherwise after this side's commit):
 # the server may or may not have blended. Counted as an outcome: the round goes on as if nothing crossed (a solo
 # step here; the server may have blended this side's payload, once, as any partner's).
@@ -327,6 +330,8 @@ def exchange_with(
         outcome = "completed"
     except ExchangeError as error:
         outcome = error.reason if error.reason in ("busy", UNACKNOWLEDGED) else "failed"
+        if error.reason == "permission_denied":
+            outcome = REFUSED  # the peer holds this node quarantined (or, in a private run, unproven)
         raise
     finally:
         receiver.release_observer()
