@@ -306,10 +306,31 @@ def _swarm(args: argparse.Namespace) -> int:
     flags = {**_SWARM_NODE_FLAGS, **_TRAIN_FLAGS}
     # Validate everything here, before a single process starts; each node resolves again on its own (the nodes
     # inherit the environment and get --config passed through).
-    _resolve(args, flags)
+    settings, _sources = _resolve(args, flags)
+    _warn_if_the_nodes_do_not_fit_together(settings, args.nodes, args.out)
     passthrough: list[str] = ["--config", str(args.config)] if args.config else []
     passthrough += as_arguments(args, flags)
     return run_swarm(args.nodes, args.out, passthrough, resume=args.resume)
+
+
+def _warn_if_the_nodes_do_not_fit_together(settings: Any, nodes: int, out_dir: Path) -> None:
+    """Host memory and disk for every node of a local swarm together, with the numbers (nothing is refused: each
+    node checks itself alone again at start). Named sizes on the byte vocabulary only: another tokenizer's size is
+    known once its corpus is read."""
+    train, data = settings.train, settings.data
+    if train.init_from is not None or data.tokenizer is not None or data.vocab_size is not None:
+        return
+    import torch
+
+    from noloco_node.config.models import model_config_for
+    from noloco_node.data.tokenizer import ByteTokenizer
+    from noloco_node.model.decoder import parameter_count
+    from noloco_node.node.machine_checks import nodes_together
+
+    cfg = model_config_for(train.model_size, vocab_size=ByteTokenizer.vocab_size, max_seq_len=train.seq_len)
+    on_gpu = train.device != "cpu" and torch.cuda.is_available()
+    for check in nodes_together(parameter_count(cfg), on_gpu, nodes, out_dir):
+        print(f"warning: {check.line()}", flush=True)
 
 
 def _status(args: argparse.Namespace) -> int:

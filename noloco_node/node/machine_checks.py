@@ -195,6 +195,40 @@ def local_checks(
     return [*checks, disk(cfg.data_dir, parameters), announced(cfg), grpc_port(cfg)]
 
 
+def nodes_together(parameters: int, on_gpu: bool, nodes: int, out_dir: Path) -> list[Check]:
+    """A local swarm's nodes on one machine (``noloco-node swarm``): their host memory and checkpoints together.
+    Each node's own check counts itself alone, so N nodes that each fit could still not fit together (two 1.3b
+    nodes on a 125 GiB machine did not)."""
+    per_node = parameters * host_bytes_per_parameter(on_gpu)
+    needed, available = nodes * per_node, available_memory()
+    checks = []
+    if available is not None and needed > available:
+        checks.append(
+            Check(
+                "host memory",
+                "fail",
+                f"{nodes} nodes x {per_node / GIB:.1f} GiB = {needed / GIB:.1f} GiB of host memory together, "
+                f"{available / GIB:.1f} GiB available",
+                "fewer --nodes, or a smaller --model",
+            )
+        )
+    where = out_dir
+    while not where.exists() and where != where.parent:
+        where = where.parent
+    disk_needed, free = nodes * parameters * CHECKPOINT_BYTES, shutil.disk_usage(where).free
+    if disk_needed > free:
+        checks.append(
+            Check(
+                "disk",
+                "fail",
+                f"{nodes} nodes x {parameters * CHECKPOINT_BYTES / GIB:.1f} GiB of checkpoints = "
+                f"{disk_needed / GIB:.1f} GiB in {out_dir}, {free / GIB:.1f} GiB free",
+                "fewer --nodes, a smaller --model, or --out on a larger disk",
+            )
+        )
+    return checks
+
+
 def log_local_checks(cfg: NodeConfig, train_cfg: TrainConfig, source: ModelSource, on_gpu: bool) -> list[Check]:
     """`join`'s start: this machine's checks as one block, a warning when any is not ok (nothing is refused on
     them: swap, or memory freed by other processes, may make it fit)."""
