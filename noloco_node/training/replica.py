@@ -32,7 +32,7 @@ from noloco_node.data.corpus import ReplicaShard
 from noloco_node.model.decoder import LlamaDecoder, autocast_context, named_parameters_ordered
 from noloco_node.model.source import ModelSource
 from noloco_node.training.sharded_tensors import gather_whole, is_sharded, local_part, scatter_whole
-from noloco_node.training.step_plan import StepPlan, plan_for_memory, plan_without_probe, probe_plan
+from noloco_node.training.step_plan import PlanError, StepPlan, plan_for_memory, plan_without_probe, probe_plan
 
 log = logging.getLogger(__name__)
 
@@ -232,6 +232,8 @@ class Replica:
             # while the others are not would leave them waiting in one.
             _free, total = torch.cuda.mem_get_info(self.device)
             plan = plan_for_memory(self.model.config, self.train_cfg, total, ranks=ranks.world_size)
+            if plan.micro_batch == 0:
+                raise PlanError(f"sharded over {ranks.world_size} GPUs: " + "; ".join(plan.notes))
             plan.device = f"{self.device} ({torch.cuda.get_device_name(self.device)})"
             plan.outer_state_on_device = False
             plan.micro_batch = ranks.agree_on_micro_batch(max(1, plan.micro_batch), self.device)
