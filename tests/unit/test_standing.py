@@ -408,6 +408,13 @@ def test_a_donors_counters_must_be_the_step_its_record_claims_and_short_of_this_
     ahead = record("ahead", "10.0.0.2", 1, step=500)
     assert "--steps" in (implausible_counters({"outer_step": 500, "inner_step": 500 * 20}, ahead, 20, total) or "")
     assert implausible_counters({"outer_step": 499, "inner_step": 499 * 20 + 19}, ahead, 20, total) is None
+    # A download that outlasted the donor's phases: its record moved from 9 to 12 while it served step 9's state.
+    moved_on, when_asked = record("d", "10.0.0.1", 1, step=12), record("d", "10.0.0.1", 1, step=9)
+    served = {"outer_step": 9, "inner_step": 9 * 20}
+    assert "record says 12" in (implausible_counters(served, moved_on, 20, total) or "")  # the record after alone
+    assert implausible_counters(served, moved_on, 20, total, before=when_asked) is None
+    older = {"outer_step": 7, "inner_step": 7 * 20}  # older than the record said when the download began
+    assert "record says 9 to 12" in (implausible_counters(older, moved_on, 20, total, before=when_asked) or "")
 
 
 def test_a_restarting_member_takes_no_front_beyond_its_own_pace() -> None:
