@@ -74,6 +74,12 @@ def host_of_address(address: str) -> str:
 
 
 @functools.lru_cache(maxsize=1 << 14)
+def group_of_address(address: str) -> str:
+    """The network group of a record's ``host:port`` (cached: standing asks it of every record in view, often)."""
+    return network_group(host_of_address(address))
+
+
+@functools.lru_cache(maxsize=1 << 14)
 def network_group(host: str) -> str:
     """The group ``host`` (an IP, as a socket or a record gives it) counts as: ``203.0.113.0/24``,
     ``2001:db8:1::/48``, or the address itself for a loopback, private or link-local one. Anything that is not an IP

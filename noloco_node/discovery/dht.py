@@ -41,7 +41,7 @@ from hivemind.utils.crypto import RSAPublicKey
 from hivemind.utils.serializer import MSGPackSerializer
 from hivemind.utils.timed_storage import get_dht_time
 
-from noloco_node.addresses import canonical_address, host_of_address, network_group
+from noloco_node.addresses import canonical_address, group_of_address
 from noloco_node.config.node_config import DEFAULT_BUCKET_RECORDS, NodeConfig
 from noloco_node.discovery.buckets import MAX_BUCKET_ENTRIES, Bucket, SwarmSize
 from noloco_node.discovery.view import MAX_LIVE_PEERS, RecordView
@@ -193,7 +193,7 @@ class PeerRecord:
         """The network group of the address peers dial (addresses.py): what counts as one machine, however many
         keys it holds. A member reached only through relays is dialled at no address of its own: the address its
         record names is a string it chose, so every such member weighs as one group together (``RELAYED_GROUP``)."""
-        return network_group(host_of_address(self.address)) if self.reachable else RELAYED_GROUP
+        return group_of_address(self.address) if self.reachable else RELAYED_GROUP
 
     def to_value(self) -> dict[str, Any]:
         value = asdict(self)
