@@ -31,7 +31,7 @@ from noloco_node.config.models import TrainConfig
 from noloco_node.config.node_config import NodeConfig
 from noloco_node.discovery.dht import Discovery, PeerRecord, RunStart
 from noloco_node.discovery.reachability import WitnessView, announce_host, ask_witness, witnesses_for
-from noloco_node.node.machine_checks import Check, local_checks
+from noloco_node.node.machine_checks import Check, identity, local_checks
 from noloco_node.node.run_layout import RunLayout
 from noloco_node.rpc.transport import PLAIN
 
@@ -261,5 +261,5 @@ def run_doctor(
     network's."""
     device = train_cfg.device
     on_gpu = device.startswith("cuda") or (device == "auto" and torch.cuda.is_available())
-    checks = local_checks(cfg, train_cfg, layout.source, on_gpu, gpu_memory)
+    checks = [*local_checks(cfg, train_cfg, layout.source, on_gpu, gpu_memory), identity(cfg.data_dir)]
     return checks + asyncio.run(network_checks(cfg, layout))

@@ -22,6 +22,7 @@ from noloco_node.config.node_config import NodeConfig
 from noloco_node.discovery.reachability import announce_host
 from noloco_node.model.source import ModelSource
 from noloco_node.node.memory import GIB, available_memory, host_bytes_per_parameter
+from noloco_node.security.identity import KEY_FILE, IdentityError, NodeIdentity
 from noloco_node.training.replica import resolve_device
 from noloco_node.training.step_plan import fewest_ranks_to_fit, plan_for_memory
 
@@ -128,6 +129,26 @@ def step_plan_checks(train_cfg: TrainConfig, model_cfg: ModelConfig | None, memo
             what_fits,
         ]
     return [Check("step plan", "ok", plan.summary() + " (memory model; a probe at start refines it)"), what_fits]
+
+
+def identity(data_dir: Path) -> Check:
+    """The node key in ``data_dir`` (security/identity.py): its peer id, and the standing peers gave that id, are
+    tied to it, so it is the one file to back up; a missing one is made anew at start (a new peer id)."""
+    path = data_dir / KEY_FILE
+    if not path.exists():
+        return Check(
+            "identity",
+            "warn",
+            f"no node key at {path}: the first start creates one, and with it a new peer id",
+            f"joining again after a reinstall? put the backed-up {KEY_FILE} there first (mode 600)",
+        )
+    try:
+        peer_id = NodeIdentity.load_or_create(data_dir).peer_id
+    except IdentityError as error:
+        return Check(
+            "identity", "fail", str(error), f"restore {KEY_FILE} from its backup, or remove it to start a new identity"
+        )
+    return Check("identity", "ok", f"peer id {peer_id} from {path}: keep a copy of this file (mode 600)")
 
 
 def disk(data_dir: Path, parameters: int) -> Check:

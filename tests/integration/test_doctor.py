@@ -64,6 +64,7 @@ def test_a_port_held_by_another_process_and_a_model_too_large_for_this_machine_f
     assert memory["level"] == "fail" and "x 76 B/param" in memory["detail"] and "GiB available" in memory["detail"]
     assert "smaller --model" in memory["fix"]
     assert checks["bootstrap"]["level"] == "warn"  # no --bootstrap: a swarm of its own, not a failure
+    assert checks["identity"]["level"] == "warn" and "new peer id" in checks["identity"]["detail"]  # a fresh dir
 
 
 def test_on_a_card_of_given_memory_the_plan_names_what_fits_and_refuses_what_does_not(tmp_path: Path) -> None:

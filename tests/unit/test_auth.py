@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import os
+import shutil
 import time
 from pathlib import Path
 
@@ -118,3 +119,21 @@ def test_the_node_key_is_private_persistent_and_names_the_peer(tmp_path: Path) -
     key.write_text("not a key")
     with pytest.raises(IdentityError, match="cannot read"):
         NodeIdentity.load_or_create(tmp_path)
+
+
+def test_doctor_names_the_peer_id_of_a_kept_key_and_says_what_a_missing_or_broken_one_means(tmp_path: Path) -> None:
+    from noloco_node.node.machine_checks import identity
+
+    missing = identity(tmp_path / "fresh")
+    assert missing.level == "warn" and "new peer id" in missing.detail and "backed-up node_key.pem" in missing.fix
+    assert not (tmp_path / "fresh" / "node_key.pem").exists()  # the check creates nothing
+    # Restored from a backup on a fresh data directory: the same peer id as before.
+    original = NodeIdentity.load_or_create(tmp_path / "old")
+    restored = tmp_path / "new"
+    restored.mkdir()
+    shutil.copy2(tmp_path / "old" / "node_key.pem", restored / "node_key.pem")
+    kept = identity(restored)
+    assert kept.level == "ok" and original.peer_id in kept.detail
+    (restored / "node_key.pem").write_text("not a key")
+    broken = identity(restored)
+    assert broken.level == "fail" and "cannot read the node key" in broken.detail and "backup" in broken.fix
