@@ -104,6 +104,29 @@ def test_a_checkpoint_from_the_outer_state_copy_resumes_bit_exactly(tmp_path: Pa
         assert torch.equal(x, y)
 
 
+def test_the_final_checkpoint_mid_phase_from_the_snapshot_pool_resumes_bit_exactly(tmp_path: Path) -> None:
+    """A node that stops mid-phase checkpoints its live state from a snapshot set and theta's host copy (node/
+    trainer.py final_checkpoint), not a clone: resuming from it is the same as from Replica.state_dict."""
+    a = make_replica(seed=4)
+    train(a, 6)
+    a.apply_outer_step(
+        *algorithm.noloco_outer_step(a.fast_weights(), a.phi, a.delta, [], [], alpha=0.5, beta=0.7, gamma=0.7)
+    )
+    train(a, 3)  # mid-phase: theta is not phi
+    copy = Snapshots(a).take(a)
+    save_checkpoint(tmp_path / "final.pt", {"replica": {**replica_state_of(copy), "theta": a.fast_weights()}})
+    copy.release()
+    reference = make_replica(seed=4)
+    reference.load_state_dict(copy_module.deepcopy(a.state_dict()))
+    b = make_replica(seed=4)
+    b.load_state_dict(load_checkpoint(tmp_path / "final.pt")["replica"])
+    assert (b.inner_step, b.outer_step) == (9, 1)
+    assert not all(torch.equal(p, phi) for p, phi in zip(b.params, b.phi, strict=True))
+    assert train(b, 4) == train(reference, 4)
+    for x, y in zip([*reference.params, *reference.phi, *reference.delta], [*b.params, *b.phi, *b.delta], strict=True):
+        assert torch.equal(x, y)
+
+
 def test_ddp_replica_averages_the_gradients_of_every_shard() -> None:
     model_cfg = SeededDecoder(model_config_for("tiny", vocab_size=256, max_seq_len=32), seed=0)
     cfg = TrainConfig(seq_len=32, batch_size=4, total_steps=100, grad_clip=1e9, device="cpu")  # no clipping
