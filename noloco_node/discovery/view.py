@@ -64,30 +64,16 @@ class RecordView(Generic[Record]):
         # The peers each read put in view: a read replaces what overlapping reads left, found without a pass over
         # every record in view (a node at a high level holds hundreds, and reads once a second).
         self._by_read: dict[Bucket, set[str]] = {}
-        self._next_expiry = float("inf")  # the earliest expiration in view: records() looks for expired ones from then
 
     def replace(self, bucket: Bucket, found: Sequence[tuple[Record, float]]) -> None:
         """``bucket`` was read: it holds ``found`` (record, expiration) and nothing else of the view's."""
-        found_ids = {record.peer_id for record, _ in found}
         for read in [r for r in self._by_read if r.overlaps(bucket)]:
-            if read == bucket:  # the same bucket read again: what it no longer holds goes, the rest is updated below
-                for peer_id in [p for p in self._by_read[read] if p not in found_ids]:
-                    self._drop(peer_id)
-                continue
             for peer_id in [p for p in self._by_read[read] if bucket.holds(p)]:
                 self._drop(peer_id)
         for record, expires in found:
-            entry = self._entries.get(record.peer_id)
-            if entry is not None and entry.read == bucket:
-                entry.record, entry.expires = record, expires
-            else:
-                self._drop(record.peer_id)
-                self._entries[record.peer_id] = _Entry(record, expires, bucket)
-                held = self._by_read.get(bucket)
-                if held is None:
-                    held = self._by_read[bucket] = set()
-                held.add(record.peer_id)
-            self._next_expiry = min(self._next_expiry, expires)
+            self._drop(record.peer_id)
+            self._entries[record.peer_id] = _Entry(record, expires, bucket)
+            self._by_read.setdefault(bucket, set()).add(record.peer_id)
         if len(self._entries) > self._limit:
             kept = {
                 r.peer_id
@@ -99,10 +85,8 @@ class RecordView(Generic[Record]):
     def records(self) -> list[Record]:
         """The records in view that the DHT still holds."""
         now = self._clock()
-        if now > self._next_expiry:
-            for peer_id in [p for p, e in self._entries.items() if e.expires < now]:
-                self._drop(peer_id)
-            self._next_expiry = min((e.expires for e in self._entries.values()), default=float("inf"))
+        for peer_id in [p for p, e in self._entries.items() if e.expires < now]:
+            self._drop(peer_id)
         return [e.record for e in self._entries.values()]
 
     def _drop(self, peer_id: str) -> None:
