@@ -11,7 +11,9 @@
 #          tokens, default 128, micro-batch SWARM_MICRO, default 32: two probes at once would each plan for the
 #          whole card; SWARM_STEPS inner steps, default 150, cut at SWARM_LIMIT seconds, default 3600): the outer
 #          step and its upkeep from the nodes' histories, and the nodes' peak host memory.
-# Usage: bash benchmarks/gpu/figures.sh [train] [outer] [solo] [check] [swarm]   (default: the first three).
+#   memory: one `join` node alone (MEMORY_MODEL, default 1.3b; 16 x 1,024 tokens a step, H = 5, 15 steps, compile
+#          off) with its /proc/PID/status (VmRSS, RssAnon, RssFile, RssShmem: pinned memory) every 2 s, in MiB.
+# Usage: bash benchmarks/gpu/figures.sh [train] [outer] [solo] [check] [swarm] [memory]   (default: the first three).
 # Reports go to $OUT.
 set -uo pipefail
 OUT=${OUT:-runs/gpu-figures}
@@ -64,5 +66,21 @@ print('solo run finished at inner step', replica.inner_step, 'outer step', repli
       | tail -20 | tee "$OUT/swarm-$model.txt"
     kill $sampler
     python3 benchmarks/gpu/outer_share.py "$runs" "$runs.rss" 2>&1 | tee -a "$OUT/swarm-$model.txt" ;;
+  memory)
+    model=${MEMORY_MODEL:-1.3b} dir=${MEMORY_DIR:-/tmp/memory-node}
+    rm -rf "$dir"
+    echo "== join --model $model alone: host memory by the second"
+    timeout "${MEMORY_LIMIT:-300}" python3 -m noloco_node join --compile off --data-dir "$dir" --model "$model" \
+      --batch-size 16 --micro-batch 8 --seq-len 1024 --inner-steps 5 --steps 15 --wait-for-peers 0 --status-port 0 \
+      --log-every 1 > "$OUT/memory-$model.log" 2>&1 &
+    sleep 2
+    pid=$(pgrep -f "^python3 -m noloco_node join" | head -1)
+    while kill -0 "$pid" 2>/dev/null; do
+      echo "$(date +%T) $(grep -E '^(VmRSS|RssAnon|RssFile|RssShmem)' /proc/"$pid"/status | awk '{printf "%s %d ", $1, $2/1024}')"
+      sleep 2
+    done > "$OUT/memory-$model.txt"
+    wait
+    echo "peak VmRSS (MiB): $(awk '{print $3}' "$OUT/memory-$model.txt" | sort -n | tail -1)" | tee -a "$OUT/memory-$model.txt"
+    rm -rf "$dir" ;;
   esac
 done
