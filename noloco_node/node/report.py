@@ -157,8 +157,10 @@ def node_status(node: ReportedNode) -> NodeStatus:
         step_plan=node.telemetry.step_plan,
         comm_wait_fraction=node.telemetry.comm_wait_fraction(),
         blends=node.telemetry.blends_since_start,
-        outer_steps_behind=steps_behind(replica.outer_step if replica else 0, peers),
-        refusing_peers=refusing_peers(counters["recent"]),
+        outer_steps_behind=steps_behind(
+            replica.outer_step if replica else 0, [p for p in peers if node.standing.believable(p.peer_id)]
+        ),
+        refusing_peers=refusing_peers(counters["recent"], node.standing.established),
         peak_rss_mb=peak_rss_mb(),
         checkpoint_age_seconds=time.time() - last_checkpoint if last_checkpoint else None,
         bytes_sent=counters["bytes_sent"],
@@ -182,19 +184,22 @@ def node_status(node: ReportedNode) -> NodeStatus:
 
 
 def steps_behind(own_outer_step: int, peers: list[KnownPeer]) -> int | None:
-    """How far the furthest live peer is ahead of this node, in outer steps (0 when none is); None without peers."""
+    """How far the furthest of ``peers`` is ahead of this node, in outer steps (0 when none is); None without peers.
+    The caller passes the peers whose claims count (Standing.believable): a free key dated far ahead would otherwise
+    set off the alert on an honest node."""
     if not peers:
         return None
     return max(0, max(peer.outer_step for peer in peers) - own_outer_step)
 
 
-def refusing_peers(recent: list[dict[str, Any]]) -> int:
-    """Peers whose last answer among these exchanges (oldest first) was a refusal of this node."""
+def refusing_peers(recent: list[dict[str, Any]], established: Callable[[str], bool]) -> int:
+    """Peers with standing whose last answer among these exchanges (oldest first) was a refusal of this node. With
+    standing only: free keys that refuse every call could otherwise page an operator about an honest node."""
     last: dict[str, str] = {}
     for entry in recent:
         if entry["role"] == "caller":
             last[entry["peer"]] = entry["outcome"]
-    return sum(1 for outcome in last.values() if outcome == REFUSED)
+    return sum(1 for peer, outcome in last.items() if outcome == REFUSED and established(peer))
 
 
 def peak_rss_mb() -> float | None:

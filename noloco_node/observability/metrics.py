@@ -64,12 +64,12 @@ class _StatusCollector:
             ("noloco_known_peers", "Live peers of the run in the DHT.", float(len(status.peers))),
             (
                 "noloco_outer_steps_behind",
-                "The highest outer step among live peers minus this node's (0 when none is ahead).",
+                "The highest outer step among live peers whose claims count minus this node's (0 when none is ahead).",
                 None if status.outer_steps_behind is None else float(status.outer_steps_behind),
             ),
             (
                 "noloco_refusing_peers",
-                "Peers whose last answer among this node's recent exchanges refused it (quarantined it).",
+                "Peers with standing whose last answer among this node's recent exchanges refused it (quarantined it).",
                 float(status.refusing_peers),
             ),
             ("noloco_healthy", "1 when /healthz answers 200.", 1.0 if status.health.ok else 0.0),

@@ -220,10 +220,12 @@ class NodeStatus(BaseModel):
     comm_wait_fraction: float = Field(description="Share of the trainer's wall time spent waiting on communication.")
     blends: int = Field(0, description="Outer steps this node has blended with a partner since it started.")
     outer_steps_behind: int | None = Field(
-        None, description="The highest outer step among live peers minus this node's (0: none ahead; null: no peers)."
+        None,
+        description="The highest outer step among live peers whose claims count (with standing, once any has it) "
+        "minus this node's (0: none ahead; null: no peers).",
     )
     refusing_peers: int = Field(
-        0, description="Peers whose last answer among this node's recent exchanges refused it (quarantined it)."
+        0, description="Peers with standing whose last answer among this node's recent exchanges refused it."
     )
     peak_rss_mb: float | None = Field(None, description="The node process's peak resident memory so far, in MB.")
     checkpoint_age_seconds: float | None = Field(description="Since the last checkpoint was written; null: none.")

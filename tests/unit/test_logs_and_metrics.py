@@ -97,3 +97,26 @@ def test_metrics_parse_and_leave_absent_values_out() -> None:
     assert samples[("noloco_inner_steps_total", ())] == 120 and samples[("noloco_train_loss", ())] == 2.5
     assert "noloco_val_loss" not in families and "noloco_checkpoint_age_seconds" not in families
     assert families["noloco_node_info"].samples[0].labels["run_fingerprint"] == "f"
+
+
+def test_the_alerts_gauges_count_only_peers_whose_word_counts() -> None:
+    """noloco_refusing_peers and noloco_outer_steps_behind: free keys that refuse every call, or claim a far step,
+    must not set off an operator's alert about an honest node."""
+    from noloco_node.node.report import refusing_peers, steps_behind
+    from noloco_node.observability.status import KnownPeer
+
+    def call(peer: str, outcome: str) -> dict[str, str]:
+        return {"peer": peer, "role": "caller", "outcome": outcome}
+
+    recent = [call("a", "refused"), call("b", "refused"), call("b", "completed"), call("free1", "refused")]
+    recent += [call("c", "refused"), {"peer": "d", "role": "server", "outcome": "refused"}]
+    established = {"a", "b", "c", "d"}.__contains__
+    assert refusing_peers(recent, established) == 2  # a and c; b answered since; free1 has no standing
+    assert refusing_peers(recent, lambda peer: False) == 0
+
+    def peer(step: int) -> KnownPeer:
+        return KnownPeer(peer_id=f"p{step}", address="10.0.0.1:1", outer_step=step, inner_step=0, ready=True,
+                         record_age_seconds=1.0)  # fmt: skip
+
+    assert steps_behind(10, []) is None
+    assert steps_behind(10, [peer(9), peer(14)]) == 4 and steps_behind(10, [peer(8)]) == 0
