@@ -24,6 +24,7 @@ KNOWN_ENVIRONMENT = {
     "NOLOCO_SWARM_SECRET": "the swarm secret of a private run (prefer NOLOCO_SWARM_SECRET_FILE)",
     "NOLOCO_SWARM_SECRET_FILE": "a file holding the swarm secret of a private run",
     "NOLOCO_REQUIRE_BROWSER": "tests: fail, rather than skip, the browser test when Chromium is missing (CI)",
+    "NOLOCO_REQUIRE_PROMETHEUS": "tests: fail, rather than skip, the Prometheus test when prometheus is missing (CI)",
     "NOLOCO_SCREENSHOT": "tests: where the browser test copies its status-page screenshot",
     "NOLOCO_DRILL": "tests, drills and benchmarks: the faults a node simulates, as JSON (node/fault_injection.py)",
 }
