@@ -64,8 +64,8 @@ from noloco_node.discovery.buckets import MAX_BUCKET_ENTRIES, Bucket, SwarmSize
 from noloco_node.discovery.dht import PeerRecord
 from noloco_node.discovery.view import RecordView
 from noloco_node.pairing.peer_policy import PeerPolicy
+from noloco_node.pairing.reserved import RepeatGrace
 from noloco_node.pairing.standing import NEVER_SEEN, Standing
-from noloco_node.pairing.sync import RepeatGrace
 
 ENTRY_BYTES = 1005  # per record per answering DHT peer (measured, issue 43: RSA-2048 owner subkeys, signatures)
 REQUEST_BYTES = 300  # a get or store request and the answer's framing, per DHT peer

@@ -82,6 +82,7 @@ class Peering:
             CallSettings(
                 run_fingerprint=layout.run_fingerprint,
                 kinds={kind.name: kind for kind in layout.payload_kinds()},
+                choosing_kind=layout.partner_choosing_kind(),
                 max_payload_bytes=layout.max_payload_bytes(),
                 max_staleness=cfg.max_staleness,
                 transport=security.transport,

@@ -23,7 +23,7 @@ from noloco_node.model.run_model import model_source
 from noloco_node.model.source import ModelSource, run_fingerprint
 from noloco_node.wire import side_info
 from noloco_node.wire.codecs import ENCODED_WIRE_DTYPES
-from noloco_node.wire.frames import DEFAULT_CHUNK_BYTES, PayloadKind, TensorLayout
+from noloco_node.wire.frames import DEFAULT_CHUNK_BYTES, MEETING, PayloadKind, TensorLayout
 
 
 def run_wide_settings(node_cfg: NodeConfig, train_cfg: TrainConfig, outer_cfg: OuterConfig) -> dict[str, str]:
@@ -110,8 +110,9 @@ class RunLayout:
         )
 
     def payload_kinds(self) -> list[PayloadKind]:
-        """What a partner sends in an exchange. ``sync`` and ``overlap``: one payload, ``weights`` (theta, with phi
-        and delta when the run needs them), in the wire dtype. ``stream``: ``phase`` (phi and, with
+        """What a partner sends in an exchange. ``overlap``: one payload, ``weights`` (theta, with phi and delta when
+        the run needs them), in the wire dtype. ``sync``: ``meet``, the reservation (wire/frames.py ``MEETING``), then
+        ``weights``. ``stream``: ``phase`` (phi and, with
         --blend-momenta, delta: fixed during the inner phase, streamed while both train, in bf16) and ``progress``
         (Delta = theta - phi at the outer step, in the wire dtype: the only bytes on the critical path). With the
         sparse wire the phase payload is int8, except phi's matrices, which travel in the side-information code
@@ -125,7 +126,14 @@ class RunLayout:
                 PayloadKind("progress", self._parts("progress"), self.wire_dtype),
             ]
         phi = ("phi",) if self.send_phi else ()
-        return [PayloadKind("weights", self._parts("theta", *phi, *momenta), self.wire_dtype)]
+        weights = PayloadKind("weights", self._parts("theta", *phi, *momenta), self.wire_dtype)
+        return [MEETING, weights] if self.mode == "sync" else [weights]
+
+    def partner_choosing_kind(self) -> str:
+        """The payload kind whose exchange makes the caller a partner (pairing/standing.py weighs it): a sync run's
+        meeting and a stream run's phase swap, which reserve the pair, and overlap's weights; the payload of a
+        reserved round goes only to the partner its reservation chose."""
+        return {"sync": "meet", "stream": "phase"}.get(self.mode, "weights")
 
     def payload_kind(self, name: str) -> PayloadKind:
         return next(kind for kind in self.payload_kinds() if kind.name == name)

@@ -10,7 +10,7 @@ from collections.abc import Callable
 
 from noloco_node.node.payload_admission import PayloadAdmission
 from noloco_node.node.run_layout import RunLayout
-from noloco_node.pairing.standing import PARTNER_CHOOSING_KINDS, Standing
+from noloco_node.pairing.standing import Standing
 from noloco_node.pairing.strategy import PairingStrategy
 from noloco_node.rpc.contracts import ExchangeSession, OutOfReachError
 from noloco_node.security.payload_guard import RunningGap
@@ -48,6 +48,7 @@ class ServedNode:
         self._outer_step = outer_step  # the replica's, read from another thread (an int: nothing is torn)
         self.max_staleness = max_staleness
         self._kinds = layout.payload_kinds()
+        self._choosing_kind = layout.partner_choosing_kind()
 
     @property
     def peer_id(self) -> str:
@@ -61,13 +62,14 @@ class ServedNode:
 
     def open_session(self, partner_id: str, partner_outer_step: int, kind: str) -> ExchangeSession | None:
         """A session from the strategy, or None (busy). A stranger is served only with this node's stranger turn
-        (pairing/standing.py); a stream run's progress is exchanged with the partner its phase swap reserved, so
-        the standing of that partner was weighed when the swap was taken. A partner further than --max-staleness
-        outer steps away is told so, with this node's step (OutOfReachError), in every mode."""
+        (pairing/standing.py); a reserved round's payload (sync, stream) is exchanged with the partner the
+        reservation chose, so the standing of that partner was weighed when the reservation was taken. A partner
+        further than --max-staleness outer steps away is told so, with this node's step (OutOfReachError), in every
+        mode."""
         own = self._outer_step()
         if own is not None and abs(partner_outer_step - own) > self.max_staleness:
             raise OutOfReachError(own, partner_outer_step, self.max_staleness)
-        if kind not in PARTNER_CHOOSING_KINDS:
+        if kind != self._choosing_kind:
             return self.strategy.open_session(partner_id, partner_outer_step, kind)
         if not self.standing.may_serve(partner_id):
             return None

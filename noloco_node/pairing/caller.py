@@ -26,7 +26,7 @@ import grpc
 
 from noloco_node.discovery.dht import PeerRecord
 from noloco_node.pairing.peer_policy import PeerPolicy
-from noloco_node.pairing.standing import PARTNER_CHOOSING_KINDS, Standing
+from noloco_node.pairing.standing import Standing
 from noloco_node.rpc.client import UNACKNOWLEDGED, CallOwner, ExchangeError, exchange_with
 from noloco_node.rpc.contracts import OutgoingPayload
 from noloco_node.rpc.metrics import ExchangeMetrics
@@ -45,6 +45,7 @@ class CallSettings:
 
     run_fingerprint: str
     kinds: dict[str, PayloadKind]  # the run's payloads by kind (node/run_layout.py); an answer is of the same kind
+    choosing_kind: str  # the kind whose exchange makes the callee a partner (node/run_layout.py)
     max_payload_bytes: int
     max_staleness: int
     transport: Transport
@@ -179,7 +180,7 @@ class PeerCaller:
         turn if ``peer`` is a stranger (standing.py). Not a busy answer (the stranger had no turn of its own, or was
         taken): two members who are strangers to each other, each spending its turn on the other's refusal in
         turn, would never meet."""
-        if kind in PARTNER_CHOOSING_KINDS:
+        if kind == self.settings.choosing_kind:
             self.standing.spend_stranger_turn(peer.peer_id)
 
     def _exchange(

@@ -63,9 +63,6 @@ from noloco_node.discovery.dht import PeerRecord
 # seen for --standing-seconds, so a key that only ever calls in (no record at all) stays a stranger however long it
 # blends (counted from its first blend, such a key would earn full weight and every turn).
 NEVER_SEEN = math.inf
-# The payload kinds whose exchange makes the caller a partner (sync's and overlap's weights, a stream run's phase
-# swap, which reserves the pair); a stream run's progress goes only to the partner its phase swap chose.
-PARTNER_CHOOSING_KINDS = ("weights", "phase")
 MAX_REMEMBERED = 4096  # peers remembered; past this strangers are forgotten first, then the longest-gone
 # Calls in from one network group served in any 2G outer steps (G: the established groups within reach): a group's
 # share, 1/G, with room for one repeat (an honest pair that finds nobody else ready pairs again).

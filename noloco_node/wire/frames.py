@@ -52,7 +52,7 @@ WIRE_NAME_OF_CODE = {code: name for name, (code, _) in WIRE_DTYPES.items()}
 # payload looks like as much as a lying sender: held against the sender, it would let anyone on the path get honest
 # members quarantined.
 SEAL_FAILURES = ("unsealed", "wrong_signer", "bad_seal")
-NOT_THE_SENDERS_FAULT = ("incomplete", "not_ready", "no_phase_payload", "progress_step", *SEAL_FAILURES)
+NOT_THE_SENDERS_FAULT = ("incomplete", "not_ready", "not_reserved", "round_step", *SEAL_FAILURES)
 
 
 class PayloadError(NolocoError):
@@ -95,9 +95,10 @@ class TensorLayout:
 class PayloadKind:
     """One kind of exchange payload a run accepts: its tensors in order and the wire dtype they travel in.
 
-    A run in ``sync`` or ``overlap`` mode exchanges one kind, ``weights`` (theta, with phi and delta when the run
-    needs them); a ``stream`` run two: ``phase`` (phi, fixed during the inner phase, in bf16) and ``progress``
-    (Delta = theta - phi at the outer step, in the run's wire dtype). The receiver tells them apart by their parts
+    A run in ``overlap`` mode exchanges one kind, ``weights`` (theta, with phi and delta when the run needs them);
+    a ``sync`` run two: ``meet`` (the reservation, :data:`MEETING`) and ``weights``; a ``stream`` run two:
+    ``phase`` (phi, fixed during the inner phase, in bf16) and ``progress`` (Delta = theta - phi at the outer step,
+    in the run's wire dtype). The receiver tells them apart by their parts
     (the prefix of every tensor name)."""
 
     name: str
@@ -113,6 +114,11 @@ class PayloadKind:
 
     def wire_bytes(self) -> int:
         return sum(wire_num_bytes(item.numel, self.dtype_of(item)) for item in self.layout)
+
+
+# A sync run's reservation payload (pairing/sync.py): one value, the seconds until its sender's outer step.
+MEET_DUE = "meet/due"
+MEETING = PayloadKind("meet", (TensorLayout(MEET_DUE, (1,)),), "fp32")
 
 
 def layout_of(named_tensors: Sequence[tuple[str, torch.Tensor]]) -> list[TensorLayout]:

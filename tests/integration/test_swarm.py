@@ -289,7 +289,9 @@ def test_a_peer_killed_mid_exchange_costs_the_survivor_one_round(bootstrap: Boot
     history = status["history"]
     assert len(history) == 6 and history[-1]["inner_step"] == 120  # it trained to the end
     assert all(h["partner"] is None for h in history), "the survivor blended with a payload from the killed peer"
-    assert status["exchange_outcomes"].get("completed", 0) == 0
+    # The one exchange that completed is the meeting that reserved the pair (pairing/sync.py): a few hundred
+    # bytes, long before 150 kB had crossed; the weights exchange it led to was cut.
+    assert status["exchange_outcomes"].get("completed", 0) == 1
     assert status["exchange_outcomes"].get("failed", 0) + status["exchange_outcomes"].get("aborted", 0) >= 1
     assert "failed" in survivor.output() or "did not arrive whole" in survivor.output()
 

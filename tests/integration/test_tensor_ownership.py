@@ -16,8 +16,8 @@ from noloco_node import algorithm
 from noloco_node.config.models import TrainConfig, model_config_for
 from noloco_node.data.corpus import ReplicaShard
 from noloco_node.model.source import SeededDecoder
+from noloco_node.pairing.pairing_round import PairingRound
 from noloco_node.pairing.strategy import OfferPublisher
-from noloco_node.pairing.sync import PairingRound
 from noloco_node.rpc.client import Outgoing
 from noloco_node.rpc.contracts import EXCHANGE_METHOD, AdmitsEverything
 from noloco_node.rpc.metrics import ExchangeMetrics

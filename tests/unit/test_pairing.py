@@ -3,6 +3,7 @@ offer book, and published copies that are never reused while a stream holds them
 
 from __future__ import annotations
 
+import math
 import threading
 import time
 from types import SimpleNamespace
@@ -13,14 +14,16 @@ import torch
 
 from noloco_node import algorithm
 from noloco_node.pairing.overlap import OfferBook
+from noloco_node.pairing.pairing_round import PairingRound, Stage
 from noloco_node.pairing.peer_policy import UNDELIVERED, PeerPolicy
+from noloco_node.pairing.reserved import MEET_WINDOW, RepeatGrace
 from noloco_node.pairing.strategy import OfferPublisher
 from noloco_node.pairing.stream import StreamPairing, compressed_partner
-from noloco_node.pairing.sync import PairingRound, RepeatGrace, Stage
+from noloco_node.pairing.sync import SyncPairing
 from noloco_node.rpc.metrics import ExchangeMetrics
 from noloco_node.wire import peer_pb2 as pb
 from noloco_node.wire import quantize, side_info, sparse
-from noloco_node.wire.frames import PayloadError, PayloadKind, TensorLayout
+from noloco_node.wire.frames import MEET_DUE, MEETING, PayloadError, PayloadKind, TensorLayout
 from noloco_node.wire.payload import Payload
 from noloco_node.wire.published import BufferPool, LatestSnapshot, Published
 from noloco_node.wire.receive_buffers import ReceiveBuffers
@@ -117,14 +120,19 @@ def test_closing_gives_up_on_an_exchange_that_outlives_its_bound_and_its_copy_st
 
 
 def test_the_last_partner_waits_its_turn_while_others_may_come() -> None:
-    current = round_at(repeat=RepeatGrace.starting_now("old", RepeatGrace.seconds("old", True, 7200, 7200)))
-    assert current.try_session("old", 5, max_staleness=0) is None
-    other = current.try_session("new", 5, max_staleness=0)
+    strategy = sync_pairing()
+    strategy._last_round = ("old", RepeatGrace.seconds("old", True, 7200, 7200))
+    strategy._begin_phase([], [], 5)
+    assert strategy.open_session("old", 5, "meet") is None
+    other = strategy.open_session("new", 5, "meet")
     assert other is not None
     other.release()
-    current.repeat = RepeatGrace("old", time.monotonic())  # its turn has come
-    assert current.try_session("old", 5, max_staleness=0) is not None
-    # Nobody else may become ready (or no partner last time): no grace at all.
+    assert strategy._phase is not None
+    strategy._phase.repeat = RepeatGrace("old", time.monotonic())  # its turn has come
+    session = strategy.open_session("old", 5, "meet")
+    assert session is not None
+    session.release()
+    # Nobody else may become free (or no partner last time): no grace at all.
     assert RepeatGrace.seconds("old", False, 7200, 7200) == 0 and RepeatGrace.seconds(None, True, 7200, 7200) == 0
     assert RepeatGrace.seconds("old", True, 10, 7200) == 5  # at most half the pair timeout
 
@@ -237,6 +245,66 @@ def stream_pairing(
     return StreamPairing(ctx)  # type: ignore[arg-type]
 
 
+def sync_pairing(peer_id: str = "self", pair_timeout: float = 10.0) -> SyncPairing:
+    """A sync strategy with the parts of a node its phase bookkeeping uses (no loop, no network)."""
+    kinds = [MEETING, PayloadKind("weights", (TensorLayout("theta/w0", (3, 2)),), "fp32")]
+    ctx = SimpleNamespace(
+        peer_id=lambda: peer_id,
+        offers={kind.name: OfferPublisher(kind, run_fingerprint="run", peer_id=lambda: peer_id) for kind in kinds},
+        caller=SimpleNamespace(
+            settings=SimpleNamespace(
+                receive_buffers=ReceiveBuffers(max_idle_bytes=0), metrics=ExchangeMetrics(), run_fingerprint="run"
+            ),
+            policy=PeerPolicy(exchange_timeout=60.0, min_deadline=5.0, avoid_seconds=30.0),
+        ),
+        loop=None,
+        max_staleness=1,
+        pair_timeout=pair_timeout,
+    )
+    return SyncPairing(ctx)  # type: ignore[arg-type]
+
+
+def meeting(peer: str, step: int, seconds_to_step: float) -> Payload:
+    return Payload(pb.Manifest(peer_id=peer, outer_step=step), {MEET_DUE: torch.tensor([seconds_to_step])})
+
+
+def test_sync_reserves_a_peer_whose_outer_step_is_due_within_the_meeting_window_and_blends_its_weights() -> None:
+    """A sync phase is reserved by the first meeting both sides commit; the server holds the caller's due time to
+    the window (MEET_WINDOW of --pair-timeout), an unknown one on either side meets anyone; the weights at the
+    outer step come only from the reserved peer, once, of the reserved step."""
+    strategy = sync_pairing(pair_timeout=10.0)
+    strategy._phase_seconds = 30.0  # the last phase: this one's outer step is due in about 30 s
+    strategy._begin_phase([], [], 4)
+    assert strategy.ready()
+    offer = strategy._phase.offer  # type: ignore[union-attr]
+    assert [spec.name for spec in offer.manifest.tensors] == [MEET_DUE] and 29 < float(offer.tensors[0][0]) <= 30
+    late = strategy.open_session("late", 4, "meet")
+    assert late is not None and not late.complete(meeting("late", 4, 30 + MEET_WINDOW * 10 + 1))  # due too late
+    late.release()
+    assert strategy.ready() and strategy.open_session("any", 4, "weights") is None  # no round before the step
+    near = strategy.open_session("near", 4, "meet")
+    assert near is not None and near.complete(meeting("near", 4, 30 - MEET_WINDOW * 10 + 1))
+    near.release()
+    assert not strategy.ready() and strategy.open_session("other", 4, "meet") is None  # reserved
+
+    weights = {"theta/w0": torch.ones(3, 2)}
+    with pytest.raises(PayloadError) as stranger:
+        strategy.complete_payload(Payload(pb.Manifest(peer_id="late", outer_step=4), dict(weights)))
+    assert (stranger.value.code, stranger.value.reason) == (grpc.StatusCode.FAILED_PRECONDITION, "not_reserved")
+    whole = strategy.complete_payload(Payload(pb.Manifest(peer_id="near", outer_step=4), dict(weights)))
+    assert whole.peer_id == "near" and torch.equal(whole.tensors["theta/w0"], torch.ones(3, 2))
+    with pytest.raises(PayloadError):  # one round payload per reservation
+        strategy.complete_payload(Payload(pb.Manifest(peer_id="near", outer_step=4), dict(weights)))
+
+    unknown = sync_pairing()  # before its first phase was measured, a node meets anyone within reach
+    unknown._begin_phase([], [], 0)
+    session = unknown.open_session("far", 0, "meet")
+    assert session is not None and session.complete(meeting("far", 0, 1000.0))
+    session.release()
+    for sent in (-1.0, math.nan):  # the caller did not know (or sent no number): unknown, so it meets
+        assert sync_pairing().seconds_to_step(meeting("x", 0, sent)) is None
+
+
 def test_stream_reserves_the_first_phase_swap_and_rebuilds_its_partners_theta_from_phi_and_progress() -> None:
     strategy = stream_pairing()
     phi = torch.linspace(-1, 1, 6).view(3, 2)
@@ -253,14 +321,14 @@ def test_stream_reserves_the_first_phase_swap_and_rebuilds_its_partners_theta_fr
     progress = torch.full((3, 2), 1e-4)
     with pytest.raises(PayloadError) as stranger:  # progress from a peer it did not swap with
         strategy.complete_payload(Payload(pb.Manifest(peer_id="c", outer_step=3), {"progress/w0": progress}))
-    assert (stranger.value.code, stranger.value.reason) == (grpc.StatusCode.FAILED_PRECONDITION, "no_phase_payload")
+    assert (stranger.value.code, stranger.value.reason) == (grpc.StatusCode.FAILED_PRECONDITION, "not_reserved")
     whole = strategy.complete_payload(Payload(pb.Manifest(peer_id="b", outer_step=3), {"progress/w0": progress}))
     assert whole.parts == ["theta", "phi"] and whole.peer_id == "b"
     want = partner_phi.to(torch.float32) + progress  # in fp32: phi's bf16 rounding kept, the progress's digits too
     assert whole.tensors["theta/w0"].dtype == torch.float32 and torch.equal(whole.tensors["theta/w0"], want)
     with pytest.raises(PayloadError) as again:  # one progress per reservation
         strategy.complete_payload(Payload(pb.Manifest(peer_id="b", outer_step=3), {"progress/w0": progress}))
-    assert again.value.reason == "no_phase_payload"
+    assert again.value.reason == "not_reserved"
 
 
 def test_a_reserved_partner_that_delivers_nothing_is_set_aside_and_swaps_no_phase_meanwhile() -> None:
@@ -311,7 +379,7 @@ def test_stream_refuses_progress_of_another_phase_than_the_swapped_one() -> None
     session.release()
     with pytest.raises(PayloadError) as error:
         strategy.complete_payload(Payload(pb.Manifest(peer_id="b", outer_step=4), {"progress/w0": torch.zeros(3, 2)}))
-    assert (error.value.code, error.value.reason) == (grpc.StatusCode.FAILED_PRECONDITION, "progress_step")
+    assert (error.value.code, error.value.reason) == (grpc.StatusCode.FAILED_PRECONDITION, "round_step")
     # A new phase drops the old reservation: nobody is reserved, swaps are open again.
     strategy._begin_phase([torch.zeros(3, 2)], [torch.zeros(3, 2)], 4)
     assert strategy.ready() and strategy.open_session("b", 4, "phase") is not None

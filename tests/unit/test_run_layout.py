@@ -69,12 +69,19 @@ def test_a_sparse_stream_run_exchanges_phi_in_the_side_code_and_sparse_progress(
 
 
 def test_every_kind_that_reserves_a_partner_is_served_only_as_standing_allows() -> None:
-    """Every payload kind that reserves a pair is served to a stranger only as its standing allows (node/served.py
-    asks pairing/standing.py first): a stream run's phase swap as sync's weights."""
+    """In every mode exactly one payload kind chooses the partner, and it is the one a round does not carry: a sync
+    run's meeting, a stream run's phase swap (both reserve the pair), overlap's weights. node/served.py asks
+    pairing/standing.py before it serves that kind to anyone."""
     from dataclasses import replace
 
-    from noloco_node.node.served import PARTNER_CHOOSING_KINDS
-
-    for run in (layout(1e6), replace(layout(1e6), mode="stream", send_phi=True, wire_dtype="sparse")):
-        for kind in run.payload_kinds():
-            assert (kind.name in PARTNER_CHOOSING_KINDS) == (kind.name != "progress"), kind.name
+    runs = {
+        "sync": layout(1e6),
+        "stream": replace(layout(1e6), mode="stream", send_phi=True, wire_dtype="sparse"),
+        "overlap": replace(layout(1e6), mode="overlap"),
+    }
+    rounds = {"sync": "weights", "stream": "progress", "overlap": None}
+    for mode, run in runs.items():
+        names = [kind.name for kind in run.payload_kinds()]
+        choosing = run.partner_choosing_kind()
+        assert choosing in names and choosing != rounds[mode], mode
+        assert sorted(names) == sorted({choosing, rounds[mode] or choosing}), mode

@@ -1,0 +1,494 @@
+"""Draw, then meet: the partner of an outer step is reserved during the inner phase, and the two exchange at their
+outer steps. ``sync`` and ``stream`` mode pair this way; they differ only in what the reservation and the outer
+step's exchange carry (pairing/sync.py, pairing/stream.py).
+
+1. At the start of its phase a node publishes its *reservation payload* and a background task exchanges it with a
+   peer whose record says it is still looking (peers calling in do the same). The first complete exchange
+   *reserves* the pair for this phase on both sides; a node exchanges reservations with one peer at a time (its
+   reservation lock is only ever tried, so two nodes calling each other get a quick refusal and retry). The server
+   of the exchange takes it only when both outer steps are due within ``MEET_WINDOW`` of --pair-timeout of each
+   other, as far as both know when (a sync reservation carries the seconds until its sender's outer step): a
+   partner due half a phase later would hold this node's round for nothing. While other peers are known, a phase
+   does not reserve its last partner for its first min(--pair-timeout, phase)/2 seconds (:class:`RepeatGrace`):
+   partners rotate instead of locking into fixed pairs.
+2. At the outer step the node publishes its *round payload* and exchanges it with the reserved partner alone, in a
+   pairing round (pairing/pairing_round.py: either side may call; the first exchange both sides commit settles the
+   round on both). The round payload is made whole with the reservation's (:meth:`ReservedPairing.whole`).
+3. No reservation by the outer step: while a peer within reach is known, the node keeps looking (and training)
+   until --pair-timeout: a peer that is reserved now is free again in its next phase; with nobody within reach
+   (alone, or every peer further than --max-staleness), --alone-grace, and not even that when every peer is ahead
+   (a node left behind goes on to catch up). The partner gone or already past this step, no round payload within
+   --pair-timeout, or the reservation spent by an exchange that did not settle (refused, or cut before both sides
+   committed: a reservation completes one round payload): a solo step. A reserved partner that delivered nothing
+   while its record said it was still at the phase (by --pair-timeout), or that had no record in the DHT at all
+   (by PARTNER_MISSING_SECONDS), held this node's phase for nothing: it is set aside (``undelivered``, the doubling
+   avoidance of a refused payload), and no phase is reserved with it meanwhile. The wait itself stays
+   --pair-timeout: an honest partner that reserved early in its phase and late in this node's delivers up to a
+   phase later, while this node trains on.
+
+Why reserve rather than call whoever's record says ready at the outer step: a record is seconds old when it is
+read, so in a swarm whose phases run at random offsets most ready records name rounds that have closed (`bench
+protocol`, docs/benchmarks.md: 49% of the outer steps of 100 honest members paired that way, 92% reserved), and
+a record that always says ready, a hostile one, is the one a member finds ready.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import random
+import threading
+import time
+from abc import abstractmethod
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+import grpc
+import torch
+
+from noloco_node.discovery.dht import PeerRecord
+from noloco_node.pairing.pairing_round import PairingRound, RoundSession, run_round
+from noloco_node.pairing.peer_policy import LOSS_CHECK, UNDELIVERED
+from noloco_node.pairing.strategy import PairingContext, PairingStrategy
+from noloco_node.training.replica import Replica
+from noloco_node.wire.frames import PayloadError
+from noloco_node.wire.payload import Payload
+from noloco_node.wire.published import Published
+
+log = logging.getLogger(__name__)
+
+# How long the partner's record may be missing from every DHT lookup before the node stops waiting for it: about
+# three lookups (discovery/dht.py shares one lookup among the callers of a second).
+PARTNER_MISSING_SECONDS = 3.0
+# Two members whose outer steps are due this share of --pair-timeout apart may reserve each other: the first there
+# waits for the other inside its --pair-timeout, with room for a phase that runs a little long.
+MEET_WINDOW = 0.7
+
+
+@dataclass(frozen=True)
+class RepeatGrace:
+    """The last partner waits its turn: while other peers may become free, a node does not reserve its last partner
+    again before ``until`` (monotonic), calling or called Two nodes that just blended open their
+    next rounds (or phases) at the same instant and would otherwise stay locked in the same pairs (stream, 4 nodes:
+    two fixed pairs at 60 of 60 outer steps)."""
+
+    last_partner: str | None = None
+    until: float = 0.0
+
+    @staticmethod
+    def seconds(last_partner: str | None, others: bool, pair_timeout: float, phase_seconds: float) -> float:
+        """The grace after a round with ``last_partner``: half a phase (at most half of --pair-timeout) while
+        ``others`` may become ready; none after a solo step or with nobody else."""
+        return min(pair_timeout / 2, phase_seconds / 2) if last_partner is not None and others else 0.0
+
+    @classmethod
+    def starting_now(cls, last_partner: str | None, seconds: float) -> RepeatGrace:
+        return cls(last_partner, time.monotonic() + seconds)
+
+    def allows(self, peer_id: str) -> bool:
+        return peer_id != self.last_partner or time.monotonic() >= self.until
+
+
+@dataclass
+class Phase:
+    """One inner phase of this node, from its reservation's point of view."""
+
+    outer_step: int  # the outer step that ends this phase
+    offer: Published  # this node's reservation payload, held until the next phase's replaces it
+    due_at: float | None = None  # when (monotonic) its outer step is expected; None before one phase was measured
+    partner: Payload | None = None  # the reserved partner's reservation payload, until its round payload arrives
+    open: bool = True  # False once this node has stopped waiting for a reservation: no new one
+    reserved: threading.Event = field(default_factory=threading.Event)
+    repeat: RepeatGrace = field(default_factory=RepeatGrace)  # the last partner waits its turn
+
+    def seconds_to_step(self) -> float | None:
+        return None if self.due_at is None else self.due_at - time.monotonic()
+
+
+class ReservedPairing(PairingStrategy):
+    """The reservation and the round of sync and stream mode; a subclass says what their payloads carry."""
+
+    reservation_kind: str  # the payload kind that reserves (ctx.offers)
+    round_kind: str  # the payload kind of the outer step's exchange
+
+    def __init__(self, ctx: PairingContext) -> None:
+        super().__init__(ctx)
+        self._guard = threading.Lock()  # the phase and its reservation
+        self._reservation_lock = threading.Lock()  # the one reservation exchange in flight
+        self._phase: Phase | None = None
+        self._round: PairingRound | None = None
+        # The run's live peers as last looked up, so that the round starts without a DHT lookup.
+        self._records: dict[str, PeerRecord] = {}
+        # The last round's partner and the grace the next phase gives it (RepeatGrace).
+        self._last_round: tuple[str | None, float] = (None, 0.0)
+        self._partner_left = False  # this round's reserved partner went on past this phase, or left the swarm
+        self._phase_seconds: float | None = None  # the last phase's length: when the next outer step is due
+
+    # ---------------------------------------------------------------------------------- what a mode sends
+
+    @abstractmethod
+    def reservation_offer(
+        self, phi: Sequence[torch.Tensor], delta: Sequence[torch.Tensor], outer_step: int, seconds_to_step: float | None
+    ) -> Published:
+        """This node's reservation payload for the phase that ends at ``outer_step``, due in ``seconds_to_step``
+        (None: not known yet)."""
+
+    def calling_offer(self, phase: Phase) -> Published | None:
+        """The reservation payload this node calls a peer with now, held for the call (None: withdrawn). By default
+        the phase's own; a mode whose reservation says when its outer step is due publishes a fresh one."""
+        return phase.offer if phase.offer.hold() else None
+
+    @abstractmethod
+    def round_offer(self, replica: Replica) -> Published:
+        """This node's payload at the outer step, for the reserved partner."""
+
+    @abstractmethod
+    def whole(self, reservation: Payload, payload: Payload) -> Payload:
+        """The partner's round ``payload`` made whole with its ``reservation`` (both handed over to the result or
+        released)."""
+
+    def seconds_to_step(self, reservation: Payload) -> float | None:
+        """How long until the sender of ``reservation`` said its outer step was due, or None if it did not say."""
+        return None
+
+    def finish(self, partner: Payload, replica: Replica) -> None:
+        """Trainer thread: the settled partner's payload, before the outer step judges and blends it."""
+
+    # ---------------------------------------------------------------------------------- gRPC threads
+
+    def ready(self) -> bool:
+        """Peers may reserve this node: the phase is open and nobody is reserved yet."""
+        phase = self._phase
+        return phase is not None and phase.open and phase.partner is None
+
+    def open_session(
+        self, partner_id: str, partner_outer_step: int, kind: str
+    ) -> ReservationSession | RoundSession | None:
+        if partner_id == self.ctx.peer_id():
+            return None
+        if kind == self.round_kind:
+            current = self._round
+            return (
+                None if current is None else current.try_session(partner_id, partner_outer_step, self.ctx.max_staleness)
+            )
+        if kind != self.reservation_kind:
+            return None
+        with self._guard:
+            phase = self._phase
+            if phase is None or not phase.open or phase.partner is not None:
+                return None
+            if abs(partner_outer_step - phase.outer_step) > self.ctx.max_staleness:
+                return None
+            if not phase.repeat.allows(partner_id):
+                return None
+            # One that reserved and never delivered, or whose blend measured worse than none, gets no phase while
+            # set aside. Not one this node merely failed to call: a peer it cannot dial (a NAT, a firewall) still
+            # reaches it by calling in.
+            if self.ctx.caller.policy.avoided_for(partner_id) in (UNDELIVERED, LOSS_CHECK):
+                return None
+            if not self._reservation_lock.acquire(blocking=False):
+                return None
+            if not phase.offer.hold():
+                self._reservation_lock.release()
+                return None
+        return ReservationSession(self, phase, served=True)
+
+    def complete_payload(self, payload: Payload) -> Payload:
+        """A round payload made whole with the reservation of its sender (consumed: one round payload per
+        reservation); a reservation payload is whole already."""
+        if payload.parts != self.ctx.offers[self.round_kind].kind.parts:
+            return payload
+        with self._guard:
+            phase, reservation = self._phase, None
+            if phase is not None and phase.partner is not None and phase.partner.peer_id == payload.peer_id:
+                reservation, phase.partner = phase.partner, None
+        if reservation is None:
+            payload.release()
+            raise PayloadError(
+                grpc.StatusCode.FAILED_PRECONDITION,
+                "not_reserved",
+                f"a {self.round_kind} payload from a peer this node has not reserved in this phase",
+            )
+        if reservation.outer_step != payload.outer_step:
+            payload.release()
+            reservation.release()
+            raise PayloadError(
+                grpc.StatusCode.FAILED_PRECONDITION,
+                "round_step",
+                f"a {self.round_kind} payload of outer step {payload.outer_step} for a reservation of outer step "
+                f"{reservation.outer_step}",
+            )
+        return self.whole(reservation, payload)
+
+    def _spent(self, phase: Phase) -> bool:
+        """Whether the phase's reservation was used by a round exchange (whatever its outcome)."""
+        with self._guard:
+            return phase.partner is None
+
+    def _reserve(self, phase: Phase, payload: Payload, *, served: bool) -> bool:
+        """The first complete reservation exchange of this phase reserves its partner; any other is let go. The
+        server of the exchange also holds it to the meeting window (the caller took the server's yes)."""
+        with self._guard:
+            reserved = self._phase is phase and phase.open and phase.partner is None
+            if reserved and served:
+                reserved = self._meet(phase, payload)
+            if reserved:
+                phase.partner = payload
+                phase.reserved.set()
+        if not reserved:
+            payload.release()
+            return False
+        if self.ctx.loop is not None:  # no longer looking: say so
+            self.ctx.spawn(self.ctx.publish_record(), "publishing the DHT record")
+        return True
+
+    def _meet(self, phase: Phase, payload: Payload) -> bool:
+        """Whether this node's outer step and the caller's are due close enough to meet (unknown on either side:
+        yes)."""
+        mine, theirs = phase.seconds_to_step(), self.seconds_to_step(payload)
+        if mine is None or theirs is None:
+            return True
+        return abs(mine - theirs) <= MEET_WINDOW * self.ctx.pair_timeout
+
+    # ---------------------------------------------------------------------------------- trainer thread
+
+    def start(self, replica: Replica) -> None:
+        self._begin_phase(replica.phi, replica.delta, replica.outer_step)
+        if self.ctx.loop is not None:  # looking from now on: say so before the first phase ends
+            self.ctx.spawn(self.ctx.publish_record(), "publishing the DHT record")
+
+    def _begin_phase(self, phi: Sequence[torch.Tensor], delta: Sequence[torch.Tensor], outer_step: int) -> None:
+        seconds = self._phase_seconds
+        offer = self.reservation_offer(phi, delta, outer_step, seconds)
+        due_at = None if seconds is None else time.monotonic() + seconds
+        phase = Phase(outer_step, offer, due_at, repeat=RepeatGrace.starting_now(*self._last_round))
+        with self._guard:
+            previous, self._phase = self._phase, phase
+        if previous is not None:
+            self._end_phase(previous)
+
+    def _end_phase(self, phase: Phase) -> None:
+        with self._guard:
+            phase.open = False
+            leftover, phase.partner = phase.partner, None
+        phase.offer.release()
+        if leftover is not None:
+            leftover.release()
+
+    def partner(
+        self, replica: Replica, phase_seconds: float, train_step: Callable[[], bool] | None = None
+    ) -> Payload | None:
+        ctx = self.ctx
+        assert ctx.loop is not None
+        self._phase_seconds = phase_seconds
+        phase = self._phase
+        if phase is None:
+            return None
+        if not ctx.stopping.is_set():
+            self._await_reservation(phase, train_step)
+        with self._guard:
+            phase.open = False  # no reservation from here on
+            reserved = phase.partner
+        if reserved is None:
+            self._last_round = (None, 0.0)
+            return None  # nobody reserved this node: a solo step
+        current = PairingRound(replica.outer_step, self.round_offer(replica), only_partner=reserved.peer_id)
+        self._partner_left = False
+        self._round = current
+        seeker = self._exchange_round(current, phase, reserved.peer_id, reserved.outer_step)
+        ctx.discovery.follow([reserved.peer_id])  # its record, fresh at every lookup: gone, or gone on without us
+        try:
+            partner = run_round(ctx, current, seeker, train_step)
+        finally:
+            ctx.discovery.follow([])
+        with self._guard:
+            self._round = None
+            leftover, phase.partner = phase.partner, None  # not consumed: the round payload never came
+        if leftover is not None:
+            leftover.release()
+            if not self._partner_left and not ctx.stopping.is_set():
+                self._undelivered(reserved.peer_id, replica.outer_step)
+        # The next phase's grace for this partner: a pair that blended a moment later than this one is still inside
+        # its reserved phase, so without it each finds only its last partner open.
+        last_partner = partner.peer_id if partner is not None else None
+        others = bool(set(self._records) - {last_partner})
+        self._last_round = (last_partner, RepeatGrace.seconds(last_partner, others, ctx.pair_timeout, phase_seconds))
+        if partner is not None:
+            self.finish(partner, replica)
+        return partner
+
+    def _undelivered(self, partner_id: str, outer_step: int) -> None:
+        """The reserved partner's round payload never reached this round (no exchange used the reservation) while
+        its record said it was still at this phase, or while it had no record at all: it held this node's phase and
+        gave nothing. Set aside like a peer whose payload was refused: not called, and no reservation with it
+        (:meth:`open_session`), for avoid_seconds, doubling. Not a failed call's avoidance, which a peer's Info
+        answering again lifts (and which does not stop a peer this node cannot dial from reserving by calling in).
+        An honest partner gets here only by delivering nothing within --pair-timeout of this node's outer step: a
+        partner more than a phase behind."""
+        policy = self.ctx.caller.policy
+        if policy.avoided(partner_id):  # a failed call to it set it aside already
+            return
+        avoid = policy.failed(partner_id, UNDELIVERED)
+        self.ctx.caller.settings.metrics.outcome(UNDELIVERED)
+        log.warning(
+            "outer step %d: %s reserved this phase and delivered nothing; set aside for %.0fs",
+            outer_step,
+            partner_id[-8:],
+            avoid,
+        )
+
+    def _await_reservation(self, phase: Phase, train_step: Callable[[], bool] | None) -> None:
+        """Not reserved at the phase's end (the first phase, an odd swarm, every peer taken): one that is free in
+        its next phase, or in the same position, may still reserve now. --pair-timeout while a peer within reach
+        is known (or a reservation is in flight), --alone-grace while none is, nothing when every peer is ahead;
+        training meanwhile when allowed."""
+        ctx = self.ctx
+        started = time.monotonic()
+        while not phase.reserved.is_set():
+            within_reach, all_ahead = self._reach(phase.outer_step)
+            if all_ahead and not self._reservation_lock.locked():
+                return
+            patience = ctx.pair_timeout if within_reach or self._reservation_lock.locked() else ctx.alone_grace
+            if time.monotonic() - started >= patience:
+                return
+            if train_step is None or not train_step():
+                phase.reserved.wait(0.05)
+
+    def _reach(self, outer_step: int) -> tuple[bool, bool]:
+        """Whether the last lookup saw a peer within reach of ``outer_step`` that this node has not set aside, and
+        whether it saw peers and all of them further ahead than --max-staleness."""
+        ctx = self.ctx
+        peers = list(self._records.values())
+        within = any(
+            abs(p.outer_step - outer_step) <= ctx.max_staleness and not ctx.caller.policy.avoided(p.peer_id)
+            for p in peers
+        )
+        all_ahead = bool(peers) and all(p.outer_step > outer_step + ctx.max_staleness for p in peers)
+        return within, all_ahead
+
+    def after_blend(
+        self,
+        new_phi: Sequence[torch.Tensor],
+        new_delta: Sequence[torch.Tensor],
+        theta: Sequence[torch.Tensor],
+        old_phi: Sequence[torch.Tensor],
+        next_outer_step: int | None,
+    ) -> None:
+        if next_outer_step is None:  # no further phase: nobody may reserve one, then wait for it in vain
+            self.close()
+            if self.ctx.loop is not None:  # not looking any more: say so
+                self.ctx.spawn(self.ctx.publish_record(), "publishing the DHT record")
+            return
+        self._begin_phase(new_phi, new_delta, next_outer_step)
+
+    def interrupt(self) -> None:
+        phase, current = self._phase, self._round
+        if phase is not None:
+            phase.reserved.set()  # a trainer waiting for a reservation goes on (it finds none, or uses it)
+        if current is not None:
+            current.stop_waiting()
+
+    def close(self) -> None:
+        with self._guard:
+            phase, self._phase = self._phase, None
+        if phase is not None:
+            self._end_phase(phase)
+
+    # ---------------------------------------------------------------------------------- event loop
+
+    async def run(self) -> None:
+        """During each phase, until the phase is reserved: exchange reservations with a peer still looking."""
+        ctx = self.ctx
+        while True:
+            await asyncio.sleep(random.uniform(0.1, 0.3))
+            phase = self._phase
+            if phase is None or not phase.open or phase.partner is not None:
+                continue
+            try:
+                live = await ctx.discovery.live_peers()
+            except (TimeoutError, OSError) as error:
+                log.warning("DHT lookup failed: %s", error)
+                continue
+            self._records = {p.peer_id: p for p in live}
+            for peer in ctx.caller.order(ctx.caller.choosable(live, phase.outer_step)):
+                if not phase.repeat.allows(peer.peer_id):
+                    continue
+                if not (phase.open and phase.partner is None) or not self._reservation_lock.acquire(blocking=False):
+                    break  # reserved meanwhile (a peer called in), or a peer is reserving with us right now
+                offer = self.calling_offer(phase)
+                try:
+                    if offer is None:
+                        break  # the phase ended meanwhile
+                    payload = await ctx.caller.call(peer, offer, kind=self.reservation_kind)
+                finally:
+                    if offer is not None:
+                        offer.release()
+                    self._reservation_lock.release()
+                if payload is not None and self._reserve(phase, payload, served=False):
+                    break
+
+    async def _exchange_round(self, current: PairingRound, phase: Phase, partner_id: str, partner_step: int) -> None:
+        """Call the reserved partner with this node's round payload until the round is settled; stop early when
+        the partner is gone or already past this phase (it went on alone: nobody will answer), or when the
+        reservation is spent: it completes one round payload (:meth:`complete_payload`), so an exchange that used
+        it and did not settle (refused, or cut before both sides committed) leaves nothing to pair with on this
+        side, and the partner's retries would only be refused until --pair-timeout. The first call goes to the
+        address known from the reservation, without waiting for a DHT lookup; after a failed call the partner is
+        only waited for (it calls in)."""
+        ctx = self.ctx
+        record, missing_since = self._records.get(partner_id), None
+        listed = record is not None  # a partner never listed in the DHT this round cannot have left it
+        while current.open:
+            if self._spent(phase):
+                current.stop_waiting()  # an exchange still in flight may settle the round
+                return
+            # Not dialled again once a call to it failed (it is avoided): a partner that is gone would be dialled
+            # every few hundred milliseconds until --pair-timeout, each failure doubling its avoidance, so that a
+            # member's restart would set it aside for many minutes; one that lives calls in from its own round.
+            dial = record if record is not None and not ctx.caller.policy.avoided(partner_id) else None
+            if dial is not None and dial.address and current.lock.acquire(blocking=False):
+                try:
+                    if not current.open:
+                        return
+                    payload = await ctx.caller.call(
+                        dial, current.offer, kind=self.round_kind, complete=self.complete_payload
+                    )
+                finally:
+                    current.lock.release()
+                if payload is not None:
+                    current.settle(payload)
+                    return
+            await asyncio.sleep(random.uniform(0.05, 0.2))  # the partner's round is not open yet, or it calls us
+            try:
+                live = await ctx.discovery.live_peers()
+            except (TimeoutError, OSError):
+                continue
+            record = next((p for p in live if p.peer_id == partner_id), None)
+            listed = listed or record is not None
+            now = time.monotonic()
+            missing_since = None if record is not None else (missing_since or now)
+            gone = missing_since is not None and now - missing_since >= PARTNER_MISSING_SECONDS
+            past = record is not None and record.outer_step > partner_step
+            if gone or past:
+                self._partner_left = past or listed  # it went on alone, or left: nothing was held back on purpose
+                current.stop_waiting()
+                return
+
+
+class ReservationSession:
+    """The ExchangeSession of a reservation: holds the reservation lock and this phase's payload until released."""
+
+    def __init__(self, strategy: ReservedPairing, phase: Phase, *, served: bool) -> None:
+        self.strategy = strategy
+        self.phase = phase
+        self.served = served
+
+    def outgoing(self) -> Published:
+        return self.phase.offer
+
+    def complete(self, payload: Payload) -> bool:
+        return self.strategy._reserve(self.phase, payload, served=self.served)
+
+    def release(self) -> None:
+        self.phase.offer.release()
+        self.strategy._reservation_lock.release()
