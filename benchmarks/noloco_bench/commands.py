@@ -151,8 +151,9 @@ def add_bench_parsers(commands: Any) -> None:
     protocol.add_argument(
         "--pairing",
         default="ready,reserve",
-        help="how members pair, a run of each, comma-separated: ready (sync: calls to records flagged ready) or "
-        "reserve (draw, then meet: a partner asked during the phase, met at both outer steps)",
+        help="how members pair, a run of each, comma-separated: reserve (draw, then meet, the node's rule: a partner "
+        "asked during the phase, met at both outer steps) or ready (sync mode's rule before: calls at the outer step "
+        "to records flagged ready)",
     )
     protocol.add_argument(
         "--partners",

@@ -142,7 +142,7 @@ class PeerRecord:
     run_fingerprint: str
     outer_step: int = 0
     inner_step: int = 0
-    ready: bool = False  # ready to pair now (sync mode) / has a fresh snapshot to offer (overlap mode)
+    ready: bool = False  # still looking for this phase's partner (sync, stream) / has an offer (overlap mode)
     leaving: bool = False  # a tombstone: the node has left
     reachable: bool = True  # its gRPC address answers (reachability.py); else it is reached through its relays
     shard: int = -1  # the data shard it trains on (-1: not chosen yet); joiners pick one nobody holds

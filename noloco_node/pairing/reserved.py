@@ -48,7 +48,7 @@ import torch
 
 from noloco_node.discovery.dht import PeerRecord
 from noloco_node.pairing.pairing_round import PairingRound, RoundSession, run_round
-from noloco_node.pairing.peer_policy import LOSS_CHECK, UNDELIVERED
+from noloco_node.pairing.peer_policy import FAILURE, LOSS_CHECK, UNDELIVERED
 from noloco_node.pairing.strategy import PairingContext, PairingStrategy
 from noloco_node.training.replica import Replica
 from noloco_node.wire.frames import PayloadError
@@ -153,7 +153,6 @@ class ReservedPairing(PairingStrategy):
 
     def finish(self, partner: Payload, replica: Replica) -> None:
         """Trainer thread: the settled partner's payload, before the outer step judges and blends it."""
-
     # ---------------------------------------------------------------------------------- gRPC threads
 
     def ready(self) -> bool:
@@ -284,15 +283,19 @@ class ReservedPairing(PairingStrategy):
         phase = self._phase
         if phase is None:
             return None
+        # What the partner gets is the phase's end, whatever this node trains while it waits (node/outer_step.py
+        # blends with the steps taken meanwhile on top of what it sent).
+        offer = self.round_offer(replica)
         if not ctx.stopping.is_set():
             self._await_reservation(phase, train_step)
         with self._guard:
             phase.open = False  # no reservation from here on
             reserved = phase.partner
         if reserved is None:
+            offer.release()
             self._last_round = (None, 0.0)
             return None  # nobody reserved this node: a solo step
-        current = PairingRound(replica.outer_step, self.round_offer(replica), only_partner=reserved.peer_id)
+        current = PairingRound(replica.outer_step, offer, only_partner=reserved.peer_id)
         self._partner_left = False
         self._round = current
         seeker = self._exchange_round(current, phase, reserved.peer_id, reserved.outer_step)
@@ -442,10 +445,13 @@ class ReservedPairing(PairingStrategy):
             if self._spent(phase):
                 current.stop_waiting()  # an exchange still in flight may settle the round
                 return
-            # Not dialled again once a call to it failed (it is avoided): a partner that is gone would be dialled
-            # every few hundred milliseconds until --pair-timeout, each failure doubling its avoidance, so that a
-            # member's restart would set it aside for many minutes; one that lives calls in from its own round.
-            dial = record if record is not None and not ctx.caller.policy.avoided(partner_id) else None
+            # Not dialled again once a call to it failed: a partner that is gone would be dialled every few hundred
+            # milliseconds until --pair-timeout, each failure doubling its avoidance, so that a member's restart
+            # would set it aside for many minutes; one that lives calls in from its own round. One set aside for
+            # what it sent (drift) is still called: the pair was reserved, and its payload is judged again.
+            policy = ctx.caller.policy
+            unreachable = policy.avoided_for(partner_id) == FAILURE or policy.quarantined(partner_id)
+            dial = record if record is not None and not unreachable else None
             if dial is not None and dial.address and current.lock.acquire(blocking=False):
                 try:
                     if not current.open:

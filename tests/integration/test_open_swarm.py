@@ -113,8 +113,10 @@ def test_a_caller_that_refuses_the_servers_payload_leaves_both_sides_unblended(
     """n0 refuses every payload (a norm bound of 1e-9); n1 is an ordinary node. When n0 calls, n1 has admitted
     n0's payload before n0 judges n1's: n1 must not blend with a partner that did not blend with it.
 
-    n0 trains three times slower, so n1 is already waiting in its round when n0 reaches its outer step; n1's calls
-    to n0 found no round open and have backed off, so n0 calls first."""
+    n0 trains three times slower, so n1 is already waiting in its round when n0 reaches its outer step; n0 calls its
+    reserved partner the moment its round opens (pairing/reserved.py), between n1's tries. One of n1's tries that
+    gets in first instead ends that round for both (n0 refuses n1's payload as the server), and the next round is
+    another chance: n0 still calls the partner it set aside for drift once the pair is reserved."""
     args = [*TRAIN, "--steps", "100000", "--inner-steps", "10", "--avoid-seconds", "0.2"]
     slow = Drill(slow_factor=3.0).environment()
     refusing = NodeProcess(
