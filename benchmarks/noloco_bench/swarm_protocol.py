@@ -12,23 +12,23 @@ model: a member is its outer-step counter. What is emulated around them follows 
   ``bench discovery``): a bucket read moves ENTRY_BYTES per entry (honest or not) from each of ANSWERING_PEERS DHT
   peers plus REQUEST_BYTES each; a store reads the bucket once (the nearest-node search answers with it) and sends
   the record to STORE_PEERS peers.
-- **A member** looks up once a second (one random bucket at its level: the pairing loop and the status watch share
-  a lookup), publishes its record every third of ``record_ttl`` and at each round (ready), and trains outer steps of
+- **A member** looks up once a second (one random bucket at its level: the pairing loop and the status watch share a
+  lookup), publishes its record every third of ``record_ttl`` and at each round (ready), and trains outer steps of
   ``phase_seconds`` (x its slowdown if it is a straggler, +-10% each). With ``pairing="ready"`` (sync mode's rule
-  before 2026-11-29) it runs a round at its step: the candidates of its view that are ready, within ``max_staleness`` and not avoided,
-  ordered by ``Standing.order``, called one at a time (a call takes a round trip; an answer busy moves to the
-  next; a member that is gone fails after CONNECT_FAIL_SECONDS and is avoided), again after 0.05-0.3 s, until a
-  partner or ``pair_timeout`` (``alone_grace`` with nobody within reach). A call is taken when the callee's round
-  is open and free, within reach, not its last partner inside the repeat grace, and ``Standing.may_serve``; both
+  before 2026-11-29) it runs a round at its step: the candidates of its view that are ready, within ``max_staleness``
+  and not avoided, ordered by ``Standing.order``, called one at a time (a call takes a round trip; an answer busy
+  moves to the next; a member that is gone fails after CONNECT_FAIL_SECONDS and is avoided), again after 0.05-0.3 s,
+  until a partner or ``pair_timeout`` (``alone_grace`` with nobody within reach). A call is taken when the callee's
+  round is open and free, within reach, not its last partner inside the repeat grace, and ``Standing.may_serve``; both
   spend a stranger turn as the node does. An exchange holds both for ``exchange_seconds`` plus a round trip. The
   straggler rule (``Standing.swarm_step``) moves a member that most of its known swarm is ahead of.
-- **Draw, then meet** (``pairing="reserve"``), the node's rule in sync and stream mode (pairing/reserved.py): from
-  the start of its phase a member asks the candidates within reach, in ``Standing.order`` (records saying they are still looking first), to
-  meet at both members' next outer steps; yes from a member that is not reserved, within reach, due within
-  ``MEET_WINDOW`` of --pair-timeout of the asker (``TimedRecord.next_step_at`` hints at it; the ask says it), not
-  its last partner inside the repeat grace, and let in by ``Standing.may_serve``. The two exchange when both are at
-  their steps (the first there waits, up to --pair-timeout); one still unreserved at its step keeps asking. The node
-  asks only records that say they are still looking and has no due time in its record (its callee checks the
+- **Draw, then meet** (``pairing="reserve"``), the node's rule in sync and stream mode (pairing/reserved.py): from the
+  start of its phase a member asks the candidates within reach, in ``Standing.order`` (records saying they are still
+  looking first), to meet at both members' next outer steps; yes from a member that is not reserved, within reach, due
+  within ``MEET_WINDOW`` of --pair-timeout of the asker (``TimedRecord.next_step_at`` hints at it; the ask says it),
+  not its last partner inside the repeat grace, and let in by ``Standing.may_serve``. The two exchange when both are
+  at their steps (the first there waits, up to --pair-timeout); one still unreserved at its step keeps asking. The
+  node asks only records that say they are still looking and has no due time in its record (its callee checks the
   caller's); the emulation's hint narrows whom it asks.
 - **Partners** (``partners``): the node's ``Standing`` (``established``: a record seen for --standing-seconds and a
   blend), or ``KnownGroupsStanding`` (``known``: the record's age alone, a group once in G outer steps).

@@ -153,6 +153,7 @@ class ReservedPairing(PairingStrategy):
 
     def finish(self, partner: Payload, replica: Replica) -> None:
         """Trainer thread: the settled partner's payload, before the outer step judges and blends it."""
+
     # ---------------------------------------------------------------------------------- gRPC threads
 
     def ready(self) -> bool:
