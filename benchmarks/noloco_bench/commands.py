@@ -150,17 +150,17 @@ def add_bench_parsers(commands: Any) -> None:
     )
     protocol.add_argument(
         "--pairing",
-        default="ready,reserve",
+        default="reserve,ready",
         help="how members pair, a run of each, comma-separated: reserve (draw, then meet, the node's rule: a partner "
         "asked during the phase, met at both outer steps) or ready (sync mode's rule before: calls at the outer step "
         "to records flagged ready)",
     )
     protocol.add_argument(
         "--partners",
-        default="established,known",
-        help="who is a partner on its group's share, a run of each, comma-separated: established (the node's rule: "
-        "a record seen for --standing-seconds and a blend) or known (the record seen for --standing-seconds alone; "
-        "a group once in G outer steps)",
+        default="known,established",
+        help="who is a partner on its group's share, a run of each, comma-separated: known (the node's rule: a "
+        "record seen for --standing-seconds; a group once in G outer steps) or established (the node's rule before: "
+        "the record seen for --standing-seconds and a blend; a group twice in 2G)",
     )
     protocol.add_argument("--seed", type=int, default=0)
     protocol.add_argument("--out", type=Path, default=None, help="folder for protocol.json and protocol.png")

@@ -30,8 +30,9 @@ model: a member is its outer-step counter. What is emulated around them follows 
   at their steps (the first there waits, up to --pair-timeout); one still unreserved at its step keeps asking. The
   node asks only records that say they are still looking and has no due time in its record (its callee checks the
   caller's); the emulation's hint narrows whom it asks.
-- **Partners** (``partners``): the node's ``Standing`` (``established``: a record seen for --standing-seconds and a
-  blend), or ``KnownGroupsStanding`` (``known``: the record's age alone, a group once in G outer steps).
+- **Partners** (``partners``): the node's ``Standing`` (``known``: a record seen for --standing-seconds, a group
+  once in G outer steps), or ``EstablishedGroupsStanding`` (``established``, the node's rule before 2026-11-29: a
+  record seen for --standing-seconds and a blend, a group twice in 2G).
 - **Churn**: members leave at ``churn_per_hour`` of the swarm per hour (half of them crash, half write a tombstone),
   and as many join, each a cold start: it probes for the swarm's level, takes the lower median outer step of its
   view (a state download) and trains from there.
@@ -67,7 +68,7 @@ from noloco_node.discovery.dht import PeerRecord
 from noloco_node.discovery.view import RecordView
 from noloco_node.pairing.peer_policy import PeerPolicy
 from noloco_node.pairing.reserved import RepeatGrace
-from noloco_node.pairing.standing import NEVER_SEEN, Standing
+from noloco_node.pairing.standing import Standing
 
 ENTRY_BYTES = 1005  # per record per answering DHT peer (measured, issue 43: RSA-2048 owner subkeys, signatures)
 REQUEST_BYTES = 300  # a get or store request and the answer's framing, per DHT peer
@@ -108,25 +109,24 @@ class ProtocolSettings:
     standing_seconds: float = 120.0
     stranger_share: float = 0.1
     avoid_seconds: float = 30.0
-    pairing: str = "ready"  # "ready": calls to records flagged ready (sync before); "reserve": draw, then meet
-    partners: str = "established"  # "established": the node's Standing; "known": KnownGroupsStanding
+    pairing: str = "reserve"  # "reserve": draw, then meet (the node's); "ready": calls to records flagged ready
+    partners: str = "known"  # "known": the node's Standing; "established": EstablishedGroupsStanding
     seed: int = 0
 
 
-class KnownGroupsStanding(Standing):
-    """The node's standing with the line between partner and stranger drawn at the record's age alone: a peer whose
-    record this member has seen for ``standing_seconds`` is called and served on its network group's share, blended
-    or not, and a group blends at most once in G outer steps (G: those groups within reach). Under the node's rule a
-    group must blend once first, and the groups that blended first in a new swarm were the always-ready ones."""
+class EstablishedGroupsStanding(Standing):
+    """The node's standing as it drew the line between partner and stranger before 2026-11-29: a peer is called and
+    served on its network group's share only once its record was seen for ``standing_seconds`` and it blended with
+    this member, and a group blends at most twice in 2G outer steps. In a new swarm the groups that blended first
+    were the always-ready ones."""
 
-    blends_per_window = 1
+    blends_per_window = 2
 
     def _partner(self, peer_id: str, now: float) -> bool:
-        track = self._tracks.get(peer_id)
-        return track is not None and track.first_seen != NEVER_SEEN and now - track.first_seen >= self.standing_seconds
+        return self._established(peer_id, now)
 
 
-STANDINGS: dict[str, type[Standing]] = {"established": Standing, "known": KnownGroupsStanding}
+STANDINGS: dict[str, type[Standing]] = {"known": Standing, "established": EstablishedGroupsStanding}
 PAIRINGS = ("ready", "reserve")
 
 

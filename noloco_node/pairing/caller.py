@@ -1,7 +1,7 @@
 """How a node calls its peers, whatever the pairing strategy: whom to call first, and one exchange call.
 
 :class:`PeerCaller` chooses among the run's live peers (ready, reachable, not avoided or quarantined, within the
-staleness bound), orders them by standing (standing.py: established peers least recently paired first, strangers
+staleness bound), orders them by standing (standing.py: partners least recently paired first, strangers
 only with this node's stranger turn) and makes one exchange call: on the node's own bounded exchange executor
 (never asyncio's default one, which status fetches share), under a deadline learnt from earlier exchanges
 (peer_policy.py). The partner's payload must then pass the node's
@@ -123,7 +123,7 @@ class PeerCaller:
         ]
 
     def order(self, candidates: list[PeerRecord]) -> list[PeerRecord]:
-        """Whom to call, in order (standing.py): established peers least recently paired first, and one stranger
+        """Whom to call, in order (standing.py): partners least recently paired first, and one stranger
         before them while this node holds a stranger turn (the call spends it)."""
         return self.standing.order(candidates, self.last_paired)
 

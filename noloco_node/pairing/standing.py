@@ -4,12 +4,17 @@ A peer id costs nothing (a fresh RSA key), so a node that calls never-paired ids
 completes first, can have every round taken by one stranger minting keys and echoing the node's own weights back
 (which passes every payload check by construction). Partner choice therefore rests on two things ids cannot buy:
 
-- **Standing.** A peer is *established* once this node has seen its record in the DHT for at least
-  ``standing_seconds`` and has blended with it at least once (a payload that passed every check). Established peers
-  are mixed at random among themselves, as the algorithm needs (least recently paired first, one network group at
-  a time: noloco_node/addresses.py). Their calls in are served too, but a group at most twice in 2G outer steps
-  (G: the established groups within reach), so that many keys of one group calling first every step take no more
-  than the share of one group; a group whose share is spent is called last.
+- **Standing.** A peer whose record this node has seen in the DHT for at least ``standing_seconds`` is a
+  *partner*: partners are mixed at random among themselves, as the algorithm needs (least recently paired first,
+  one network group at a time: noloco_node/addresses.py), and their calls in are served; a group blends at most once
+  in G outer steps (G: the partners' groups within reach), calling or called, so that many keys of one group calling
+  first every step take no more than the share of one group, and a group whose share is spent is called last. A
+  partner this node has also blended with (a payload that passed every check) is *established*: only an
+  established peer's word counts (the swarm's front and clock, below; the full blend weight). The line is drawn at
+  the record's age, not at a first blend: in a new swarm the groups that blended first were the ones whose records
+  always said ready, and once established they were called first and always answered (``bench protocol``, 100
+  members with 10% always-ready hosts: those hosts took 80% of the honest blends when a partner had to be
+  established, 24% when a partner is known by its record's age; docs/benchmarks.md).
 - **A bounded share for strangers.** Every other id is a stranger. Strangers are called, and their calls served,
   only with a *stranger turn* (or on an introducer's share, below): a token bucket that earns ``stranger_share`` of
   a turn per outer step (its phase starts at random, so that nodes started together do not open the same steps) and
@@ -21,15 +26,15 @@ completes first, can have every round taken by one stranger minting keys and ech
   every phase took every turn, and an honest newcomer none); a key whose record this node has not seen gets none.
   The turn waits for a stranger instead of lapsing with its step, and a call answered busy does not spend it: two
   honest newcomers, each a stranger to the other, meet at the first chance, where they once met only when both
-  nodes' turns coincided. A node none of whose established peers is live (a new swarm, a joiner, a partition) admits
-  strangers at every step: it has no one better to pair with. One whose established peers are live but out of reach
+  nodes' turns coincided. A node none of whose partners is live (a new swarm, a joiner, a partition) admits
+  strangers at every step: it has no one better to pair with. One whose partners are live but out of reach
   (it fell behind, or they did) does not: it catches up with them (node/outer_step.py downloads a state after a few
   solo steps), and keeping it behind buys an attacker no more than the stranger share.
 - **Introductions.** A node's record names the established peers of its latest blends (``recent_partners``). A
   stranger that an established peer names there has earned standing with a peer this node trusts, and rides on its
-  introducer's share: it is called and served like an established peer, without a stranger turn, and its blends
-  count against the introducer's network group (``CALLS_IN_PER_WINDOW`` in 2G outer steps, the group and all it
-  names together), until it has standing here (a bounded table remembers the introductions: the introducer's
+  introducer's share: it is called and served like a partner, without a stranger turn, and its blends count
+  against the introducer's network group (once in G outer steps, the group and all it names together), until it is
+  a partner here (a bounded table remembers the introductions: the introducer's
   record moves on to its next partners long before the stranger earns standing). Two honest members that are
   strangers to each other (a joiner and a member that restarted, say) but have standing with the same peer then
   pair as soon as that peer names them, where they once waited until both held a stranger turn (10% of steps
@@ -64,9 +69,12 @@ from noloco_node.discovery.dht import PeerRecord
 # blends (counted from its first blend, such a key would earn full weight and every turn).
 NEVER_SEEN = math.inf
 MAX_REMEMBERED = 4096  # peers remembered; past this strangers are forgotten first, then the longest-gone
-# Calls in from one network group served in any 2G outer steps (G: the established groups within reach): a group's
-# share, 1/G, with room for one repeat (an honest pair that finds nobody else ready pairs again).
-CALLS_IN_PER_WINDOW = 2
+# A network group's blends with this node in any G outer steps (G: the partners' groups within reach), calling or
+# called: its share, 1/G.
+BLENDS_PER_WINDOW = 1
+# The blends remembered per peer: what a window counts, with room for a rule that counts more (bench protocol runs
+# the node's earlier rule, twice in 2G, beside this one).
+BLENDS_REMEMBERED = 2
 # How many replicas a partner without standing counts as in this node's blend (algorithm.noloco_pair_step), once the
 # node has established peers (``believable``): its pull on this node's weights is a third of the gap instead of a
 # half, so that what a stranger's step can move is bounded by the weight as well as by the stranger share.
@@ -85,7 +93,7 @@ class _Track:
     group: str = ""  # the network group of the address its record gave, last seen (addresses.py)
     blends: int = 0  # blends with this node whose payload passed every check
     last_blend_step: int | None = None  # this node's outer step at the last of them
-    recent_blend_steps: deque[int] = field(default_factory=lambda: deque(maxlen=CALLS_IN_PER_WINDOW))
+    recent_blend_steps: deque[int] = field(default_factory=lambda: deque(maxlen=BLENDS_REMEMBERED))
     last_blend_time: float | None = None  # monotonic
 
 
@@ -104,7 +112,7 @@ class Standing:
 
     # A group's blends with this node in any ``blends_per_window`` x G outer steps (G: the groups of partners within
     # reach): its share, 1/G.
-    blends_per_window = CALLS_IN_PER_WINDOW
+    blends_per_window = BLENDS_PER_WINDOW
 
     def __init__(
         self,
@@ -126,10 +134,10 @@ class Standing:
         # (each a stranger to the other) meet at the first chance, not only when their random steps coincide.
         self._tokens = self._rng.random()  # a random phase: nodes started together open different steps
         # Strangers are let in at every step only while no peer with standing is live at all (a new swarm, a joiner,
-        # a partition): one whose established peers are live but out of reach catches up with them instead
+        # a partition): one whose partners are live but out of reach catches up with them instead
         # (node/outer_step.py), and an attacker that keeps it behind gains no more than the stranger share.
         self._partners_live = False
-        self._groups_within_reach = 0  # network groups of the established peers within reach
+        self._groups_within_reach = 0  # network groups of the partners within reach
         # The network group the stranger turn is for: drawn at each outer step among the groups of the strangers
         # in view (within reach), so that whoever calls in first does not decide who gets it (a key per phase
         # calling in first would take every turn). None: no turn held, or no stranger in view.
@@ -306,10 +314,10 @@ class Standing:
         """Whether an incoming pairing call from ``peer_id`` may be taken now; a refusal says nothing of the peer.
 
         A stranger: with a stranger turn for its record's network group only (the session spends it:
-        :meth:`spend_stranger_turn`), while established peers are live; any stranger without them. An established
-        peer: unless its network group blended with this node ``CALLS_IN_PER_WINDOW`` times in its last 2G outer
-        steps (G: the groups of established peers within reach), so that calling in first, every step, from many
-        keys of one group earns that group no more than its share, 1/G, of this node's steps."""
+        :meth:`spend_stranger_turn`), while partners are live; any stranger without them. A partner: unless its
+        network group blended with this node in its last G outer steps (G: the partners' groups within reach), so
+        that calling in first, every step, from many keys of one group earns that group no more than its share,
+        1/G, of this node's steps."""
         with self._lock:
             now = self._clock()
             if not self._partner(peer_id, now):
@@ -329,10 +337,10 @@ class Standing:
             self.stranger_steps += 1
 
     def order(self, candidates: Sequence[PeerRecord], last_paired: dict[str, int]) -> list[PeerRecord]:
-        """Whom to call, in order: the established peers and the strangers on an introducer's share (each counted
+        """Whom to call, in order: the partners and the strangers on an introducer's share (each counted
         in its introducer's group), least recently paired group first and the groups whose share is spent (the
         calls in ``may_serve`` would refuse) last, and with a stranger turn one other stranger
-        before them (a random key of the turn's group; the call spends the turn); with no established peer live,
+        before them (a random key of the turn's group; the call spends the turn); with no partner live,
         every candidate alike, one group at a time.
 
         Least recently paired first: nodes of equal speed reach their outer steps in lockstep and would otherwise
@@ -383,9 +391,10 @@ class Standing:
             return track.group if track is not None and track.first_seen != NEVER_SEEN else None
 
     def _partner(self, peer_id: str, now: float) -> bool:
-        """Whether ``peer_id`` is called and served on its group's share (and counts in G): a peer with standing.
-        (``noloco-node bench protocol --partners known`` measures drawing this line at the record's age alone.)"""
-        return self._established(peer_id, now)
+        """Whether ``peer_id`` is called and served on its group's share (and counts in G): a peer whose record this
+        node has seen for --standing-seconds, blended with or not."""
+        track = self._tracks.get(peer_id)
+        return track is not None and track.first_seen != NEVER_SEEN and now - track.first_seen >= self.standing_seconds
 
     def _established(self, peer_id: str, now: float) -> bool:
         track = self._tracks.get(peer_id)
@@ -404,7 +413,7 @@ class Standing:
 
     def _on_introducers_share(self, peer_id: str, charged: Counter[str] | None = None) -> bool:
         """Whether ``peer_id`` is a stranger an established peer named (and whose record this node has seen) and its
-        introducer's group has share left: it is then called and served like an established peer. ``charged``:
+        introducer's group has share left: it is then called and served like a partner. ``charged``:
         ``_charged_blends()``, when the caller asks of many peers."""
         track = self._tracks.get(peer_id)
         introducer_group = self._introduced.get(peer_id)
@@ -417,13 +426,13 @@ class Standing:
         )
 
     def _share_left(self, group: str) -> bool:
-        """Whether ``group`` blended with this node fewer than ``CALLS_IN_PER_WINDOW`` times in its last 2G outer
-        steps (G: the groups of established peers within reach), the strangers it introduced counted with it."""
+        """Whether ``group`` blended with this node fewer than ``blends_per_window`` times in its last window of
+        outer steps, the strangers it introduced counted with it."""
         return self._charged_blends()[group] < self.blends_per_window
 
     def _charged_blends(self) -> Counter[str]:
-        """Blends at this node's last 2G outer steps (G: the groups of established peers within reach), the current
-        one included, per network group they are charged to: a peer's own, or its introducer's while it is a
+        """Blends at this node's last ``blends_per_window`` x G outer steps (G: the partners' groups within reach),
+        the current one included, per network group they are charged to: a peer's own, or its introducer's while it is a
         stranger introduced here."""
         steps = self.blends_per_window * self._groups_within_reach
         charged: Counter[str] = Counter()

@@ -1,4 +1,4 @@
-"""bench protocol (noloco_bench/swarm_protocol.py): the node's discovery, standing and sync pairing in emulated time."""
+"""bench protocol (noloco_bench/swarm_protocol.py): the node's discovery, standing and pairing in emulated time."""
 
 from __future__ import annotations
 
@@ -49,8 +49,8 @@ def test_draw_then_meet_pairs_a_swarm_whose_phases_run_at_random_offsets_where_c
     rounds that closed meanwhile, while a partner asked during the phase (draw, then meet) is there at the step;
     with every group whose record was seen long enough a partner (``known``), nearly every step blends."""
     settings = ProtocolSettings(members=100, seconds=330.0, warmup=150.0, hostile_share=0.0, churn_per_hour=0.0)
-    ready = run(replace(settings, pairing="ready"))
-    reserve = run(replace(settings, pairing="reserve", partners="known"))
+    ready = run(replace(settings, pairing="ready", partners="established"))  # the node's rules before 2026-11-29
+    reserve = run(settings)  # the node's: draw, then meet, with partners known by their record's age
     assert ready["blend_rate"] < 0.6, ready
     assert reserve["blend_rate"] >= 0.9 and reserve["members_below_90_percent"] <= 10, reserve
     assert reserve["rounds"] >= 0.9 * ready["rounds"]  # the same swarm: as many outer steps taken
