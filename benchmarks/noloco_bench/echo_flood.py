@@ -3,8 +3,10 @@
 An outsider with nothing but the .proto and free RSA keys mints a new key every ``--key-every`` seconds. Each key
 gets a gRPC server of its own on one of the outsider's addresses and a signed DHT record that says it is ready at
 the swarm's outer step; it answers every exchange with the caller's own slow weights (read with GetState, which
-anyone may call), and it calls the honest nodes with their own weights too. Such a payload passes every check by
-construction (it *is* the caller's model), and a blend with it is a wasted round: the honest nodes stop mixing.
+anyone may call), and it asks the honest nodes to meet (a sync meeting that says its step is due whenever suits, the
+first part of draw, then meet: pairing/reserved.py), so that their round calls it for the echo. Such a payload
+passes every check by construction (it *is* the caller's model), and a blend with it is a wasted round: the honest
+nodes stop mixing.
 
 All the keys are made before the clock starts (on a machine shared with the swarm the outsider must not spend the
 nodes' CPU on keys) and sign their records through one DHT peer (:class:`ManyKeysSigner`). Run as
@@ -46,7 +48,7 @@ from noloco_bench.outsider import (
     attacker_arguments,
     download_phi,
     fresh_identity,
-    payload_frames,
+    meeting_outgoing,
     send_exchange,
     targets_from_status_files,
     theta_names,
@@ -60,9 +62,11 @@ from noloco_node.rpc.client import ExchangeError, Outgoing
 from noloco_node.rpc.contracts import AdmitsEverything
 from noloco_node.rpc.metrics import ExchangeMetrics
 from noloco_node.rpc.service import start_server
+from noloco_node.rpc.transport import Transport
+from noloco_node.security.caller_proof import CallerVerifier
 from noloco_node.security.identity import NodeIdentity
 from noloco_node.wire import peer_pb2 as pb
-from noloco_node.wire.frames import TensorLayout, build_manifest, verdict_frame
+from noloco_node.wire.frames import MEETING, PayloadKind, TensorLayout, build_manifest, iter_frames, verdict_frame
 from noloco_node.wire.payload import Payload
 from noloco_node.wire.receive_buffers import ReceiveBuffers
 
@@ -111,6 +115,9 @@ class EchoServer(AdmitsEverything):
     def expected_layout(self) -> list[TensorLayout]:
         return [TensorLayout(name, shape) for name, shape in theta_names(self.model_cfg)]
 
+    def payload_kinds(self) -> list[PayloadKind]:
+        return [MEETING, *super().payload_kinds()]
+
     def max_payload_bytes(self) -> int:
         return 1 << 31
 
@@ -126,23 +133,26 @@ class EchoServer(AdmitsEverything):
             self.served["no_weights_yet"] += 1
             return None
         step, phi = known
+        if kind == MEETING.name:  # yes to every meeting: the caller's round will call it
+            return EchoSession(self, meeting_outgoing(self._fingerprint, self.peer_id, step), "met")
         named = [(name, tensor) for (name, _), tensor in zip(theta_names(self.model_cfg), phi, strict=True)]
         manifest = build_manifest(
             named, wire_dtype="bf16", run_fingerprint=self._fingerprint, peer_id=self.peer_id, outer_step=step
         )
-        return EchoSession(self, Outgoing(manifest, [t for _, t in named]))
+        return EchoSession(self, Outgoing(manifest, [t for _, t in named]), "echoed")
 
 
 class EchoSession:
-    def __init__(self, server: EchoServer, outgoing: Outgoing) -> None:
+    def __init__(self, server: EchoServer, outgoing: Outgoing, counted_as: str) -> None:
         self.server = server
         self._outgoing = outgoing
+        self.counted_as = counted_as
 
     def outgoing(self) -> Outgoing:
         return self._outgoing
 
     def complete(self, payload: Payload) -> bool:
-        self.server.served["echoed"] += 1
+        self.server.served[self.counted_as] += 1
         payload.release()
         return True
 
@@ -236,7 +246,16 @@ class EchoFlood:
                 return
             host = self.hosts[number % len(self.hosts)]
             echo = EchoServer(identity, self.model_cfg, self._fingerprint(), self._echo)
-            server, port = start_server(echo, ExchangeMetrics(), bind=record_address(host, 0), max_calls_per_address=64)
+            # Its calls are proven and its payloads sealed under its own key, as an honest node's are: an honest
+            # caller refuses an unsealed answer.
+            server, port = start_server(
+                echo,
+                ExchangeMetrics(),
+                bind=record_address(host, 0),
+                max_calls_per_address=64,
+                transport=Transport(identity=identity),
+                verifier=CallerVerifier(identity.peer_id),
+            )
             with self._lock:
                 expires = time.monotonic() + self.key_life
                 self._live.append((identity, record_address(host, port), server, echo, expires))
@@ -277,7 +296,7 @@ class EchoFlood:
             self._stop.wait(0.5)
 
     def _call_in(self) -> None:
-        """Each live key calls each honest node with that node's own weights (the echo, as a caller)."""
+        """Each live key asks each honest node to meet; a node that says yes calls it for the echo at its round."""
         while self.call_in and not self._stop.is_set():
             with self._lock:
                 live = [(identity, address) for identity, address, *_ in self._live]
@@ -296,11 +315,9 @@ class EchoFlood:
                             continue
                         to = replace(target, address=record_address(self.ipv6_of[host], int(port)))
                     relay = self._relays.to(to, source)
-                    # Its commit goes with its payload: it never looks at what it gets back.
-                    frames = [
-                        *payload_frames(target, self.model_cfg, known[1], peer_id=identity.peer_id),
-                        verdict_frame(commit=True),
-                    ]
+                    # Its commit goes with its meeting: it never looks at what it gets back.
+                    outgoing = meeting_outgoing(target.run_fingerprint, identity.peer_id, target.outer_step)
+                    frames = [*iter_frames(outgoing.manifest, outgoing.tensors), verdict_frame(commit=True)]
                     code, _ = send_exchange(relay, to, frames, identity, timeout=10)
                     self.report[f"called {code.name}"] += 1
             self._stop.wait(0.2)

@@ -62,6 +62,7 @@ from noloco_node.training.checkpoints import state_layout
 from noloco_node.wire import peer_pb2 as pb
 from noloco_node.wire import side_info, sparse
 from noloco_node.wire.frames import (
+    MEET_DUE,
     ChunkView,
     PayloadDigest,
     PayloadError,
@@ -262,6 +263,16 @@ def payload_frames(
     )
     outgoing = Outgoing(manifest, [t for _, t in named])
     return list(iter_frames(outgoing.manifest, outgoing.tensors))
+
+
+def meeting_outgoing(run_fingerprint: str, peer_id: str, outer_step: int, seconds_to_step: float = -1.0) -> Outgoing:
+    """A sync meeting (wire/frames.py ``MEETING``) at ``outer_step``; by default one that says it does not know when
+    its step is due, which every member meets (pairing/reserved.py)."""
+    due = torch.tensor([seconds_to_step])
+    manifest = build_manifest(
+        [(MEET_DUE, due)], wire_dtype="fp32", run_fingerprint=run_fingerprint, peer_id=peer_id, outer_step=outer_step
+    )
+    return Outgoing(manifest, [due])
 
 
 def call_exchange(

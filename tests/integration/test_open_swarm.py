@@ -98,8 +98,9 @@ def test_a_fresh_key_flood_from_one_or_several_addresses_takes_at_most_its_share
             assert len(steps) >= 30, summary
             # It minted keys through the window (one every 3 s; at the lowest priority under load, 4 in 15 s once).
             assert seen["report"].get("keys", 0) >= 3 and seen["report"].get("records", 0) > 0, seen
-            # The flood was there to be taken: the nodes answered its calls and some stranger steps took it.
-            assert seen["report"].get("called OK", 0) + seen["report"].get("echoed", 0) >= 1, seen
+            # The flood was there to be taken: the nodes answered its calls, or met its keys on a stranger turn.
+            report = seen["report"]
+            assert report.get("called OK", 0) + report.get("met", 0) + report.get("echoed", 0) >= 1, seen
             assert attacker_share <= 0.2, summary
             assert honest_rate >= 0.7 * quiet_rate, (summary, quiet_summary)
         assert all(n.process.poll() is None for n in nodes)
