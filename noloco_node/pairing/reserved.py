@@ -14,10 +14,9 @@ step's exchange carry (pairing/sync.py, pairing/stream.py).
 2. At the outer step the node publishes its *round payload* and exchanges it with the reserved partner alone, in a
    pairing round (pairing/pairing_round.py: either side may call; the first exchange both sides commit settles the
    round on both). The round payload is made whole with the reservation's (:meth:`ReservedPairing.whole`).
-3. No reservation by the outer step: while a peer within reach is known, the node keeps looking (and training)
-   until --pair-timeout: a peer that is reserved now is free again in its next phase; with nobody within reach
-   (alone, or every peer further than --max-staleness), --alone-grace, and not even that when every peer is ahead
-   (a node left behind goes on to catch up). The partner gone or already past this step, no round payload within
+3. No reservation by the outer step: the node waits --alone-grace for a late one (--pair-timeout while one is in
+   flight), and not even that when every peer is further ahead than --max-staleness (a node left behind goes on
+   to catch up). The partner gone or already past this step, no round payload within
    --pair-timeout, or the reservation spent by an exchange that did not settle (refused, or cut before both sides
    committed: a reservation completes one round payload): a solo step. A reserved partner that delivered nothing
    while its record said it was still at the phase (by --pair-timeout), or that had no record in the DHT at all
@@ -342,33 +341,28 @@ class ReservedPairing(PairingStrategy):
         )
 
     def _await_reservation(self, phase: Phase, train_step: Callable[[], bool] | None) -> None:
-        """Not reserved at the phase's end (the first phase, an odd swarm, every peer taken): one that is free in
-        its next phase, or in the same position, may still reserve now. --pair-timeout while a peer within reach
-        is known (or a reservation is in flight), --alone-grace while none is, nothing when every peer is ahead;
-        training meanwhile when allowed."""
+        """Not reserved at the phase's end (the first phase, an odd swarm, every peer taken): a peer in the same
+        position may still reserve now. --alone-grace at most, --pair-timeout while a reservation is in flight,
+        nothing when every peer is further ahead than --max-staleness; training meanwhile when allowed. Not
+        --pair-timeout for any peer within reach: a node whose partner held its phase for nothing (a key that
+        never delivers) stepped on a phase behind the one that waited for it, and two nodes under such a key blended
+        at half their outer steps (78 of 79 with --alone-grace)."""
         ctx = self.ctx
         started = time.monotonic()
         while not phase.reserved.is_set():
-            within_reach, all_ahead = self._reach(phase.outer_step)
-            if all_ahead and not self._reservation_lock.locked():
+            if self._all_ahead(phase.outer_step) and not self._reservation_lock.locked():
                 return
-            patience = ctx.pair_timeout if within_reach or self._reservation_lock.locked() else ctx.alone_grace
+            patience = ctx.pair_timeout if self._reservation_lock.locked() else ctx.alone_grace
             if time.monotonic() - started >= patience:
                 return
             if train_step is None or not train_step():
                 phase.reserved.wait(0.05)
 
-    def _reach(self, outer_step: int) -> tuple[bool, bool]:
-        """Whether the last lookup saw a peer within reach of ``outer_step`` that this node has not set aside, and
-        whether it saw peers and all of them further ahead than --max-staleness."""
-        ctx = self.ctx
+    def _all_ahead(self, outer_step: int) -> bool:
+        """Whether the last lookup saw peers and all of them further ahead than --max-staleness: nobody will come
+        back to this step, and not waiting lets a node left behind catch up."""
         peers = list(self._records.values())
-        within = any(
-            abs(p.outer_step - outer_step) <= ctx.max_staleness and not ctx.caller.policy.avoided(p.peer_id)
-            for p in peers
-        )
-        all_ahead = bool(peers) and all(p.outer_step > outer_step + ctx.max_staleness for p in peers)
-        return within, all_ahead
+        return bool(peers) and all(p.outer_step > outer_step + self.ctx.max_staleness for p in peers)
 
     def after_blend(
         self,
