@@ -12,8 +12,8 @@ The attacks (numbered as in the issue that measured them):
 2. the norm-bound ratchet: payloads just inside the bound, then random and scaled weights (:func:`ratchet`);
 3. a fake donor: a signed DHT record claiming outer step 1,000,000 and a GetState serving random weights
    (``noloco_bench/fake_donors.py``);
-4. holding the pairing round (a valid manifest, then silence: :func:`hog_once`) and the server slots (silent
-   streams: :func:`silent_stream`);
+4. holding the pairing (a valid meeting's manifest, the exchange that reserves a sync node's partner, then
+   silence: :func:`hog_once`) and the server slots (silent streams: :func:`silent_stream`);
 5. idle TCP connections by the thousand (:func:`idle_connections`);
 6. replayed membership proofs need a private run and a captured proof; tests/integration/test_security.py has it;
 7. (stream mode; only when asked for: ``--attacks reserve``) a key that reserves each of a node's phases with a
@@ -360,21 +360,14 @@ def ratchet(address: str, target: Target, model_cfg: ModelConfig, phi: Sequence[
 # ---------------------------------------------------------------------------------------------- holding things
 
 
-def manifest_frame(target: Target, model_cfg: ModelConfig, peer_id: str) -> bytes:
-    """The first frame of a valid payload for ``target`` in ``peer_id``'s name (nothing else is encoded)."""
-    named = [(name, torch.zeros(shape)) for name, shape in theta_names(model_cfg)]
-    manifest = build_manifest(
-        named, wire_dtype="bf16", run_fingerprint=target.run_fingerprint, peer_id=peer_id, outer_step=target.outer_step
-    )
-    return next(iter_frames(manifest, [t for _, t in named]))
-
-
 def hog_once(address: str, target: Target, model_cfg: ModelConfig | None, *, hold: float = 60.0) -> str:
-    """Attack 4: open an exchange under another of the outsider's keys, send a valid manifest (or, without a
-    model config, nothing) and then nothing at all, until the node cuts it (or ``hold`` s). Returns the status
-    code name; a hog that got in is cut (CANCELLED), one that did not is refused at once."""
+    """Attack 4: open an exchange under another of the outsider's keys, send a valid meeting's manifest (a sync
+    node's reservation, pairing/reserved.py: while it is taken nobody else reserves the node, nor does the node
+    itself; or, without a model config, nothing) and then nothing at all, until the node cuts it (or ``hold`` s).
+    Returns the status code name; a hog that got in is cut (CANCELLED), one that did not is refused at once."""
     identity = key()
-    first = manifest_frame(target, model_cfg, identity.peer_id) if model_cfg is not None else None
+    meeting = meeting_outgoing(target.run_fingerprint, identity.peer_id, target.outer_step)
+    first = next(iter_frames(meeting.manifest, meeting.tensors)) if model_cfg is not None else None
     release = threading.Event()
 
     def frames() -> Iterator[bytes]:
