@@ -162,14 +162,14 @@ class NodeConfig(StrictSettings):
     pair_timeout: float = Field(
         10.0,
         gt=0,
-        description="sync and stream: longest wait for a partner (stream: for its progress, or for a phase swap in "
+        description="sync and stream: longest wait for the reserved partner's payload (or for a reservation in "
         "flight) before a solo step (s).",
     )
     alone_grace: float = Field(
         1.0,
         ge=0,
-        description="sync: with no live peer within max_staleness, wait this long before a solo step; stream: wait "
-        "this long for a late phase swap when no partner was found during the phase (s).",
+        description="sync and stream: wait this long for a late reservation when no partner was reserved during "
+        "the phase, before a solo step (s).",
     )
     exchange_timeout: float = Field(
         60.0, gt=0, description="Longest deadline of one exchange call (s); shorter once peers' timings are known."

@@ -27,7 +27,7 @@ step's exchange carry (pairing/sync.py, pairing/stream.py).
 
 Why reserve rather than call whoever's record says ready at the outer step: a record is seconds old when it is
 read, so in a swarm whose phases run at random offsets most ready records name rounds that have closed (`bench
-protocol`, docs/benchmarks.md: 49% of the outer steps of 100 honest members paired that way, 92% reserved), and
+protocol`, docs/benchmarks.md: 49% of the outer steps of 100 honest members paired that way, 99% reserved), and
 a record that always says ready, a hostile one, is the one a member finds ready.
 """
 
