@@ -216,6 +216,23 @@ def test_receive_buffers_are_reused_after_release() -> None:
     assert buffers.take(torch.float32, 10).data_ptr() == tensor.data_ptr()
 
 
+def strategy_context(kinds: list[PayloadKind], peer_id: str, pair_timeout: float = 10.0) -> SimpleNamespace:
+    """The parts of a node's PairingContext a strategy's phase bookkeeping uses (no loop, no network)."""
+    return SimpleNamespace(
+        peer_id=lambda: peer_id,
+        offers={kind.name: OfferPublisher(kind, run_fingerprint="run", peer_id=lambda: peer_id) for kind in kinds},
+        caller=SimpleNamespace(
+            settings=SimpleNamespace(
+                receive_buffers=ReceiveBuffers(max_idle_bytes=0), metrics=ExchangeMetrics(), run_fingerprint="run"
+            ),
+            policy=PeerPolicy(exchange_timeout=60.0, min_deadline=5.0, avoid_seconds=30.0),
+        ),
+        loop=None,
+        max_staleness=1,
+        pair_timeout=pair_timeout,
+    )
+
+
 def stream_pairing(
     progress_dtype: str = "bf16", peer_id: str = "self", shapes: tuple[tuple[int, ...], ...] = ((3, 2),)
 ):
@@ -230,38 +247,13 @@ def stream_pairing(
         PayloadKind("phase", phi, "int8" if sparse_wire else "bf16"),
         PayloadKind("progress", tuple(TensorLayout(f"progress/w{i}", s) for i, s in enumerate(shapes)), progress_dtype),
     ]
-    ctx = SimpleNamespace(
-        peer_id=lambda: peer_id,
-        offers={kind.name: OfferPublisher(kind, run_fingerprint="run", peer_id=lambda: peer_id) for kind in kinds},
-        caller=SimpleNamespace(
-            settings=SimpleNamespace(
-                receive_buffers=ReceiveBuffers(max_idle_bytes=0), metrics=ExchangeMetrics(), run_fingerprint="run"
-            ),
-            policy=PeerPolicy(exchange_timeout=60.0, min_deadline=5.0, avoid_seconds=30.0),
-        ),
-        loop=None,
-        max_staleness=1,
-    )
-    return StreamPairing(ctx)  # type: ignore[arg-type]
+    return StreamPairing(strategy_context(kinds, peer_id))  # type: ignore[arg-type]
 
 
 def sync_pairing(peer_id: str = "self", pair_timeout: float = 10.0) -> SyncPairing:
     """A sync strategy with the parts of a node its phase bookkeeping uses (no loop, no network)."""
     kinds = [MEETING, PayloadKind("weights", (TensorLayout("theta/w0", (3, 2)),), "fp32")]
-    ctx = SimpleNamespace(
-        peer_id=lambda: peer_id,
-        offers={kind.name: OfferPublisher(kind, run_fingerprint="run", peer_id=lambda: peer_id) for kind in kinds},
-        caller=SimpleNamespace(
-            settings=SimpleNamespace(
-                receive_buffers=ReceiveBuffers(max_idle_bytes=0), metrics=ExchangeMetrics(), run_fingerprint="run"
-            ),
-            policy=PeerPolicy(exchange_timeout=60.0, min_deadline=5.0, avoid_seconds=30.0),
-        ),
-        loop=None,
-        max_staleness=1,
-        pair_timeout=pair_timeout,
-    )
-    return SyncPairing(ctx)  # type: ignore[arg-type]
+    return SyncPairing(strategy_context(kinds, peer_id, pair_timeout))  # type: ignore[arg-type]
 
 
 def meeting(peer: str, step: int, seconds_to_step: float) -> Payload:
