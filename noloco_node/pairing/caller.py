@@ -147,8 +147,9 @@ class PeerCaller:
         loop = asyncio.get_running_loop()
         dial = await self.paths.prepare(peer)
         if dial is None:
-            self._spend_turn(peer, kind)
-            self._failed(peer, deadline, ExchangeError(grpc.StatusCode.UNAVAILABLE, "no_path", "no relay to it"))
+            # No way to it yet (an unreachable peer whose record names no relay: it holds them only after its own
+            # check): nothing said about the peer, so it is not set aside; it can still call in.
+            log.debug("no path to %s yet: its record names no relay", peer.peer_id[-8:])
             return None
         # The call is owned: whenever this coroutine stops waiting (its deadline passed, its task was cancelled: the
         # round closed or the node is stopping), the gRPC call is cancelled and its thread is free at once.
