@@ -62,12 +62,6 @@ PARTNER_MISSING_SECONDS = 3.0
 # Two members whose outer steps are due this share of --pair-timeout apart may reserve each other: the first there
 # waits for the other inside its --pair-timeout, with room for a phase that runs a little long.
 MEET_WINDOW = 0.7
-# The first of a reserved pair at its outer step calls the partner, whose round is not open yet, again after
-# FIRST_ROUND_RETRY seconds, doubling up to LAST_ROUND_RETRY: the partner calls in the moment its own round opens,
-# so the retries matter only where it cannot dial this node; calling every 0.05-0.2 s meant up to ten busy answers a
-# second for each second its partner's phase ran longer.
-FIRST_ROUND_RETRY = 0.1
-LAST_ROUND_RETRY = 1.0
 
 
 @dataclass(frozen=True)
@@ -442,7 +436,6 @@ class ReservedPairing(PairingStrategy):
         ctx = self.ctx
         record, missing_since = self._records.get(partner_id), None
         listed = record is not None  # a partner never listed in the DHT this round cannot have left it
-        retry, next_call = FIRST_ROUND_RETRY, 0.0
         while current.open:
             if self._spent(phase):
                 current.stop_waiting()  # an exchange still in flight may settle the round
@@ -454,8 +447,7 @@ class ReservedPairing(PairingStrategy):
             policy = ctx.caller.policy
             unreachable = policy.avoided_for(partner_id) == FAILURE or policy.quarantined(partner_id)
             dial = record if record is not None and not unreachable else None
-            due = time.monotonic() >= next_call
-            if due and dial is not None and dial.address and current.lock.acquire(blocking=False):
+            if dial is not None and dial.address and current.lock.acquire(blocking=False):
                 try:
                     if not current.open:
                         return
@@ -467,8 +459,6 @@ class ReservedPairing(PairingStrategy):
                 if payload is not None:
                     current.settle(payload)
                     return
-                next_call = time.monotonic() + random.uniform(retry / 2, retry)
-                retry = min(2 * retry, LAST_ROUND_RETRY)
             await asyncio.sleep(random.uniform(0.05, 0.2))  # the partner's round is not open yet, or it calls us
             try:
                 live = await ctx.discovery.live_peers()
