@@ -140,8 +140,8 @@ class PeerCaller:
         complete: Callable[[Payload], Payload] | None = None,
     ) -> Payload | None:
         """One exchange of payloads of ``kind`` with ``peer``; its admitted payload, or None (busy, failed, refused:
-        recorded). ``complete`` makes the partner's payload whole before it is admitted (a stream run's progress,
-        pairing/stream.py)."""
+        recorded; no path to it yet: not a call, nothing recorded). ``complete`` makes the partner's payload whole
+        before it is admitted (a stream run's progress, pairing/stream.py)."""
         deadline = self.policy.deadline(peer.peer_id)
         started = time.monotonic()
         loop = asyncio.get_running_loop()
