@@ -105,9 +105,10 @@ class OuterStepDeps:
     data_parallel: DataParallel | None = None
 
 
-# Solo steps in a row with every live peer ahead beyond --max-staleness before the node downloads a peer's state:
-# a node as fast as they are would stay out of their reach (and drift beyond the norm bound) for good. Over these
-# steps it also measures its pace against the front's, to tell a node that started late from a straggler.
+# Solo steps in a row with every live peer ahead at or beyond the edge of reach (--max-staleness) before the node
+# downloads a peer's state: a node as fast as they are would stay out of their reach (and drift beyond the norm bound)
+# for good. Over these steps it also measures its pace against the front's, to tell a node that started late from a
+# straggler.
 BEHIND_STEPS = 3
 # Outer steps between catch-ups: 2 after the first, doubling up to this until the node blends again. A node that
 # started late catches up once and pairs; a straggler (slower than the swarm) would otherwise fall behind and
@@ -264,7 +265,7 @@ class OuterStep:
             if weight is None:
                 partner = None  # refused by the loss check: a solo step
             else:
-                self._catch_up_backoff = 1
+                self._catch_up_backoff, self._behind = 1, 0
         moved_from, caught_up = self._rejoin_the_swarm()
         if moved_from is None and not caught_up and partner is None:
             caught_up = self._catch_up_if_left_behind()
@@ -366,16 +367,24 @@ class OuterStep:
         return moved_from, False
 
     def _catch_up_if_left_behind(self) -> bool:
-        """After a solo step: when every live peer has been ahead beyond --max-staleness for BEHIND_STEPS outer
-        steps, adopt a donor's state (node/catch_up.py: only one that measures no worse than this node's own).
-        A node that came up late, or whose joiner download was refused, otherwise trains alone for good: as fast
-        as the others, it never gets back within reach, and drifts beyond their norm bound. A peer's step is the
-        one its own server last said when it refused this node as out of reach, if newer than its DHT record; peers
-        count as ``believe`` says (once this node has peers with standing, theirs alone)."""
+        """After a solo step: when every live peer has been ahead, at or beyond the edge of reach, for BEHIND_STEPS
+        solo steps in a row, adopt a donor's state (node/catch_up.py: only one that measures no worse than this
+        node's own). A node that came up late, or whose joiner download was refused, otherwise trains alone for
+        good: as fast as the others, it never gets back within reach, and drifts beyond their norm bound. A peer's
+        step is the one its own server last said when it refused this node as out of reach, if newer than its DHT
+        record; peers count as ``believe`` says (once this node has peers with standing, theirs alone).
+
+        A peer exactly --max-staleness ahead at this node's step counts as out of reach: it is within reach only
+        until its own next outer step, which may come at once (its record says the step it reached, not how far
+        into the next phase it is). Counted as within, a node that trained 2.95 phases behind its peers at their
+        pace read them as within reach at each of its own steps, was out of their reach for all but the first
+        twentieth of each phase, and trained alone for good. Peers behind, whose records understate how far they
+        have come, count as within reach up to --max-staleness."""
         deps, replica = self.deps, self.deps.replica
         steps = [step for peer, step in deps.telemetry.peer_steps().items() if deps.believe(peer)]
-        within = [s for s in steps if abs(s - replica.outer_step) <= deps.max_staleness]
-        ahead = [s for s in steps if s > replica.outer_step + deps.max_staleness]
+        edge = replica.outer_step + deps.max_staleness
+        within = [s for s in steps if replica.outer_step - deps.max_staleness <= s < edge]
+        ahead = [s for s in steps if s >= edge]
         if not ahead or within:
             self._behind = 0
             return False
@@ -392,7 +401,10 @@ class OuterStep:
             log.warning("slower than half the swarm's pace: no catch-up for %d outer steps", MAX_CATCH_UP_BACKOFF)
             return False
         behind_by = min(ahead) - replica.outer_step
-        log.warning("every live peer is %d+ outer steps ahead, beyond reach: downloading a peer's state", behind_by)
+        log.warning(
+            "every live peer is %d+ outer steps ahead, at or beyond the edge of reach: downloading a peer's state",
+            behind_by,
+        )
         adopted = deps.catch_up(None)  # the trainer waits: the download adopts the state while nothing else writes it
         if adopted:
             self._behind = 0

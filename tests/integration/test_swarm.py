@@ -595,7 +595,10 @@ def test_an_overlap_node_a_few_phases_behind_catches_up_though_its_peers_records
     so it trains 3-4 phases behind, at the same pace, just beyond --max-staleness (2). The peer's records reach it
     1-3 s late; read from the status watch's lookups alone, they showed the peer within reach at most steps, the node
     never caught up, and it blended 0 times (CI). Pairing's own lookups now feed the node's view (pairing/caller.py),
-    as in every mode: after three solo steps it downloads a state, and then blends."""
+    as in every mode: after three solo steps it downloads a state, and then blends. When the clock rule moves the late
+    node's first step on, it trains 2-3 phases behind: its peer is exactly --max-staleness ahead at the node's own
+    steps and beyond reach for most of each phase, which counts as out of reach (it once counted as within, 3 runs in
+    14, and the node never caught up)."""
     release = tmp_path / "release"
     args = [*TRAIN, "--mode", "overlap", "--steps", "300", "--inner-steps", "20", "--num-shards", "2"]
     args += ["--wait-for-peers", "1", "--log-every", "0"]
