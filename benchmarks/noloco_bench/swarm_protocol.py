@@ -19,17 +19,16 @@ model: a member is its outer-step counter. What is emulated around them follows 
   and not avoided, ordered by ``Standing.order``, called one at a time (a call takes a round trip; an answer busy
   moves to the next; a member that is gone fails after CONNECT_FAIL_SECONDS and is avoided), again after 0.05-0.3 s,
   until a partner or ``pair_timeout`` (``alone_grace`` with nobody within reach). A call is taken when the callee's
-  round is open and free, within reach, not its last partner inside the repeat grace, and ``Standing.may_serve``; both
+  round is open and free, within reach, not a recent partner inside the repeat grace, and ``Standing.may_serve``; both
   spend a stranger turn as the node does. An exchange holds both for ``exchange_seconds`` plus a round trip. The
   straggler rule (``Standing.swarm_step``) moves a member that most of its known swarm is ahead of.
 - **Draw, then meet** (``pairing="reserve"``), the node's rule in sync and stream mode (pairing/reserved.py): from the
   start of its phase a member asks the candidates within reach, in ``Standing.order`` (records saying they are still
   looking first), to meet at both members' next outer steps; yes from a member that is not reserved, within reach, due
-  within ``MEET_WINDOW`` of --pair-timeout of the asker (``TimedRecord.next_step_at`` hints at it; the ask says it),
-  not its last partner inside the repeat grace, and let in by ``Standing.may_serve``. The two exchange when both are
+  within ``MEET_WINDOW`` of --pair-timeout of the asker (its record's ``next_step_at`` hints at it; the ask says it),
+  not a recent partner inside the repeat grace, and let in by ``Standing.may_serve``. The two exchange when both are
   at their steps (the first there waits, up to --pair-timeout); one still unreserved at its step keeps asking. The
-  node asks only records that say they are still looking and has no due time in its record (its callee checks the
-  caller's); the emulation's hint narrows whom it asks.
+  node asks only records that say they are still looking, and skips those due outside the window, as here.
 - **Partners** (``partners``): the node's ``Standing`` (``known``: a record seen for --standing-seconds, a group
   once in G outer steps), or ``EstablishedGroupsStanding`` (``established``, the node's rule before 2026-11-29: a
   record seen for --standing-seconds and a blend, a group twice in 2G).
@@ -67,7 +66,7 @@ from noloco_node.discovery.buckets import MAX_BUCKET_ENTRIES, Bucket, SwarmSize
 from noloco_node.discovery.dht import PeerRecord
 from noloco_node.discovery.view import RecordView
 from noloco_node.pairing.peer_policy import PeerPolicy
-from noloco_node.pairing.reserved import RepeatGrace
+from noloco_node.pairing.reserved import MEET_WINDOW, RepeatGrace
 from noloco_node.pairing.standing import Standing
 
 ENTRY_BYTES = 1005  # per record per answering DHT peer (measured, issue 43: RSA-2048 owner subkeys, signatures)
@@ -78,15 +77,7 @@ LOOKUP_EVERY = 1.0  # a member's lookups (pairing loop and status watch share on
 CONNECT_FAIL_SECONDS = 1.0  # a call to a member that is gone fails after this
 HOSTILE_CALL_EVERY = 0.5  # a hostile key calls one ready honest member this often
 HOSTILE_VIEW_EVERY = 4.0  # a hostile key rereads its view (the front and the ready members) this often
-MEET_WINDOW = 0.7  # draw, then meet: two members whose outer steps are due this share of --pair-timeout apart meet
 FINGERPRINT = "protocol"
-
-
-@dataclass(frozen=True)
-class TimedRecord(PeerRecord):
-    """A record that also says when its owner's next outer step is due (emulated time; 0: not training)."""
-
-    next_step_at: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -224,8 +215,7 @@ class Member:
         self.round_opened = 0.0
         self.busy = False  # an exchange (or a call) in flight
         self.asking = False  # draw, then meet: an ask in flight (asks in are still answered meanwhile)
-        self.last_partner: str | None = None
-        self.repeat_until = 0.0
+        self.repeat = RepeatGrace()  # recent partners wait their turn, as in the node
         self.next_round_at = 0.0  # when the next round opens (draw, then meet: a member's own estimate, told)
         self.reserved: str | None = None  # draw, then meet: the partner this member meets at its next round
         self.phase = 0  # phases begun: a draw belongs to one
@@ -242,8 +232,8 @@ class Member:
 
     # ------------------------------------------------------------------------------------------- discovery
 
-    def record(self) -> TimedRecord:
-        return TimedRecord(
+    def record(self) -> PeerRecord:
+        return PeerRecord(
             peer_id=self.peer_id,
             address=self.address,
             run_fingerprint=FINGERPRINT,
@@ -261,7 +251,7 @@ class Member:
             dues = sorted(
                 r.next_step_at + phase * max(0, math.ceil((now - r.next_step_at) / phase))
                 for r in self._near
-                if isinstance(r, TimedRecord) and r.next_step_at > 0
+                if r.next_step_at > 0
             )
             return dues[len(dues) // 2] if dues else now
         return self._due() if self.outer_step is not None and self.outer_step >= 0 else 0.0
@@ -372,11 +362,8 @@ class Member:
     def _close(self, partner: Member | None) -> None:
         settings, clock = self.swarm.settings, self.swarm.clock
         self.round_open = False
-        others = self._within_reach
-        grace = RepeatGrace.seconds(
-            partner.peer_id if partner else None, others, settings.pair_timeout, settings.phase_seconds
-        )
-        self.last_partner, self.repeat_until = (partner.peer_id if partner else None), clock.now + grace
+        grace = RepeatGrace.seconds(partner is not None, settings.pair_timeout, settings.phase_seconds)
+        self.repeat = RepeatGrace.starting(clock.now, grace, (r.peer_id for r in self._near), self.last_paired)
         assert self.outer_step is not None
         self.outer_step += 1
         self.next_round_at = max(self.round_opened + self._phase(), clock.now + 0.01)  # steps borrowed while waiting
@@ -472,7 +459,7 @@ class Member:
             return
         if self._order_at != (self._candidates_at, phase):  # once per lookup and phase, not once per ask
             window = MEET_WINDOW * settings.pair_timeout
-            due = [r for r in self._near if isinstance(r, TimedRecord) and abs(r.next_step_at - self._due()) <= window]
+            due = [r for r in self._near if abs(r.next_step_at - self._due()) <= window]
             # Those whose records say they are still looking first: a member reserved early in its phase stays so
             looking = self.standing.order([r for r in due if r.ready], self.last_paired)
             self._order = looking or self.standing.order(due, self.last_paired)
@@ -563,7 +550,7 @@ class Member:
         return False
 
     def _may_pair_with(self, peer_id: str) -> bool:
-        return peer_id != self.last_partner or self.swarm.clock.now >= self.repeat_until
+        return self.repeat.allows(peer_id, self.swarm.clock.now)
 
     def takes_call_from(self, caller: Member) -> bool:
         """An incoming call: taken when this member's round is open and free, the caller within reach, not a

@@ -25,6 +25,7 @@ import contextlib
 import ctypes
 import hashlib
 import logging
+import math
 import os
 import re
 import signal
@@ -147,6 +148,9 @@ class PeerRecord:
     reachable: bool = True  # its gRPC address answers (reachability.py); else it is reached through its relays
     shard: int = -1  # the data shard it trains on (-1: not chosen yet); joiners pick one nobody holds
     updated: float = 0.0  # DHT time of writing
+    # DHT time its next outer step is due, in a mode whose partners meet at their steps (sync: pairing/reserved.py);
+    # 0: not known, or not said. A hint for whom to ask: the peer asked holds the asker's own word to the window.
+    next_step_at: float = 0.0
     p2p_id: str = ""  # its libp2p daemon's id (tunnels.py); not its peer id, which is its node key's
     p2p_addrs: tuple[str, ...] = ()  # a reachable member that relays for others: where its daemon listens
     relays: tuple[str, ...] = ()  # an unreachable member: the libp2p ids of the relays it can be reached through
@@ -175,6 +179,7 @@ class PeerRecord:
                 reachable=bool(value.get("reachable", True)),
                 shard=int(value.get("shard", -1)),
                 updated=float(value.get("updated", 0.0)),
+                next_step_at=_time_or_zero(value.get("next_step_at", 0.0)),
                 p2p_id=_short_text(value.get("p2p_id", "")),
                 p2p_addrs=_short_texts(value.get("p2p_addrs", ())),
                 relays=_short_texts(value.get("relays", ())),
@@ -206,6 +211,13 @@ class PeerRecord:
 
 _MAX_TEXT = 256  # a libp2p id or multiaddr; longer is not one
 _MAX_TEXTS = 8  # addresses or relays a record may name
+
+
+def _time_or_zero(value: Any) -> float:
+    """A time a record says (0: none); not a finite, non-negative number, the record is malformed."""
+    if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value) or value < 0:
+        raise ValueError("not a time")
+    return float(value)
 
 
 def _short_text(value: Any) -> str:

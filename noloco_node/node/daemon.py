@@ -193,6 +193,7 @@ class Node:
             outer_step=replica.outer_step if replica else 0,
             inner_step=replica.inner_step if replica else 0,
             ready=self.ready_to_pair(),
+            next_step_at=self.strategy.next_step_at(),
             shard=-1 if self.trainer.shard is None else self.trainer.shard,
             partners=self.standing.recent_partners(),
             **self.reach.record_fields(),

@@ -8,9 +8,11 @@ step's exchange carry (pairing/sync.py, pairing/stream.py).
    reservation lock is only ever tried, so two nodes calling each other get a quick refusal and retry). The server
    of the exchange takes it only when both outer steps are due within ``MEET_WINDOW`` of --pair-timeout of each
    other, as far as both know when (a sync reservation carries the seconds until its sender's outer step): a
-   partner due half a phase later would hold this node's round for nothing. While other peers are known, a phase
-   does not reserve its last partner for its first min(--pair-timeout, phase)/2 seconds (:class:`RepeatGrace`):
-   partners rotate instead of locking into fixed pairs.
+   partner due half a phase later would hold this node's round for nothing. A node of such a mode also says in its
+   record when its next step is due (``next_step_at``), and asks only peers whose records are due within the
+   window, or say nothing: each ask the peer would refuse costs both a round trip and a sealed payload. While
+   other peers are known, a phase does not reserve its last partner for its first min(--pair-timeout, phase)/2
+   seconds (:class:`RepeatGrace`): partners rotate instead of locking into fixed pairs.
 2. At the outer step the node publishes its *round payload* and exchanges it with the reserved partner alone, in a
    pairing round (pairing/pairing_round.py: either side may call; the first exchange both sides commit settles the
    round on both). The round payload is made whole with the reservation's (:meth:`ReservedPairing.whole`).
@@ -39,11 +41,12 @@ import random
 import threading
 import time
 from abc import abstractmethod
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 import grpc
 import torch
+from hivemind.utils.timed_storage import get_dht_time
 
 from noloco_node.discovery.dht import PeerRecord
 from noloco_node.pairing.pairing_round import PairingRound, RoundSession, run_round
@@ -66,26 +69,39 @@ MEET_WINDOW = 0.7
 
 @dataclass(frozen=True)
 class RepeatGrace:
-    """The last partner waits its turn: while other peers may become free, a node does not reserve its last partner
-    again before ``until`` (monotonic), calling or called Two nodes that just blended open their
-    next rounds (or phases) at the same instant and would otherwise stay locked in the same pairs (stream, 4 nodes:
-    two fixed pairs at 60 of 60 outer steps)."""
+    """Recent partners wait their turn: for the first part of a phase, a node reserves (calling or called) only
+    peers from the less recently paired half of those in view; the more recently paired half waits until ``until``.
 
-    last_partner: str | None = None
-    until: float = 0.0
+    Nodes whose phases open at the same moment reserve each other at once, each finding only those open: two nodes
+    that had just blended stayed locked in the same pair (stream, 4 nodes: two fixed pairs at 60 of 60 outer
+    steps), and 8 nodes whose phases opened in two groups 3 s apart split into two groups of 4, each rotating among
+    its own members for 16 of 16 outer steps (their weights 0.45 apart by then, far beyond any norm bound): whenever
+    one asked a member of the other group first (never paired), that one had already reserved within its own. While
+    a node's recent partners wait, the other group's members find it open. With two or three peers in view only the
+    last partner waits, as before."""
+
+    waiting: frozenset[str] = frozenset()
+    until: float = 0.0  # on the clock ``allows`` is asked with
 
     @staticmethod
-    def seconds(last_partner: str | None, others: bool, pair_timeout: float, phase_seconds: float) -> float:
-        """The grace after a round with ``last_partner``: half a phase (at most half of --pair-timeout) while
-        ``others`` may become ready; none after a solo step or with nobody else."""
-        return min(pair_timeout / 2, phase_seconds / 2) if last_partner is not None and others else 0.0
+    def seconds(paired: bool, pair_timeout: float, phase_seconds: float) -> float:
+        """The grace of the phase after a round: half a phase (at most half of --pair-timeout) after a blend, none
+        after a solo step (a node that found nobody waits for nobody)."""
+        return min(pair_timeout / 2, phase_seconds / 2) if paired else 0.0
 
     @classmethod
-    def starting_now(cls, last_partner: str | None, seconds: float) -> RepeatGrace:
-        return cls(last_partner, time.monotonic() + seconds)
+    def starting(
+        cls, now: float, seconds: float, in_view: Iterable[str], last_paired: Mapping[str, int]
+    ) -> RepeatGrace:
+        """The grace of a phase opening at ``now``: of the peers ``in_view``, the more recently paired half by
+        ``last_paired`` (the outer step of this node's last blend with each) waits ``seconds``; never paired is
+        least recent."""
+        by_recency = sorted(in_view, key=lambda peer: last_paired.get(peer, -1), reverse=True)
+        waiting = frozenset(peer for peer in by_recency[: len(by_recency) // 2] if peer in last_paired)
+        return cls(waiting, now + seconds) if seconds > 0 and waiting else cls()
 
-    def allows(self, peer_id: str) -> bool:
-        return peer_id != self.last_partner or time.monotonic() >= self.until
+    def allows(self, peer_id: str, now: float) -> bool:
+        return peer_id not in self.waiting or now >= self.until
 
 
 @dataclass
@@ -98,7 +114,7 @@ class Phase:
     partner: Payload | None = None  # the reserved partner's reservation payload, until its round payload arrives
     open: bool = True  # False once this node has stopped waiting for a reservation: no new one
     reserved: threading.Event = field(default_factory=threading.Event)
-    repeat: RepeatGrace = field(default_factory=RepeatGrace)  # the last partner waits its turn
+    repeat: RepeatGrace = field(default_factory=RepeatGrace)  # recent partners wait their turn
 
     def seconds_to_step(self) -> float | None:
         return None if self.due_at is None else self.due_at - time.monotonic()
@@ -109,6 +125,7 @@ class ReservedPairing(PairingStrategy):
 
     reservation_kind: str  # the payload kind that reserves (ctx.offers)
     round_kind: str  # the payload kind of the outer step's exchange
+    meets_by_due_time = False  # whether a reservation says when its sender's outer step is due (seconds_to_step)
 
     def __init__(self, ctx: PairingContext) -> None:
         super().__init__(ctx)
@@ -118,8 +135,8 @@ class ReservedPairing(PairingStrategy):
         self._round: PairingRound | None = None
         # The run's live peers as last looked up, so that the round starts without a DHT lookup.
         self._records: dict[str, PeerRecord] = {}
-        # The last round's partner and the grace the next phase gives it (RepeatGrace).
-        self._last_round: tuple[str | None, float] = (None, 0.0)
+        # The grace the next phase gives recent partners (RepeatGrace): none after a solo step.
+        self._grace_seconds = 0.0
         self._partner_left = False  # this round's reserved partner went on past this phase, or left the swarm
         self._phase_seconds: float | None = None  # the last phase's length: when the next outer step is due
 
@@ -160,6 +177,11 @@ class ReservedPairing(PairingStrategy):
         phase = self._phase
         return phase is not None and phase.open and phase.partner is None
 
+    def next_step_at(self) -> float:
+        phase = self._phase
+        seconds = phase.seconds_to_step() if phase is not None and self.meets_by_due_time else None
+        return 0.0 if seconds is None else get_dht_time() + max(0.0, seconds)
+
     def open_session(
         self, partner_id: str, partner_outer_step: int, kind: str
     ) -> ReservationSession | RoundSession | None:
@@ -178,7 +200,7 @@ class ReservedPairing(PairingStrategy):
                 return None
             if abs(partner_outer_step - phase.outer_step) > self.ctx.max_staleness:
                 return None
-            if not phase.repeat.allows(partner_id):
+            if not phase.repeat.allows(partner_id, time.monotonic()):
                 return None
             # One that reserved and never delivered, or whose blend measured worse than none, gets no phase while
             # set aside. Not one this node merely failed to call: a peer it cannot dial (a NAT, a firewall) still
@@ -242,9 +264,20 @@ class ReservedPairing(PairingStrategy):
         return True
 
     def _meet(self, phase: Phase, payload: Payload) -> bool:
-        """Whether this node's outer step and the caller's are due close enough to meet (unknown on either side:
-        yes)."""
-        mine, theirs = phase.seconds_to_step(), self.seconds_to_step(payload)
+        """Whether this node's outer step and the caller's are due close enough to meet."""
+        return self._due_together(phase.seconds_to_step(), self.seconds_to_step(payload))
+
+    def _worth_asking(self, phase: Phase, peer: PeerRecord) -> bool:
+        """Whether to ask ``peer`` to reserve this phase: not a recent partner in its repeat grace, and due close
+        enough to meet as far as its record says (the peer holds this node's ask to the window in ``_meet``)."""
+        if not phase.repeat.allows(peer.peer_id, time.monotonic()):
+            return False
+        theirs = peer.next_step_at - get_dht_time() if self.meets_by_due_time and peer.next_step_at > 0 else None
+        return self._due_together(phase.seconds_to_step(), theirs)
+
+    def _due_together(self, mine: float | None, theirs: float | None) -> bool:
+        """Two outer steps due ``mine`` and ``theirs`` seconds from now meet: within MEET_WINDOW of --pair-timeout
+        (unknown on either side: yes)."""
         if mine is None or theirs is None:
             return True
         return abs(mine - theirs) <= MEET_WINDOW * self.ctx.pair_timeout
@@ -259,8 +292,10 @@ class ReservedPairing(PairingStrategy):
     def _begin_phase(self, phi: Sequence[torch.Tensor], delta: Sequence[torch.Tensor], outer_step: int) -> None:
         seconds = self._phase_seconds
         offer = self.reservation_offer(phi, delta, outer_step, seconds)
-        due_at = None if seconds is None else time.monotonic() + seconds
-        phase = Phase(outer_step, offer, due_at, repeat=RepeatGrace.starting_now(*self._last_round))
+        now = time.monotonic()
+        due_at = None if seconds is None else now + seconds
+        repeat = RepeatGrace.starting(now, self._grace_seconds, self._records, self.ctx.caller.last_paired)
+        phase = Phase(outer_step, offer, due_at, repeat=repeat)
         with self._guard:
             previous, self._phase = self._phase, phase
         if previous is not None:
@@ -293,7 +328,7 @@ class ReservedPairing(PairingStrategy):
             reserved = phase.partner
         if reserved is None:
             offer.release()
-            self._last_round = (None, 0.0)
+            self._grace_seconds = 0.0
             return None  # nobody reserved this node: a solo step
         current = PairingRound(replica.outer_step, offer, only_partner=reserved.peer_id)
         self._partner_left = False
@@ -311,11 +346,9 @@ class ReservedPairing(PairingStrategy):
             leftover.release()
             if not self._partner_left and not ctx.stopping.is_set():
                 self._undelivered(reserved.peer_id, replica.outer_step)
-        # The next phase's grace for this partner: a pair that blended a moment later than this one is still inside
-        # its reserved phase, so without it each finds only its last partner open.
-        last_partner = partner.peer_id if partner is not None else None
-        others = bool(set(self._records) - {last_partner})
-        self._last_round = (last_partner, RepeatGrace.seconds(last_partner, others, ctx.pair_timeout, phase_seconds))
+        # The next phase's grace for recent partners (RepeatGrace): a pair that blended a moment later than this one
+        # is still inside its reserved phase, so without it each finds only its recent partners open.
+        self._grace_seconds = RepeatGrace.seconds(partner is not None, ctx.pair_timeout, phase_seconds)
         if partner is not None:
             self.finish(partner, replica)
         return partner
@@ -409,7 +442,7 @@ class ReservedPairing(PairingStrategy):
                 continue
             self._records = {p.peer_id: p for p in live}
             for peer in ctx.caller.order(ctx.caller.choosable(live, phase.outer_step)):
-                if not phase.repeat.allows(peer.peer_id):
+                if not self._worth_asking(phase, peer):
                     continue
                 if not (phase.open and phase.partner is None) or not self._reservation_lock.acquire(blocking=False):
                     break  # reserved meanwhile (a peer called in), or a peer is reserving with us right now

@@ -134,6 +134,11 @@ class PairingStrategy(ABC):
     def ready(self) -> bool:
         """Whether peers may call now (published in the DHT record)."""
 
+    def next_step_at(self) -> float:
+        """When this node's next outer step is due, in DHT time, for its record: peers ask only those due near
+        their own (pairing/reserved.py). 0: not known, or nothing in this mode depends on it."""
+        return 0.0
+
     @abstractmethod
     def open_session(self, partner_id: str, partner_outer_step: int, kind: str) -> ExchangeSession | None:
         """A session for an incoming exchange of payloads of ``kind`` from ``partner_id`` (a proven id), or None:

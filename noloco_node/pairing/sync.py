@@ -3,7 +3,8 @@ exchange their fresh weights and both blend (pairing/reserved.py: draw, then mee
 
 The reservation payload is one value, ``meet/due``: the seconds until the caller's outer step (negative: not known
 yet, before its first phase was measured), taken when it calls, so that the peer it calls can hold the two outer
-steps to the meeting window. The round payload is the ``weights`` payload (theta, with phi and delta when the run
+steps to the meeting window; the node's record says when that step is due (``next_step_at``), so that peers ask only
+if they are due near it. The round payload is the ``weights`` payload (theta, with phi and delta when the run
 needs them), blended as it came.
 """
 
@@ -25,6 +26,7 @@ class SyncPairing(ReservedPairing):
     mode = "sync"
     reservation_kind = "meet"
     round_kind = "weights"
+    meets_by_due_time = True
 
     def _meeting(self, outer_step: int, seconds_to_step: float | None) -> Published:
         due = torch.tensor([-1.0 if seconds_to_step is None else max(0.0, seconds_to_step)])

@@ -21,8 +21,12 @@ from noloco_node.model.source import SeededDecoder, run_fingerprint
 
 
 def test_record_round_trip() -> None:
-    record = PeerRecord("peer", "10.0.0.1:7000", "fp", outer_step=5, inner_step=250, ready=True, updated=12.5)
+    record = PeerRecord(
+        "peer", "10.0.0.1:7000", "fp", outer_step=5, inner_step=250, ready=True, updated=12.5, next_step_at=42.0
+    )
     assert PeerRecord.from_value("peer", record.to_value()) == record
+    older = {k: v for k, v in record.to_value().items() if k != "next_step_at"}  # a node of an earlier version
+    assert PeerRecord.from_value("peer", older).next_step_at == 0.0  # type: ignore[union-attr]
 
 
 @pytest.mark.parametrize(
@@ -36,6 +40,10 @@ def test_record_round_trip() -> None:
         {"address": "10.0.0.1:99999", "run_fingerprint": "fp"},
         {"address": ":7000", "run_fingerprint": "fp"},
         {"address": "10.0.0.1:7000", "run_fingerprint": "fp", "outer_step": "many"},
+        *(
+            {"address": "10.0.0.1:7000", "run_fingerprint": "fp", "next_step_at": due}
+            for due in (float("nan"), float("inf"), -1.0, "soon", True)
+        ),
     ],
 )
 def test_malformed_records_are_dropped(value: object) -> None:

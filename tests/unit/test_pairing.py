@@ -11,8 +11,10 @@ from types import SimpleNamespace
 import grpc
 import pytest
 import torch
+from hivemind.utils.timed_storage import get_dht_time
 
 from noloco_node import algorithm
+from noloco_node.discovery.dht import PeerRecord
 from noloco_node.pairing.overlap import OfferBook
 from noloco_node.pairing.pairing_round import PairingRound, Stage
 from noloco_node.pairing.peer_policy import UNDELIVERED, PeerPolicy
@@ -119,22 +121,33 @@ def test_closing_gives_up_on_an_exchange_that_outlives_its_bound_and_its_copy_st
     assert current.offer.holders == 0
 
 
-def test_the_last_partner_waits_its_turn_while_others_may_come() -> None:
+def test_the_more_recently_paired_half_of_the_peers_in_view_waits_its_turn() -> None:
+    """For the first part of a phase the more recently paired half of the peers in view waits, calling or called:
+    peers never paired or paired longest ago are reserved first, so that nodes whose phases open together do not
+    lock into groups that only ever pair among themselves. With two peers in view only the last partner waits."""
     strategy = sync_pairing()
-    strategy._last_round = ("old", RepeatGrace.seconds("old", True, 7200, 7200))
+    strategy.ctx.caller.last_paired.update({"a": 4, "b": 3, "c": 2, "d": 1})
+    strategy._records = {p: None for p in ("a", "b", "c", "d", "new", "newer")}  # type: ignore[misc]
+    strategy._grace_seconds = RepeatGrace.seconds(True, 7200, 7200)
     strategy._begin_phase([], [], 5)
-    assert strategy.open_session("old", 5, "meet") is None
-    other = strategy.open_session("new", 5, "meet")
-    assert other is not None
-    other.release()
+    for recent in ("a", "b", "c"):
+        assert strategy.open_session(recent, 5, "meet") is None
+    for older in ("d", "new"):
+        session = strategy.open_session(older, 5, "meet")
+        assert session is not None
+        session.release()
     assert strategy._phase is not None
-    strategy._phase.repeat = RepeatGrace("old", time.monotonic())  # its turn has come
-    session = strategy.open_session("old", 5, "meet")
+    strategy._phase.repeat = RepeatGrace(frozenset("abc"), time.monotonic())  # their turn has come
+    session = strategy.open_session("a", 5, "meet")
     assert session is not None
     session.release()
-    # Nobody else may become free (or no partner last time): no grace at all.
-    assert RepeatGrace.seconds("old", False, 7200, 7200) == 0 and RepeatGrace.seconds(None, True, 7200, 7200) == 0
-    assert RepeatGrace.seconds("old", True, 10, 7200) == 5  # at most half the pair timeout
+
+    grace = RepeatGrace.starting(100.0, 5.0, ["last", "other"], {"last": 7, "other": 6})
+    assert grace.allows("other", 100.0) and not grace.allows("last", 104.9) and grace.allows("last", 105.0)
+    assert RepeatGrace.starting(100.0, 5.0, ["last"], {"last": 7}).allows("last", 100.0)  # nobody else in view
+    assert RepeatGrace.starting(100.0, 5.0, ["x", "y"], {}).allows("x", 100.0)  # never paired: nobody waits
+    # No partner last time: no grace at all; at most half the pair timeout.
+    assert RepeatGrace.seconds(False, 7200, 7200) == 0 and RepeatGrace.seconds(True, 10, 7200) == 5
 
 
 def test_offer_book_keeps_the_nearest_offer_within_the_staleness_bound_both_ways() -> None:
@@ -226,6 +239,7 @@ def strategy_context(kinds: list[PayloadKind], peer_id: str, pair_timeout: float
                 receive_buffers=ReceiveBuffers(max_idle_bytes=0), metrics=ExchangeMetrics(), run_fingerprint="run"
             ),
             policy=PeerPolicy(exchange_timeout=60.0, min_deadline=5.0, avoid_seconds=30.0),
+            last_paired={},
         ),
         loop=None,
         max_staleness=1,
@@ -295,6 +309,34 @@ def test_sync_reserves_a_peer_whose_outer_step_is_due_within_the_meeting_window_
     session.release()
     for sent in (-1.0, math.nan):  # the caller did not know (or sent no number): unknown, so it meets
         assert sync_pairing().seconds_to_step(meeting("x", 0, sent)) is None
+
+
+def test_a_sync_node_says_when_its_step_is_due_and_asks_only_peers_due_near_it() -> None:
+    """A sync node's record says when its next outer step is due (DHT time; 0 before a phase was measured). It asks
+    a peer whose record is due within the meeting window of its own step, or says nothing, and skips one due further
+    off, which would refuse the ask (``_meet``). A stream node says nothing, and asks whatever the hint says."""
+    strategy = sync_pairing(pair_timeout=10.0)
+    assert strategy.next_step_at() == 0.0  # no phase yet
+    strategy._begin_phase([], [], 4)
+    assert strategy.next_step_at() == 0.0  # its first phase: not measured yet
+    strategy._phase_seconds = 30.0
+    strategy._begin_phase([], [], 5)
+    phase, now, window = strategy._phase, get_dht_time(), MEET_WINDOW * 10.0
+    assert phase is not None and now + 29 < strategy.next_step_at() <= now + 31
+
+    def record(peer: str, due: float) -> PeerRecord:
+        return PeerRecord(peer, "127.0.0.1:7000", "run", outer_step=5, ready=True, next_step_at=due)
+
+    assert strategy._worth_asking(phase, record("near", now + 30 + window - 1))
+    assert strategy._worth_asking(phase, record("unknown", 0.0))
+    assert not strategy._worth_asking(phase, record("late", now + 30 + window + 1))
+    assert not strategy._worth_asking(phase, record("early", now + 30 - window - 1))
+
+    stream = stream_pairing()
+    stream._phase_seconds = 30.0
+    stream._begin_phase([torch.zeros(3, 2)], [torch.zeros(3, 2)], 5)
+    assert stream.next_step_at() == 0.0
+    assert stream._phase is not None and stream._worth_asking(stream._phase, record("late", now + 1000))
 
 
 def test_stream_reserves_the_first_phase_swap_and_rebuilds_its_partners_theta_from_phi_and_progress() -> None:
