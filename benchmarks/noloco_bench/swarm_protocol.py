@@ -363,7 +363,7 @@ class Member:
         settings, clock = self.swarm.settings, self.swarm.clock
         self.round_open = False
         grace = RepeatGrace.seconds(partner is not None, settings.pair_timeout, settings.phase_seconds)
-        self.repeat = RepeatGrace.starting(clock.now, grace, (r.peer_id for r in self._near), self.last_paired)
+        self.repeat = RepeatGrace.starting(clock.now, grace, self._near, self.last_paired)
         assert self.outer_step is not None
         self.outer_step += 1
         self.next_round_at = max(self.round_opened + self._phase(), clock.now + 0.01)  # steps borrowed while waiting
@@ -586,6 +586,8 @@ class Member:
             self.counts.blends += 1
             self.counts.hostile_blends += partner.hostile
             if self.swarm.late(self.round_opened):
+                if not partner.hostile:
+                    self.swarm.late_pairs.append((self.peer_id, partner.peer_id))
                 self.counts.late_blends += 1
                 self.counts.late_hostile_blends += partner.hostile
             self.counts.found_seconds.append(clock.now - seconds - self.round_opened)
@@ -643,6 +645,8 @@ class Swarm:
         self.dht = EmulatedDHT(self.clock)
         self.members: dict[str, Member] = {}
         self.departed: list[Member] = []
+        # Honest members' blends with each other in the window's last third: whether the swarm still mixes as one.
+        self.late_pairs: list[tuple[str, str]] = []
         self._latency: dict[str, float] = {}
         self._hosts = itertools.count(1)
 
@@ -784,12 +788,33 @@ class Swarm:
             "level_median": statistics.median(levels) if levels else None,
             "estimate_median": statistics.median(estimates) if estimates else None,
             "view_median": statistics.median(len(m.view) for m in staying) if staying else None,
+            "late_groups": _groups([m.peer_id for m in staying], self.late_pairs),
             "simulation_cpu_s": cpu_seconds,
         }
 
 
 def run(settings: ProtocolSettings) -> dict[str, Any]:
     return Swarm(settings).run()
+
+
+def _groups(members: list[str], pairs: list[tuple[str, str]]) -> list[int]:
+    """The sizes of the groups ``members`` fall into when each of ``pairs`` joins its two (connected components,
+    largest first): one group is a swarm that mixes as one; two or more trained as separate swarms."""
+    parent = {m: m for m in members}
+
+    def root(m: str) -> str:
+        while parent[m] != m:
+            parent[m] = parent[parent[m]]
+            m = parent[m]
+        return m
+
+    for a, b in pairs:
+        if a in parent and b in parent:
+            parent[root(a)] = root(b)
+    sizes: dict[str, int] = {}
+    for m in members:
+        sizes[root(m)] = sizes.get(root(m), 0) + 1
+    return sorted(sizes.values(), reverse=True)
 
 
 def run_protocol_bench(
@@ -843,9 +868,18 @@ def _line(r: dict[str, Any]) -> str:
         f"after {found if found is None else round(found, 2)} s "
         f"median, discovery {r['discovery_bytes_per_member_s'] / 1000:.1f} KB/s per member, level "
         f"{r['level_median']}, estimate {r['estimate_median'] and round(r['estimate_median'])}, "
-        f"view {r['view_median']}, {r['left_and_joined']} left and joined ({r['joiners_blended']} of "
+        f"view {r['view_median']}, {_groups_text(r['late_groups'])}, "
+        f"{r['left_and_joined']} left and joined ({r['joiners_blended']} of "
         f"{r['joiners']} joiners blended), clock moves {r['clock_moves']}, {r['simulation_cpu_s']:.0f} s CPU"
     )
+
+
+def _groups_text(sizes: list[int]) -> str:
+    """The late blends' groups: "one group" when the swarm mixes as one."""
+    if len(sizes) <= 1:
+        return "late blends join the swarm as one group"
+    lone = sum(size == 1 for size in sizes)
+    return f"late blends split it into {len(sizes)} groups (largest {sizes[0]}, {lone} members with no late blend)"
 
 
 def _plot(series: dict[tuple[str, float], list[dict[str, Any]]], path: Path) -> None:

@@ -11,6 +11,7 @@ from noloco_bench.swarm_protocol import (
     Clock,
     EmulatedDHT,
     ProtocolSettings,
+    _groups,
     run,
 )
 from noloco_node.discovery.buckets import MAX_BUCKET_ENTRIES, Bucket
@@ -54,3 +55,10 @@ def test_draw_then_meet_pairs_a_swarm_whose_phases_run_at_random_offsets_where_c
     assert ready["blend_rate"] < 0.6, ready
     assert reserve["blend_rate"] >= 0.9 and reserve["members_below_90_percent"] <= 10, reserve
     assert reserve["rounds"] >= 0.9 * ready["rounds"]  # the same swarm: as many outer steps taken
+
+
+def test_the_late_blends_groups_say_whether_the_swarm_mixes_as_one() -> None:
+    members = ["a", "b", "c", "d", "e"]
+    assert _groups(members, [("a", "b"), ("b", "c"), ("d", "e"), ("e", "d")]) == [3, 2]  # two separate swarms
+    assert _groups(members, [("a", "b"), ("c", "d"), ("b", "c"), ("x", "a")]) == [4, 1]  # a gone member joins none
+    assert _groups(members, [("a", "b"), ("b", "c"), ("c", "d"), ("d", "e")]) == [5]

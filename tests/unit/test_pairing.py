@@ -121,13 +121,17 @@ def test_closing_gives_up_on_an_exchange_that_outlives_its_bound_and_its_copy_st
     assert current.offer.holders == 0
 
 
+def record(peer: str, host: str = "127.0.0.1") -> PeerRecord:
+    return PeerRecord(peer, f"{host}:7000", "run", outer_step=5, ready=True)
+
+
 def test_the_more_recently_paired_half_of_the_peers_in_view_waits_its_turn() -> None:
     """For the first part of a phase the more recently paired half of the peers in view waits, calling or called:
     peers never paired or paired longest ago are reserved first, so that nodes whose phases open together do not
     lock into groups that only ever pair among themselves. With two peers in view only the last partner waits."""
     strategy = sync_pairing()
     strategy.ctx.caller.last_paired.update({"a": 4, "b": 3, "c": 2, "d": 1})
-    strategy._records = {p: None for p in ("a", "b", "c", "d", "new", "newer")}  # type: ignore[misc]
+    strategy._records = {p: record(p) for p in ("a", "b", "c", "d", "new", "newer")}
     strategy._grace_seconds = RepeatGrace.seconds(True, 7200, 7200)
     strategy._begin_phase([], [], 5)
     for recent in ("a", "b", "c"):
@@ -142,10 +146,15 @@ def test_the_more_recently_paired_half_of_the_peers_in_view_waits_its_turn() -> 
     assert session is not None
     session.release()
 
-    grace = RepeatGrace.starting(100.0, 5.0, ["last", "other"], {"last": 7, "other": 6})
+    grace = RepeatGrace.starting(100.0, 5.0, [record("last"), record("other")], {"last": 7, "other": 6})
     assert grace.allows("other", 100.0) and not grace.allows("last", 104.9) and grace.allows("last", 105.0)
-    assert RepeatGrace.starting(100.0, 5.0, ["last"], {"last": 7}).allows("last", 100.0)  # nobody else in view
-    assert RepeatGrace.starting(100.0, 5.0, ["x", "y"], {}).allows("x", 100.0)  # never paired: nobody waits
+    assert RepeatGrace.starting(100.0, 5.0, [record("last")], {"last": 7}).allows("last", 100.0)  # nobody else
+    assert RepeatGrace.starting(100.0, 5.0, [record("x"), record("y")], {}).allows("x", 100.0)  # never paired
+    # Counted per network group, as Standing.order counts: a host's other keys wait with the key it paired with.
+    host = [record(key, "11.0.0.9") for key in ("h1", "h2", "h3")]
+    others = [record(key, f"11.0.{i}.1") for i, key in enumerate(("p", "q", "r"), start=1)]
+    grace = RepeatGrace.starting(100.0, 5.0, [*host, *others], {"h1": 7, "p": 6, "q": 5})
+    assert grace.waiting == {"h1", "h2", "h3"}
     # No partner last time: no grace at all; at most half the pair timeout.
     assert RepeatGrace.seconds(False, 7200, 7200) == 0 and RepeatGrace.seconds(True, 10, 7200) == 5
 
