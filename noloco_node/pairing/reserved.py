@@ -10,9 +10,10 @@ step's exchange carry (pairing/sync.py, pairing/stream.py).
    other, as far as both know when (a sync reservation carries the seconds until its sender's outer step): a
    partner due half a phase later would hold this node's round for nothing. A node of such a mode also says in its
    record when its next step is due (``next_step_at``), and asks only peers whose records are due within the
-   window, or say nothing: each ask the peer would refuse costs both a round trip and a sealed payload. While
-   other peers are known, a phase does not reserve its last partner for its first min(--pair-timeout, phase)/2
-   seconds (:class:`RepeatGrace`): partners rotate instead of locking into fixed pairs.
+   window, or say nothing: each ask the peer would refuse costs both a round trip and a sealed payload. For the
+   first min(--pair-timeout, phase)/2 seconds of a phase after a blend, the more recently paired half of the peers
+   in view does not reserve it (:class:`RepeatGrace`): partners rotate instead of locking into fixed pairs or
+   groups.
 2. At the outer step the node publishes its *round payload* and exchanges it with the reserved partner alone, in a
    pairing round (pairing/pairing_round.py: either side may call; the first exchange both sides commit settles the
    round on both). The round payload is made whole with the reservation's (:meth:`ReservedPairing.whole`).
