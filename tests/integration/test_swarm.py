@@ -421,6 +421,7 @@ def test_a_partner_frozen_mid_exchange_holds_no_thread_past_the_nodes_last_step(
     import signal
     import threading
 
+    steps = 160
     node_port, partner_port = free_port(), free_port()
     frozen = threading.Event()
     partner_holder: list[NodeProcess] = []
@@ -428,7 +429,7 @@ def test_a_partner_frozen_mid_exchange_holds_no_thread_past_the_nodes_last_step(
     last_look = [0.0]
 
     def freeze_partner_mid_stream(relayed: int) -> None:
-        # In an exchange of the node's last outer step or the one before: a call still open when the run ends.
+        # In an exchange after the node's second outer step: the node trains on alone past the frozen call.
         if relayed < 150_000 or frozen.is_set() or not partner_holder or time.monotonic() - last_look[0] < 0.2:
             return
         last_look[0] = time.monotonic()
@@ -438,7 +439,10 @@ def test_a_partner_frozen_mid_exchange_holds_no_thread_past_the_nodes_last_step(
 
     node_proxy = ThrottlingProxy(node_port, bytes_per_second=150_000, on_bytes=freeze_partner_mid_stream)
     partner_proxy = ThrottlingProxy(partner_port, bytes_per_second=150_000, on_bytes=freeze_partner_mid_stream)
-    common = [*TRAIN, "--inner-steps", "20", "--wire-dtype", "fp32", "--steps", "80", "--num-shards", "2"]
+    # 8 outer steps: the node's run outlasts the partner's start (--wait-for-peers starts the node once the
+    # partner's record is up, and a loaded machine can take seconds more to start the partner's training: a run of
+    # 4 outer steps once ended before the partner's first).
+    common = [*TRAIN, "--inner-steps", "20", "--wire-dtype", "fp32", "--steps", str(steps), "--num-shards", "2"]
     common += ["--pair-timeout", "8", "--exchange-timeout", "20", "--wait-for-peers", "1"]
     node = NodeProcess(
         "node", bootstrap, tmp_path, *common, "--shard-index", "0", "--grpc-port", str(node_port),
@@ -454,7 +458,7 @@ def test_a_partner_frozen_mid_exchange_holds_no_thread_past_the_nodes_last_step(
         exited = time.time()
         assert frozen.is_set(), "no exchange ever streamed through the proxies"
         history = node.status()["history"]
-        assert history[-1]["inner_step"] == 80  # it trained to the end
+        assert history[-1]["inner_step"] == steps  # it trained to the end
         assert exited - history[-1]["time"] < 5.0, exited - history[-1]["time"]
         assert "still running" not in node.output(), node.output()[-3000:]
     finally:
