@@ -109,9 +109,10 @@ class EstablishedGroupsStanding(Standing):
     """The node's standing as it drew the line between partner and stranger before 2026-11-29: a peer is called and
     served on its network group's share only once its record was seen for ``standing_seconds`` and it blended with
     this member, and a group blends at most twice in 2G outer steps. In a new swarm the groups that blended first
-    were the always-ready ones."""
+    were the always-ready ones. (Groups whose share is spent were then called last; they are not called now.)"""
 
     blends_per_window = 2
+    window_share = 1.0
 
     def _partner(self, peer_id: str, now: float) -> bool:
         return self._established(peer_id, now)

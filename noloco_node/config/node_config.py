@@ -223,8 +223,8 @@ class NodeConfig(StrictSettings):
     standing_seconds: float = Field(
         120.0,
         ge=0,
-        description="A peer earns standing (it is preferred as a partner) once this node has seen its DHT record "
-        "for this long and blended with it once; until then it is a stranger (s).",
+        description="A peer is a partner (called, and its calls served, on its network group's share) once this "
+        "node has seen its DHT record for this long; until then it is a stranger (s).",
     )
     stranger_share: float = Field(
         0.1,
