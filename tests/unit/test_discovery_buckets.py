@@ -12,7 +12,7 @@ from hivemind.dht import storage
 from hivemind.dht.routing import DHTID
 from hivemind.utils.timed_storage import get_dht_time
 
-from noloco_node.discovery.buckets import MAX_LEVEL, Bucket, SwarmSize, peer_hash
+from noloco_node.discovery.buckets import ABOVE_EVERY, MAX_LEVEL, Bucket, SwarmSize, peer_hash
 from noloco_node.discovery.dht import bound_dictionaries
 from noloco_node.discovery.view import RecordView
 
@@ -87,13 +87,65 @@ def test_a_joiner_finds_the_swarm_at_any_level_and_its_estimate_settles_there(me
     assert estimate is not None and members / 2 < estimate < members * 2
 
 
+def test_members_settled_apart_at_a_low_level_find_the_larger_swarm_above_and_move_to_its_level() -> None:
+    """Joiners that came up together probe level 0 first and can find each other there before the swarm they joined
+    (100 members writing at levels 2-3): settled as a swarm of 18, a joiner reads one bucket in ABOVE_EVERY above its
+    level, finds the members' records and moves to their level. A member of the larger swarm reads above it too, finds
+    nothing there (or a stray record) and stays."""
+    rng = random.Random(4)
+    swarm = [f"peer-{i}" for i in range(100)]
+    written = settled(100, 16).written_levels()
+    apart = [f"joiner-{i}" for i in range(18)]
+
+    def read(node: SwarmSize) -> None:
+        bucket = Bucket.random(node.read_level(), rng)
+        found = swarm_read(apart, (0,), bucket) + swarm_read(swarm, written, bucket)
+        node.observe(bucket, found, found)
+
+    joiner = SwarmSize(16)
+    read(joiner)  # the first probe reads level 0: the joiners only
+    assert not joiner.probing and joiner.level == 0 and joiner.estimate == 18
+    reads = 0
+    while joiner.level not in written and reads < ABOVE_EVERY * MAX_LEVEL:
+        read(joiner)
+        reads += 1
+    assert joiner.level in written and reads <= 2 * ABOVE_EVERY, reads  # level 2 is the first read above
+    for _ in range(40):
+        read(joiner)
+    assert joiner.level in written and joiner.estimate is not None and 50 < joiner.estimate < 200
+    member = settled(100, 16)
+    for _ in range(100):
+        level = member.read_level()
+        stray = 1 if level > member.level else 0  # a record left above by a level the swarm has left
+        member.observe(Bucket.random(level, rng), stray or round(100 / 2**level), 1)
+    assert member.level in written
+
+
+def test_a_lure_written_above_moves_a_node_less_and_less_often() -> None:
+    """Four records in every bucket of level 9 (some 2,000 keys, each ground to its bucket) look like a swarm of 2,000
+    above a member of a swarm of 100: the member moves up, finds only them, walks back down, and reads above half as
+    often each time, so the lure holds it for a shrinking share of its reads."""
+    rng = random.Random(5)
+    swarm = [f"peer-{i}" for i in range(100)]
+    written = settled(100, 16).written_levels()
+    member = settled(100, 16)
+    lost = []
+    for _ in range(3000):
+        bucket = Bucket.random(member.read_level(), rng)
+        found = 4 if bucket.level == 9 else swarm_read(swarm, written, bucket)
+        member.observe(bucket, found, found)
+        lost.append(member.level not in written)
+    assert any(lost[:500])  # the lure works at first
+    assert sum(lost[-1000:]) < 0.05 * 1000, sum(lost[-1000:])
+
+
 def test_a_node_whose_reads_find_nobody_for_a_while_probes_again() -> None:
     size = SwarmSize(32)
     size.observe(Bucket(3, 1), 30, 29)  # found at level 3
     assert not size.probing and size.read_level() == 3
     levels = []
     while not size.probing and len(levels) < 40:  # the estimate falls, and the level with it, to 0
-        levels.append(size.read_level())
+        levels.append(size.level)
         size.observe(Bucket.random(size.read_level()), 0, 0)
     assert size.probing and levels[0] == 3 and levels[-1] == 0 and sorted(levels, reverse=True) == levels
 
@@ -109,7 +161,7 @@ def test_a_node_above_a_flood_that_reads_empty_buckets_lowers_its_level_and_does
         level = size.read_level()
         records = 256 if level <= 3 else 131 if level == 4 else 0
         size.observe(Bucket.random(level), records, records)
-        seen.append((size.read_level(), size.probing))
+        seen.append((size.level, size.probing))
     assert not any(probing for _, probing in seen)
     assert {level for level, _ in seen[100:]} <= {4, 5, 6}
 
