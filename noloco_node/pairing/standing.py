@@ -34,7 +34,7 @@ completes first, can have every round taken by one stranger minting keys and ech
 - **Introductions.** A node's record names the established peers of its latest blends (``recent_partners``). A
   stranger that an established peer names there has earned standing with a peer this node trusts, and rides on its
   introducer's share: it is called and served like a partner, without a stranger turn, and its blends count
-  against the introducer's network group (once in G outer steps, the group and all it names together), until it is
+  against the introducer's network group (once in its window, the group and all it names together), until it is
   a partner here (a bounded table remembers the introductions: the introducer's
   record moves on to its next partners long before the stranger earns standing). Two honest members that are
   strangers to each other (a joiner and a member that restarted, say) but have standing with the same peer then
