@@ -350,8 +350,8 @@ class Standing:
 
     def order(self, candidates: Sequence[PeerRecord], last_paired: dict[str, int]) -> list[PeerRecord]:
         """Whom to call, in order: the partners and the strangers on an introducer's share (each counted
-        in its introducer's group), least recently paired group first and the groups whose share is spent (the
-        calls in ``may_serve`` would refuse) last, and with a stranger turn one other stranger
+        in its introducer's group), least recently paired group first, not the groups whose share is spent (their
+        calls in ``may_serve`` would refuse), and with a stranger turn one other stranger
         before them (a random key of the turn's group; the call spends the turn); with no partner live,
         every candidate alike, one group at a time.
 
