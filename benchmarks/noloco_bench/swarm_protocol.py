@@ -21,7 +21,10 @@ model: a member is its outer-step counter. What is emulated around them follows 
   until a partner or ``pair_timeout`` (``alone_grace`` with nobody within reach). A call is taken when the callee's
   round is open and free, within reach, not a recent partner inside the repeat grace, and ``Standing.may_serve``; both
   spend a stranger turn as the node does. An exchange holds both for ``exchange_seconds`` plus a round trip. The
-  straggler rule (``Standing.swarm_step``) moves a member that most of its known swarm is ahead of.
+  straggler rule (``Standing.swarm_step``) moves a member that most of its known swarm is ahead of, and after
+  BEHIND_STEPS solo steps in a row with every peer whose word counts at or beyond the edge of reach ahead, a member
+  adopts the lower median step of those ahead (the node's catch-up, node/outer_step.py; its straggler rule and
+  backoff are not emulated).
 - **Draw, then meet** (``pairing="reserve"``), the node's rule in sync and stream mode (pairing/reserved.py): from the
   start of its phase a member asks the candidates within reach, in ``Standing.order`` (records saying they are still
   looking first), to meet at both members' next outer steps; yes from a member that is not reserved, within reach, due
@@ -30,7 +33,7 @@ model: a member is its outer-step counter. What is emulated around them follows 
   at their steps (the first there waits, up to --pair-timeout); one still unreserved at its step keeps asking. The
   node asks only records that say they are still looking, and skips those due outside the window, as here.
 - **Partners** (``partners``): the node's ``Standing`` (``known``: a record seen for --standing-seconds, a group
-  once in G outer steps), or ``EstablishedGroupsStanding`` (``established``, the node's rule before 2026-11-29: a
+  once in its window of 0.6 G outer steps), or ``EstablishedGroupsStanding`` (``established``, the node's rule before 2026-11-29: a
   record seen for --standing-seconds and a blend, a group twice in 2G).
 - **Churn**: members leave at ``churn_per_hour`` of the swarm per hour (half of them crash, half write a tombstone),
   and as many join, each a cold start: it probes for the swarm's level, takes the lower median outer step of its
@@ -65,6 +68,7 @@ from typing import Any
 from noloco_node.discovery.buckets import MAX_BUCKET_ENTRIES, Bucket, SwarmSize
 from noloco_node.discovery.dht import PeerRecord
 from noloco_node.discovery.view import RecordView
+from noloco_node.node.outer_step import BEHIND_STEPS
 from noloco_node.pairing.peer_policy import PeerPolicy
 from noloco_node.pairing.reserved import MEET_WINDOW, RepeatGrace
 from noloco_node.pairing.standing import Standing
@@ -184,6 +188,7 @@ class MemberCounts:
     late_blends: int = 0  # in rounds opened in the last third of the measured window
     late_hostile_blends: int = 0
     clock_moves: int = 0
+    catch_ups: int = 0  # states downloaded after solo steps with every peer out of reach ahead
     found_seconds: list[float] = field(default_factory=list)  # a round's opening to its exchange
     discovery_bytes: int = 0  # in the measured window
     first_blend_after: float | None = None  # a joiner: seconds from its start to its first blend
@@ -230,6 +235,7 @@ class Member:
         self._order_at: tuple[float, int] = (-1.0, 0)
         self._within_reach = False
         self._all_ahead = False
+        self._behind = 0  # solo steps in a row with every peer out of reach ahead (_catch_up_if_left_behind)
 
     # ------------------------------------------------------------------------------------------- discovery
 
@@ -368,8 +374,30 @@ class Member:
         assert self.outer_step is not None
         self.outer_step += 1
         self.next_round_at = max(self.round_opened + self._phase(), clock.now + 0.01)  # steps borrowed while waiting
+        if partner is None and self._catch_up_if_left_behind():
+            self.next_round_at += settings.exchange_seconds  # the download, before the next phase
         clock.after(self.next_round_at - clock.now, self.open_round)
         self._begin_phase()
+
+    def _catch_up_if_left_behind(self) -> bool:
+        """The node's catch-up (node/outer_step.py ``_catch_up_if_left_behind``): after BEHIND_STEPS solo steps in a
+        row with every peer whose word counts at or beyond the edge of reach ahead, adopt a donor's state (the lower
+        median step of those ahead). Not emulated: the node's straggler rule and its backoff."""
+        assert self.outer_step is not None
+        edge = self.outer_step + self.swarm.settings.max_staleness
+        steps = [r.outer_step for r in self.live() if self.standing.believable(r.peer_id)]
+        ahead = sorted(step for step in steps if step >= edge)
+        if not ahead or any(self.outer_step - self.swarm.settings.max_staleness <= step < edge for step in steps):
+            self._behind = 0
+            return False
+        self._behind += 1
+        if self._behind < BEHIND_STEPS:
+            return False
+        self._behind = 0
+        self.outer_step = ahead[(len(ahead) - 1) // 2]
+        if self.swarm.measured(self.swarm.clock.now):
+            self.counts.catch_ups += 1
+        return True
 
     def _refresh_candidates(self) -> list[PeerRecord]:
         """What the pairing loop reads from a lookup: recomputed once per lookup (the node shares one a second)."""
@@ -778,6 +806,7 @@ class Swarm:
             "hostile_share_of_blends": hostile_blends / blends if blends else 0.0,
             "hostile_share_of_late_blends": late_hostile / late if late else 0.0,
             "clock_moves": sum(m.counts.clock_moves for m in honest),
+            "catch_ups": sum(m.counts.catch_ups for m in honest),
             "found_partner_median_s": statistics.median(found) if found else None,
             "found_partner_p90_s": found[int(0.9 * (len(found) - 1))] if found else None,
             "joiners": len(joiners),
@@ -871,7 +900,8 @@ def _line(r: dict[str, Any]) -> str:
         f"{r['level_median']}, estimate {r['estimate_median'] and round(r['estimate_median'])}, "
         f"view {r['view_median']}, {_groups_text(r['late_groups'])}, "
         f"{r['left_and_joined']} left and joined ({r['joiners_blended']} of "
-        f"{r['joiners']} joiners blended), clock moves {r['clock_moves']}, {r['simulation_cpu_s']:.0f} s CPU"
+        f"{r['joiners']} joiners blended), clock moves {r['clock_moves']}, catch-ups {r['catch_ups']}, "
+        f"{r['simulation_cpu_s']:.0f} s CPU"
     )
 
 
