@@ -33,8 +33,8 @@ model: a member is its outer-step counter. What is emulated around them follows 
   at their steps (the first there waits, up to --pair-timeout); one still unreserved at its step keeps asking. The
   node asks only records that say they are still looking, and skips those due outside the window, as here.
 - **Partners** (``partners``): the node's ``Standing`` (``known``: a record seen for --standing-seconds, a group
-  once in its window of 0.6 G outer steps), or ``EstablishedGroupsStanding`` (``established``, the node's rule before 2026-11-29: a
-  record seen for --standing-seconds and a blend, a group twice in 2G).
+  once in its window of 0.6 G outer steps), or ``EstablishedGroupsStanding`` (``established``, the node's rule
+  before 2026-11-29: a record seen for --standing-seconds and a blend, a group twice in 2G).
 - **Churn**: members leave at ``churn_per_hour`` of the swarm per hour (half of them crash, half write a tombstone),
   and as many join, each a cold start: it probes for the swarm's level, takes the lower median outer step of its
   view (a state download) and trains from there.
