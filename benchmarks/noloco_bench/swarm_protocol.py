@@ -285,8 +285,17 @@ class Member:
         found = [(record, expires) for record, expires in entries if bucket.holds(record.peer_id)]
         self.view.replace(bucket, [(record, expires) for record, expires in found if not record.leaving])
         others = sum(1 for record, _ in found if record.peer_id != self.peer_id)
+        above_level = self.size.above_level()  # before this read counts: the node's own rule
         if self.size.observe(bucket, len(found), others):
             self.publish()
+        if above_level is not None:  # a larger swarm, if anything: in view only once the member moves there
+            above = Bucket.random(above_level, self.rng)
+            entries, cost = self.swarm.dht.read(above)
+            self._count_bytes(cost)
+            found = [(record, expires) for record, expires in entries if above.holds(record.peer_id)]
+            if self.size.observe(above, len(found), sum(1 for record, _ in found if record.peer_id != self.peer_id)):
+                self.view.replace(above, [(record, expires) for record, expires in found if not record.leaving])
+                self.publish()
         if self.outer_step is None and not self.hostile and not self.size.probing:
             self._join_training()
         self._looked_up = self.swarm.clock.now

@@ -122,14 +122,19 @@ class SwarmSize:
         return (self.level,)
 
     def read_level(self) -> int:
-        """The level of the next random bucket read: a probe level while probing; else the node's level, and one
-        read in ABOVE_EVERY a level above it (2, 4, ... up, in turn)."""
+        """The level of the next random bucket read: a probe level while probing, else the node's level."""
         if self.probing:
             return 0 if self._probe % 2 == 0 else min(MAX_LEVEL, (self._probe + 1) // 2 * PROBE_STRIDE)
-        levels_above = (MAX_LEVEL - self.level) // PROBE_STRIDE
-        if levels_above and self._reads % self._above_every == self._above_every - 1:
-            return self.level + PROBE_STRIDE * (1 + self._above % levels_above)
         return self.level
+
+    def above_level(self) -> int | None:
+        """The level of an extra read above the node's level with this lookup (one lookup in ABOVE_EVERY; 2, 4, ...
+        levels up, in turn), or None. It only looks for a larger swarm: what it finds enters the node's view only if
+        the node moves there (``observe`` says so)."""
+        levels_above = (MAX_LEVEL - self.level) // PROBE_STRIDE
+        if self.probing or not levels_above or self._reads % self._above_every != self._above_every - 1:
+            return None
+        return self.level + PROBE_STRIDE * (1 + self._above % levels_above)
 
     def observe(self, bucket: Bucket, records: int, others: int) -> bool:
         """A random bucket's read found ``records`` well-formed records of its members, ``others`` of them not this
@@ -164,7 +169,6 @@ class SwarmSize:
         node moves to their level. Records written high up to lure nodes away (a bucket's share at every bucket of
         a level: thousands of keys) move it there, its reads find only them, and its level walks back down: each
         time that happens, reads above come half as often (down to one in MAX_ABOVE_EVERY)."""
-        self._reads += 1
         self._above += 1
         size = records * 2.0**bucket.level
         if others < RECORDS_ABOVE * self.bucket_records or size < LARGER_SWARM * max(self.estimate or 1.0, 1.0):

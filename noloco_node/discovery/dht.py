@@ -543,8 +543,10 @@ class Discovery:
         """One lookup: a random bucket at the node's level (or a probe level), and the followed peers' buckets;
         each replaces what the view held of it. The random one's count feeds the size estimate."""
         sampled = Bucket.random(self.size.read_level())
+        above_level = self.size.above_level()
+        above = Bucket.random(above_level) if above_level is not None else None
         followed = {Bucket.of(peer_id, self.size.level) for peer_id in self._followed} - {sampled}
-        buckets = [sampled, *followed]
+        buckets = [sampled, *followed, *([above] if above is not None else [])]
         reads = await asyncio.gather(*(self._read_bucket(bucket) for bucket in buckets), return_exceptions=True)
         for bucket, read in zip(buckets, reads, strict=True):
             if isinstance(read, BaseException):
@@ -552,8 +554,18 @@ class Discovery:
                     raise read
                 continue  # a followed bucket's read failed: what the view holds of it stays
             found, members = read
-            self.view.replace(bucket, found)
             others = members - any(record.peer_id == self.peer_id for record, _ in found)
+            if bucket is above:  # a larger swarm, if anything: in view only once the node moves there
+                if self.size.observe(bucket, members, others):
+                    self.view.replace(bucket, found)
+                    log.info(
+                        "discovery: a larger swarm above, about %.0f members: reading level %d",
+                        self.size.estimate,
+                        self.size.level,
+                    )
+                    self._publish_at_new_level()
+                continue
+            self.view.replace(bucket, found)
             if bucket is sampled and self.size.observe(bucket, members, others):
                 log.info("discovery: about %.0f members, reading level %d", self.size.estimate, self.size.level)
                 self._publish_at_new_level()

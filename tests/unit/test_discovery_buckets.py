@@ -97,10 +97,12 @@ def test_members_settled_apart_at_a_low_level_find_the_larger_swarm_above_and_mo
     written = settled(100, 16).written_levels()
     apart = [f"joiner-{i}" for i in range(18)]
 
-    def read(node: SwarmSize) -> None:
-        bucket = Bucket.random(node.read_level(), rng)
-        found = swarm_read(apart, (0,), bucket) + swarm_read(swarm, written, bucket)
-        node.observe(bucket, found, found)
+    def read(node: SwarmSize) -> None:  # one lookup: a bucket at the node's level, and one above now and then
+        above = node.above_level()
+        for level in (node.read_level(), *([above] if above is not None else [])):
+            bucket = Bucket.random(level, rng)
+            found = swarm_read(apart, (0,), bucket) + swarm_read(swarm, written, bucket)
+            node.observe(bucket, found, found)
 
     joiner = SwarmSize(16)
     read(joiner)  # the first probe reads level 0: the joiners only
@@ -115,9 +117,10 @@ def test_members_settled_apart_at_a_low_level_find_the_larger_swarm_above_and_mo
     assert joiner.level in written and joiner.estimate is not None and 50 < joiner.estimate < 200
     member = settled(100, 16)
     for _ in range(100):
-        level = member.read_level()
-        stray = 1 if level > member.level else 0  # a record left above by a level the swarm has left
-        member.observe(Bucket.random(level, rng), stray or round(100 / 2**level), 1)
+        above = member.above_level()
+        member.observe(Bucket.random(member.read_level(), rng), round(100 / 2**member.level), 1)
+        if above is not None:  # a record left above by a level the swarm has left
+            member.observe(Bucket.random(above, rng), 1, 1)
     assert member.level in written
 
 
@@ -131,9 +134,11 @@ def test_a_lure_written_above_moves_a_node_less_and_less_often() -> None:
     member = settled(100, 16)
     lost = []
     for _ in range(3000):
-        bucket = Bucket.random(member.read_level(), rng)
-        found = 4 if bucket.level == 9 else swarm_read(swarm, written, bucket)
-        member.observe(bucket, found, found)
+        above = member.above_level()
+        for level in (member.read_level(), *([above] if above is not None else [])):
+            bucket = Bucket.random(level, rng)
+            found = 4 if bucket.level == 9 else swarm_read(swarm, written, bucket)
+            member.observe(bucket, found, found)
         lost.append(member.level not in written)
     assert any(lost[:500])  # the lure works at first
     assert sum(lost[-1000:]) < 0.05 * 1000, sum(lost[-1000:])
