@@ -461,8 +461,8 @@ def test_a_partner_frozen_mid_exchange_holds_no_thread_past_the_nodes_last_step(
         history = node.status()["history"]
         assert history[-1]["inner_step"] == steps  # it trained to the end
         # A thread held on the frozen partner holds the leave: the loop's close joins its executor's threads, and the
-        # exit's backstop waits EXIT_GRACE_SECONDS for any other before naming it. A leave that
-        # waits on neither takes the server's grace and the process's teardown (2-6 s on a loaded 2-core machine).
+        # exit's backstop waits EXIT_GRACE_SECONDS for any other before naming it. A leave that waits on neither
+        # takes the server's grace and the process's teardown (2-6 s on a loaded 2-core machine).
         assert exited - history[-1]["time"] < EXIT_GRACE_SECONDS, exited - history[-1]["time"]
         assert "still running" not in node.output(), node.output()[-3000:]
     finally:
