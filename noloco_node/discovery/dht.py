@@ -161,6 +161,10 @@ class PeerRecord:
     # The established peers of its latest blends (pairing/standing.py): a stranger a node's established peer names
     # rides on that peer's share of the node's steps, without a stranger turn.
     partners: tuple[str, ...] = ()
+    # While it holds its first step for --wait-for-peers: how many other members it sees live. A waiting node counts
+    # a peer as one to start with only once that peer sees as many (or trains): nodes launched together start
+    # together, not each when it alone has seen the others. -1: not waiting.
+    starting_with: int = -1
 
     @classmethod
     def from_value(cls, peer_id: str, value: Any) -> PeerRecord | None:
@@ -186,6 +190,7 @@ class PeerRecord:
                 rollout_round=int(value.get("rollout_round", -1)),
                 rollout_families=_short_texts(value.get("rollout_families", ())),
                 partners=_short_texts(value.get("partners", ())),
+                starting_with=int(value.get("starting_with", -1)),
             )
         except (KeyError, TypeError, ValueError):
             return None

@@ -196,6 +196,7 @@ class Node:
             next_step_at=self.strategy.next_step_at(),
             shard=-1 if self.trainer.shard is None else self.trainer.shard,
             partners=self.standing.recent_partners(),
+            starting_with=self.trainer.starting_with,
             **self.reach.record_fields(),
         )
 

@@ -78,6 +78,8 @@ class Trainer:
         self.error: BaseException | None = None
         self.checkpoints = CheckpointWriter(cfg.data_dir / CHECKPOINT_FILE, on_written=telemetry.on_checkpoint)
         self.progress = report.ProgressLog(every=cfg.log_every, total_steps=train_cfg.total_steps)
+        # Others seen live while holding the first step for --wait-for-peers (the record says it); -1 once training.
+        self.starting_with = 0 if cfg.wait_for_peers else -1
 
     @property
     def alive(self) -> bool:
@@ -176,34 +178,43 @@ class Trainer:
         self.peering.admission.blend_taken(peer_id)
 
     async def wait_for_peers(self, stop_requested: asyncio.Event) -> None:
-        """Hold the first inner step until --wait-for-peers other nodes are live (or the timeout passes, or a stop
-        is asked). Each node publishes its record only after deciding whether to download a donor's state, so
-        nodes launched together all start from step 0: none finds another already ahead."""
+        """Hold the first inner step until --wait-for-peers other nodes are live and each of them sees as many (or
+        trains), or the timeout passes, or a stop is asked. Each node publishes its record only after deciding
+        whether to download a donor's state, so nodes launched together all start from step 0: none finds another
+        already ahead. Its record says how many others it sees (``starting_with``): a peer whose discovery is
+        seconds slower to see the others is waited for, rather than left to start that far behind."""
         wanted = self.cfg.wait_for_peers
         if wanted == 0:
             return
         self.telemetry.phase = f"waiting for {wanted} peer(s) to start"
         loop = asyncio.get_running_loop()
         started = loop.time()
-        seen = 0
+        seen, ready = 0, 0
         while not stop_requested.is_set():
             try:
-                seen = len(await self.discovery.live_peers())
+                peers = await self.discovery.live_peers()
             except Exception as error:  # a DHT lookup that fails is retried until the deadline
                 log.debug("looking for peers to start with: %r", error)
-            if seen >= wanted:
+            else:
+                ready = sum(1 for peer in peers if peer.starting_with < 0 or peer.starting_with >= wanted)
+                if len(peers) != seen:
+                    seen = self.starting_with = len(peers)
+                    await self.publish_record()  # the peers waiting on this node learn what it sees
+            if ready >= wanted:
                 log.info("%d peer(s) live after %.1f s: starting", seen, loop.time() - started)
                 break
             if loop.time() - started > self.cfg.wait_for_peers_timeout:
                 log.warning(
-                    "only %d of %d peer(s) live after %.0f s (--wait-for-peers-timeout): starting anyway",
-                    seen,
+                    "only %d of %d peer(s) live and seeing as many after %.0f s (--wait-for-peers-timeout): "
+                    "starting anyway",
+                    ready,
                     wanted,
                     self.cfg.wait_for_peers_timeout,
                 )
                 break
             with contextlib.suppress(asyncio.TimeoutError):
                 await asyncio.wait_for(stop_requested.wait(), timeout=0.25)
+        self.starting_with = -1
         self.telemetry.phase = "training"
 
     # ------------------------------------------------------------------------------------------ the thread

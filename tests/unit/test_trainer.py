@@ -346,3 +346,54 @@ def test_a_downloaded_state_that_blends_with_nobody_while_it_finds_partners_too_
     verdicts = judged(FAR_GROUPS, None)
     assert verdicts == [False] * (PROBATION_PHASES - 1) + [True, False] and refused == {"drifted"}
     assert all(torch.equal(p, s) for p, s in zip(joiner.params, seed, strict=True))  # the seed again
+
+
+def test_a_node_waiting_for_peers_starts_only_once_the_peers_it_sees_see_as_many() -> None:
+    """Two nodes that saw a third at once must not start while the third, its discovery seconds slower, sees
+    nobody: each waiting node's record says how many others it sees, and a peer counts once it sees as many (or
+    trains). Records without the field (a peer that trains, or an older node) count at once."""
+    import asyncio
+    from types import SimpleNamespace
+
+    from noloco_node.discovery.dht import PeerRecord
+    from noloco_node.node.trainer import Trainer
+
+    def peer(name: str, starting_with: int) -> PeerRecord:
+        return PeerRecord(name, f"127.0.0.1:{7000 + len(name)}", "run", starting_with=starting_with)
+
+    # What this node's lookups find, one answer a lookup: the third node first sees nobody, then sees both.
+    answers = [
+        [peer("b", 1), peer("c", 0)],
+        [peer("b", 2), peer("c", 0)],
+        [peer("b", 2), peer("c", 0)],
+        [peer("b", 2), peer("c", 2)],
+    ]
+    lookups: list[int] = []
+    published: list[int] = []
+
+    async def live_peers() -> list[PeerRecord]:
+        lookups.append(len(lookups))
+        return answers[min(len(lookups) - 1, len(answers) - 1)]
+
+    waiting = SimpleNamespace(
+        cfg=SimpleNamespace(wait_for_peers=2, wait_for_peers_timeout=60.0),
+        telemetry=SimpleNamespace(phase=""),
+        discovery=SimpleNamespace(live_peers=live_peers),
+        starting_with=0,
+    )
+
+    async def publish_record() -> None:
+        published.append(waiting.starting_with)
+
+    waiting.publish_record = publish_record
+    asyncio.run(Trainer.wait_for_peers(cast(Any, waiting), asyncio.Event()))
+    assert len(lookups) == 4  # it waited for the third to see the others, not only for the others to be there
+    assert published == [2]  # its record said, once, that it sees both
+    assert waiting.starting_with == -1  # training now: its next record counts for any peer still waiting
+
+    # A peer already training (no count in its record) is one to start with at once.
+    answers[:] = [[peer("b", -1), peer("c", -1)]]
+    lookups.clear()
+    waiting.starting_with = 0
+    asyncio.run(Trainer.wait_for_peers(cast(Any, waiting), asyncio.Event()))
+    assert len(lookups) == 1
