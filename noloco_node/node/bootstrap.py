@@ -17,9 +17,7 @@ import urllib.request
 from collections.abc import Sequence
 from pathlib import Path
 
-from hivemind.dht.crypto import RSASignatureValidator
-
-from noloco_node.discovery.dht import BoundedRecords, TiedDHT
+from noloco_node.discovery.dht import BoundedRecords, RememberedSignatures, TiedDHT
 from noloco_node.observability.http_server import StatusServer
 from noloco_node.observability.status import Health
 from noloco_node.security.identity import NodeIdentity
@@ -42,7 +40,7 @@ def run_bootstrap_peer(
         "host_maddrs": list(host_maddrs),
         "initial_peers": list(initial_peers) or None,
         # It stores other peers' records too: it must refuse writes that their owners did not sign.
-        "record_validators": [RSASignatureValidator(NodeIdentity.ephemeral().private_key), BoundedRecords()],
+        "record_validators": [RememberedSignatures(NodeIdentity.ephemeral().private_key), BoundedRecords()],
     }
     if announce_maddrs:
         kwargs["announce_maddrs"] = list(announce_maddrs)

@@ -4,6 +4,7 @@ separate incompatible runs."""
 from __future__ import annotations
 
 import pytest
+from hivemind.dht.crypto import RSASignatureValidator
 from hivemind.dht.validation import DHTRecord
 from hivemind.utils.timed_storage import get_dht_time
 
@@ -14,6 +15,7 @@ from noloco_node.discovery.dht import (
     MAX_STORED_VALUE_BYTES,
     BoundedRecords,
     PeerRecord,
+    RememberedSignatures,
     record_bytes,
 )
 from noloco_node.discovery.view import kept_records
@@ -130,3 +132,50 @@ def test_records_too_large_or_too_long_lived_are_refused_by_every_dht_peer_and_b
     filled = {**honest, "relays": ["r" * 256] * 8, "p2p_addrs": ["a" * 256] * 8}
     assert PeerRecord.from_value("p", filled) is not None and record_bytes(filled) > MAX_RECORD_BYTES
     assert record_bytes({"not msgpack": object()}) > MAX_RECORD_BYTES
+
+
+def test_a_records_signature_is_checked_once_and_any_changed_byte_is_checked_again(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The same record comes back from every DHT peer a lookup asks, lookup after lookup: its signature is checked
+    once. A record that differs in its value, its expiration or its owner is a new record, checked in full, and a
+    forged one is refused however often it comes."""
+    from hivemind.utils.crypto import RSAPublicKey
+    from hivemind.utils.serializer import MSGPackSerializer
+
+    from noloco_node.security.identity import NodeIdentity
+
+    checks: list[bytes] = []
+    verify = RSAPublicKey.verify
+
+    def counted(self: RSAPublicKey, data: bytes, signature: bytes) -> bool:
+        checks.append(data)
+        return verify(self, data, signature)
+
+    monkeypatch.setattr(RSAPublicKey, "verify", counted)
+    owner, other = NodeIdentity.ephemeral(), NodeIdentity.ephemeral()
+    signer, reader = RememberedSignatures(owner.private_key), RememberedSignatures(other.private_key)
+    subkey, now = signer.local_public_key, get_dht_time()
+    key = b"noloco/run/peers/0/"
+    value = MSGPackSerializer.dumps(PeerRecord("p", "127.0.0.1:7000", "run").to_value())
+    record = DHTRecord(key, subkey, signer.sign_value(DHTRecord(key, subkey, value, now + 30)), now + 30)
+
+    assert all(reader.validate(record) for _ in range(5))
+    assert len(checks) == 1
+    changed_value = DHTRecord(key, subkey, record.value.replace(b"7000", b"7001"), now + 30)
+    later = DHTRecord(key, subkey, record.value, now + 31)  # the signature covers the expiration
+    assert not reader.validate(changed_value) and not reader.validate(later)
+    assert len(checks) == 3
+    # Another key's signature under the owner's subkey: refused, each time, and checked once.
+    forged_value = RememberedSignatures(other.private_key)
+    forged = DHTRecord(
+        key,
+        subkey,
+        forged_value.strip_value(record)
+        + RSASignatureValidator.SIGNATURE_FORMAT.replace(
+            b"_value_", other.private_key.sign(forged_value._serialize_record(DHTRecord(key, subkey, value, now + 30)))
+        ),
+        now + 30,
+    )
+    assert not any(reader.validate(forged) for _ in range(3))
+    assert len(checks) == 4
