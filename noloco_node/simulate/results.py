@@ -39,9 +39,9 @@ class MethodResult:
     projection_error: list[float] = field(default_factory=list)
     lr: list[float] = field(default_factory=list)  # the inner learning rate at each evaluation
     inner_steps: int = 0  # H: this method's inner steps between outer steps
-    # What one replica sends its partner per parameter per outer step, (in all, on the critical path); None for
+    # What one replica sends its partner per parameter per outer step, (in all, on the critical path, peak); None for
     # methods without pairs (simulate/wire_views.py)
-    bytes_per_parameter: tuple[float, float] | None = None
+    bytes_per_parameter: tuple[float, float, float] | None = None
     seconds: float = 0.0
 
     @property
@@ -113,7 +113,7 @@ class Comparison:
         ddp = self.results.get("ddp")
         rows = [
             "| method | H | val loss | val ppl | ppl vs DDP | weight spread | spread-lr Pearson r | B/param/outer step "
-            "(all, critical path) | wall s |",
+            "(all, critical path, peak) | wall s |",
             "|---|---:|---:|---:|---:|---:|---:|---:|---:|",
         ]
         for name, r in self.results.items():
@@ -138,9 +138,10 @@ class Comparison:
         return "\n".join(lines)
 
 
-def bytes_label(sent: tuple[float, float] | None) -> str:
-    """Bytes per parameter per outer step, in all and on the critical path, as the tables print them."""
-    return "n/a" if sent is None else f"{sent[0]:.3f}, {sent[1]:.3f}"
+def bytes_label(sent: tuple[float, float, float] | None) -> str:
+    """Bytes per parameter per outer step, in all (the mean), on the critical path and at the peak (the most in any
+    one outer step), as the tables print them."""
+    return "n/a" if sent is None else f"{sent[0]:.3f}, {sent[1]:.3f}, {sent[2]:.3f}"
 
 
 def curve_summary(curve: list[tuple[int, float]]) -> str:

@@ -43,7 +43,7 @@ class SeedStudy:
             rows = [
                 f"{count} replicas, {len(runs)} seeds ({', '.join(map(str, self.seeds))}): mean +- std over seeds",
                 f"| method | H | final val loss | val ppl | ppl vs DDP | loss vs {methods[0]} (paired) | weight spread "
-                "| spread-lr Pearson r | B/param/outer step (all, critical path) |",
+                "| spread-lr Pearson r | B/param/outer step (all, critical path, peak) |",
                 "|---|---:|---:|---:|---:|---:|---:|---:|---:|",
             ]
             reference = np.array([run.results[methods[0]].final_val_loss for run in runs])

@@ -162,22 +162,31 @@ def _dense_bytes(numels: list[int], wire_dtype: str) -> float:
     return float(sum(n * (4 if wire_dtype == "fp32" else 2) for n in numels))
 
 
-def bytes_per_parameter(method: str, shapes: list[tuple[int, ...]], *, sends_phi: bool) -> tuple[float, float] | None:
-    """(in all, on the critical path) bytes one replica sends its partner per parameter per outer step, for a
-    NoLoCo method on a model of tensors of these shapes; None for methods without pairs. ``sends_phi``: the
-    sync mode's partner needs phi too (gamma != beta)."""
+def bytes_per_parameter(
+    method: str, shapes: list[tuple[int, ...]], *, sends_phi: bool
+) -> tuple[float, float, float] | None:
+    """(in all, on the critical path, peak) bytes one replica sends its partner per parameter per outer step, for a
+    NoLoCo method on a model of tensors of these shapes; None for methods without pairs. In all is the mean over
+    outer steps, the peak the most in any one of them (phi sent once in K outer steps is sent whole that step).
+    ``sends_phi``: the sync mode's partner needs phi too (gamma != beta)."""
     numels = [math.prod(shape) for shape in shapes]
     total = float(sum(numels))
     if method in PHI_EVERY:
         every = PHI_EVERY[method]
         progress = sum(sparse.encoded_bytes(n) for n in numels) / total
-        phi = 0.0 if every is None else _dense_bytes(numels, SPARSE_PHI_DTYPE) / total / every
         residual = sum(sign_bytes(n) for n in numels) / total if method in SIGN_RESIDUAL else 0.0
-        if method in SIDE_PHI:
-            phi = sum(side_bytes(shape) for shape in shapes) / total
-        if method in PARITY_PHI:  # the parities in the other phases
-            phi += sum(parity_bytes(n) for n in numels) / total * (1 - (0 if every is None else 1 / every))
-        return progress + phi + residual, progress
+        per_step = []
+        for step in range(every or 1):  # one cycle of outer steps: phi (if ever) at its first
+            if method in SIDE_PHI:
+                phi = sum(side_bytes(shape) for shape in shapes) / total
+            elif every is not None and step == 0:
+                phi = _dense_bytes(numels, SPARSE_PHI_DTYPE) / total
+            elif method in PARITY_PHI:  # the parities in the other phases
+                phi = sum(parity_bytes(n) for n in numels) / total
+            else:
+                phi = 0.0
+            per_step.append(progress + residual + phi)
+        return sum(per_step) / len(per_step), progress, max(per_step)
     if method in LATE_WIRE:
         return late_bytes(method, shapes)
     if method not in WIRE_OF_METHOD:
@@ -187,9 +196,10 @@ def bytes_per_parameter(method: str, shapes: list[tuple[int, ...]], *, sends_phi
         momenta = method == "noloco-momentum"  # theta, phi and delta
         parts = 1 + int(sends_phi or momenta) + int(momenta)
         whole = _dense_bytes(numels, sync_wire) / total * parts
-        return whole, whole
+        return whole, whole, whole
     progress = _dense_bytes(numels, stream_wire) / total
-    return progress + _dense_bytes(numels, "bf16") / total, progress
+    every_step = progress + _dense_bytes(numels, "bf16") / total
+    return every_step, progress, every_step
 
 
 class ErrorFeedback:
@@ -298,12 +308,15 @@ def sparse_pair_steps(
 LATE_WIRE = {"noloco-late": "bf16", "noloco-late-side": "side"}
 
 
-def late_bytes(method: str, shapes: list[tuple[int, ...]]) -> tuple[float, float]:
-    """(in all, on the critical path) per parameter per outer step of a late method: nothing waits for a byte."""
+def late_bytes(method: str, shapes: list[tuple[int, ...]]) -> tuple[float, float, float]:
+    """(in all, on the critical path, peak) per parameter per outer step of a late method: the same every outer
+    step, and nothing waits for a byte."""
     total = float(sum(math.prod(shape) for shape in shapes))
     if LATE_WIRE[method] == "side":
-        return sum(side_bytes(shape) for shape in shapes) / total, 0.0
-    return _dense_bytes([math.prod(shape) for shape in shapes], LATE_WIRE[method]) / total, 0.0
+        every_step = sum(side_bytes(shape) for shape in shapes) / total
+    else:
+        every_step = _dense_bytes([math.prod(shape) for shape in shapes], LATE_WIRE[method]) / total
+    return every_step, 0.0, every_step
 
 
 def late_pair_steps(

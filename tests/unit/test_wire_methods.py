@@ -52,21 +52,24 @@ def test_the_stream_view_rebuilds_theta_from_its_own_phi() -> None:
 
 def test_sparse_methods_send_what_their_bytes_say() -> None:
     """Per parameter per outer step on a model of 4,096-multiples: the top-k codes (116 bytes per 4,096 values) on
-    the critical path, and phi's int8 every K steps (or one bit a value more) in all."""
+    the critical path, and phi's int8 every K steps (or one bit a value more) in all; the peak is the outer step
+    that carries phi whole."""
     from noloco_node.simulate.wire_views import bytes_per_parameter
 
     shapes = [(4096, 1024), (4096, 256)]
-    total, critical = bytes_per_parameter("noloco-sparse-phi8", shapes, sends_phi=False)
+    total, critical, peak = bytes_per_parameter("noloco-sparse-phi8", shapes, sends_phi=False)
     assert critical == 116 / 4096
     assert abs(total - (116 / 4096 + (1 + 4 / 256) / 8)) < 1e-9
+    assert abs(peak - (116 / 4096 + (1 + 4 / 256))) < 1e-9  # phi's int8 whole, once in 8 outer steps
     assert bytes_per_parameter("noloco-sparse-phi1", shapes, sends_phi=False)[0] > 1.0
     for method in ("noloco-sparse-sign-phi16", "noloco-sparse-parity-phi16"):
-        total, critical = bytes_per_parameter(method, shapes, sends_phi=False)
-        assert critical == 116 / 4096 and total <= 0.25, (method, total)
-    assert bytes_per_parameter("noloco-bf16", shapes, sends_phi=False) == (2.0, 2.0)
-    # phi at every outer step in the side-information code: a fifth of a byte a value and its sketches.
-    total, critical = bytes_per_parameter("noloco-sparse-side", shapes, sends_phi=False)
-    assert critical == 116 / 4096 and 0.2 < total <= 0.25, total
+        total, critical, peak = bytes_per_parameter(method, shapes, sends_phi=False)
+        assert critical == 116 / 4096 and total <= 0.25 and peak > 1.0, (method, total, peak)
+    assert bytes_per_parameter("noloco-bf16", shapes, sends_phi=False) == (2.0, 2.0, 2.0)
+    # phi at every outer step in the side-information code: a fifth of a byte a value and its sketches, the same
+    # at every outer step.
+    total, critical, peak = bytes_per_parameter("noloco-sparse-side", shapes, sends_phi=False)
+    assert critical == 116 / 4096 and 0.2 < total <= 0.25 and peak == total, (total, peak)
     small = bytes_per_parameter("noloco-sparse-side", [(4096, 1024), (1000,)], sends_phi=False)
     assert small[0] > total  # a one-dimensional tensor's phi crosses in int8
 
