@@ -38,6 +38,7 @@ from noloco_node.security.identity import NodeIdentity, _wrap
 STORES_IN_FLIGHT = 32  # a publisher's concurrent stores: larger batches broke hivemind's pipe under load
 PUBLISH_EVERY = 2.0
 LOOKUP_EVERY = 1.0
+COLD_START_POLL = 0.25  # how often a joining node asks for peers before it has any (node/trainer.py wait_for_peers)
 
 
 def settled_levels(members: int, bucket_records: int) -> tuple[int, ...]:
@@ -144,7 +145,7 @@ def measured_node(fingerprint: str, bucket_records: int, bootstrap: list[str], s
         while first_peer is None and time.monotonic() - started < 120:  # before the window: finding the swarm
             if await discovery.live_peers():
                 first_peer = time.monotonic() - started
-            await asyncio.sleep(LOOKUP_EVERY)
+            await asyncio.sleep(COLD_START_POLL)
         await asyncio.sleep(10)  # the level settles
         cpu0 = sum(_cpu_seconds(pid) for pid in tree)
         bytes0 = sum(_io_bytes(pid) for pid in p2pd)

@@ -154,6 +154,10 @@ DHT_SILENCE_SECONDS = 5.0  # a DHT peer that did not answer is skipped by lookup
 # several DHT peers, and unshared lookups from the pairing loops, status page and catch-up filled slow links
 # (docs/benchmarks.md, bench race, "Scaling").
 LOOKUP_SHARING_SECONDS = 1.0
+# ... and this long while the node probes for its swarm (buckets.py): a probe reads one bucket, mostly an empty
+# one, and a swarm at level 10 takes 10 probes to find: one a second kept a joiner of a swarm of 10,000 alone for
+# 11 s.
+PROBE_SHARING_SECONDS = 0.2
 MAX_START_ENTRIES = 32  # what a start record may say: the model's few entries and the run-wide settings
 MODEL_START_KEYS = frozenset({"model", "config", "weights", "tokenizer", "seed"})
 
@@ -557,15 +561,13 @@ class Discovery:
         order (at most MAX_LIVE_PEERS: the ``preferred`` peers' first, then a random sample of the rest), with the
         vouched ones. In a swarm of up to about --bucket-records members, every member.
 
-        Callers within LOOKUP_SHARING_SECONDS of a lookup's start share its answer (and its failure)."""
+        Callers within LOOKUP_SHARING_SECONDS of a lookup's start share its answer (and its failure); within
+        PROBE_SHARING_SECONDS while the node probes for its swarm."""
         loop = asyncio.get_running_loop()
         now = time.monotonic()
         shared = self._lookup
-        if (
-            shared is None
-            or shared[1].get_loop() is not loop
-            or (shared[1].done() and now - shared[0] > LOOKUP_SHARING_SECONDS)
-        ):
+        sharing = PROBE_SHARING_SECONDS if self.size.probing else LOOKUP_SHARING_SECONDS
+        if shared is None or shared[1].get_loop() is not loop or (shared[1].done() and now - shared[0] > sharing):
             task = loop.create_task(self._lookup_records())
             task.add_done_callback(lambda done: done.cancelled() or done.exception())  # retrieved even if nobody waits
             shared = self._lookup = (now, task)

@@ -156,3 +156,45 @@ def test_nobody_can_overwrite_a_peers_record_and_a_private_run_ignores_strangers
     finally:
         for d in (a, b, stranger, thief):
             d.shutdown()
+
+
+def test_a_node_probing_for_its_swarm_looks_up_five_times_a_second_and_once_a_second_when_settled(
+    bootstrap: list[str],
+) -> None:
+    """A lookup is shared among a node's callers for a second, but while the node has found nobody it probes a
+    level per lookup (buckets.py), and a swarm at level 10 took 10 s to find at one a second: its lookups are
+    shared for PROBE_SHARING_SECONDS then. Callers asking every 50 ms, as a joiner's loops together do."""
+    from noloco_node.discovery.dht import LOOKUP_SHARING_SECONDS, PROBE_SHARING_SECONDS
+
+    joiner, member = started("run-probe", bootstrap), started("run-probe", bootstrap)
+    lookups: list[bool] = []  # whether the joiner was probing at each of its lookups
+    real_lookup = joiner._lookup_records
+
+    async def counted() -> list[PeerRecord]:
+        lookups.append(joiner.size.probing)
+        return await real_lookup()
+
+    joiner._lookup_records = counted  # type: ignore[method-assign]
+    try:
+
+        async def asking_for(seconds: float) -> None:
+            deadline = time.monotonic() + seconds
+            while time.monotonic() < deadline:
+                await joiner.live_peers()
+                await asyncio.sleep(0.05)
+
+        async def scenario() -> None:
+            await asking_for(2.0)  # alone: probing
+            probes = len(lookups)
+            assert probes >= 2.0 / PROBE_SHARING_SECONDS * 0.6 and all(lookups), lookups
+            assert await member.publish(PeerRecord(member.peer_id, "127.0.0.1:5009", "run-probe"))
+            await wait_for(joiner.live_peers)  # found: settled at its level
+            assert not joiner.size.probing
+            settled_from = len(lookups)
+            await asking_for(3.0)
+            assert len(lookups) - settled_from <= 3.0 / LOOKUP_SHARING_SECONDS + 1, lookups
+
+        asyncio.run(scenario())
+    finally:
+        joiner.shutdown()
+        member.shutdown()
