@@ -153,8 +153,8 @@ class NodeConfig(StrictSettings):
         0,
         ge=0,
         le=1024,
-        description="Before the first inner step, wait until this many other nodes of the run are live, so that a "
-        "swarm launched together starts training together (0: start at once).",
+        description="Before the first inner step, wait until this many other nodes of the run are live and each "
+        "sees as many (or trains), so that a swarm launched together starts training together (0: start at once).",
     )
     wait_for_peers_timeout: float = Field(
         300.0, gt=0, description="Longest wait for --wait-for-peers; past it the node trains with whoever is there (s)."
