@@ -197,9 +197,12 @@ class Trainer:
                 log.debug("looking for peers to start with: %r", error)
             else:
                 ready = sum(1 for peer in peers if peer.starting_with < 0 or peer.starting_with >= wanted)
-                if len(peers) != seen:
-                    seen = self.starting_with = len(peers)
-                    await self.publish_record()  # the peers waiting on this node learn what it sees
+                seen = len(peers)
+                # What the peers waiting on this node need to know is whether it sees enough: the count, capped at
+                # ``wanted``, is republished at most ``wanted`` times, not at every lookup of a view that churns.
+                if min(seen, wanted) != self.starting_with:
+                    self.starting_with = min(seen, wanted)
+                    await self.publish_record()
             if ready >= wanted:
                 log.info("%d peer(s) live after %.1f s: starting", seen, loop.time() - started)
                 break

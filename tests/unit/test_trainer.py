@@ -364,7 +364,7 @@ def test_a_node_waiting_for_peers_starts_only_once_the_peers_it_sees_see_as_many
     # What this node's lookups find, one answer a lookup: the third node first sees nobody, then sees both.
     answers = [
         [peer("b", 1), peer("c", 0)],
-        [peer("b", 2), peer("c", 0)],
+        [peer("b", 2), peer("c", 0), peer("d", 0)],  # a view that churns: more than it waits for, then fewer
         [peer("b", 2), peer("c", 0)],
         [peer("b", 2), peer("c", 2)],
     ]
@@ -388,7 +388,7 @@ def test_a_node_waiting_for_peers_starts_only_once_the_peers_it_sees_see_as_many
     waiting.publish_record = publish_record
     asyncio.run(Trainer.wait_for_peers(cast(Any, waiting), asyncio.Event()))
     assert len(lookups) == 4  # it waited for the third to see the others, not only for the others to be there
-    assert published == [2]  # its record said, once, that it sees both
+    assert published == [2]  # its record said once that it sees enough; the view's churn republished nothing
     assert waiting.starting_with == -1  # training now: its next record counts for any peer still waiting
 
     # A peer already training (no count in its record) is one to start with at once.
