@@ -9,6 +9,10 @@ best: the price of never waiting (docs/architecture.md, "Pairing modes").
 An offer is a published copy (wire/published.py): a partner may still be streaming the previous one while the
 trainer applies its outer step, and it streams exactly what was offered. The :class:`OfferBook` keeps at most
 ``max_offers`` received offers (one per proven peer id, the stalest dropped first), so callers cannot make it grow.
+
+A node serves one peer's swap at a time and makes one swap of its own at a time, and neither waits on the other:
+two nodes that call each other at once both swap (each keeps the fresher offer of the other), where a node calling
+out refused every call in, so two members in step refused each other's crossing calls and both blended solo.
 """
 
 from __future__ import annotations
@@ -33,11 +37,11 @@ MAX_OFFERS = 4  # offers received and kept per phase; each is a model-sized payl
 
 
 class OfferBook:
-    """This node's current offer, one exchange at a time, and a bounded set of offers received from peers."""
+    """This node's current offer, served to one caller at a time, and a bounded set of offers received from peers."""
 
     def __init__(self, max_offers: int = MAX_OFFERS) -> None:
         self.max_offers = max_offers
-        self.exchange_lock = threading.Lock()
+        self.serving = threading.Lock()
         self._guard = threading.Lock()
         self._offer: Published | None = None
         self._received: dict[str, Payload] = {}
@@ -58,12 +62,13 @@ class OfferBook:
             return len(self._received)
 
     def try_session(self, partner_id: str) -> OfferSession | None:
-        if not self.exchange_lock.acquire(blocking=False):
+        """A caller's swap, or None: no offer yet, or another caller is being served."""
+        if not self.serving.acquire(blocking=False):
             return None
         with self._guard:
             offer = self._offer
             if offer is None or not offer.hold():
-                self.exchange_lock.release()
+                self.serving.release()
                 return None
         return OfferSession(self, offer, partner_id)
 
@@ -126,7 +131,7 @@ class OfferSession:
 
     def release(self) -> None:
         self.offer.release()
-        self.book.exchange_lock.release()
+        self.book.serving.release()
 
 
 class OverlapPairing(PairingStrategy):
@@ -192,12 +197,7 @@ class OverlapPairing(PairingStrategy):
             except (TimeoutError, OSError):
                 continue
             for peer in ctx.caller.order(candidates):
-                if not self.book.exchange_lock.acquire(blocking=False):
-                    break
-                try:
-                    payload = await ctx.caller.call(peer, offer)
-                finally:
-                    self.book.exchange_lock.release()
+                payload = await ctx.caller.call(peer, offer)
                 if payload is not None:
                     self.book.store(peer.peer_id, payload)
                     exchanged_for = step

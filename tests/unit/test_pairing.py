@@ -3,9 +3,11 @@ offer book, and published copies that are never reused while a stream holds them
 
 from __future__ import annotations
 
+import asyncio
 import math
 import threading
 import time
+from collections.abc import Callable
 from types import SimpleNamespace
 
 import grpc
@@ -15,7 +17,7 @@ from hivemind.utils.timed_storage import get_dht_time
 
 from noloco_node import algorithm
 from noloco_node.discovery.dht import PeerRecord
-from noloco_node.pairing.overlap import OfferBook
+from noloco_node.pairing.overlap import OfferBook, OverlapPairing
 from noloco_node.pairing.pairing_round import PairingRound, Stage
 from noloco_node.pairing.peer_policy import UNDELIVERED, PeerPolicy
 from noloco_node.pairing.reserved import MEET_WINDOW, RepeatGrace
@@ -200,6 +202,71 @@ def test_offer_book_stays_bounded_under_many_callers() -> None:
     assert len(kept) == 4 and all(p.outer_step == 49 for p in kept)
     book.close()
     assert all(p.released == 1 for p in stored)
+
+
+def test_an_overlap_node_calling_a_peer_serves_that_peers_crossing_call_and_calls_while_serving() -> None:
+    """Two overlap nodes in step call each other at once: each must serve the other's call while its own is in
+    flight (a node calling out once refused every call in, so both calls were refused and both blended solo), and a
+    node serving one caller still makes its own swap."""
+    peer = record("p")
+    in_flight = asyncio.Event()
+    finish = asyncio.Event()
+    calls: list[str] = []
+
+    async def call(partner: PeerRecord, outgoing: Published) -> Payload:
+        calls.append(partner.peer_id)
+        in_flight.set()
+        await finish.wait()
+        return payload(partner.peer_id, 3)
+
+    async def live_peers() -> list[PeerRecord]:
+        return [peer]
+
+    ctx = SimpleNamespace(
+        peer_id=lambda: "self",
+        discovery=SimpleNamespace(live_peers=live_peers),
+        caller=SimpleNamespace(choosable=lambda peers, step: peers, order=list, call=call),
+    )
+    pairing = OverlapPairing(ctx)  # type: ignore[arg-type]
+    pairing.book.set_offer(offer())
+
+    async def scenario() -> None:
+        runner = asyncio.create_task(pairing.run())
+        await asyncio.wait_for(in_flight.wait(), 5)
+        crossing = pairing.open_session("p", 3, "weights")  # the peer's own call arrives meanwhile
+        assert crossing is not None
+        assert pairing.open_session("q", 3, "weights") is None  # one caller served at a time
+        crossing.complete(payload("p", 2))
+        crossing.release()
+        finish.set()
+        await asyncio.wait_for(_until(lambda: pairing.book.held_offers() == 1 and not runner.done()), 5)
+        # Serving a caller (its session still open), the node swaps at its next outer step all the same.
+        serving = pairing.open_session("q", 4, "weights")
+        assert serving is not None
+        in_flight.clear()
+        pairing.after_blend([torch.ones(2)], [torch.zeros(2)], [torch.ones(2)], [torch.ones(2)], 4)
+        await asyncio.wait_for(in_flight.wait(), 5)
+        serving.release()
+        runner.cancel()
+
+    ctx.offers = {"weights": _WeightsOffers()}
+    asyncio.run(scenario())
+    assert calls == ["p", "p"]
+    kept = pairing.book.take_nearest(own_outer_step=3, max_staleness=2)
+    assert kept is not None and kept.outer_step == 3  # the fresher of the peer's two offers
+    pairing.close()
+
+
+class _WeightsOffers:
+    """The overlap strategy's publisher of its next offer (what after_blend calls), without a payload layout."""
+
+    def publish(self, parts: object, outer_step: int) -> Published:
+        return offer()
+
+
+async def _until(condition: Callable[[], bool]) -> None:
+    while not condition():
+        await asyncio.sleep(0.01)
 
 
 def test_the_pool_never_hands_out_buffers_a_reader_still_holds() -> None:
