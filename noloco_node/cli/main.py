@@ -210,6 +210,21 @@ def build_parser() -> argparse.ArgumentParser:
     )
     _add_secret_refusal(peers)
 
+    contributions = commands.add_parser(
+        "contributions",
+        help="who contributed what to a run: the ledger rebuilt from receipts both partners signed",
+        description="Rebuild each member's outer steps blended, exchanges, partners and first and last seen from "
+        "exchange receipts alone (each signed by both partners; docs/security.md, 'Am I counted?'), and say which "
+        "receipts were refused and why. Receipts are read from data directories or receipts.jsonl files, and "
+        "from running members' status endpoints (/receipts).",
+    )
+    contributions.add_argument("paths", nargs="*", type=Path, help="node data directories, or receipts.jsonl files")
+    contributions.add_argument(
+        "--from", dest="urls", action="append", default=[], help="a member's status endpoint (repeatable)"
+    )
+    contributions.add_argument("--run-fingerprint", help="the run (default: the run most receipts name)")
+    contributions.add_argument("--json", action="store_true", help="print the ledger as JSON")
+
     config = commands.add_parser(
         "config",
         help="the effective settings (file < NOLOCO_* < flags) and a commented example file",
@@ -359,6 +374,30 @@ def _peers(args: argparse.Namespace) -> int:
     return 0
 
 
+def _contributions(args: argparse.Namespace) -> int:
+    import itertools
+
+    from noloco_node.observability.ledger import (
+        LedgerSourceError,
+        build_ledger,
+        fetch_receipts,
+        format_ledger,
+        ledger_json,
+        read_receipt_files,
+    )
+
+    if not args.paths and not args.urls:
+        raise SystemExit("noloco-node contributions: give data directories, receipts.jsonl files or --from URL")
+    sources = itertools.chain(read_receipt_files(args.paths), *(fetch_receipts(url) for url in args.urls))
+    try:
+        ledger = build_ledger(sources, run=args.run_fingerprint)
+    except LedgerSourceError as error:
+        print(f"noloco-node contributions: {error}", file=sys.stderr)
+        return 2
+    print(ledger_json(ledger) if args.json else format_ledger(ledger))
+    return 0
+
+
 def _config(args: argparse.Namespace) -> int:
     from noloco_node.config.settings import example, show
 
@@ -423,6 +462,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         **{plugin.name: plugin.run for plugin in plugin_commands()},
         "status": _status,
         "peers": _peers,
+        "contributions": _contributions,
         "tls": _tls,
         "config": _config,
         "data": cli_models.run_data,

@@ -6,7 +6,9 @@
 - :class:`~noloco_node.node.served.ServedNode` answers the peers' calls from the strategy and the latest
   published state;
 - :class:`~noloco_node.node.payload_admission.PayloadAdmission` decides, on both sides of an exchange, whether a
-  partner's payload may be blended.
+  partner's payload may be blended;
+- :class:`~noloco_node.security.receipts.ReceiptBook` keeps the receipts of the node's committed exchanges, called
+  or served.
 
 They share the node's identity, security, per-peer policy, metrics and receive buffers; nothing here starts a
 thread or a task (the daemon does, in its start order).
@@ -35,6 +37,7 @@ from noloco_node.pairing.strategy import OfferPublisher, PairingContext, Pairing
 from noloco_node.pairing.stream import StreamPairing
 from noloco_node.pairing.sync import SyncPairing
 from noloco_node.rpc.metrics import ExchangeMetrics
+from noloco_node.security.receipts import ReceiptBook
 from noloco_node.wire import peer_pb2 as pb
 from noloco_node.wire.published import LatestSnapshot
 from noloco_node.wire.receive_buffers import ReceiveBuffers
@@ -52,6 +55,7 @@ class Peering:
     admission: PayloadAdmission
     exchanges: ThreadPoolExecutor
     receive_buffers: ReceiveBuffers
+    receipts: ReceiptBook
 
     @classmethod
     def build(
@@ -75,6 +79,7 @@ class Peering:
     ) -> Peering:
         exchanges = ThreadPoolExecutor(EXCHANGE_THREADS, thread_name_prefix="exchange")  # threads start on use
         receive_buffers = ReceiveBuffers(max_idle_bytes=layout.receive_pool_bytes())
+        receipts = ReceiptBook(cfg.data_dir)
         admission = PayloadAdmission(
             layout, snapshot=snapshot, security=security, policy=policy, standing=standing, metrics=metrics
         )
@@ -88,6 +93,7 @@ class Peering:
                 transport=security.transport,
                 metrics=metrics,
                 receive_buffers=receive_buffers,
+                receipts=receipts.add,
             ),
             policy,
             standing,
@@ -128,4 +134,4 @@ class Peering:
             outer_step=outer_step,
             max_staleness=cfg.max_staleness,
         )
-        return cls(caller, context, strategy, served, admission, exchanges, receive_buffers)
+        return cls(caller, context, strategy, served, admission, exchanges, receive_buffers, receipts)

@@ -169,6 +169,7 @@ def node_status(node: ReportedNode) -> NodeStatus:
         rejected_payloads=counters["rejected"],
         calls_in_use=counters["calls_in_use"],
         background_errors=counters["background_errors"],
+        receipts=counters["receipts"],
         exchanges=[ExchangeRecord(**entry) for entry in counters["recent"][-20:]],
         peers=peers,
         discovery=DiscoveryStatus(**node.discovery.describe()) if node.discovery.dht is not None else None,

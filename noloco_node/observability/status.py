@@ -241,6 +241,11 @@ class NodeStatus(BaseModel):
     background_errors: dict[str, int] = Field(
         default_factory=dict, description="Background work of the pairing strategy that ended with an error, by task."
     )
+    receipts: dict[str, int] = Field(
+        default_factory=dict,
+        description="Exchange receipts since start, by outcome: kept (signed by both partners, in receipts.jsonl "
+        "and served at /receipts), or why a committed exchange left none.",
+    )
     exchanges: list[ExchangeRecord] = Field(description="The last exchanges, oldest first (up to 20).")
     peers: list[KnownPeer] = Field(description="Live peers of the run in the DHT, as this node last saw them.")
     discovery: DiscoveryStatus | None = Field(None, description="How it finds them; null before its DHT starts.")

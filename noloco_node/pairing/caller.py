@@ -31,6 +31,7 @@ from noloco_node.rpc.client import UNACKNOWLEDGED, CallOwner, ExchangeError, exc
 from noloco_node.rpc.contracts import OutgoingPayload
 from noloco_node.rpc.metrics import ExchangeMetrics
 from noloco_node.rpc.transport import Transport
+from noloco_node.security.receipts import Receipt
 from noloco_node.wire.frames import PayloadError, PayloadKind
 from noloco_node.wire.payload import Payload, ValueObserver
 from noloco_node.wire.published import Published
@@ -51,6 +52,7 @@ class CallSettings:
     transport: Transport
     metrics: ExchangeMetrics
     receive_buffers: ReceiveBuffers
+    receipts: Callable[[Receipt], None] | None = None  # where the receipts of this node's calls go
 
 
 class PeerPaths(Protocol):
@@ -234,6 +236,7 @@ class PeerCaller:
             observer=self.observer(),
             admit=admit,
             owner=owner,
+            receipts=settings.receipts,
         )
 
     def _failed(self, peer: PeerRecord, deadline: float, error: BaseException) -> None:

@@ -27,6 +27,7 @@ from noloco_node.rpc.contracts import (
 from noloco_node.rpc.metrics import ExchangeMetrics
 from noloco_node.rpc.transport import PLAIN, Transport
 from noloco_node.security.payload_seal import PayloadSeal, call_binding
+from noloco_node.security.receipts import Receipt, ReceiptDraft, ReceiptError, terms_of
 from noloco_node.wire import peer_pb2 as pb
 from noloco_node.wire import peer_pb2_grpc as pb_grpc
 from noloco_node.wire.frames import (
@@ -178,7 +179,7 @@ _IN_DOUBT = {
 }
 
 
-def _acknowledged(responses: Iterator[bytes], call: Any, address: str) -> None:
+def _acknowledged(responses: Iterator[bytes], call: Any, address: str) -> pb.Verdict:
     """The server's acknowledgement of this side's commit (it has blended): or ExchangeError, and nothing blends.
     A server whose round closed before the commit says so (``busy``: it could not pair now, nothing failed); one
     that refused this side's payload or did not hear the verdict in time ends the call with a status
@@ -198,6 +199,44 @@ def _acknowledged(responses: Iterator[bytes], call: Any, address: str) -> None:
         raise ExchangeError(error.code, UNACKNOWLEDGED, f"{address}: {error.message}") from None
     if not ack.commit:
         raise ExchangeError(grpc.StatusCode.ABORTED, "busy", f"{address} did not commit: {ack.reason}")
+    return ack
+
+
+def _draft_receipt(
+    seal: PayloadSeal | None, receiver: PayloadReceiver, outgoing: OutgoingPayload, payload: Payload, run: str
+) -> ReceiptDraft | None:
+    """This side's signed part of the exchange's receipt (security/receipts.py), sent with its commit; None in an
+    unsealed exchange, which proves nothing to a third party."""
+    if seal is None or not seal.received_digest:
+        return None
+    terms = terms_of(
+        seal,
+        caller_side=True,
+        run=run,
+        kind=receiver.kind.name if receiver.kind is not None else "",
+        own_step=outgoing.manifest.outer_step,
+        peer_step=payload.manifest.outer_step,
+        named_time=int(time.time()),
+    )
+    return ReceiptDraft.sign(seal.identity, terms, seal.peer_key, caller_side=True)
+
+
+def _keep_receipt(
+    draft: ReceiptDraft, ack: pb.Verdict, keep: Callable[[Receipt], None], metrics: ExchangeMetrics | None
+) -> None:
+    """The receipt both sides signed, kept; a committed exchange whose server signed nothing valid leaves none
+    (counted by why: the blend stands, it is only not provable)."""
+    try:
+        receipt = draft.countersigned(ack.receipt_signature) if ack.receipt_signature else None
+    except ReceiptError as refused:
+        log.warning("the receipt of an exchange with %s is not countersigned: %s", draft.terms.server, refused)
+        outcome = f"refused_{refused.reason}"
+    else:
+        outcome = "kept" if receipt is not None else "unsigned"
+        if receipt is not None:
+            keep(receipt)
+    if metrics is not None:
+        metrics.receipt(outcome)
 
 
 def exchange_with(
@@ -218,6 +257,7 @@ def exchange_with(
     observer: ValueObserver | None = None,
     admit: Callable[[Payload], Payload] | None = None,
     owner: CallOwner | None = None,
+    receipts: Callable[[Receipt], None] | None = None,
 ) -> Payload:
     """Exchange payloads with the peer at ``address``; returns its verified payload or raises ExchangeError.
 
@@ -226,6 +266,9 @@ def exchange_with(
     refusal, and raises) and returns the payload only on the peer's acknowledgement, which the peer sends after it
     has blended with this side's payload. The one case left is an acknowledgement lost on its way back: then the
     peer may have blended and this side has not (ExchangeError ``UNACKNOWLEDGED``).
+
+    With ``receipts``, a sealed exchange's commit signs its receipt (security/receipts.py) and the receipt the peer
+    countersigns in its acknowledgement is handed to ``receipts``.
 
     ``answers``: the kinds of payload the peer may answer with (wire/frames.py ``PayloadKind``), when more than
     ``expected`` (in the kind's wire dtype) may.
@@ -274,6 +317,7 @@ def exchange_with(
             checked, server_proved = threading.Event(), [False]
             answered, accepted = threading.Event(), [False]
             decided = threading.Event()
+            all_sent = threading.Event()  # this side's payload is out, end frame (and its seal's digest) included
             verdict: list[bytes] = []  # this side's verdict on the peer's payload, once checked
 
             def frames() -> Iterator[bytes]:
@@ -291,6 +335,7 @@ def exchange_with(
                 yield next(encoded)  # the manifest: the peer decides on it
                 if answered.wait(timeout) and accepted[0]:
                     yield from encoded
+                    all_sent.set()
                     if decided.wait(timeout) and verdict:
                         yield verdict[0]
 
@@ -316,17 +361,25 @@ def exchange_with(
                     verdict.append(verdict_frame(commit=False, reason=refused.reason))
                     decided.set()
                     raise
-                verdict.append(verdict_frame(commit=True))
+                # The receipt names both payloads' digests; this side's is known once its end frame is made, which
+                # the peer's whole payload arriving does not wait for.
+                signs = receipts is not None and all_sent.wait(timeout)
+                draft = _draft_receipt(seal, receiver, outgoing, payload, run_fingerprint) if signs else None
+                signed = (draft.own_signature, draft.terms.time) if draft is not None else (b"", 0)
+                verdict.append(verdict_frame(commit=True, receipt_signature=signed[0], receipt_time=signed[1]))
                 decided.set()
                 try:
-                    _acknowledged(responses, call, address)
+                    ack = _acknowledged(responses, call, address)
                 except ExchangeError:
                     payload.release()
                     raise
+                if draft is not None and receipts is not None:
+                    _keep_receipt(draft, ack, receipts, metrics)
             finally:
                 checked.set()
                 answered.set()  # however the call ended: the sending thread stops waiting
                 decided.set()
+                all_sent.set()
         outcome = "completed"
     except ExchangeError as error:
         outcome = error.reason if error.reason in ("busy", UNACKNOWLEDGED) else "failed"

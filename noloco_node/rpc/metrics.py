@@ -33,7 +33,8 @@ DURATION_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0
 
 
 class ExchangeMetrics:
-    """Exchanges by outcome, refused payloads by reason, bytes, a duration histogram and the last exchanges."""
+    """Exchanges by outcome, refused payloads by reason, receipts, bytes, a duration histogram and the last
+    exchanges."""
 
     def __init__(self, keep_recent: int = 50) -> None:
         self.registry = CollectorRegistry()
@@ -45,6 +46,12 @@ class ExchangeMetrics:
             "noloco_background_errors",
             "Background work of the pairing strategies that ended with an error.",
             ["task"],
+            registry=self.registry,
+        )
+        self._receipts = Counter(
+            "noloco_receipts",
+            "Exchange receipts (security/receipts.py) by outcome: kept (both signatures), or why none was kept.",
+            ["outcome"],
             registry=self.registry,
         )
         self._sent = Counter("noloco_bytes_sent", "Payload bytes sent to peers.", registry=self.registry)
@@ -98,6 +105,15 @@ class ExchangeMetrics:
         """Background work that ended with an error, by task."""
         return CounterDict(_by_label(self._background_errors, "task"))
 
+    def receipt(self, outcome: str) -> None:
+        self._receipts.labels(outcome).inc()
+
+    @property
+    def receipts(self) -> CounterDict[str]:
+        """Exchange receipts by outcome: ``kept``, or why a committed exchange left none (a refused signature or
+        time, a partner that signed none)."""
+        return CounterDict(_by_label(self._receipts, "outcome"))
+
     def rejection(self, reason: str) -> None:
         self._rejected.labels(reason).inc()
 
@@ -131,6 +147,7 @@ class ExchangeMetrics:
             "outcomes": dict(self.outcomes),
             "rejected": dict(self.rejected),
             "background_errors": dict(self.background_errors),
+            "receipts": dict(self.receipts),
             "bytes_sent": self.bytes_sent,
             "bytes_received": self.bytes_received,
             "calls_in_use": self.calls_in_use,

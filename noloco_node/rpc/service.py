@@ -39,6 +39,7 @@ from noloco_node.rpc.contracts import (
     EXCHANGE_METHOD,
     OUTER_STEP_HEADER,
     SERVICE,
+    OutgoingPayload,
     OutOfReachError,
     PeerNode,
 )
@@ -50,6 +51,7 @@ from noloco_node.rpc.transport import CHANNEL_OPTIONS, PLAIN, GuardedCall, Trans
 from noloco_node.security.caller_proof import CallerVerifier
 from noloco_node.security.identity import NodeIdentity
 from noloco_node.security.payload_seal import PayloadSeal, call_binding
+from noloco_node.security.receipts import Receipt, ReceiptDraft, ReceiptError, acceptable_time, terms_of
 from noloco_node.wire import peer_pb2 as pb
 from noloco_node.wire.frames import DEFAULT_CHUNK_BYTES, PayloadError, iter_frames, read_verdict, verdict_frame
 from noloco_node.wire.payload import Payload, PayloadReceiver
@@ -84,9 +86,11 @@ class PeerService:
         origin: Callable[[str], str | None] = lambda _peer: None,
         identity: NodeIdentity | None = None,
         rollouts: RolloutSource | None = None,
+        receipts: Callable[[Receipt], None] | None = None,
     ) -> None:
         self.node = node
         self.identity = identity  # seals this node's payloads (with a verifier: every proven caller's call)
+        self.receipts = receipts  # where the receipts of served exchanges go (security/receipts.py)
         self.metrics = metrics
         self.gate = CallGate(
             metrics,
@@ -321,16 +325,59 @@ class PeerService:
                 why = verdict.reason if isinstance(verdict, pb.Verdict) else "no verdict in time"
                 finish("not_committed")
                 abort(context, grpc.StatusCode.ABORTED, f"the caller did not commit: {why}"[:300])
+            receipt = self._countersign(seal, verdict, receiver, outgoing, received)
             if not session.complete(received):  # the round closed meanwhile: the payload was let go
                 finish("not_committed")
                 yield verdict_frame(commit=False, reason="this node's round closed before the commit")
                 return
             finish("completed")
-            yield verdict_frame(commit=True)  # the acknowledgement: the caller blends on it
+            if receipt is not None and self.receipts is not None:
+                self.receipts(receipt)
+                self.metrics.receipt("kept")
+            signature = receipt.server_signature.encode() if receipt is not None else b""
+            # The acknowledgement: the caller blends on it, and keeps the receipt it countersigns.
+            yield verdict_frame(commit=True, receipt_signature=signature, receipt_time=verdict.receipt_time)
         finally:
             session.release()
             if reader is None or not reader.is_alive():  # a reader still running owns the buffers until it stops
                 receiver.discard()  # a no-op once the payload was handed over
+
+    def _countersign(
+        self,
+        seal: PayloadSeal | None,
+        verdict: pb.Verdict,
+        receiver: PayloadReceiver,
+        outgoing: OutgoingPayload,
+        received: Payload,
+    ) -> Receipt | None:
+        """The exchange's receipt, signed by the caller in its commit and now by this side; None when the exchange
+        is unsealed, the caller signed none, or its signature or named time is refused (counted by why)."""
+        if seal is None or self.receipts is None or not seal.received_digest:
+            return None
+        if not verdict.receipt_signature:
+            self.metrics.receipt("unsigned")
+            return None
+        assert self.gate.verifier is not None  # a sealed call is a proven caller's
+        if not acceptable_time(verdict.receipt_time, self.gate.verifier.max_clock_skew):
+            self.metrics.receipt("refused_time")
+            return None
+        assert receiver.kind is not None
+        terms = terms_of(
+            seal,
+            caller_side=False,
+            run=self.node.run_fingerprint,
+            kind=receiver.kind.name,
+            own_step=outgoing.manifest.outer_step,
+            peer_step=received.manifest.outer_step,
+            named_time=verdict.receipt_time,
+        )
+        draft = ReceiptDraft.sign(seal.identity, terms, seal.peer_key, caller_side=False)
+        try:
+            receipt = draft.countersigned(verdict.receipt_signature)
+        except ReceiptError as refused:
+            self.metrics.receipt(f"refused_{refused.reason}")
+            return None
+        return receipt
 
 
 def _handlers(service: PeerService) -> grpc.GenericRpcHandler:
@@ -367,6 +414,7 @@ def start_server(
     verifier: CallerVerifier | None = None,
     origin: Callable[[str], str | None] = lambda _peer: None,
     rollouts: RolloutSource | None = None,
+    receipts: Callable[[Receipt], None] | None = None,
 ) -> tuple[grpc.Server, int]:
     """Start the service; returns the server and the port it bound (ephemeral when the bind port is 0).
 
@@ -414,6 +462,7 @@ def start_server(
         origin=origin,
         identity=transport.identity,
         rollouts=rollouts,
+        receipts=receipts,
     )
     server.add_generic_rpc_handlers((_handlers(service),))
     port = transport.add_port(server, bind)

@@ -62,10 +62,15 @@ class PayloadSeal:
         self.identity = identity
         self.peer = peer
         self.binding = binding
+        # What the exchange's receipt names (receipts.py): the digests of both payloads, and the peer's key.
+        self.sent_digest = b""
+        self.received_digest = b""
+        self.peer_key = b""
 
     def sign(self, digest: bytes) -> tuple[bytes, bytes]:
         """The seal of a payload this node sends: (signature, this node's public key)."""
         message = _message(self.binding, self.identity.peer_id, self.peer, digest)
+        self.sent_digest = digest
         return self.identity.private_key.sign(message), self.identity.public_key.to_bytes()
 
     def check(self, digest: bytes, end: pb.End) -> None:
@@ -99,3 +104,5 @@ class PayloadSeal:
                 f"the payload from {self.peer} is not what it signed for this call: altered, cut or replayed on "
                 "the way",
             )
+        self.received_digest = digest
+        self.peer_key = bytes(end.signer_key)

@@ -357,9 +357,13 @@ def _fields(raw: bytes, pos: int, end: int) -> Iterator[tuple[int, int, int, int
             raise _invalid("malformed_frame", f"unsupported protobuf wire type {wire_type}")
 
 
-def verdict_frame(commit: bool, reason: str = "") -> bytes:
-    """The encoded commit (or refusal, with its reason) that ends an exchange: see proto Verdict."""
-    return pb.Frame(verdict=pb.Verdict(commit=commit, reason=reason[:200])).SerializeToString()
+def verdict_frame(commit: bool, reason: str = "", receipt_signature: bytes = b"", receipt_time: int = 0) -> bytes:
+    """The encoded commit (or refusal, with its reason) that ends an exchange, with this side's signature over the
+    exchange's receipt when it signs one: see proto Verdict."""
+    verdict = pb.Verdict(
+        commit=commit, reason=reason[:200], receipt_signature=receipt_signature, receipt_time=receipt_time
+    )
+    return pb.Frame(verdict=verdict).SerializeToString()
 
 
 def read_verdict(raw: bytes) -> pb.Verdict:

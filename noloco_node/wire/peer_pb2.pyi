@@ -73,12 +73,16 @@ class End(_message.Message):
     def __init__(self, total_bytes: _Optional[int] = ..., signature: _Optional[bytes] = ..., signer_key: _Optional[bytes] = ...) -> None: ...
 
 class Verdict(_message.Message):
-    __slots__ = ("commit", "reason")
+    __slots__ = ("commit", "reason", "receipt_signature", "receipt_time")
     COMMIT_FIELD_NUMBER: _ClassVar[int]
     REASON_FIELD_NUMBER: _ClassVar[int]
+    RECEIPT_SIGNATURE_FIELD_NUMBER: _ClassVar[int]
+    RECEIPT_TIME_FIELD_NUMBER: _ClassVar[int]
     commit: bool
     reason: str
-    def __init__(self, commit: _Optional[bool] = ..., reason: _Optional[str] = ...) -> None: ...
+    receipt_signature: bytes
+    receipt_time: int
+    def __init__(self, commit: _Optional[bool] = ..., reason: _Optional[str] = ..., receipt_signature: _Optional[bytes] = ..., receipt_time: _Optional[int] = ...) -> None: ...
 
 class Frame(_message.Message):
     __slots__ = ("manifest", "chunk", "end", "verdict")

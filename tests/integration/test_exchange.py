@@ -22,9 +22,10 @@ from noloco_node.rpc.service import start_server
 from noloco_node.rpc.transport import CHANNEL_OPTIONS, Transport
 from noloco_node.security.caller_proof import CallerVerifier
 from noloco_node.security.identity import NodeIdentity
+from noloco_node.security.receipts import Receipt
 from noloco_node.wire import peer_pb2 as pb
 from noloco_node.wire import peer_pb2_grpc as pb_grpc
-from noloco_node.wire.frames import build_manifest, iter_frames, layout_of
+from noloco_node.wire.frames import PayloadKind, build_manifest, iter_frames, layout_of
 from noloco_node.wire.payload import Payload
 from noloco_node.wire.receive_buffers import ReceiveBuffers
 
@@ -227,13 +228,17 @@ def test_keyed_sides_seal_both_payloads_and_a_server_answering_in_anothers_name_
     caller, server_key, victim = NodeIdentity.ephemeral(), NodeIdentity.ephemeral(), NodeIdentity.ephemeral()
     honest, impostor = Holder(params(1)), Holder(params(3))
     honest.peer_id, impostor.peer_id = server_key.peer_id, victim.peer_id
+    served_receipts: list[Receipt] = []
+    called_receipts: list[Receipt] = []
+    server_metrics, caller_metrics = ExchangeMetrics(), ExchangeMetrics()
     servers = [
         start_server(
             holder,
-            ExchangeMetrics(),
+            server_metrics,
             bind="127.0.0.1:0",
             transport=Transport(identity=server_key),
             verifier=CallerVerifier(claimed),  # accepts proofs made for the id it claims
+            receipts=served_receipts.append,
         )
         for holder, claimed in ((honest, server_key.peer_id), (impostor, victim.peer_id))
     ]
@@ -245,16 +250,29 @@ def test_keyed_sides_seal_both_payloads_and_a_server_answering_in_anothers_name_
                 f"127.0.0.1:{port}",
                 outgoing(params(2), caller.peer_id),
                 layout_of(params(2)),
+                answers=[PayloadKind("weights", tuple(layout_of(params(2))), "fp32")],  # the kind receipts name
                 run_fingerprint=RUN,
                 max_payload_bytes=10**9,
                 timeout=20,
                 peer=peer,
                 transport=Transport(identity=caller),
+                metrics=caller_metrics,
+                receipts=called_receipts.append,
             )
 
         got = call(honest_port, server_key.peer_id)
         assert torch.equal(got.tensors["theta/p0"], params(1)[0][1])
         assert honest.released.wait(5) and len(honest.completed) == 1
+        # The commit signed the exchange's receipt on both sides: each holds the same one, naming both payloads.
+        assert caller_metrics.receipts == {"kept": 1} and server_metrics.receipts == {"kept": 1}, server_metrics.receipts
+        assert called_receipts == served_receipts and len(called_receipts) == 1
+        receipt = called_receipts[0]
+        receipt.check()
+        assert (receipt.terms.caller, receipt.terms.server, receipt.terms.run) == (
+            caller.peer_id,
+            server_key.peer_id,
+            RUN,
+        )
         with pytest.raises(ExchangeError) as refused:
             call(impostor_port, victim.peer_id)
         assert refused.value.code == grpc.StatusCode.PERMISSION_DENIED and refused.value.reason == "wrong_signer"

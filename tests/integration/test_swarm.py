@@ -2,7 +2,11 @@
 
 from __future__ import annotations
 
+import json
 import math
+import shutil
+import subprocess
+import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -16,6 +20,8 @@ from noloco_node.data.corpus import ReplicaShard, load_corpus
 from noloco_node.model.source import SeededDecoder
 from noloco_node.node.fault_injection import Drill
 from noloco_node.node.launch import EXIT_GRACE_SECONDS
+from noloco_node.observability.ledger import build_ledger, read_receipt_files
+from noloco_node.security.identity import KEY_FILE, NodeIdentity
 from noloco_node.wire import quantize
 
 from .swarm_harness import Bootstrap, NodeProcess, stop_all
@@ -66,6 +72,31 @@ def test_three_nodes_discover_each_other_exchange_and_learn(bootstrap: Bootstrap
             assert {h["partner"] for h in node.status()["history"] if h["partner"]} <= peer_ids - {
                 node.status()["peer_id"]
             }
+        # Each blend left a receipt both partners signed: the ledger rebuilt from the receipts alone (the real
+        # command, over the three data directories) credits each member with the blends its own status counted.
+        ledger = subprocess.run(
+            [sys.executable, "-m", "noloco_node", "contributions", "--json", *(str(n.data_dir) for n in nodes)],
+            capture_output=True,
+            text=True,
+            timeout=120,
+            check=True,
+        )
+        members = {m["peer_id"]: m for m in json.loads(ledger.stdout)["members"]}
+        for node in nodes:
+            status = node.status()
+            blends = sum(1 for h in status["history"] if h["partner"])
+            assert members[status["peer_id"]]["blends"] == blends, (node.name, members, status["receipts"])
+            assert status["receipts"].get("kept", 0) >= blends and set(status["receipts"]) == {"kept"}
+        assert json.loads(ledger.stdout)["refused"] == {} and json.loads(ledger.stdout)["closed_clusters"] == []
+        # A member that lost its data directory but kept its key (docs/security.md): the same peer id, and its
+        # partners' copies of the receipts alone still credit it with every blend.
+        restored = tmp_path / "restored"
+        restored.mkdir()
+        shutil.copy2(nodes[0].data_dir / KEY_FILE, restored / KEY_FILE)
+        first = nodes[0].status()
+        assert NodeIdentity.load_or_create(restored).peer_id == first["peer_id"]
+        others = build_ledger(read_receipt_files([n.data_dir for n in nodes[1:]]))
+        assert others.members[first["peer_id"]].blends == sum(1 for h in first["history"] if h["partner"])
     finally:
         stop_all(nodes)
 
