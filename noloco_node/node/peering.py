@@ -111,7 +111,9 @@ class Peering:
             discovery=discovery,
             telemetry=telemetry,
             offers={
-                kind.name: OfferPublisher(kind, run_fingerprint=layout.run_fingerprint, peer_id=peer_id)
+                kind.name: OfferPublisher(
+                    kind, run_fingerprint=layout.run_fingerprint, peer_id=peer_id, phase_tokens=layout.phase_tokens
+                )
                 for kind in layout.payload_kinds()
             },
             publish_record=publish_record,

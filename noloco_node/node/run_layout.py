@@ -76,6 +76,7 @@ class RunLayout:
     mode: str  # the pairing mode: stream exchanges other payloads than sync and overlap
     exchange_timeout: float
     min_link_rate: float
+    phase_tokens: int = 0  # tokens one member trains per inner phase: inner steps x batch size x sequence length
 
     @classmethod
     def of(cls, node_cfg: NodeConfig, train_cfg: TrainConfig, outer_cfg: OuterConfig, corpus: Corpus) -> RunLayout:
@@ -98,6 +99,7 @@ class RunLayout:
             mode=node_cfg.mode,
             exchange_timeout=node_cfg.exchange_timeout,
             min_link_rate=node_cfg.min_link_rate,
+            phase_tokens=train_cfg.inner_steps * train_cfg.batch_size * train_cfg.seq_len,
         )
 
     def _parts(self, *parts: str, side: bool = False) -> tuple[TensorLayout, ...]:

@@ -15,7 +15,9 @@ named peer ids), and one that proves nothing is refused with its reason and coun
 
 Per member the ledger counts outer steps blended (distinct outer steps with a receipt of a blended kind:
 :data:`BLENDED_KINDS`, the payloads a blend is made of; a reservation's ``meet`` or ``phase`` swap is an exchange,
-not a blend), exchanges by kind, partners, and first and last seen (the receipts' times). Standing decides nothing
+not a blend), the tokens it claimed to train in those phases (each receipt names both sides' claims, which the
+partner signs but cannot check: an honest member's is the run's inner steps x batch x sequence length), exchanges
+by kind, partners, and first and last seen (the receipts' times). Standing decides nothing
 here. Members are grouped by who exchanged with whom: the largest group is the swarm, and any other group is shown as
 a closed cluster, members who only ever exchanged among themselves (a pair of free keys signing receipts for each
 other is one: a receipt needs a partner's signature, and theirs come from nobody else).
@@ -49,6 +51,7 @@ class LedgerSourceError(ValueError):
 class MemberRecord:
     peer_id: str
     blended_steps: set[int] = field(default_factory=set)
+    tokens: int = 0  # what it claimed to train per phase, summed over its blended steps
     exchanges: Counter[str] = field(default_factory=Counter)
     partners: set[str] = field(default_factory=set)
     first_seen: int = 0
@@ -62,6 +65,7 @@ class MemberRecord:
         return {
             "peer_id": self.peer_id,
             "blends": self.blends,
+            "tokens": self.tokens,
             "exchanges": dict(self.exchanges),
             "partners": sorted(self.partners),
             "first_seen": self.first_seen,
@@ -150,15 +154,17 @@ def build_ledger(lines: Iterable[tuple[str, str]], *, run: str | None = None, no
                 ledger.refuse("counted_twice", source, f"{member} at outer step {step} ({terms.kind}) again")
                 continue
             credited.add((member, terms.kind, step))
-            _credit(ledger.members.setdefault(member, MemberRecord(member)), terms.kind, step, partner, terms.time)
+            record = ledger.members.setdefault(member, MemberRecord(member))
+            _credit(record, terms.kind, step, terms.tokens_of(member), partner, terms.time)
     ledger.clusters = _clusters(ledger.members)
     return ledger
 
 
-def _credit(record: MemberRecord, kind: str, step: int, partner: str, when: int) -> None:
+def _credit(record: MemberRecord, kind: str, step: int, tokens: int, partner: str, when: int) -> None:
     record.exchanges[kind] += 1
-    if kind in BLENDED_KINDS:
+    if kind in BLENDED_KINDS and step not in record.blended_steps:
         record.blended_steps.add(step)
+        record.tokens += tokens
     record.partners.add(partner)
     record.first_seen = min(record.first_seen or when, when)
     record.last_seen = max(record.last_seen, when)
@@ -221,12 +227,16 @@ def format_ledger(ledger: Ledger) -> str:
         f"partner), {sum(ledger.refused.values())} refused, {len(ledger.members)} members"
     ]
     swarm = set(ledger.clusters[0]) if ledger.clusters else set()
-    header = f"{'member':<36} {'blends':>6} {'exchanges':>9} {'partners':>8}  {'first seen':<19}  {'last seen':<19}"
+    header = (
+        f"{'member':<36} {'blends':>6} {'tokens':>13} {'exchanges':>9} {'partners':>8}  {'first seen':<19}  "
+        f"{'last seen':<19}"
+    )
     out.append(header)
     for member in sorted(ledger.members, key=lambda m: (m not in swarm, -ledger.members[m].blends, m)):
         record = ledger.members[member]
         out.append(
-            f"{member:<36} {record.blends:>6} {sum(record.exchanges.values()):>9} {len(record.partners):>8}  "
+            f"{member:<36} {record.blends:>6} {record.tokens:>13,} {sum(record.exchanges.values()):>9} "
+            f"{len(record.partners):>8}  "
             f"{_when(record.first_seen):<19}  {_when(record.last_seen):<19}"
         )
     for cluster in ledger.clusters[1:]:

@@ -56,10 +56,12 @@ class OfferPublisher:
         run_fingerprint: str,
         peer_id: Callable[[], str],
         pinned: bool = False,
+        phase_tokens: int = 0,
     ) -> None:
         self.kind = kind
         self.run_fingerprint = run_fingerprint
         self.peer_id = peer_id
+        self.phase_tokens = phase_tokens  # what every manifest claims this node trains per phase (receipts name it)
         shapes = [item.shape for item in kind.layout]
         if kind.wire_dtype in ENCODED_WIRE_DTYPES:  # published as encoded bytes, once, whoever streams them
             self.pool = BufferPool(
@@ -82,6 +84,7 @@ class OfferPublisher:
             run_fingerprint=self.run_fingerprint,
             peer_id=self.peer_id(),
             outer_step=outer_step,
+            phase_tokens=self.phase_tokens,
         )
         return self.pool.publish(sources, manifest=manifest)
 

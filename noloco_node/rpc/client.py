@@ -214,8 +214,8 @@ def _draft_receipt(
         caller_side=True,
         run=run,
         kind=receiver.kind.name if receiver.kind is not None else "",
-        own_step=outgoing.manifest.outer_step,
-        peer_step=payload.manifest.outer_step,
+        own=outgoing.manifest,
+        peer=payload.manifest,
         named_time=int(time.time()),
     )
     return ReceiptDraft.sign(seal.identity, terms, seal.peer_key, caller_side=True)

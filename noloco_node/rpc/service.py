@@ -367,8 +367,8 @@ class PeerService:
             caller_side=False,
             run=self.node.run_fingerprint,
             kind=receiver.kind.name,
-            own_step=outgoing.manifest.outer_step,
-            peer_step=received.manifest.outer_step,
+            own=outgoing.manifest,
+            peer=received.manifest,
             named_time=verdict.receipt_time,
         )
         draft = ReceiptDraft.sign(seal.identity, terms, seal.peer_key, caller_side=False)

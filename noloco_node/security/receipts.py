@@ -2,7 +2,8 @@
 
 Every exchange between two members whose payloads are sealed (payload_seal.py) ends in a commit (proto
 ``Verdict``). With the commit each side also signs the exchange's *receipt terms*: the run, the payload kind, both
-peer ids (caller and server), each side's outer step (from its manifest), the SHA-256 digests of both payloads (the
+peer ids (caller and server), each side's outer step and the tokens it claims to train per phase (from its
+manifest), the SHA-256 digests of both payloads (the
 seals' digests, so the receipt names exactly what crossed), the call's binding (its caller proof's nonce, fresh per
 call) and a time the caller names, which the server signs only within the clock skew it allows a caller's proof
 (``--max-clock-skew``, caller_proof.py).
@@ -27,12 +28,14 @@ import threading
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import Any
 
 from cryptography.exceptions import UnsupportedAlgorithm
 from hivemind.utils.crypto import RSAPublicKey
 
 from noloco_node.security.identity import NodeIdentity, peer_id_of
 from noloco_node.security.payload_seal import PayloadSeal
+from noloco_node.wire import peer_pb2 as pb
 
 RECEIPTS_FILE = "receipts.jsonl"
 MAX_RECEIPT_BYTES = 8192  # a receipt line longer than this is refused unread (two keys and two signatures fit)
@@ -57,6 +60,8 @@ class ReceiptTerms:
     server: str
     caller_step: int
     server_step: int
+    caller_tokens: int  # the tokens each side claims it trains per phase (its manifest's phase_tokens)
+    server_tokens: int
     caller_digest: str  # hex SHA-256 of the caller's payload (its seal's digest)
     server_digest: str
     binding: str  # the call's caller-proof nonce
@@ -71,6 +76,8 @@ class ReceiptTerms:
             self.server,
             str(self.caller_step),
             str(self.server_step),
+            str(self.caller_tokens),
+            str(self.server_tokens),
             self.caller_digest,
             self.server_digest,
             self.binding,
@@ -80,6 +87,9 @@ class ReceiptTerms:
 
     def step_of(self, member: str) -> int:
         return self.caller_step if member == self.caller else self.server_step
+
+    def tokens_of(self, member: str) -> int:
+        return self.caller_tokens if member == self.caller else self.server_tokens
 
 
 @dataclass(frozen=True)
@@ -100,17 +110,25 @@ class Receipt:
             raise ReceiptError("malformed", f"a receipt of {len(line)} bytes (at most {MAX_RECEIPT_BYTES})")
         try:
             data = json.loads(line)
+            if not isinstance(data, dict):
+                raise ValueError("not a JSON object")
             terms = ReceiptTerms(
-                **{name: _typed(data, name, int if name in _INT_TERMS else str) for name in _TERM_NAMES}
+                run=_text(data, "run"),
+                kind=_text(data, "kind"),
+                caller=_text(data, "caller"),
+                server=_text(data, "server"),
+                caller_step=_count(data, "caller_step"),
+                server_step=_count(data, "server_step"),
+                caller_tokens=_count(data, "caller_tokens"),
+                server_tokens=_count(data, "server_tokens"),
+                caller_digest=_text(data, "caller_digest"),
+                server_digest=_text(data, "server_digest"),
+                binding=_text(data, "binding"),
+                time=_count(data, "time"),
             )
-            return cls(
-                terms,
-                *(
-                    _typed(data, name, str)
-                    for name in ("caller_key", "server_key", "caller_signature", "server_signature")
-                ),
-            )
-        except (ValueError, TypeError, AttributeError) as error:
+            keys = ("caller_key", "server_key", "caller_signature", "server_signature")
+            return cls(terms, *(_text(data, name) for name in keys))
+        except ValueError as error:
             raise ReceiptError("malformed", f"not a receipt: {error}") from None
 
     def check(self) -> None:
@@ -124,16 +142,17 @@ class Receipt:
             raise ReceiptError("self_signed", f"{self.terms.caller} is named as both partners")
 
 
-_TERM_NAMES = tuple(ReceiptTerms.__dataclass_fields__)
-_INT_TERMS = {"caller_step", "server_step", "time"}
+def _text(data: dict[str, Any], name: str) -> str:
+    value = data.get(name)
+    if not isinstance(value, str):
+        raise ValueError(f"{name!r} is not a string")
+    return value
 
 
-def _typed(data: object, name: str, kind: type) -> object:
-    if not isinstance(data, dict) or name not in data:
-        raise ValueError(f"no {name!r}")
-    value = data[name]
-    if not isinstance(value, kind) or isinstance(value, bool) or (kind is int and value < 0):
-        raise ValueError(f"{name!r} is not a {'non-negative integer' if kind is int else 'string'}")
+def _count(data: dict[str, Any], name: str) -> int:
+    value = data.get(name)
+    if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+        raise ValueError(f"{name!r} is not a non-negative integer")
     return value
 
 
@@ -175,16 +194,31 @@ class ReceiptDraft:
 
 
 def terms_of(
-    seal: PayloadSeal, *, caller_side: bool, run: str, kind: str, own_step: int, peer_step: int, named_time: int
+    seal: PayloadSeal, *, caller_side: bool, run: str, kind: str, own: pb.Manifest, peer: pb.Manifest, named_time: int
 ) -> ReceiptTerms:
-    """The terms of the exchange ``seal`` sealed, as this side knows them (both payloads' digests are the seal's)."""
-    own, peer = seal.identity.peer_id, seal.peer
+    """The terms of the exchange ``seal`` sealed, as this side knows them: its own payload's manifest and the peer's
+    (outer steps, token claims), and both payloads' digests (the seal's)."""
     own_digest, peer_digest = seal.sent_digest.hex(), seal.received_digest.hex()
     if caller_side:
-        return ReceiptTerms(
-            run, kind, own, peer, own_step, peer_step, own_digest, peer_digest, seal.binding, named_time
-        )
-    return ReceiptTerms(run, kind, peer, own, peer_step, own_step, peer_digest, own_digest, seal.binding, named_time)
+        caller, server, called, served = seal.identity.peer_id, seal.peer, own, peer
+        caller_digest, server_digest = own_digest, peer_digest
+    else:
+        caller, server, called, served = seal.peer, seal.identity.peer_id, peer, own
+        caller_digest, server_digest = peer_digest, own_digest
+    return ReceiptTerms(
+        run=run,
+        kind=kind,
+        caller=caller,
+        server=server,
+        caller_step=called.outer_step,
+        server_step=served.outer_step,
+        caller_tokens=called.phase_tokens,
+        server_tokens=served.phase_tokens,
+        caller_digest=caller_digest,
+        server_digest=server_digest,
+        binding=seal.binding,
+        time=named_time,
+    )
 
 
 def acceptable_time(named: int, max_skew: float, now: float | None = None) -> bool:
@@ -230,7 +264,7 @@ class ReceiptBook:
                 return []
             with self.path.open("rb") as file:
                 file.seek(self._offsets[after])
-                lines = []
+                lines: list[str] = []
                 while len(lines) < limit:
                     line = file.readline()
                     if not line:

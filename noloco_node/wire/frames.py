@@ -136,6 +136,7 @@ def build_manifest(
     peer_id: str,
     outer_step: int,
     metadata_json: str = "",
+    phase_tokens: int = 0,
 ) -> pb.Manifest:
     """The manifest of ``tensors`` in ``wire_dtype``: named values (their shapes are what the receiver checks), or
     their layout (a publisher whose buffers hold the encoded bytes; an item that names its own dtype travels in it)."""
@@ -147,6 +148,7 @@ def build_manifest(
         peer_id=peer_id,
         outer_step=outer_step,
         metadata_json=metadata_json,
+        phase_tokens=phase_tokens,
         tensors=[
             pb.TensorSpec(
                 name=item.name,

@@ -24,43 +24,43 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x14noloco/v1/peer.proto\x12\tnoloco.v1\"a\n\nTensorSpec\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\r\n\x05shape\x18\x02 \x03(\x03\x12#\n\x05\x64type\x18\x03 \x01(\x0e\x32\x14.noloco.v1.WireDType\x12\x11\n\tnum_bytes\x18\x04 \x01(\x04\"\x87\x01\n\x08Manifest\x12\x17\n\x0frun_fingerprint\x18\x01 \x01(\t\x12\x0f\n\x07peer_id\x18\x02 \x01(\t\x12\x12\n\nouter_step\x18\x03 \x01(\x04\x12&\n\x07tensors\x18\x04 \x03(\x0b\x32\x15.noloco.v1.TensorSpec\x12\x15\n\rmetadata_json\x18\x05 \x01(\t\"M\n\x05\x43hunk\x12\x14\n\x0ctensor_index\x18\x01 \x01(\r\x12\x0e\n\x06offset\x18\x02 \x01(\x04\x12\x0c\n\x04\x64\x61ta\x18\x03 \x01(\x0c\x12\x10\n\x08\x63hecksum\x18\x04 \x01(\x04\"A\n\x03\x45nd\x12\x13\n\x0btotal_bytes\x18\x01 \x01(\x04\x12\x11\n\tsignature\x18\x02 \x01(\x0c\x12\x12\n\nsigner_key\x18\x03 \x01(\x0c\"Z\n\x07Verdict\x12\x0e\n\x06\x63ommit\x18\x01 \x01(\x08\x12\x0e\n\x06reason\x18\x02 \x01(\t\x12\x19\n\x11receipt_signature\x18\x03 \x01(\x0c\x12\x14\n\x0creceipt_time\x18\x04 \x01(\x04\"\xa1\x01\n\x05\x46rame\x12\'\n\x08manifest\x18\x01 \x01(\x0b\x32\x13.noloco.v1.ManifestH\x00\x12!\n\x05\x63hunk\x18\x02 \x01(\x0b\x32\x10.noloco.v1.ChunkH\x00\x12\x1d\n\x03\x65nd\x18\x03 \x01(\x0b\x32\x0e.noloco.v1.EndH\x00\x12%\n\x07verdict\x18\x04 \x01(\x0b\x32\x12.noloco.v1.VerdictH\x00\x42\x06\n\x04\x62ody\"v\n\x0cStateRequest\x12\x17\n\x0frun_fingerprint\x18\x01 \x01(\t\x12\x0f\n\x07peer_id\x18\x02 \x01(\t\x12\x13\n\x0b\x66rom_tensor\x18\x03 \x01(\r\x12\x12\n\nouter_step\x18\x04 \x01(\x04\x12\x13\n\x0b\x66rom_offset\x18\x05 \x01(\x04\" \n\x0bInfoRequest\x12\x11\n\tdial_back\x18\x01 \x03(\r\":\n\x08\x44ialBack\x12\x0c\n\x04port\x18\x01 \x01(\r\x12\x11\n\tconnected\x18\x02 \x01(\x08\x12\r\n\x05\x65rror\x18\x03 \x01(\t\"S\n\tLossPoint\x12\x12\n\ninner_step\x18\x01 \x01(\x04\x12\x12\n\ntrain_loss\x18\x02 \x01(\x01\x12\x10\n\x08val_loss\x18\x03 \x01(\x01\x12\x0c\n\x04time\x18\x04 \x01(\x01\"\xb0\x02\n\tInfoReply\x12\x0f\n\x07peer_id\x18\x01 \x01(\t\x12\x17\n\x0frun_fingerprint\x18\x02 \x01(\t\x12\x12\n\nouter_step\x18\x03 \x01(\x04\x12\x12\n\ninner_step\x18\x04 \x01(\x04\x12\x15\n\rready_to_pair\x18\x05 \x01(\x08\x12\x0e\n\x06health\x18\x06 \x01(\t\x12\x0f\n\x07version\x18\x07 \x01(\t\x12\x17\n\ntrain_loss\x18\x08 \x01(\x01H\x00\x88\x01\x01\x12\x15\n\x08val_loss\x18\t \x01(\x01H\x01\x88\x01\x01\x12%\n\x07history\x18\n \x03(\x0b\x32\x14.noloco.v1.LossPoint\x12&\n\tdial_back\x18\x0b \x03(\x0b\x32\x13.noloco.v1.DialBackB\r\n\x0b_train_lossB\x0b\n\t_val_loss\"8\n\x0eRolloutRequest\x12\x17\n\x0frun_fingerprint\x18\x01 \x01(\t\x12\r\n\x05round\x18\x02 \x01(\x04\"P\n\x0cRolloutGroup\x12\x0e\n\x06\x66\x61mily\x18\x01 \x01(\t\x12\x0c\n\x04seed\x18\x02 \x01(\x04\x12\r\n\x05index\x18\x03 \x01(\x04\x12\x13\n\x0b\x63ompletions\x18\x04 \x03(\t\"p\n\x0cRolloutBatch\x12\x17\n\x0frun_fingerprint\x18\x01 \x01(\t\x12\x0f\n\x07peer_id\x18\x02 \x01(\t\x12\r\n\x05round\x18\x03 \x01(\x04\x12\'\n\x06groups\x18\x04 \x03(\x0b\x32\x17.noloco.v1.RolloutGroup*\xce\x01\n\tWireDType\x12\x1a\n\x16WIRE_DTYPE_UNSPECIFIED\x10\x00\x12\x16\n\x12WIRE_DTYPE_FLOAT32\x10\x01\x12\x17\n\x13WIRE_DTYPE_BFLOAT16\x10\x02\x12\x1c\n\x18WIRE_DTYPE_INT8_BLOCK256\x10\x03\x12\x1c\n\x18WIRE_DTYPE_INT4_BLOCK256\x10\x04\x12\x1e\n\x1aWIRE_DTYPE_SPARSE_TOPK4096\x10\x05\x12\x18\n\x14WIRE_DTYPE_SIDE_MOD3\x10\x06\x32\xec\x01\n\x04Peer\x12\x32\n\x08\x45xchange\x12\x10.noloco.v1.Frame\x1a\x10.noloco.v1.Frame(\x01\x30\x01\x12\x37\n\x08GetState\x12\x17.noloco.v1.StateRequest\x1a\x10.noloco.v1.Frame0\x01\x12\x34\n\x04Info\x12\x16.noloco.v1.InfoRequest\x1a\x14.noloco.v1.InfoReply\x12\x41\n\x0bGetRollouts\x12\x19.noloco.v1.RolloutRequest\x1a\x17.noloco.v1.RolloutBatchb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x14noloco/v1/peer.proto\x12\tnoloco.v1\"a\n\nTensorSpec\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\r\n\x05shape\x18\x02 \x03(\x03\x12#\n\x05\x64type\x18\x03 \x01(\x0e\x32\x14.noloco.v1.WireDType\x12\x11\n\tnum_bytes\x18\x04 \x01(\x04\"\x9d\x01\n\x08Manifest\x12\x17\n\x0frun_fingerprint\x18\x01 \x01(\t\x12\x0f\n\x07peer_id\x18\x02 \x01(\t\x12\x12\n\nouter_step\x18\x03 \x01(\x04\x12&\n\x07tensors\x18\x04 \x03(\x0b\x32\x15.noloco.v1.TensorSpec\x12\x15\n\rmetadata_json\x18\x05 \x01(\t\x12\x14\n\x0cphase_tokens\x18\x06 \x01(\x04\"M\n\x05\x43hunk\x12\x14\n\x0ctensor_index\x18\x01 \x01(\r\x12\x0e\n\x06offset\x18\x02 \x01(\x04\x12\x0c\n\x04\x64\x61ta\x18\x03 \x01(\x0c\x12\x10\n\x08\x63hecksum\x18\x04 \x01(\x04\"A\n\x03\x45nd\x12\x13\n\x0btotal_bytes\x18\x01 \x01(\x04\x12\x11\n\tsignature\x18\x02 \x01(\x0c\x12\x12\n\nsigner_key\x18\x03 \x01(\x0c\"Z\n\x07Verdict\x12\x0e\n\x06\x63ommit\x18\x01 \x01(\x08\x12\x0e\n\x06reason\x18\x02 \x01(\t\x12\x19\n\x11receipt_signature\x18\x03 \x01(\x0c\x12\x14\n\x0creceipt_time\x18\x04 \x01(\x04\"\xa1\x01\n\x05\x46rame\x12\'\n\x08manifest\x18\x01 \x01(\x0b\x32\x13.noloco.v1.ManifestH\x00\x12!\n\x05\x63hunk\x18\x02 \x01(\x0b\x32\x10.noloco.v1.ChunkH\x00\x12\x1d\n\x03\x65nd\x18\x03 \x01(\x0b\x32\x0e.noloco.v1.EndH\x00\x12%\n\x07verdict\x18\x04 \x01(\x0b\x32\x12.noloco.v1.VerdictH\x00\x42\x06\n\x04\x62ody\"v\n\x0cStateRequest\x12\x17\n\x0frun_fingerprint\x18\x01 \x01(\t\x12\x0f\n\x07peer_id\x18\x02 \x01(\t\x12\x13\n\x0b\x66rom_tensor\x18\x03 \x01(\r\x12\x12\n\nouter_step\x18\x04 \x01(\x04\x12\x13\n\x0b\x66rom_offset\x18\x05 \x01(\x04\" \n\x0bInfoRequest\x12\x11\n\tdial_back\x18\x01 \x03(\r\":\n\x08\x44ialBack\x12\x0c\n\x04port\x18\x01 \x01(\r\x12\x11\n\tconnected\x18\x02 \x01(\x08\x12\r\n\x05\x65rror\x18\x03 \x01(\t\"S\n\tLossPoint\x12\x12\n\ninner_step\x18\x01 \x01(\x04\x12\x12\n\ntrain_loss\x18\x02 \x01(\x01\x12\x10\n\x08val_loss\x18\x03 \x01(\x01\x12\x0c\n\x04time\x18\x04 \x01(\x01\"\xb0\x02\n\tInfoReply\x12\x0f\n\x07peer_id\x18\x01 \x01(\t\x12\x17\n\x0frun_fingerprint\x18\x02 \x01(\t\x12\x12\n\nouter_step\x18\x03 \x01(\x04\x12\x12\n\ninner_step\x18\x04 \x01(\x04\x12\x15\n\rready_to_pair\x18\x05 \x01(\x08\x12\x0e\n\x06health\x18\x06 \x01(\t\x12\x0f\n\x07version\x18\x07 \x01(\t\x12\x17\n\ntrain_loss\x18\x08 \x01(\x01H\x00\x88\x01\x01\x12\x15\n\x08val_loss\x18\t \x01(\x01H\x01\x88\x01\x01\x12%\n\x07history\x18\n \x03(\x0b\x32\x14.noloco.v1.LossPoint\x12&\n\tdial_back\x18\x0b \x03(\x0b\x32\x13.noloco.v1.DialBackB\r\n\x0b_train_lossB\x0b\n\t_val_loss\"8\n\x0eRolloutRequest\x12\x17\n\x0frun_fingerprint\x18\x01 \x01(\t\x12\r\n\x05round\x18\x02 \x01(\x04\"P\n\x0cRolloutGroup\x12\x0e\n\x06\x66\x61mily\x18\x01 \x01(\t\x12\x0c\n\x04seed\x18\x02 \x01(\x04\x12\r\n\x05index\x18\x03 \x01(\x04\x12\x13\n\x0b\x63ompletions\x18\x04 \x03(\t\"p\n\x0cRolloutBatch\x12\x17\n\x0frun_fingerprint\x18\x01 \x01(\t\x12\x0f\n\x07peer_id\x18\x02 \x01(\t\x12\r\n\x05round\x18\x03 \x01(\x04\x12\'\n\x06groups\x18\x04 \x03(\x0b\x32\x17.noloco.v1.RolloutGroup*\xce\x01\n\tWireDType\x12\x1a\n\x16WIRE_DTYPE_UNSPECIFIED\x10\x00\x12\x16\n\x12WIRE_DTYPE_FLOAT32\x10\x01\x12\x17\n\x13WIRE_DTYPE_BFLOAT16\x10\x02\x12\x1c\n\x18WIRE_DTYPE_INT8_BLOCK256\x10\x03\x12\x1c\n\x18WIRE_DTYPE_INT4_BLOCK256\x10\x04\x12\x1e\n\x1aWIRE_DTYPE_SPARSE_TOPK4096\x10\x05\x12\x18\n\x14WIRE_DTYPE_SIDE_MOD3\x10\x06\x32\xec\x01\n\x04Peer\x12\x32\n\x08\x45xchange\x12\x10.noloco.v1.Frame\x1a\x10.noloco.v1.Frame(\x01\x30\x01\x12\x37\n\x08GetState\x12\x17.noloco.v1.StateRequest\x1a\x10.noloco.v1.Frame0\x01\x12\x34\n\x04Info\x12\x16.noloco.v1.InfoRequest\x1a\x14.noloco.v1.InfoReply\x12\x41\n\x0bGetRollouts\x12\x19.noloco.v1.RolloutRequest\x1a\x17.noloco.v1.RolloutBatchb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'noloco.v1.peer_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_WIREDTYPE']._serialized_start=1535
-  _globals['_WIREDTYPE']._serialized_end=1741
+  _globals['_WIREDTYPE']._serialized_start=1557
+  _globals['_WIREDTYPE']._serialized_end=1763
   _globals['_TENSORSPEC']._serialized_start=35
   _globals['_TENSORSPEC']._serialized_end=132
   _globals['_MANIFEST']._serialized_start=135
-  _globals['_MANIFEST']._serialized_end=270
-  _globals['_CHUNK']._serialized_start=272
-  _globals['_CHUNK']._serialized_end=349
-  _globals['_END']._serialized_start=351
-  _globals['_END']._serialized_end=416
-  _globals['_VERDICT']._serialized_start=418
-  _globals['_VERDICT']._serialized_end=508
-  _globals['_FRAME']._serialized_start=511
-  _globals['_FRAME']._serialized_end=672
-  _globals['_STATEREQUEST']._serialized_start=674
-  _globals['_STATEREQUEST']._serialized_end=792
-  _globals['_INFOREQUEST']._serialized_start=794
-  _globals['_INFOREQUEST']._serialized_end=826
-  _globals['_DIALBACK']._serialized_start=828
-  _globals['_DIALBACK']._serialized_end=886
-  _globals['_LOSSPOINT']._serialized_start=888
-  _globals['_LOSSPOINT']._serialized_end=971
-  _globals['_INFOREPLY']._serialized_start=974
-  _globals['_INFOREPLY']._serialized_end=1278
-  _globals['_ROLLOUTREQUEST']._serialized_start=1280
-  _globals['_ROLLOUTREQUEST']._serialized_end=1336
-  _globals['_ROLLOUTGROUP']._serialized_start=1338
-  _globals['_ROLLOUTGROUP']._serialized_end=1418
-  _globals['_ROLLOUTBATCH']._serialized_start=1420
-  _globals['_ROLLOUTBATCH']._serialized_end=1532
-  _globals['_PEER']._serialized_start=1744
-  _globals['_PEER']._serialized_end=1980
+  _globals['_MANIFEST']._serialized_end=292
+  _globals['_CHUNK']._serialized_start=294
+  _globals['_CHUNK']._serialized_end=371
+  _globals['_END']._serialized_start=373
+  _globals['_END']._serialized_end=438
+  _globals['_VERDICT']._serialized_start=440
+  _globals['_VERDICT']._serialized_end=530
+  _globals['_FRAME']._serialized_start=533
+  _globals['_FRAME']._serialized_end=694
+  _globals['_STATEREQUEST']._serialized_start=696
+  _globals['_STATEREQUEST']._serialized_end=814
+  _globals['_INFOREQUEST']._serialized_start=816
+  _globals['_INFOREQUEST']._serialized_end=848
+  _globals['_DIALBACK']._serialized_start=850
+  _globals['_DIALBACK']._serialized_end=908
+  _globals['_LOSSPOINT']._serialized_start=910
+  _globals['_LOSSPOINT']._serialized_end=993
+  _globals['_INFOREPLY']._serialized_start=996
+  _globals['_INFOREPLY']._serialized_end=1300
+  _globals['_ROLLOUTREQUEST']._serialized_start=1302
+  _globals['_ROLLOUTREQUEST']._serialized_end=1358
+  _globals['_ROLLOUTGROUP']._serialized_start=1360
+  _globals['_ROLLOUTGROUP']._serialized_end=1440
+  _globals['_ROLLOUTBATCH']._serialized_start=1442
+  _globals['_ROLLOUTBATCH']._serialized_end=1554
+  _globals['_PEER']._serialized_start=1766
+  _globals['_PEER']._serialized_end=2002
 # @@protoc_insertion_point(module_scope)

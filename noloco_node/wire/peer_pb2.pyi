@@ -37,18 +37,20 @@ class TensorSpec(_message.Message):
     def __init__(self, name: _Optional[str] = ..., shape: _Optional[_Iterable[int]] = ..., dtype: _Optional[_Union[WireDType, str]] = ..., num_bytes: _Optional[int] = ...) -> None: ...
 
 class Manifest(_message.Message):
-    __slots__ = ("run_fingerprint", "peer_id", "outer_step", "tensors", "metadata_json")
+    __slots__ = ("run_fingerprint", "peer_id", "outer_step", "tensors", "metadata_json", "phase_tokens")
     RUN_FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
     PEER_ID_FIELD_NUMBER: _ClassVar[int]
     OUTER_STEP_FIELD_NUMBER: _ClassVar[int]
     TENSORS_FIELD_NUMBER: _ClassVar[int]
     METADATA_JSON_FIELD_NUMBER: _ClassVar[int]
+    PHASE_TOKENS_FIELD_NUMBER: _ClassVar[int]
     run_fingerprint: str
     peer_id: str
     outer_step: int
     tensors: _containers.RepeatedCompositeFieldContainer[TensorSpec]
     metadata_json: str
-    def __init__(self, run_fingerprint: _Optional[str] = ..., peer_id: _Optional[str] = ..., outer_step: _Optional[int] = ..., tensors: _Optional[_Iterable[_Union[TensorSpec, _Mapping]]] = ..., metadata_json: _Optional[str] = ...) -> None: ...
+    phase_tokens: int
+    def __init__(self, run_fingerprint: _Optional[str] = ..., peer_id: _Optional[str] = ..., outer_step: _Optional[int] = ..., tensors: _Optional[_Iterable[_Union[TensorSpec, _Mapping]]] = ..., metadata_json: _Optional[str] = ..., phase_tokens: _Optional[int] = ...) -> None: ...
 
 class Chunk(_message.Message):
     __slots__ = ("tensor_index", "offset", "data", "checksum")

@@ -264,7 +264,9 @@ def test_keyed_sides_seal_both_payloads_and_a_server_answering_in_anothers_name_
         assert torch.equal(got.tensors["theta/p0"], params(1)[0][1])
         assert honest.released.wait(5) and len(honest.completed) == 1
         # The commit signed the exchange's receipt on both sides: each holds the same one, naming both payloads.
-        assert caller_metrics.receipts == {"kept": 1} and server_metrics.receipts == {"kept": 1}, server_metrics.receipts
+        assert caller_metrics.receipts == {"kept": 1} and server_metrics.receipts == {"kept": 1}, (
+            server_metrics.receipts
+        )
         assert called_receipts == served_receipts and len(called_receipts) == 1
         receipt = called_receipts[0]
         receipt.check()

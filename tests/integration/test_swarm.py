@@ -86,6 +86,7 @@ def test_three_nodes_discover_each_other_exchange_and_learn(bootstrap: Bootstrap
             status = node.status()
             blends = sum(1 for h in status["history"] if h["partner"])
             assert members[status["peer_id"]]["blends"] == blends, (node.name, members, status["receipts"])
+            assert members[status["peer_id"]]["tokens"] == blends * 20 * 8 * 64  # H x batch x sequence, per blend
             assert status["receipts"].get("kept", 0) >= blends and set(status["receipts"]) == {"kept"}
         assert json.loads(ledger.stdout)["refused"] == {} and json.loads(ledger.stdout)["closed_clusters"] == []
         # A member that lost its data directory but kept its key (docs/security.md): the same peer id, and its

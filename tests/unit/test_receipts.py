@@ -36,6 +36,8 @@ def signed(
         server.peer_id,
         step,
         step,
+        1280,
+        1280,
         "aa" * 32,
         "bb" * 32,
         binding or f"nonce-{caller.peer_id[-4:]}-{server.peer_id[-4:]}-{kind}-{step}",
@@ -107,6 +109,7 @@ def test_each_partners_copy_counts_once_and_a_member_once_per_step_and_kind() ->
     assert ledger.duplicates == 1 and ledger.receipts == 3
     assert ledger.refused == {"counted_twice": 1}
     assert ledger.members[a.peer_id].blends == 1 and ledger.members[a.peer_id].exchanges == {"weights": 1, "meet": 1}
+    assert ledger.members[a.peer_id].tokens == 1280  # its claim, once for its one blended step
     assert ledger.members[c.peer_id].blends == 1 and ledger.members[c.peer_id].partners == {a.peer_id}
 
 
