@@ -63,9 +63,12 @@ def node_routes(
 def receipts_page(receipts: ReceiptBook, query: Mapping[str, str]) -> tuple[str, bytes]:
     """``/receipts?after=N&limit=M``: the node's receipts (security/receipts.py) from line N on, at most
     RECEIPTS_PAGE a page, one JSON object per line; an empty page is the end. Bad numbers: BadQueryError (400)."""
-    after, limit = int(query.get("after", "0")), int(query.get("limit", str(RECEIPTS_PAGE)))
+    try:
+        after, limit = int(query.get("after", "0")), int(query.get("limit", str(RECEIPTS_PAGE)))
+    except ValueError:
+        raise BadQueryError("after and limit are whole numbers") from None
     if after < 0 or limit < 1:
-        raise ValueError("after must be >= 0 and limit >= 1")
+        raise BadQueryError("after must be >= 0 and limit >= 1")
     lines = receipts.page(after, min(limit, RECEIPTS_PAGE))
     return "application/x-ndjson", "".join(line + "\n" for line in lines).encode()
 

@@ -134,7 +134,7 @@ def test_status_metrics_and_commands_on_a_live_two_node_swarm(bootstrap: Bootstr
         assert code == 200 and first_page.splitlines()[1] not in rest.splitlines()
         pairs = {(r["caller"], r["server"]) for r in map(json.loads, [*first_page.splitlines(), *rest.splitlines()])}
         assert pairs <= {(later.peer_id, other["peer_id"]), (other["peer_id"], later.peer_id)}
-        assert get(url + "/receipts?after=-1")[0] == 400
+        assert get(url + "/receipts?after=-1")[0] == 400 and get(url + "/receipts?limit=x")[0] == 400
         counted = cli("contributions", "--json", "--from", url)
         assert counted.returncode == 0, counted.stderr
         ledger = json.loads(counted.stdout)
