@@ -19,8 +19,8 @@ TRAIN = ["--model", "tiny", "--seq-len", "64", "--batch-size", "8", "--eval-batc
 def test_the_ledger_credits_each_honest_member_its_own_blends_and_shows_a_pair_of_free_keys_as_a_closed_cluster(
     bootstrap: Bootstrap, tmp_path: Path
 ) -> None:
-    """Four members of a run, and two more of the same run on a DHT of their own: fresh keys that can only sign
-    receipts for each other. The ledger, from all six data directories, credits each honest member with exactly the
+    """Four members of a run, and two more of the same run (the same settings: the run's fingerprint) on a DHT of
+    their own: fresh keys that can only sign receipts for each other. The ledger, from all six data directories, credits each honest member with exactly the
     blends its own status counted, and prints the pair as a cluster no honest member ever exchanged with."""
     honest = [
         NodeProcess(
@@ -29,7 +29,7 @@ def test_the_ledger_credits_each_honest_member_its_own_blends_and_shows_a_pair_o
             tmp_path,
             *TRAIN,
             "--steps",
-            "200",
+            "100",
             "--shard-index",
             str(i),
             "--pair-timeout",
