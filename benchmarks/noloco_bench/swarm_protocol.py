@@ -69,6 +69,7 @@ from noloco_node.discovery.buckets import MAX_BUCKET_ENTRIES, Bucket, SwarmSize
 from noloco_node.discovery.dht import PeerRecord
 from noloco_node.discovery.view import RecordView
 from noloco_node.node.outer_step import BEHIND_STEPS
+from noloco_node.observability.ledger import connected_groups
 from noloco_node.pairing.peer_policy import PeerPolicy
 from noloco_node.pairing.reserved import MEET_WINDOW, RepeatGrace
 from noloco_node.pairing.standing import Standing
@@ -837,23 +838,9 @@ def run(settings: ProtocolSettings) -> dict[str, Any]:
 
 
 def _groups(members: list[str], pairs: list[tuple[str, str]]) -> list[int]:
-    """The sizes of the groups ``members`` fall into when each of ``pairs`` joins its two (connected components,
-    largest first): one group is a swarm that mixes as one; two or more trained as separate swarms."""
-    parent = {m: m for m in members}
-
-    def root(m: str) -> str:
-        while parent[m] != m:
-            parent[m] = parent[parent[m]]
-            m = parent[m]
-        return m
-
-    for a, b in pairs:
-        if a in parent and b in parent:
-            parent[root(a)] = root(b)
-    sizes: dict[str, int] = {}
-    for m in members:
-        sizes[root(m)] = sizes.get(root(m), 0) + 1
-    return sorted(sizes.values(), reverse=True)
+    """The sizes of the groups ``members`` fall into when each of ``pairs`` joins its two, largest first: one group
+    is a swarm that mixes as one; two or more trained as separate swarms."""
+    return [len(group) for group in connected_groups(members, pairs)]
 
 
 def run_protocol_bench(

@@ -30,7 +30,7 @@ import time
 import urllib.error
 import urllib.request
 from collections import Counter
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from pathlib import Path
@@ -171,7 +171,13 @@ def _credit(record: MemberRecord, kind: str, step: int, tokens: int, partner: st
 
 
 def _clusters(members: dict[str, MemberRecord]) -> list[list[str]]:
-    """Members grouped by who exchanged with whom (connected components), largest first."""
+    """Members grouped by who exchanged with whom, largest first."""
+    return connected_groups(list(members), [(m, p) for m, record in members.items() for p in record.partners])
+
+
+def connected_groups(members: Sequence[str], pairs: Iterable[tuple[str, str]]) -> list[list[str]]:
+    """The groups ``members`` fall into when each of ``pairs`` joins its two (connected components), largest first,
+    each sorted; a pair naming someone not in ``members`` joins nothing."""
     parent = {m: m for m in members}
 
     def root(m: str) -> str:
@@ -180,10 +186,9 @@ def _clusters(members: dict[str, MemberRecord]) -> list[list[str]]:
             m = parent[m]
         return m
 
-    for member, record in members.items():
-        for partner in record.partners:
-            if partner in parent:
-                parent[root(member)] = root(partner)
+    for a, b in pairs:
+        if a in parent and b in parent:
+            parent[root(a)] = root(b)
     groups: dict[str, list[str]] = {}
     for member in members:
         groups.setdefault(root(member), []).append(member)

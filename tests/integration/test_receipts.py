@@ -20,44 +20,18 @@ def test_the_ledger_credits_each_honest_member_its_own_blends_and_shows_a_pair_o
     bootstrap: Bootstrap, tmp_path: Path
 ) -> None:
     """Four members of a run, and two more of the same run (the same settings: the run's fingerprint) on a DHT of
-    their own: fresh keys that can only sign receipts for each other. The ledger, from all six data directories, credits each honest member with exactly the
-    blends its own status counted, and prints the pair as a cluster no honest member ever exchanged with."""
-    honest = [
-        NodeProcess(
-            f"honest{i}",
-            bootstrap,
-            tmp_path,
-            *TRAIN,
-            "--steps",
-            "100",
-            "--shard-index",
-            str(i),
-            "--pair-timeout",
-            "5",
-            "--wait-for-peers",
-            "3",
-        )
-        for i in range(4)
-    ]
+    their own: fresh keys that can only sign receipts for each other. The ledger, from all six data directories,
+    credits each honest member with exactly the blends its own status counted, and prints the pair as a cluster no
+    honest member ever exchanged with."""
+
+    def member(name: str, dht: Bootstrap, index: int, others: int) -> NodeProcess:
+        args = ["--steps", "100", "--shard-index", str(index), "--pair-timeout", "5", "--wait-for-peers", str(others)]
+        return NodeProcess(name, dht, tmp_path, *TRAIN, *args)
+
+    honest = [member(f"honest{i}", bootstrap, i, 3) for i in range(4)]
     (tmp_path / "elsewhere").mkdir()
     elsewhere = Bootstrap(tmp_path / "elsewhere").for_run(bootstrap.run_name or "")
-    pair = [
-        NodeProcess(
-            f"sybil{i}",
-            elsewhere,
-            tmp_path,
-            *TRAIN,
-            "--steps",
-            "100",
-            "--shard-index",
-            str(i),
-            "--pair-timeout",
-            "5",
-            "--wait-for-peers",
-            "1",
-        )
-        for i in range(2)
-    ]
+    pair = [member(f"sybil{i}", elsewhere, i, 1) for i in range(2)]
     try:
         codes = [node.wait(timeout=400) for node in [*honest, *pair]]
         assert codes == [0] * 6, "\n".join(node.output()[-1500:] for node in [*honest, *pair])
