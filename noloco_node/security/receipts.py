@@ -26,6 +26,7 @@ from __future__ import annotations
 import json
 import threading
 import time
+from array import array
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -234,7 +235,7 @@ class ReceiptBook:
     def __init__(self, data_dir: Path) -> None:
         self.path = data_dir / RECEIPTS_FILE
         self._lock = threading.Lock()
-        self._offsets: list[int] = []
+        self._offsets = array("Q")  # each receipt line's byte offset, 8 bytes apiece
         if self.path.exists():
             with self.path.open("rb+") as file:
                 offset = 0
