@@ -213,16 +213,20 @@ def build_parser() -> argparse.ArgumentParser:
     contributions = commands.add_parser(
         "contributions",
         help="who contributed what to a run: the ledger rebuilt from receipts both partners signed",
-        description="Rebuild each member's outer steps blended, exchanges, partners and first and last seen from "
-        "exchange receipts alone (each signed by both partners; docs/security.md, 'Am I counted?'), and say which "
-        "receipts were refused and why. Receipts are read from data directories or receipts.jsonl files, and "
-        "from running members' status endpoints (/receipts).",
+        description="Rebuild each member's outer steps blended, tokens, exchanges, partners and first and last "
+        "seen from exchange receipts alone (each signed by both partners; docs/security.md, 'Receipts and the "
+        "ledger'), and say which receipts were refused and why. Receipts are read from node data directories or "
+        "receipts.jsonl files, and from the run's live members, found through the DHT (--bootstrap and "
+        "--run-fingerprint, or --url of a running node) and asked over gRPC.",
     )
     contributions.add_argument("paths", nargs="*", type=Path, help="node data directories, or receipts.jsonl files")
-    contributions.add_argument(
-        "--from", dest="urls", action="append", default=[], help="a member's status endpoint (repeatable)"
-    )
+    contributions.add_argument("--bootstrap", nargs="*", default=[], help="multiaddrs of DHT peers")
     contributions.add_argument("--run-fingerprint", help="the run (default: the run most receipts name)")
+    contributions.add_argument("--url", help="a node's status endpoint: its run and DHT addresses are used")
+    contributions.add_argument(
+        "--secret-file", type=Path, help="a private run's secret: its members answer only calls that prove it"
+    )
+    _add_secret_refusal(contributions)
     contributions.add_argument("--json", action="store_true", help="print the ledger as JSON")
 
     config = commands.add_parser(
@@ -375,26 +379,38 @@ def _peers(args: argparse.Namespace) -> int:
 
 
 def _contributions(args: argparse.Namespace) -> int:
-    import itertools
-
     from noloco_node.observability.ledger import (
         LedgerSourceError,
         build_ledger,
-        fetch_receipts,
         format_ledger,
         ledger_json,
         read_receipt_files,
+        read_swarm_receipts,
     )
+    from noloco_node.observability.status_client import fetch_status
 
-    if not args.paths and not args.urls:
-        raise SystemExit("noloco-node contributions: give data directories, receipts.jsonl files or --from URL")
-    sources = itertools.chain(read_receipt_files(args.paths), *(fetch_receipts(url) for url in args.urls))
+    bootstrap, fingerprint = list(args.bootstrap), args.run_fingerprint
+    if args.url:
+        status = fetch_status(args.url)
+        bootstrap = bootstrap or status.dht_maddrs
+        fingerprint = fingerprint or status.run_fingerprint
+    if not args.paths and not bootstrap:
+        raise SystemExit("noloco-node contributions: give data directories, --bootstrap (with the run), or --url")
+    if bootstrap and not fingerprint:
+        raise SystemExit("noloco-node contributions: reading the swarm needs --run-fingerprint (or --url)")
+    missed: list[str] = []
     try:
-        ledger = build_ledger(sources, run=args.run_fingerprint)
+        sources = list(read_receipt_files(args.paths))
+        if bootstrap:
+            swarm, missed = read_swarm_receipts(bootstrap, fingerprint, secret=load_secret(args.secret_file))
+            sources += swarm
     except LedgerSourceError as error:
         print(f"noloco-node contributions: {error}", file=sys.stderr)
         return 2
+    ledger = build_ledger(sources, run=fingerprint)
     print(ledger_json(ledger) if args.json else format_ledger(ledger))
+    for problem in missed:  # a member not read is credited by its partners' copies: said, not fatal
+        print(f"not read: {problem}", file=sys.stderr)
     return 0
 
 

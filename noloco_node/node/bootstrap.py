@@ -14,7 +14,7 @@ import subprocess
 import sys
 import time
 import urllib.request
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from pathlib import Path
 
 from noloco_node.discovery.dht import BoundedRecords, RememberedSignatures, TiedDHT
@@ -65,7 +65,7 @@ async def _serve(dht: TiedDHT, http_bind: tuple[str, int] | None) -> None:
         await stop.wait()
         return
 
-    def book_page(_query: Mapping[str, str]) -> tuple[str, bytes]:
+    def book_page() -> tuple[str, bytes]:
         return "text/plain; charset=utf-8", ("\n".join(str(m) for m in dht.get_visible_maddrs()) + "\n").encode()
 
     book = StatusServer({"/maddrs": book_page}, healthz=lambda: Health(state="training", reason="", ok=True))

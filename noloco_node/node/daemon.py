@@ -306,7 +306,7 @@ class Node:
             transport=self.security.transport,
             verifier=CallerVerifier(self.peer_id, max_clock_skew=self.cfg.security.max_clock_skew),
             origin=lambda peer: None if self.reach.tunnels is None else self.reach.tunnels.origin(peer),
-            receipts=self.peering.receipts.add,
+            receipts=self.peering.receipts,
         )
 
         async def stop() -> None:
@@ -321,9 +321,7 @@ class Node:
         return port
 
     async def _start_status_endpoint(self, components: contextlib.AsyncExitStack) -> None:
-        server = StatusServer(
-            node_routes(self.status, self.metrics.registry, self.peering.receipts), healthz=self.health
-        )
+        server = StatusServer(node_routes(self.status, self.metrics.registry), healthz=self.health)
         port = await server.start(self.cfg.status_host, self.cfg.status_port)
         components.push_async_callback(server.close)
         self.status_url = f"http://{self.cfg.status_host}:{port}"

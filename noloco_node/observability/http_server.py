@@ -1,10 +1,9 @@
 """The project's one HTTP server: a node's status endpoint (and a bootstrap peer's /maddrs), on an event loop.
 
-Routes are plain callables that take the request's query parameters and return (content type, body) from what
-the node already holds, so answering costs the trainer nothing (no torch, no locks held for long). ``/healthz``
-answers 200 or 503 with the health reason. Each connection serves one request under a deadline, with the request
-head capped in size, so a slow or hostile client cannot hold the loop or its memory. GET and HEAD only: the
-endpoint changes nothing.
+Routes are plain callables that return (content type, body) from numbers the node already holds, so answering
+costs the trainer nothing (no torch, no locks held for long). ``/healthz`` answers 200 or 503 with the health
+reason. Each connection serves one request under a deadline, with the request head capped in size, so a slow or
+hostile client cannot hold the loop or its memory. GET and HEAD only: the endpoint changes nothing.
 """
 
 from __future__ import annotations
@@ -12,30 +11,23 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
 from importlib import resources
-from urllib.parse import parse_qsl
 
 from prometheus_client import CollectorRegistry
 
 from noloco_node.observability.metrics import register_status, render_metrics
 from noloco_node.observability.rl_status import RolloutNodeStatus
 from noloco_node.observability.status import Health, NodeStatus
-from noloco_node.security.receipts import ReceiptBook
 
 log = logging.getLogger(__name__)
 
 MAX_REQUEST_HEAD = 16 * 1024
-RECEIPTS_PAGE = 100  # receipts per /receipts answer (about 2 KB each)
 REQUEST_DEADLINE = 5.0
 
-Route = Callable[[Mapping[str, str]], tuple[str, bytes]]
+Route = Callable[[], tuple[str, bytes]]
 _REASONS = {200: "OK", 400: "Bad Request", 404: "Not Found", 405: "Method Not Allowed", 500: "Internal Server Error"}
 _REASONS[503] = "Service Unavailable"
-
-
-class BadQueryError(ValueError):
-    """A route's query parameters it cannot read: answered 400 with the message."""
 
 
 def status_page(name: str = "status.html") -> bytes:
@@ -46,39 +38,22 @@ def status_page(name: str = "status.html") -> bytes:
     return page.replace("/* style.css */", web.joinpath("style.css").read_text(), 1).encode()
 
 
-def node_routes(
-    status: Callable[[], NodeStatus], registry: CollectorRegistry, receipts: ReceiptBook
-) -> dict[str, Route]:
-    """A node's pages: its status as JSON, its registry for Prometheus (status gauges included), its receipts, the
-    live page."""
+def node_routes(status: Callable[[], NodeStatus], registry: CollectorRegistry) -> dict[str, Route]:
+    """A node's pages: its status as JSON, its registry for Prometheus (status gauges included), the live page."""
     register_status(registry, status)
     return {
-        "/status": lambda _query: ("application/json", status().model_dump_json().encode()),
-        "/metrics": lambda _query: ("text/plain; version=0.0.4; charset=utf-8", render_metrics(registry)),
-        "/receipts": lambda query: receipts_page(receipts, query),
-        "/": lambda _query: ("text/html; charset=utf-8", status_page()),
+        "/status": lambda: ("application/json", status().model_dump_json().encode()),
+        "/metrics": lambda: ("text/plain; version=0.0.4; charset=utf-8", render_metrics(registry)),
+        "/": lambda: ("text/html; charset=utf-8", status_page()),
     }
-
-
-def receipts_page(receipts: ReceiptBook, query: Mapping[str, str]) -> tuple[str, bytes]:
-    """``/receipts?after=N&limit=M``: the node's receipts (security/receipts.py) from line N on, at most
-    RECEIPTS_PAGE a page, one JSON object per line; an empty page is the end. Bad numbers: BadQueryError (400)."""
-    try:
-        after, limit = int(query.get("after", "0")), int(query.get("limit", str(RECEIPTS_PAGE)))
-    except ValueError:
-        raise BadQueryError("after and limit are whole numbers") from None
-    if after < 0 or limit < 1:
-        raise BadQueryError("after must be >= 0 and limit >= 1")
-    lines = receipts.page(after, min(limit, RECEIPTS_PAGE))
-    return "application/x-ndjson", "".join(line + "\n" for line in lines).encode()
 
 
 def rl_routes(status: Callable[[], RolloutNodeStatus], registry: CollectorRegistry) -> dict[str, Route]:
     """An RL node's pages (noloco_node/rl/): its status as JSON, its registry for Prometheus, its live page."""
     return {
-        "/status": lambda _query: ("application/json", status().model_dump_json().encode()),
-        "/metrics": lambda _query: ("text/plain; version=0.0.4; charset=utf-8", render_metrics(registry)),
-        "/": lambda _query: ("text/html; charset=utf-8", status_page("rl.html")),
+        "/status": lambda: ("application/json", status().model_dump_json().encode()),
+        "/metrics": lambda: ("text/plain; version=0.0.4; charset=utf-8", render_metrics(registry)),
+        "/": lambda: ("text/html; charset=utf-8", status_page("rl.html")),
     }
 
 
@@ -134,7 +109,7 @@ class StatusServer:
             return 400, text, b"HTTP/1.x only\n", "GET"
         if method not in ("GET", "HEAD"):
             return 405, text, b"GET or HEAD only\n", method
-        path, _, query_text = target.partition("?")
+        path = target.split("?", 1)[0]
         if path == "/healthz":
             health = self.healthz()
             return (200 if health.ok else 503), text, f"{health}\n".encode(), method
@@ -142,9 +117,7 @@ class StatusServer:
         if route is None:
             return 404, text, f"no such page: {path} (try /, /status, /metrics, /healthz)\n".encode(), method
         try:
-            content_type, body = route(dict(parse_qsl(query_text)))
-        except BadQueryError as bad:
-            return 400, text, f"bad query: {bad}\n".encode(), method
+            content_type, body = route()
         except Exception:  # a bug in one page must not take the endpoint down
             log.exception("status endpoint: %s failed", path)
             return 500, text, b"internal error (see the node's log)\n", method

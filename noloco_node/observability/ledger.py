@@ -1,9 +1,10 @@
 """The contribution ledger: each member's part in a run, rebuilt by anyone from published receipts alone.
 
-Receipts (security/receipts.py) come from members' ``receipts.jsonl`` files or their status servers' ``/receipts``
-pages; both partners of an exchange keep the same receipt, so most arrive twice and count once (by call binding).
-Nothing here trusts the source: each receipt is checked on its own (both signatures, by keys whose digests are the
-named peer ids), and one that proves nothing is refused with its reason and counted:
+Receipts (security/receipts.py) come from members' ``receipts.jsonl`` files, or from the live members of a run,
+found through the DHT and asked over gRPC (``GetReceipts``, rpc/receipt_serving.py); both partners of an exchange
+keep the same receipt, so most arrive twice and count once (by call binding). Nothing here trusts the source: each
+receipt is checked on its own (both signatures, by keys whose digests are the named peer ids), and one that proves
+nothing is refused with its reason and counted:
 
 - ``malformed``: not a receipt; ``other_run``: signed for another run than the ledger's;
 - ``wrong_signer`` / ``bad_signature`` / ``self_signed``: forged or altered (a signature that does not cover these
@@ -27,19 +28,25 @@ from __future__ import annotations
 
 import json
 import time
-import urllib.error
-import urllib.request
 from collections import Counter
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from pathlib import Path
 
+import grpc
+
+from noloco_node.observability.status_client import list_peers
+from noloco_node.rpc.client import ExchangeError, fetch_receipts
+from noloco_node.rpc.receipt_serving import RECEIPTS_PAGE as PAGE
+from noloco_node.rpc.transport import Transport
+from noloco_node.security.auth import CallAuthenticator, SwarmSecret
+from noloco_node.security.identity import NodeIdentity
 from noloco_node.security.receipts import RECEIPTS_FILE, Receipt, ReceiptError
 
 BLENDED_KINDS = ("weights", "progress")
 FUTURE_SKEW = 300.0  # seconds past the ledger's clock a receipt's time may be (members' clocks differ)
-MAX_PAGES = 10_000  # /receipts pages read from one member at most (a million receipts)
+MAX_PAGES = 10_000  # GetReceipts pages read from one member at most (a million receipts)
 SHOWN_REFUSALS = 20  # refusals listed one by one; the rest are counted by reason
 
 
@@ -208,21 +215,46 @@ def read_receipt_files(paths: Iterable[Path]) -> Iterator[tuple[str, str]]:
             raise LedgerSourceError(f"cannot read receipts from {file}: {error}") from None
 
 
-def fetch_receipts(url: str, *, page: int = 100, timeout: float = 10.0) -> Iterator[tuple[str, str]]:
-    """(source, line) of every receipt a member's status server serves at ``url``/receipts, page by page."""
-    base = url.rstrip("/") + "/receipts"
+def read_member_receipts(
+    address: str, peer_id: str, run: str, *, transport: Transport, timeout: float = 10.0
+) -> Iterator[tuple[str, str]]:
+    """(source, line) of every receipt the member ``peer_id`` at ``address`` serves (GetReceipts), page by page."""
     after = 0
     for _ in range(MAX_PAGES):
         try:
-            with urllib.request.urlopen(f"{base}?after={after}&limit={page}", timeout=timeout) as answer:
-                lines = [line for line in answer.read().decode("utf-8", errors="replace").splitlines() if line]
-        except (urllib.error.URLError, OSError, ValueError) as error:
-            raise LedgerSourceError(f"cannot read {base}: {error}") from None
+            lines = fetch_receipts(address, run, after, PAGE, timeout=timeout, transport=transport, peer_id=peer_id)
+        except (grpc.RpcError, ExchangeError) as error:
+            raise LedgerSourceError(f"cannot read the receipts of {peer_id} at {address}: {error}") from None
         if not lines:
             return
         for number, line in enumerate(lines, start=after + 1):
-            yield f"{base}#{number}", line
+            yield f"{peer_id}#{number}", line
         after += len(lines)
+
+
+def read_swarm_receipts(
+    bootstrap: list[str], run: str, *, secret: SwarmSecret | None = None
+) -> tuple[list[tuple[str, str]], list[str]]:
+    """The receipts of every live member of ``run`` a DHT client finds (status_client.list_peers) that it can dial,
+    and what could not be read (an unreachable member, one that did not answer): a member behind a NAT is credited
+    by its partners' copies. Read with a throw-away key (and the run's secret, for a private run)."""
+    identity = NodeIdentity.ephemeral()
+    authenticator = CallAuthenticator(secret, identity.peer_id) if secret is not None else None
+    transport = Transport(authenticator=authenticator, identity=identity)
+    lines: list[tuple[str, str]] = []
+    missed: list[str] = []
+    try:
+        for record in list_peers(bootstrap, run, secret=secret):
+            if not (record.reachable and record.address):
+                missed.append(f"{record.peer_id}: not reachable directly")
+                continue
+            try:
+                lines.extend(read_member_receipts(record.address, record.peer_id, run, transport=transport))
+            except LedgerSourceError as error:
+                missed.append(str(error))
+    finally:
+        transport.close_channels()
+    return lines, missed
 
 
 def format_ledger(ledger: Ledger) -> str:

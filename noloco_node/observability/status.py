@@ -235,8 +235,8 @@ class NodeStatus(BaseModel):
     rejected_payloads: dict[str, int] = Field(description="Refused payloads by reason since start.")
     calls_in_use: dict[str, int] = Field(
         default_factory=dict,
-        description="Calls this node's server is serving now, by kind (exchange, download, info, rollouts): how "
-        "many of the slots of each kind are held.",
+        description="Calls this node's server is serving now, by kind (exchange, download, info, rollouts, "
+        "receipts): how many of the slots of each kind are held.",
     )
     background_errors: dict[str, int] = Field(
         default_factory=dict, description="Background work of the pairing strategy that ended with an error, by task."
@@ -244,7 +244,7 @@ class NodeStatus(BaseModel):
     receipts: dict[str, int] = Field(
         default_factory=dict,
         description="Exchange receipts since start, by outcome: kept (signed by both partners, in receipts.jsonl "
-        "and served at /receipts), or why a committed exchange left none.",
+        "and served over gRPC, GetReceipts), or why a committed exchange left none.",
     )
     exchanges: list[ExchangeRecord] = Field(description="The last exchanges, oldest first (up to 20).")
     peers: list[KnownPeer] = Field(description="Live peers of the run in the DHT, as this node last saw them.")

@@ -33,7 +33,7 @@ from dataclasses import dataclass
 
 from noloco_node.errors import NolocoError
 
-EXCHANGE, DOWNLOAD, INFO, ROLLOUTS = "exchange", "download", "info", "rollouts"
+EXCHANGE, DOWNLOAD, INFO, ROLLOUTS, RECEIPTS = "exchange", "download", "info", "rollouts", "receipts"
 MAX_TRACKED = 4096
 
 

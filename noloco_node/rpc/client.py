@@ -19,6 +19,7 @@ import grpc
 from noloco_node.errors import NolocoError
 from noloco_node.rpc.contracts import (
     EXCHANGE_METHOD,
+    GET_RECEIPTS_METHOD,
     GET_ROLLOUTS_METHOD,
     INFO_METHOD,
     OUTER_STEP_HEADER,
@@ -466,3 +467,21 @@ def fetch_rollouts(
     RESOURCE_EXHAUSTED; every failure is a grpc.RpcError."""
     request = pb.RolloutRequest(run_fingerprint=run_fingerprint, round=round_)
     return _unary(address, GET_ROLLOUTS_METHOD, request, timeout=timeout, transport=transport, peer_id=peer_id)
+
+
+def fetch_receipts(
+    address: str,
+    run_fingerprint: str,
+    after: int,
+    limit: int,
+    *,
+    timeout: float,
+    transport: Transport = PLAIN,
+    peer_id: str = "",
+) -> list[str]:
+    """Up to ``limit`` of the receipts the node ``peer_id`` at ``address`` keeps, from its ``after``-th on
+    (rpc/receipt_serving.py), unchecked: the reader checks each one (observability/ledger.py). Empty: no more.
+    Every failure is a grpc.RpcError (or ExchangeError, a private run's server that proves no membership)."""
+    request = pb.ReceiptsRequest(run_fingerprint=run_fingerprint, after=after, limit=limit)
+    page = _unary(address, GET_RECEIPTS_METHOD, request, timeout=timeout, transport=transport, peer_id=peer_id)
+    return list(page.receipts)

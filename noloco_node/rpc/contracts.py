@@ -22,6 +22,7 @@ EXCHANGE_METHOD = f"/{SERVICE}/Exchange"
 GET_STATE_METHOD = f"/{SERVICE}/GetState"
 INFO_METHOD = f"/{SERVICE}/Info"
 GET_ROLLOUTS_METHOD = f"/{SERVICE}/GetRollouts"
+GET_RECEIPTS_METHOD = f"/{SERVICE}/GetReceipts"
 SEEN_AS_HEADER = "noloco-seen-as"  # trailing metadata of Info: the caller's address as the server sees it
 OUTER_STEP_HEADER = "noloco-outer-step"  # trailing metadata of an out-of-reach refusal: the server's outer step
 

@@ -73,7 +73,7 @@ class ExchangeMetrics:
 
     @property
     def calls_in_use(self) -> dict[str, int]:
-        """Calls being served now, by kind (exchange, download, info, rollouts); empty without a server."""
+        """Calls being served now, by kind (exchange, download, info, rollouts, receipts); empty without a server."""
         return self._calls_in_use()
 
     @property

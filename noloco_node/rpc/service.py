@@ -33,7 +33,7 @@ from typing import NoReturn
 
 import grpc
 
-from noloco_node.rpc.admission import DOWNLOAD, EXCHANGE, INFO, ROLLOUTS, Admission
+from noloco_node.rpc.admission import DOWNLOAD, EXCHANGE, INFO, RECEIPTS, ROLLOUTS, Admission
 from noloco_node.rpc.call_gate import CallGate, abort
 from noloco_node.rpc.contracts import (
     EXCHANGE_METHOD,
@@ -45,13 +45,14 @@ from noloco_node.rpc.contracts import (
 )
 from noloco_node.rpc.info_serving import InfoServing
 from noloco_node.rpc.metrics import ExchangeMetrics
+from noloco_node.rpc.receipt_serving import ReceiptServing
 from noloco_node.rpc.rollout_serving import RolloutServing, RolloutSource
 from noloco_node.rpc.state_serving import StateServing
 from noloco_node.rpc.transport import CHANNEL_OPTIONS, PLAIN, GuardedCall, Transport, Watchdog
 from noloco_node.security.caller_proof import CallerVerifier
 from noloco_node.security.identity import NodeIdentity
 from noloco_node.security.payload_seal import PayloadSeal, call_binding
-from noloco_node.security.receipts import Receipt, ReceiptDraft, ReceiptError, acceptable_time, terms_of
+from noloco_node.security.receipts import Receipt, ReceiptBook, ReceiptDraft, ReceiptError, acceptable_time, terms_of
 from noloco_node.wire import peer_pb2 as pb
 from noloco_node.wire.frames import DEFAULT_CHUNK_BYTES, PayloadError, iter_frames, read_verdict, verdict_frame
 from noloco_node.wire.payload import Payload, PayloadReceiver
@@ -60,6 +61,7 @@ log = logging.getLogger(__name__)
 
 INFO_SLOTS = 4  # Info answers in milliseconds (a dial-back within seconds): a few slots keep it answerable
 ROLLOUT_SLOTS = 4  # GetRollouts replies are prepared in advance: a lookup, then a few KiB to send
+RECEIPT_SLOTS = 2  # a GetReceipts page is a seek and at most RECEIPTS_PAGE lines read
 REFUSAL_THREADS = 8
 HANDSHAKE_SECONDS = 5.0  # a TCP connection that says nothing is closed after this
 IDLE_CONNECTION_SECONDS = 300.0
@@ -86,17 +88,23 @@ class PeerService:
         origin: Callable[[str], str | None] = lambda _peer: None,
         identity: NodeIdentity | None = None,
         rollouts: RolloutSource | None = None,
-        receipts: Callable[[Receipt], None] | None = None,
+        receipts: ReceiptBook | None = None,
     ) -> None:
         self.node = node
         self.identity = identity  # seals this node's payloads (with a verifier: every proven caller's call)
-        self.receipts = receipts  # where the receipts of served exchanges go (security/receipts.py)
+        self.receipts = receipts  # where the receipts of served exchanges go, and are served from (GetReceipts)
         self.metrics = metrics
         self.gate = CallGate(
             metrics,
             admission
             or Admission(
-                slots={EXCHANGE: 8, DOWNLOAD: max_state_downloads, INFO: INFO_SLOTS, ROLLOUTS: ROLLOUT_SLOTS},
+                slots={
+                    EXCHANGE: 8,
+                    DOWNLOAD: max_state_downloads,
+                    INFO: INFO_SLOTS,
+                    ROLLOUTS: ROLLOUT_SLOTS,
+                    RECEIPTS: RECEIPT_SLOTS,
+                },
                 per_address=8,
             ),
             verifier=verifier,
@@ -111,6 +119,7 @@ class PeerService:
         self.state = StateServing(node, self.gate, chunk_bytes=chunk_bytes, max_download_seconds=max_download_seconds)
         self.info = InfoServing(node, self.gate)
         self.rollouts = RolloutServing(rollouts, self.gate)
+        self.receipt_serving = ReceiptServing(receipts, node, self.gate)
 
     def _seal(self, proven: str | None, context: grpc.ServicerContext) -> PayloadSeal | None:
         """The seals of a call whose caller proved its id (security/payload_seal.py): the caller's payload must be
@@ -332,7 +341,7 @@ class PeerService:
                 return
             finish("completed")
             if receipt is not None and self.receipts is not None:
-                self.receipts(receipt)
+                self.receipts.add(receipt)
                 self.metrics.receipt("kept")
             signature = receipt.server_signature.encode() if receipt is not None else b""
             # The acknowledgement: the caller blends on it, and keeps the receipt it countersigns.
@@ -392,6 +401,9 @@ def _handlers(service: PeerService) -> grpc.GenericRpcHandler:
             "GetRollouts": grpc.unary_unary_rpc_method_handler(
                 service.rollouts.GetRollouts, response_serializer=pb.RolloutBatch.SerializeToString
             ),
+            "GetReceipts": grpc.unary_unary_rpc_method_handler(
+                service.receipt_serving.GetReceipts, response_serializer=pb.ReceiptsPage.SerializeToString
+            ),
         },
     )
 
@@ -414,7 +426,7 @@ def start_server(
     verifier: CallerVerifier | None = None,
     origin: Callable[[str], str | None] = lambda _peer: None,
     rollouts: RolloutSource | None = None,
-    receipts: Callable[[Receipt], None] | None = None,
+    receipts: ReceiptBook | None = None,
 ) -> tuple[grpc.Server, int]:
     """Start the service; returns the server and the port it bound (ephemeral when the bind port is 0).
 
@@ -431,11 +443,12 @@ def start_server(
             DOWNLOAD: max_state_downloads,
             INFO: INFO_SLOTS,
             ROLLOUTS: ROLLOUT_SLOTS,
+            RECEIPTS: RECEIPT_SLOTS,
         },
         per_address=max_calls_per_address,
     )
     # Every admitted call holds a thread; refusals are quick but need one too, hence the margin.
-    threads = max_concurrent_calls + max_state_downloads + INFO_SLOTS + ROLLOUT_SLOTS + REFUSAL_THREADS
+    threads = max_concurrent_calls + max_state_downloads + INFO_SLOTS + ROLLOUT_SLOTS + RECEIPT_SLOTS + REFUSAL_THREADS
     options = [
         *CHANNEL_OPTIONS,
         ("grpc.max_allowed_incoming_connections", max_connections),

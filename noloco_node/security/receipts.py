@@ -14,11 +14,11 @@ call) and a time the caller names, which the server signs only within the clock 
   Replaying it whole adds nothing: the ledger (observability/ledger.py) counts one receipt per call binding, and a
   member once per payload kind and outer step.
 - A member's history survives its data directory: its partners keep the same receipts, so a member restored from
-  its backed-up key on a fresh directory is credited by theirs (docs/security.md, "Backing up the node key").
+  its backed-up key on a fresh directory is credited by theirs (docs/security.md, "Identity").
 
 A node appends each receipt it holds to ``receipts.jsonl`` in its data directory (:class:`ReceiptBook`, one JSON
-object per line) and serves them in pages from its status server (``/receipts``); ``noloco-node contributions``
-rebuilds the ledger from such files and pages.
+object per line) and serves them in pages from its gRPC service (``GetReceipts``, rpc/receipt_serving.py);
+``noloco-node contributions`` rebuilds the ledger from such files and pages.
 """
 
 from __future__ import annotations

@@ -197,3 +197,19 @@ class RolloutBatch(_message.Message):
     round: int
     groups: _containers.RepeatedCompositeFieldContainer[RolloutGroup]
     def __init__(self, run_fingerprint: _Optional[str] = ..., peer_id: _Optional[str] = ..., round: _Optional[int] = ..., groups: _Optional[_Iterable[_Union[RolloutGroup, _Mapping]]] = ...) -> None: ...
+
+class ReceiptsRequest(_message.Message):
+    __slots__ = ("run_fingerprint", "after", "limit")
+    RUN_FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
+    AFTER_FIELD_NUMBER: _ClassVar[int]
+    LIMIT_FIELD_NUMBER: _ClassVar[int]
+    run_fingerprint: str
+    after: int
+    limit: int
+    def __init__(self, run_fingerprint: _Optional[str] = ..., after: _Optional[int] = ..., limit: _Optional[int] = ...) -> None: ...
+
+class ReceiptsPage(_message.Message):
+    __slots__ = ("receipts",)
+    RECEIPTS_FIELD_NUMBER: _ClassVar[int]
+    receipts: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, receipts: _Optional[_Iterable[str]] = ...) -> None: ...

@@ -54,6 +54,11 @@ class PeerStub:
                 request_serializer=noloco_dot_v1_dot_peer__pb2.RolloutRequest.SerializeToString,
                 response_deserializer=noloco_dot_v1_dot_peer__pb2.RolloutBatch.FromString,
                 _registered_method=True)
+        self.GetReceipts = channel.unary_unary(
+                '/noloco.v1.Peer/GetReceipts',
+                request_serializer=noloco_dot_v1_dot_peer__pb2.ReceiptsRequest.SerializeToString,
+                response_deserializer=noloco_dot_v1_dot_peer__pb2.ReceiptsPage.FromString,
+                _registered_method=True)
 
 
 class PeerServicer:
@@ -91,6 +96,13 @@ class PeerServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def GetReceipts(self, request, context):
+        """A node's receipts, a page at a time; another run's caller gets FAILED_PRECONDITION.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_PeerServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -113,6 +125,11 @@ def add_PeerServicer_to_server(servicer, server):
                     servicer.GetRollouts,
                     request_deserializer=noloco_dot_v1_dot_peer__pb2.RolloutRequest.FromString,
                     response_serializer=noloco_dot_v1_dot_peer__pb2.RolloutBatch.SerializeToString,
+            ),
+            'GetReceipts': grpc.unary_unary_rpc_method_handler(
+                    servicer.GetReceipts,
+                    request_deserializer=noloco_dot_v1_dot_peer__pb2.ReceiptsRequest.FromString,
+                    response_serializer=noloco_dot_v1_dot_peer__pb2.ReceiptsPage.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -223,6 +240,33 @@ class Peer:
             '/noloco.v1.Peer/GetRollouts',
             noloco_dot_v1_dot_peer__pb2.RolloutRequest.SerializeToString,
             noloco_dot_v1_dot_peer__pb2.RolloutBatch.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def GetReceipts(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/noloco.v1.Peer/GetReceipts',
+            noloco_dot_v1_dot_peer__pb2.ReceiptsRequest.SerializeToString,
+            noloco_dot_v1_dot_peer__pb2.ReceiptsPage.FromString,
             options,
             channel_credentials,
             insecure,

@@ -9,20 +9,21 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Iterator
+from pathlib import Path
 
 import grpc
 import pytest
 import torch
 
 from noloco_node.algorithm import noloco_outer_step
-from noloco_node.rpc.client import ExchangeError, Outgoing, exchange_with, fetch_info
+from noloco_node.rpc.client import ExchangeError, Outgoing, exchange_with, fetch_info, fetch_receipts
 from noloco_node.rpc.contracts import EXCHANGE_METHOD, AdmitsEverything
 from noloco_node.rpc.metrics import ExchangeMetrics
 from noloco_node.rpc.service import start_server
 from noloco_node.rpc.transport import CHANNEL_OPTIONS, Transport
 from noloco_node.security.caller_proof import CallerVerifier
 from noloco_node.security.identity import NodeIdentity
-from noloco_node.security.receipts import Receipt
+from noloco_node.security.receipts import Receipt, ReceiptBook, ReceiptTerms
 from noloco_node.wire import peer_pb2 as pb
 from noloco_node.wire import peer_pb2_grpc as pb_grpc
 from noloco_node.wire.frames import PayloadKind, build_manifest, iter_frames, layout_of
@@ -221,14 +222,14 @@ def test_a_stream_cut_half_way_changes_nothing(served) -> None:
     assert metrics.outcomes["completed"] == 0
 
 
-def test_keyed_sides_seal_both_payloads_and_a_server_answering_in_anothers_name_is_refused() -> None:
+def test_keyed_sides_seal_both_payloads_and_a_server_answering_in_anothers_name_is_refused(tmp_path: Path) -> None:
     """Between nodes (keys on both sides) each payload is sealed for its call (security/payload_seal.py). A server
     that answers where the caller dialled someone else (a relay, a proxy, a reused address) can prove any id it
     claims to a caller that cannot check, and name it in its manifest: its seal is its own, and is refused."""
     caller, server_key, victim = NodeIdentity.ephemeral(), NodeIdentity.ephemeral(), NodeIdentity.ephemeral()
     honest, impostor = Holder(params(1)), Holder(params(3))
     honest.peer_id, impostor.peer_id = server_key.peer_id, victim.peer_id
-    served_receipts: list[Receipt] = []
+    served_receipts = ReceiptBook(tmp_path)
     called_receipts: list[Receipt] = []
     server_metrics, caller_metrics = ExchangeMetrics(), ExchangeMetrics()
     servers = [
@@ -238,7 +239,7 @@ def test_keyed_sides_seal_both_payloads_and_a_server_answering_in_anothers_name_
             bind="127.0.0.1:0",
             transport=Transport(identity=server_key),
             verifier=CallerVerifier(claimed),  # accepts proofs made for the id it claims
-            receipts=served_receipts.append,
+            receipts=served_receipts,
         )
         for holder, claimed in ((honest, server_key.peer_id), (impostor, victim.peer_id))
     ]
@@ -267,7 +268,7 @@ def test_keyed_sides_seal_both_payloads_and_a_server_answering_in_anothers_name_
         assert caller_metrics.receipts == {"kept": 1} and server_metrics.receipts == {"kept": 1}, (
             server_metrics.receipts
         )
-        assert called_receipts == served_receipts and len(called_receipts) == 1
+        assert [r.to_json() for r in called_receipts] == served_receipts.page(0, 10) and len(called_receipts) == 1
         receipt = called_receipts[0]
         receipt.check()
         assert (receipt.terms.caller, receipt.terms.server, receipt.terms.run) == (
@@ -283,6 +284,28 @@ def test_keyed_sides_seal_both_payloads_and_a_server_answering_in_anothers_name_
     finally:
         for server, _ in servers:
             server.stop(grace=None)
+
+
+def test_a_members_receipts_are_served_page_by_page_and_only_to_its_run(tmp_path: Path) -> None:
+    """GetReceipts over real gRPC: 150 receipts come back as pages of at most 100, in the order kept, then an empty
+    page; a caller of another run is refused before anything is read."""
+    caller, server_key = NodeIdentity.ephemeral(), NodeIdentity.ephemeral()
+    book = ReceiptBook(tmp_path)
+    for step in range(150):
+        ids = (caller.peer_id, server_key.peer_id)
+        terms = ReceiptTerms(RUN, "weights", *ids, step, step, 1, 1, "", "", f"n{step}", 0)
+        book.add(Receipt(terms, "", "", "", ""))  # serving checks nothing: the reader does
+    server, port = start_server(Holder(params(1)), ExchangeMetrics(), bind="127.0.0.1:0", receipts=book)
+    try:
+        address = f"127.0.0.1:{port}"
+        pages = [fetch_receipts(address, RUN, after, 1000, timeout=5) for after in (0, 100, 150)]
+        assert [len(page) for page in pages] == [100, 50, 0]
+        assert [Receipt.from_json(line).terms.binding for line in pages[0] + pages[1]] == [f"n{i}" for i in range(150)]
+        with pytest.raises(grpc.RpcError) as refused:
+            fetch_receipts(address, "another-run", 0, 10, timeout=5)
+        assert refused.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+    finally:
+        server.stop(grace=None)
 
 
 def test_info(served) -> None:

@@ -24,12 +24,11 @@ async def request(port: int, raw: bytes) -> bytes:
 def serve(health: Health, routes: dict | None = None) -> tuple[StatusServer, int, asyncio.AbstractEventLoop]:
     loop = asyncio.new_event_loop()
 
-    def broken(_query: object) -> tuple[str, bytes]:
+    def broken() -> tuple[str, bytes]:
         raise ValueError("a bug")
 
     server = StatusServer(
-        routes or {"/status": lambda _query: ("application/json", b'{"ok": 1}'), "/broken": broken},
-        healthz=lambda: health,
+        routes or {"/status": lambda: ("application/json", b'{"ok": 1}'), "/broken": broken}, healthz=lambda: health
     )
     port = loop.run_until_complete(server.start("127.0.0.1", 0))
     return server, port, loop
