@@ -390,10 +390,12 @@ def _contributions(args: argparse.Namespace) -> int:
     from noloco_node.observability.status_client import fetch_status
 
     bootstrap, fingerprint = list(args.bootstrap), args.run_fingerprint
+    quarantined: dict[str, str] = {}
     if args.url:
         status = fetch_status(args.url)
         bootstrap = bootstrap or status.dht_maddrs
         fingerprint = fingerprint or status.run_fingerprint
+        quarantined = status.quarantined_peers  # shown apart in the ledger, counted all the same
     if not args.paths and not bootstrap:
         raise SystemExit("noloco-node contributions: give data directories, --bootstrap (with the run), or --url")
     if bootstrap and not fingerprint:
@@ -407,7 +409,7 @@ def _contributions(args: argparse.Namespace) -> int:
     except LedgerSourceError as error:
         print(f"noloco-node contributions: {error}", file=sys.stderr)
         return 2
-    ledger = build_ledger(sources, run=fingerprint)
+    ledger = build_ledger(sources, run=fingerprint, quarantined=quarantined)
     print(ledger_json(ledger) if args.json else format_ledger(ledger))
     for problem in missed:  # a member not read is credited by its partners' copies: said, not fatal
         print(f"not read: {problem}", file=sys.stderr)

@@ -44,9 +44,11 @@ from noloco_node.wire import peer_pb2 as pb
 from noloco_node.wire.payload import Payload
 
 if TYPE_CHECKING:  # the protocol's type only: what a node reports on, not an import of the pairing package
+    from noloco_node.pairing.peer_policy import PeerPolicy
     from noloco_node.pairing.standing import Standing
 
 log = logging.getLogger("noloco_node.node.daemon")  # progress lines read as the node's own
+SHOWN_QUARANTINED = 100  # quarantined peers listed in the status at most (a flood of keys must not grow it)
 
 
 class TaskView(Protocol):
@@ -84,6 +86,7 @@ class ReportedNode(Protocol):
     metrics: ExchangeMetrics
     security: NodeSecurity
     standing: Standing
+    policy: PeerPolicy
     discovery: Discovery
 
     @property
@@ -174,6 +177,7 @@ def node_status(node: ReportedNode) -> NodeStatus:
         peers=peers,
         discovery=DiscoveryStatus(**node.discovery.describe()) if node.discovery.dht is not None else None,
         refused_peers=list(node.telemetry.refused_starts.values()),
+        quarantined_peers=node.policy.quarantined_now(SHOWN_QUARANTINED),
         history=[OuterStepRecord(**entry) for entry in node.telemetry.history_list(200)],
         security=security_status(node),
         tasks=[

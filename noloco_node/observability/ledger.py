@@ -29,7 +29,7 @@ from __future__ import annotations
 import json
 import time
 from collections import Counter
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from pathlib import Path
@@ -96,6 +96,7 @@ class Ledger:
     refused: Counter[str] = field(default_factory=Counter)
     refusals: list[Refusal] = field(default_factory=list)  # the first SHOWN_REFUSALS
     clusters: list[list[str]] = field(default_factory=list)  # who exchanged with whom, largest first
+    quarantined: dict[str, str] = field(default_factory=dict)  # members the node asked holds quarantined: reason
 
     def refuse(self, reason: str, source: str, detail: str) -> None:
         self.refused[reason] += 1
@@ -112,11 +113,19 @@ class Ledger:
             "refusals": [vars(r) for r in self.refusals],
             "swarm": self.clusters[0] if self.clusters else [],
             "closed_clusters": self.clusters[1:],
+            "quarantined": self.quarantined,
         }
 
 
-def build_ledger(lines: Iterable[tuple[str, str]], *, run: str | None = None, now: float | None = None) -> Ledger:
-    """The ledger of ``run`` from (source, receipt line) pairs; without ``run``, of the run most receipts name."""
+def build_ledger(
+    lines: Iterable[tuple[str, str]],
+    *,
+    run: str | None = None,
+    now: float | None = None,
+    quarantined: Mapping[str, str] | None = None,
+) -> Ledger:
+    """The ledger of ``run`` from (source, receipt line) pairs; without ``run``, of the run most receipts name.
+    ``quarantined`` (peer id: reason, as a node's status lists them) are counted all the same and shown apart."""
     parsed: list[tuple[str, Receipt | ReceiptError]] = []
     for source, line in lines:
         try:
@@ -164,6 +173,7 @@ def build_ledger(lines: Iterable[tuple[str, str]], *, run: str | None = None, no
             record = ledger.members.setdefault(member, MemberRecord(member))
             _credit(record, terms.kind, step, terms.tokens_of(member), partner, terms.time)
     ledger.clusters = _clusters(ledger.members)
+    ledger.quarantined = {peer: reason for peer, reason in (quarantined or {}).items() if peer in ledger.members}
     return ledger
 
 
@@ -269,13 +279,22 @@ def format_ledger(ledger: Ledger) -> str:
         f"{'last seen':<19}"
     )
     out.append(header)
-    for member in sorted(ledger.members, key=lambda m: (m not in swarm, -ledger.members[m].blends, m)):
+
+    def row(member: str) -> str:
         record = ledger.members[member]
-        out.append(
+        return (
             f"{member:<36} {record.blends:>6} {record.tokens:>13,} {sum(record.exchanges.values()):>9} "
-            f"{len(record.partners):>8}  "
-            f"{_when(record.first_seen):<19}  {_when(record.last_seen):<19}"
+            f"{len(record.partners):>8}  {_when(record.first_seen):<19}  {_when(record.last_seen):<19}"
         )
+
+    shown = sorted(
+        (m for m in ledger.members if m not in ledger.quarantined),
+        key=lambda m: (m not in swarm, -ledger.members[m].blends, m),
+    )
+    out.extend(row(member) for member in shown)
+    if ledger.quarantined:
+        out.append("quarantined by the node asked (counted all the same: standing decides nothing here):")
+        out.extend(f"{row(m)}  {reason}" for m, reason in sorted(ledger.quarantined.items()))
     for cluster in ledger.clusters[1:]:
         out.append(f"closed cluster (exchanged only among themselves, never with the swarm): {', '.join(cluster)}")
     if ledger.refused:

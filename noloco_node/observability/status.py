@@ -179,7 +179,7 @@ class NodeStatus(BaseModel):
     run_name: str
     run_fingerprint: str
     version: str
-    mode: str = Field(description="Pairing mode: sync or overlap.")
+    mode: str = Field(description="Pairing mode: sync, overlap or stream.")
     model_size: str
     address: str = Field(description="gRPC address peers dial.")
     reachable: bool = Field(
@@ -249,6 +249,11 @@ class NodeStatus(BaseModel):
     exchanges: list[ExchangeRecord] = Field(description="The last exchanges, oldest first (up to 20).")
     peers: list[KnownPeer] = Field(description="Live peers of the run in the DHT, as this node last saw them.")
     discovery: DiscoveryStatus | None = Field(None, description="How it finds them; null before its DHT starts.")
+    quarantined_peers: dict[str, str] = Field(
+        default_factory=dict,
+        description="Peers this node holds quarantined now (a bad payload), with the reason, at most 100: "
+        "`noloco-node contributions --url` lists their receipts apart.",
+    )
     refused_peers: list[str] = Field(
         default_factory=list,
         description="Nodes of the same run name that started from a different model, tokenizer or seed, and what "

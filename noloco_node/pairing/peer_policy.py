@@ -137,6 +137,14 @@ class PeerPolicy:
             record = self._peers.get(peer_id)
             return record is not None and record.quarantined_until > self._clock()
 
+    def quarantined_now(self, limit: int) -> dict[str, str]:
+        """Up to ``limit`` peers quarantined now, with the reason of each (the status shows them; the ledger lists
+        their receipts apart)."""
+        with self._lock:
+            now = self._clock()
+            found = {p: r.quarantine_reason for p, r in self._peers.items() if r.quarantined_until > now}
+        return dict(sorted(found.items())[:limit])
+
     def avoided(self, peer_id: str) -> bool:
         with self._lock:
             record = self._peers.get(peer_id)

@@ -184,13 +184,15 @@ def test_complaints_are_logged_once_per_peer_and_reason_per_interval(caplog: pyt
 def test_a_quarantine_outlives_a_success_and_ends() -> None:
     now = [0.0]
     policy = PeerPolicy(exchange_timeout=10, min_deadline=1, avoid_seconds=1, clock=lambda: now[0])
-    policy.quarantine("p", 0.2)
+    policy.quarantine("p", 0.2, "bad_seal")
+    policy.quarantine("q", 0.1, "norm_bound")
     policy.succeeded("p", 0.1)
     assert policy.quarantined("p") and policy.avoided("p")
+    assert policy.quarantined_now(1) == {"p": "bad_seal"}  # what the status lists: the reasons, bounded
     policy.forget(set())  # a quarantined peer that left is remembered until the quarantine ends
     assert policy.quarantined("p")
     now[0] += 0.25  # past the quarantine
-    assert not policy.quarantined("p") and not policy.avoided("p")
+    assert not policy.quarantined("p") and not policy.avoided("p") and policy.quarantined_now(10) == {}
 
 
 def test_the_watchdog_cuts_calls_past_their_limit_or_below_the_minimum_rate() -> None:

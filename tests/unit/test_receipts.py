@@ -122,6 +122,11 @@ def test_a_pair_that_only_signs_for_itself_is_a_closed_cluster_apart_from_the_sw
     assert ledger.clusters[1:] == [sorted([x.peer_id, y.peer_id])]
     assert ledger.members[x.peer_id].partners == {y.peer_id}
     assert "closed cluster" in format_ledger(ledger) and json.loads(json.dumps(ledger.as_dict()))["closed_clusters"]
+    # A node's quarantine is shown beside the ledger, never applied to it: the member keeps every blend.
+    held = build_ledger(lines(*swarm, *sybil), quarantined={x.peer_id: "norm_bound", "nlgone": "bad_seal"})
+    assert held.quarantined == {x.peer_id: "norm_bound"} and held.members[x.peer_id].blends == 29
+    report = format_ledger(held)
+    assert report.index("quarantined by the node asked") < report.index(x.peer_id) and "norm_bound" in report
 
 
 def test_the_book_appends_pages_by_offset_and_survives_a_torn_line(tmp_path: Path) -> None:
