@@ -133,8 +133,6 @@ def test_status_metrics_and_commands_on_a_live_two_node_swarm(bootstrap: Bootstr
         assert {m["peer_id"] for m in ledger["members"]} == {later.peer_id, other["peer_id"]}
         assert ledger["refused"] == {} and ledger["duplicates"] >= 1
         assert all(m["blends"] >= 1 for m in ledger["members"])
-        shown = cli("contributions", "--url", url)
-        assert shown.returncode == 0 and later.peer_id in shown.stdout and "receipts counted" in shown.stdout
     finally:
         stop_all(nodes)
 
