@@ -10,6 +10,8 @@ from pathlib import Path
 
 import pytest
 
+from noloco_node.rpc.client import UNACKNOWLEDGED
+
 from .swarm_harness import Bootstrap, NodeProcess, stop_all
 
 TRAIN = ["--model", "tiny", "--seq-len", "64", "--batch-size", "8", "--eval-batches", "2", "--inner-steps", "20"]
@@ -52,7 +54,8 @@ def test_the_ledger_credits_each_honest_member_its_own_blends_and_shows_a_pair_o
     for node in honest:
         status = node.status()
         blends = sum(1 for h in status["history"] if h["partner"])
-        assert blends >= 3 and members[status["peer_id"]]["blends"] == blends, (node.name, blends, members)
+        in_doubt = status["exchange_outcomes"].get(UNACKNOWLEDGED, 0)  # acks lost: the server's receipt credits more
+        assert blends >= 3 and blends <= members[status["peer_id"]]["blends"] <= blends + in_doubt, (node.name, members)
     assert set(ledger["swarm"]) == honest_ids and ledger["closed_clusters"] == [sorted(pair_ids)]
     for sybil in pair_ids:
         assert set(members[sybil]["partners"]) == pair_ids - {sybil} and members[sybil]["blends"] >= 1

@@ -21,6 +21,7 @@ from noloco_node.model.source import SeededDecoder
 from noloco_node.node.fault_injection import Drill
 from noloco_node.node.launch import EXIT_GRACE_SECONDS
 from noloco_node.observability.ledger import build_ledger, read_receipt_files
+from noloco_node.rpc.client import UNACKNOWLEDGED
 from noloco_node.security.identity import KEY_FILE, NodeIdentity
 from noloco_node.wire import quantize
 
@@ -85,8 +86,14 @@ def test_three_nodes_discover_each_other_exchange_and_learn(bootstrap: Bootstrap
         for node in nodes:
             status = node.status()
             blends = sum(1 for h in status["history"] if h["partner"])
-            assert members[status["peer_id"]]["blends"] == blends, (node.name, members, status["receipts"])
-            assert members[status["peer_id"]]["tokens"] == blends * 20 * 8 * 64  # H x batch x sequence, per blend
+            # Only an acknowledgement lost in flight credits more: the server blended and kept the receipt, and
+            # this node, in doubt, stepped alone (its `unacknowledged` exchanges; docs/security.md).
+            credited, in_doubt = (
+                members[status["peer_id"]]["blends"],
+                status["exchange_outcomes"].get(UNACKNOWLEDGED, 0),
+            )
+            assert blends <= credited <= blends + in_doubt, (node.name, members, status["receipts"])
+            assert members[status["peer_id"]]["tokens"] == credited * 20 * 8 * 64  # H x batch x sequence, per blend
             assert status["receipts"].get("kept", 0) >= blends and set(status["receipts"]) == {"kept"}
         assert json.loads(ledger.stdout)["refused"] == {} and json.loads(ledger.stdout)["closed_clusters"] == []
         # A member that lost its data directory but kept its key (docs/security.md): the same peer id, and its
@@ -97,7 +104,7 @@ def test_three_nodes_discover_each_other_exchange_and_learn(bootstrap: Bootstrap
         first = nodes[0].status()
         assert NodeIdentity.load_or_create(restored).peer_id == first["peer_id"]
         others = build_ledger(read_receipt_files([n.data_dir for n in nodes[1:]]))
-        assert others.members[first["peer_id"]].blends == sum(1 for h in first["history"] if h["partner"])
+        assert others.members[first["peer_id"]].blends == members[first["peer_id"]]["blends"]
     finally:
         stop_all(nodes)
 
