@@ -89,6 +89,7 @@ def format_status(status: NodeStatus) -> str:
         ("bytes", f"sent {status.bytes_sent / 1e6:.1f} MB, received {status.bytes_received / 1e6:.1f} MB"),
         ("exchanges", ", ".join(f"{k} {v}" for k, v in sorted(status.exchange_outcomes.items())) or "-"),
         ("refused payloads", ", ".join(f"{k} {v}" for k, v in sorted(status.rejected_payloads.items())) or "-"),
+        ("receipts", ", ".join(f"{k} {v}" for k, v in sorted(status.receipts.items())) or "-"),
         ("gRPC address", status.address),
         ("status URL", status.status_url),
     ]

@@ -120,6 +120,7 @@ def test_status_metrics_and_commands_on_a_live_two_node_swarm(bootstrap: Bootstr
         shown = cli("status", "--url", url)
         assert shown.returncode == 0, shown.stderr
         assert "health" in shown.stdout and "training" in shown.stdout and other["peer_id"][-8:] in shown.stdout
+        assert "kept" in next(line for line in shown.stdout.splitlines() if line.lstrip().startswith("receipts"))
         listed = cli("peers", "--url", url)
         assert listed.returncode == 0, listed.stderr
         assert "2 live peer(s)" in listed.stdout
