@@ -10,10 +10,9 @@ or Info's. Nothing served is trusted by the reader: each receipt carries both pa
 from __future__ import annotations
 
 import grpc
-from google.protobuf.message import DecodeError
 
 from noloco_node.rpc.admission import RECEIPTS
-from noloco_node.rpc.call_gate import CallGate, abort
+from noloco_node.rpc.call_gate import CallGate, abort, parse
 from noloco_node.rpc.contracts import GET_RECEIPTS_METHOD, PeerNode
 from noloco_node.security.receipts import ReceiptBook
 from noloco_node.wire import peer_pb2 as pb
@@ -35,11 +34,7 @@ class ReceiptServing:
         caller = self.gate.caller(GET_RECEIPTS_METHOD, context, required=False)
         ticket = self.gate.admit(RECEIPTS, context, caller)
         try:
-            try:
-                request = pb.ReceiptsRequest.FromString(raw)
-            except DecodeError:  # parsed here: grpc's own deserializer would answer INTERNAL, and count nothing
-                self.gate.metrics.rejection("receipts_malformed")
-                abort(context, grpc.StatusCode.INVALID_ARGUMENT, "malformed ReceiptsRequest")
+            request = parse(pb.ReceiptsRequest, raw, context)
             if request.run_fingerprint != self.node.run_fingerprint:
                 self.gate.metrics.rejection("receipts_run")
                 abort(context, grpc.StatusCode.FAILED_PRECONDITION, "another run's caller")
