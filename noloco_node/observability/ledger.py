@@ -10,7 +10,9 @@ nothing is refused with its reason and counted:
 - ``wrong_signer`` / ``bad_signature`` / ``self_signed``: forged or altered (a signature that does not cover these
   terms, a key that is not the named member's, one member named as both partners);
 - ``future``: a time past the ledger's clock (beyond the allowed skew);
-- ``replayed``: a call binding already counted with other terms;
+- ``replayed``: a caller's call binding already counted with other terms (only that caller can sign two terms
+  under its own nonce; another caller's receipt that names the same nonce is another call, so a key that learns an
+  honest call's nonce cannot get the honest receipt refused by publishing one of its own first);
 - ``counted_twice``: a member credited again for a payload kind and outer step it already has credit for (the
   receipt's other member keeps its credit if that is new).
 
@@ -140,7 +142,7 @@ def build_ledger(
         run = runs.most_common(1)[0][0] if runs else ""
     ledger = Ledger(run)
     clock = time.time() if now is None else now
-    seen: dict[str, Receipt] = {}  # by call binding
+    seen: dict[tuple[str, str], Receipt] = {}  # by call binding and the caller who chose it
     credited: set[tuple[str, str, int]] = set()  # (member, kind, its outer step)
     for source, receipt in parsed:
         if isinstance(receipt, ReceiptError):
@@ -158,14 +160,14 @@ def build_ledger(
         if terms.time > clock + FUTURE_SKEW:
             ledger.refuse("future", source, f"dated {_when(terms.time)}, after this ledger's clock")
             continue
-        known = seen.get(terms.binding)
+        known = seen.get((terms.binding, terms.caller))
         if known is not None:
             if known.terms == terms:
                 ledger.duplicates += 1
             else:
                 ledger.refuse("replayed", source, f"call binding {terms.binding[:16]}… already counted")
             continue
-        seen[terms.binding] = receipt
+        seen[(terms.binding, terms.caller)] = receipt
         ledger.receipts += 1
         for member, partner in ((terms.caller, terms.server), (terms.server, terms.caller)):
             step = terms.step_of(member)

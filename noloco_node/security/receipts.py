@@ -11,8 +11,8 @@ call) and a time the caller names, which the server signs only within the clock 
 - Neither side can make a receipt alone: it carries both signatures, each checked against a key whose digest is the
   signer's peer id (identity.py).
 - A receipt cannot be moved into another run or step, or made to name other payloads: those are in the signed terms.
-  Replaying it whole adds nothing: the ledger (observability/ledger.py) counts one receipt per call binding, and a
-  member once per payload kind and outer step.
+  Replaying it whole adds nothing: the ledger (observability/ledger.py) counts one receipt per call binding and
+  caller, and a member once per payload kind and outer step.
 - A member's history survives its data directory: its partners keep the same receipts, so a member restored from
   its backed-up key on a fresh directory is credited by theirs (docs/security.md, "Identity").
 

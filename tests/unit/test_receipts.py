@@ -96,6 +96,11 @@ def test_the_ledger_refuses_forged_altered_replayed_and_other_run_receipts_with_
     assert {r.reason for r in ledger.refusals} == set(ledger.refused)
     assert ledger.members[a.peer_id].blends == 2 and ledger.members[b.peer_id].blends == 2
     assert c.peer_id not in ledger.members
+    # Free keys that learned an honest call's nonce and sign a receipt of their own under it, read first: another
+    # caller's call, counted apart, and the honest receipt still counts.
+    x, y = KEYS[3:5]
+    squatted = build_ledger(lines(signed(x, y, 1, binding=good[0].terms.binding), good[0]))
+    assert squatted.refused == {} and squatted.members[a.peer_id].blends == 1
     report = format_ledger(ledger)
     assert "bad_signature 2" in report and "other_run 1" in report
 
