@@ -33,8 +33,9 @@ model: a member is its outer-step counter. What is emulated around them follows 
   at their steps (the first there waits, up to --pair-timeout); one still unreserved at its step keeps asking. The
   node asks only records that say they are still looking, and skips those due outside the window, as here.
 - **Partners** (``partners``): the node's ``Standing`` (``known``: a record seen for --standing-seconds, a group
-  once in its window of 0.6 G outer steps), or ``EstablishedGroupsStanding`` (``established``, the node's rule
-  before 2026-11-29: a record seen for --standing-seconds and a blend, a group twice in 2G).
+  held to its fair share, one blend in G outer steps), or ``EstablishedGroupsStanding`` (``established``, the node's
+  line before 2026-11-29: a record seen for --standing-seconds and a blend). A call answered, and a call in, tell
+  the member's ``Standing`` that the peer answers (``heard_from``), as the node's caller and server do.
 - **Churn**: members leave at ``churn_per_hour`` of the swarm per hour (half of them crash, half write a tombstone),
   and as many join, each a cold start: it probes for the swarm's level, takes the lower median outer step of its
   view (a state download) and trains from there.
@@ -113,11 +114,8 @@ class ProtocolSettings:
 class EstablishedGroupsStanding(Standing):
     """The node's standing as it drew the line between partner and stranger before 2026-11-29: a peer is called and
     served on its network group's share only once its record was seen for ``standing_seconds`` and it blended with
-    this member, and a group blends at most twice in 2G outer steps. In a new swarm the groups that blended first
-    were the always-ready ones. (Groups whose share is spent were then called last; they are not called now.)"""
-
-    blends_per_window = 2
-    window_share = 1.0
+    this member. In a new swarm the groups that blended first were the always-ready ones. (A group's share was then
+    twice in 2G outer steps, and groups whose share was spent were called last; this class keeps the node's share.)"""
 
     def _partner(self, peer_id: str, now: float) -> bool:
         return self._established(peer_id, now)
@@ -462,11 +460,13 @@ class Member:
 
             def refused() -> None:
                 self.busy = False
+                self.standing.heard_from(peer.peer_id)
                 self._after_call(number, rest, alone_until)
 
             self.swarm.clock.after(rtt, refused)
             return
         self.standing.spend_stranger_turn(peer.peer_id)
+        self.standing.heard_from(peer.peer_id)
         self.swarm.exchange(self, callee, rtt)
 
     def _after_call(self, number: int, rest: list[PeerRecord], alone_until: float) -> None:
@@ -531,6 +531,7 @@ class Member:
 
         def answered() -> None:
             self.asking = False
+            self.standing.heard_from(peer.peer_id)
             if self.reserved is not None:  # reserved by a peer's ask meanwhile: this one is withdrawn
                 return
             if self.phase == phase and callee.takes_reservation_from(self):
@@ -605,6 +606,7 @@ class Member:
     def _lets_in(self, caller: Member) -> bool:
         """Not a repeat inside the grace, not quarantined, and served by standing (which then spends a stranger turn
         if it needs one): what a call in and an ask in must both pass."""
+        self.standing.heard_from(caller.peer_id)
         if not self._may_pair_with(caller.peer_id) or self.policy.quarantined(caller.peer_id):
             return False
         if not self.standing.may_serve(caller.peer_id):

@@ -66,6 +66,7 @@ class ServedNode:
         reservation chose, so the standing of that partner was weighed when the reservation was taken. A partner
         further than --max-staleness outer steps away is told so, with this node's step (OutOfReachError), in every
         mode."""
+        self.standing.heard_from(partner_id)  # its id is proven (the caller proof), whatever this node answers
         own = self._outer_step()
         if own is not None and abs(partner_outer_step - own) > self.max_staleness:
             raise OutOfReachError(own, partner_outer_step, self.max_staleness)

@@ -169,12 +169,15 @@ class PeerCaller:
             owner.cancel()
             if not (isinstance(error, ExchangeError) and error.reason == "busy"):
                 self._spend_turn(peer, kind)
+            if isinstance(error, ExchangeError) and _answered(error):
+                self.standing.heard_from(peer.peer_id)
             self._failed(peer, deadline, error)
             return None
         except asyncio.CancelledError:
             owner.cancel()
             raise
         self._spend_turn(peer, kind)
+        self.standing.heard_from(peer.peer_id)
         self.policy.succeeded(peer.peer_id, time.monotonic() - started)
         return payload
 
@@ -261,3 +264,13 @@ class PeerCaller:
                 avoid,
                 error,
             )
+
+
+# Codes a silence ends with: no answer from the peer (cut, no route, no answer in time).
+SILENT_CODES = frozenset({grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.CANCELLED})
+
+
+def _answered(error: ExchangeError) -> bool:
+    """Whether the peer itself answered the call that ended in ``error`` (busy, out of reach, a refusal, a payload):
+    not a silence, and not an answer under another name."""
+    return error.code not in SILENT_CODES and not error.reason.startswith("unauthenticated")

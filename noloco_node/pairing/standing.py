@@ -6,10 +6,13 @@ completes first, can have every round taken by one stranger minting keys and ech
 
 - **Standing.** A peer whose record this node has seen in the DHT for at least ``standing_seconds`` is a
   *partner*: partners are mixed at random among themselves, as the algorithm needs (least recently paired first,
-  one network group at a time: noloco_node/addresses.py), and their calls in are served; a group blends at most once
-  in a window of 0.6 G outer steps, rounded up (G: the partners' groups within reach), calling or called, so that
-  many keys of one group calling first every step take no more than the share of one group, and a group whose share
-  is spent is not called (the window is shorter than G because honest pairs must both be free to meet). A
+  one network group at a time: noloco_node/addresses.py; those that have answered before the others), and their
+  calls in are served. A group's blends, calling
+  or called, are held to its *fair share*: one blend in G outer steps (G: the partners' groups in view that this
+  node has heard from: answered a call or called), at most ``SHARE_LEAD`` blends ahead of it and banking nothing
+  while it is away, so that many keys of one group calling first every step take no more than the share of one
+  group, and a group whose share is spent is not called. Only groups that answered count in G: records cost
+  nothing, and a thousand records of keys that never answer would make every honest group's share a thousandth. A
   partner this node has also blended with (a payload that passed every check) is *established*: only an
   established peer's word counts (the swarm's front and clock, below; the full blend weight). The line is drawn at
   the record's age, not at a first blend: in a new swarm the groups that blended first were the ones whose records
@@ -34,7 +37,7 @@ completes first, can have every round taken by one stranger minting keys and ech
 - **Introductions.** A node's record names the established peers of its latest blends (``recent_partners``). A
   stranger that an established peer names there has earned standing with a peer this node trusts, and rides on its
   introducer's share: it is called and served like a partner, without a stranger turn, and its blends count
-  against the introducer's network group (once in its window, the group and all it names together), until it is
+  against the introducer's network group (its fair share is the group and all it names together), until it is
   a partner here (a bounded table remembers the introductions: the introducer's
   record moves on to its next partners long before the stranger earns standing). Two honest members that are
   strangers to each other (a joiner and a member that restarted, say) but have standing with the same peer then
@@ -58,9 +61,8 @@ import math
 import random
 import threading
 import time
-from collections import Counter, deque
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 from noloco_node.discovery.dht import PeerRecord
@@ -70,16 +72,14 @@ from noloco_node.discovery.dht import PeerRecord
 # blends (counted from its first blend, such a key would earn full weight and every turn).
 NEVER_SEEN = math.inf
 MAX_REMEMBERED = 4096  # peers remembered; past this strangers are forgotten first, then the longest-gone
-# A network group's blends with this node in any window (WINDOW_SHARE x G outer steps, G: the partners' groups within
-# reach), calling or called: its share.
-BLENDS_PER_WINDOW = 1
-# A group's window is this share of G outer steps, rounded up: room for honest pairs, which must both be free and due
-# together to meet, where an always-ready group takes its turn the moment it opens. With a window of G steps, 100
-# honest members blended at 94% of their outer steps over 3 hours; with 0.6 G, 97% (bench protocol).
-WINDOW_SHARE = 0.6
-# The blends remembered per peer: what a window counts, with room for a rule that counts more (bench protocol runs
-# the node's earlier rule, twice in 2G, beside this one).
-BLENDS_REMEMBERED = 2
+# How far ahead of its fair share a network group's blends with this node may be, in blends. The node's share clock
+# moves 1/G at each of its outer steps, a group's one blend at each of the group's blends (from the node's clock, if
+# the group's is behind it: a group away for a while banks nothing), so an always-ready group takes one blend in G
+# outer steps, its share of the groups, and an honest group, which meets only when both members are free and due
+# together, may take two at once when they are. With one (a blend at most once in G outer steps) 100 honest members
+# blended at 87% of their outer steps; a window of 0.6 G outer steps gave an always-ready group 1/0.6 of its share
+# (bench protocol, docs/benchmarks.md).
+SHARE_LEAD = 2
 # How many replicas a partner without standing counts as in this node's blend (algorithm.noloco_pair_step), once the
 # node has established peers (``believable``): its pull on this node's weights is a third of the gap instead of a
 # half, so that what a stranger's step can move is bounded by the weight as well as by the stranger share.
@@ -98,8 +98,10 @@ class _Track:
     group: str = ""  # the network group of the address its record gave, last seen (addresses.py)
     blends: int = 0  # blends with this node whose payload passed every check
     last_blend_step: int | None = None  # this node's outer step at the last of them
-    recent_blend_steps: deque[int] = field(default_factory=lambda: deque(maxlen=BLENDS_REMEMBERED))
     last_blend_time: float | None = None  # monotonic
+    # It answered a call of this node's, called it (heard_from), or an established peer's record names it as a
+    # partner: it counts in G, and is called before the partners never heard of.
+    heard: bool = False
 
 
 @dataclass(frozen=True)
@@ -114,12 +116,6 @@ class SwarmStep:
 
 class Standing:
     """Thread-safe: read by gRPC threads (incoming sessions) and the event loop (calls), written by both."""
-
-    # A group's blends with this node in any window of ``window_share`` x ``blends_per_window`` x G outer steps (G:
-    # the groups of partners within reach): its share.
-    blends_per_window = BLENDS_PER_WINDOW
-    # The window's length, as a share of G outer steps (WINDOW_SHARE).
-    window_share = WINDOW_SHARE
 
     def __init__(
         self,
@@ -145,6 +141,7 @@ class Standing:
         # (node/outer_step.py), and an attacker that keeps it behind gains no more than the stranger share.
         self._partners_live = False
         self._groups_within_reach = 0  # network groups of the partners within reach
+        self._share_groups = 0  # G: the partners' groups in view this node has heard from (heard_from)
         # The network group the stranger turn is for: drawn at each outer step among the groups of the strangers
         # in view (within reach), so that whoever calls in first does not decide who gets it (a key per phase
         # calling in first would take every turn). None: no turn held, or no stranger in view.
@@ -153,7 +150,12 @@ class Standing:
         # its blends count against.
         self._introduced: dict[str, str] = {}
         self._had_established = False
-        self._charged: Counter[str] | None = None  # _charged_blends, until the tables change
+        # Fair shares (SHARE_LEAD): the node's share clock moves 1/G at each of its outer steps; a group's moves to
+        # max(its own, the node's) + 1 at each of its blends, the strangers it introduced counted with it. A group
+        # a blend would put more than SHARE_LEAD ahead of the node's clock has taken its share. A clock behind the
+        # node's is the same as none, so those are the ones forgotten.
+        self._share_clock = 0.0
+        self._group_clocks: dict[str, float] = {}
         self.stranger_steps = 0  # outer steps that admitted strangers while established peers were live
 
     # ------------------------------------------------------------------------------------------- what is known
@@ -162,7 +164,6 @@ class Standing:
         """The live view of the swarm at this node's outer step ``own_step``."""
         now = self._clock()
         with self._lock:
-            self._charged = None
             for peer in peers:
                 track = self._tracks.get(peer.peer_id)
                 if track is None:
@@ -179,6 +180,9 @@ class Standing:
             self._groups_within_reach = len({p.network_group for p in within_reach if p.peer_id in partners})
             strangers = [p for p in within_reach if p.peer_id not in partners]
             self._remember_introductions(peers, established, now)
+            self._share_groups = len(
+                {p.network_group for p in peers if p.peer_id in partners and self._tracks[p.peer_id].heard}
+            )
             stranger_groups = sorted({p.network_group for p in strangers})
             if self._enter_step(own_step) or self._turn_group not in stranger_groups:
                 self._turn_group = self._rng.choice(stranger_groups) if stranger_groups else None
@@ -187,12 +191,15 @@ class Standing:
         """The strangers the established peers' records name, kept until they are partners here or newer ones push
         them out: an introducer's record moves on to its next partners long before the stranger earns standing. A
         partner, its record in view or not, is charged to its own group: charged to its introducer's, a partner
-        named while out of view left its own group's share unspent, and its group blended again within the window."""
+        named while out of view left its own group's share unspent, and its group blended again before its share
+        allowed."""
         for peer in peers:
             if peer.peer_id in established:
                 for named in peer.partners:
                     self._introduced.pop(named, None)
                     self._introduced[named] = peer.network_group  # the latest last
+                    if (track := self._tracks.get(named)) is not None:
+                        track.heard = True  # it blended with a peer this node trusts: it answers
         for known in [named for named in self._introduced if self._partner(named, now)]:
             del self._introduced[known]
         while len(self._introduced) > MAX_INTRODUCED:
@@ -202,11 +209,22 @@ class Standing:
         """A blend with ``peer_id`` at this node's outer step ``own_step`` (its payload passed every check)."""
         now = self._clock()
         with self._lock:
-            self._charged = None
             track = self._tracks.setdefault(peer_id, _Track(first_seen=NEVER_SEEN, last_seen=now))
             track.blends += 1
-            track.last_blend_step, track.last_blend_time = own_step, now
-            track.recent_blend_steps.append(own_step)
+            track.last_blend_step, track.last_blend_time, track.heard = own_step, now, True
+            group = self._share_group(peer_id)
+            self._group_clocks[group] = self._group_clock(group) + 1.0
+            self._forget_spent_clocks()
+
+    def heard_from(self, peer_id: str) -> None:
+        """``peer_id`` answered a call of this node's (busy, refused or exchanged: a gRPC answer, not a silence), or
+        called it with its id proven: its group counts in G from its record's next reading (as does a peer an
+        established peer's record names). Records alone cost nothing to publish: a thousand records of keys that never
+        answer must not make every group's share a thousandth."""
+        with self._lock:
+            track = self._tracks.get(peer_id)
+            if track is not None:
+                track.heard = True
 
     def established(self, peer_id: str) -> bool:
         with self._lock:
@@ -305,7 +323,6 @@ class Standing:
         checkpoint of an older version has none)."""
         now = self._clock()
         with self._lock:
-            self._charged = None
             for entry in saved:
                 try:
                     track = _Track(
@@ -315,6 +332,7 @@ class Standing:
                         blends=int(entry["blends"]),
                         last_blend_step=int(entry["last_blend_step"]),
                         last_blend_time=now,
+                        heard=True,
                     )
                 except (KeyError, TypeError, ValueError):
                     continue
@@ -328,8 +346,8 @@ class Standing:
 
         A stranger: with a stranger turn for its record's network group only (the session spends it:
         :meth:`spend_stranger_turn`), while partners are live; any stranger without them. A partner: unless its
-        network group blended with this node within its window (``_charged_blends``), so that calling in first, every
-        step, from many keys of one group earns that group no more than its share of this node's steps."""
+        network group has taken its share of this node's blends (``_share_left``), so that calling in first, every
+        step, from many keys of one group earns that group no more than its share."""
         with self._lock:
             now = self._clock()
             if not self._partner(peer_id, now):
@@ -350,8 +368,9 @@ class Standing:
 
     def order(self, candidates: Sequence[PeerRecord], last_paired: dict[str, int]) -> list[PeerRecord]:
         """Whom to call, in order: the partners and the strangers on an introducer's share (each counted
-        in its introducer's group), least recently paired group first, not the groups whose share is spent (their
-        calls in ``may_serve`` would refuse), and with a stranger turn one other stranger
+        in its introducer's group), those this node has heard from first (``heard_from``), least recently paired
+        group first, not the groups whose share is spent (their calls in ``may_serve`` would refuse), and with a
+        stranger turn one other stranger
         before them (a random key of the turn's group; the call spends the turn); with no partner live,
         every candidate alike, one group at a time.
 
@@ -362,10 +381,7 @@ class Standing:
         with self._lock:
             if not self._partners_live:
                 return _by_group(candidates, last_paired, self._rng, lambda p: p.network_group)
-            charged = self._charged_blends()  # once: a pass over the tables, not one per candidate
-            trusted = [
-                p for p in candidates if self._partner(p.peer_id, now) or self._on_introducers_share(p.peer_id, charged)
-            ]
+            trusted = [p for p in candidates if self._partner(p.peer_id, now) or self._on_introducers_share(p.peer_id)]
             trusted_ids = {p.peer_id for p in trusted}  # a set: candidates number in the hundreds at a high level
             turn = [
                 p
@@ -373,16 +389,24 @@ class Standing:
                 if p.peer_id not in trusted_ids and self._tokens >= 1.0 and p.network_group == self._turn_group
             ]
             share_group = {p.peer_id: self._introduced.get(p.peer_id, p.network_group) for p in trusted}
-        # Groups whose share is spent are not called: their calls in would be refused (may_serve), and a group that
-        # is always ready must not take by being called what it cannot take by calling in (called last, they took
-        # twice their share: bench protocol, docs/benchmarks.md).
-        spent = {group for group, blends in charged.items() if blends >= self.blends_per_window}
-        ordered = _by_group(
-            [p for p in trusted if share_group[p.peer_id] not in spent],
-            last_paired,
-            self._rng,
-            lambda p: share_group[p.peer_id],
-        )
+            # Groups whose share is spent are not called: their calls in would be refused (may_serve), and a group
+            # that is always ready must not take by being called what it cannot take by calling in (called last,
+            # they took twice their share: bench protocol, docs/benchmarks.md).
+            spent = {group for group in set(share_group.values()) if not self._share_left(group)}
+            choosable = [p for p in trusted if share_group[p.peer_id] not in spent]
+            heard = [p for p in choosable if self._tracks[p.peer_id].heard]
+        # Peers heard from first: a record costs nothing, and a thousand records of keys that never answer, called
+        # first as partners never paired, each took a call's time from the phase.
+        heard_ids = {p.peer_id for p in heard}
+        ordered = [
+            *_by_group(heard, last_paired, self._rng, lambda p: share_group[p.peer_id]),
+            *_by_group(
+                [p for p in choosable if p.peer_id not in heard_ids],
+                last_paired,
+                self._rng,
+                lambda p: share_group[p.peer_id],
+            ),
+        ]
         if turn:
             ordered.insert(0, self._rng.choice(turn))
         return ordered
@@ -416,10 +440,9 @@ class Standing:
             and track.group == self._turn_group
         )
 
-    def _on_introducers_share(self, peer_id: str, charged: Counter[str] | None = None) -> bool:
+    def _on_introducers_share(self, peer_id: str) -> bool:
         """Whether ``peer_id`` is a stranger an established peer named (and whose record this node has seen) and its
-        introducer's group has share left: it is then called and served like a partner. ``charged``:
-        ``_charged_blends()``, when the caller asks of many peers."""
+        introducer's group has share left: it is then called and served like a partner."""
         track = self._tracks.get(peer_id)
         introducer_group = self._introduced.get(peer_id)
         return (
@@ -427,31 +450,33 @@ class Standing:
             and self._groups_within_reach > 0  # out of reach of its peers, a node catches up: strangers wait
             and track is not None
             and track.first_seen != NEVER_SEEN
-            and (charged if charged is not None else self._charged_blends())[introducer_group] < self.blends_per_window
+            and self._share_left(introducer_group)
         )
 
-    def _share_left(self, group: str) -> bool:
-        """Whether ``group`` blended with this node fewer than ``blends_per_window`` times in its last window of
-        outer steps, the strangers it introduced counted with it."""
-        return self._charged_blends()[group] < self.blends_per_window
+    def _share_group(self, peer_id: str) -> str:
+        """The network group a blend with ``peer_id`` is charged to: its introducer's while it is a stranger
+        introduced here, else its own (a partner named while its record was out of view is its own group's)."""
+        track = self._tracks[peer_id]
+        if self._partner(peer_id, self._clock()):
+            return track.group
+        return self._introduced.get(peer_id, track.group)
 
-    def _charged_blends(self) -> Counter[str]:
-        """Blends at this node's last ``window_share`` x ``blends_per_window`` x G outer steps, rounded up (G: the
-        partners' groups within reach),
-        the current one included, per network group they are charged to: a peer's own, or its introducer's while it is a
-        stranger introduced here. Kept until the tables change: every call in asks it, and it is a pass over them."""
-        if self._charged is not None:
-            return self._charged
-        steps = math.ceil(self.window_share * self.blends_per_window * self._groups_within_reach)
-        charged: Counter[str] = Counter()
-        if self._step is not None and steps > 0:
-            first = self._step - steps + 1
-            for peer_id, track in self._tracks.items():
-                recent = sum(1 for step in track.recent_blend_steps if step >= first)
-                if recent:
-                    charged[self._introduced.get(peer_id, track.group)] += recent
-        self._charged = charged
-        return charged
+    def _share_left(self, group: str) -> bool:
+        """Whether a blend with ``group`` (the strangers it introduced counted with it) would leave it at most
+        SHARE_LEAD blends ahead of its fair share."""
+        ahead = self._group_clock(group) + 1.0 - self._share_clock
+        return ahead <= SHARE_LEAD + 1e-9  # 1e-9: G steps of 1/G add up to a hair under one
+
+    def _group_clock(self, group: str) -> float:
+        """``group``'s share clock, never behind the node's (a group new to this node's books is at the node's: its
+        first blends come at once; started one blend ahead, 100 members blended at 94% of their steps, against 98%)."""
+        return max(self._group_clocks.get(group, self._share_clock), self._share_clock)
+
+    def _forget_spent_clocks(self) -> None:
+        """Group clocks at or behind the node's say nothing a missing one does not: dropped once they outnumber the
+        peers remembered."""
+        if len(self._group_clocks) > MAX_REMEMBERED:
+            self._group_clocks = {g: c for g, c in self._group_clocks.items() if c > self._share_clock}
 
     def _enter_step(self, own_step: int) -> bool:
         """Moves the stranger share's bucket on to ``own_step``; whether that is a new step."""
@@ -459,6 +484,7 @@ class Standing:
             return False
         steps = 1 if self._step is None else own_step - self._step
         self._step = own_step
+        self._share_clock += steps / max(1, self._share_groups)
         # Rounded: ten tenths must make a whole turn (in floating point they make 0.9999999999999999).
         self._tokens = min(1.0, round(self._tokens + self.stranger_share * steps, 9))
         return True

@@ -95,9 +95,9 @@ def test_many_keys_in_one_network_group_weigh_as_one_machine() -> None:
     everyone = attacker + honest
     standing.observe(everyone, 1, 5)
     clock[0] = 11.0
-    for peer in everyone:
+    for peer in [attacker[0], *honest]:  # a blend with each group (its other keys are partners by record age)
         standing.blended(peer.peer_id, 1)
-    later = [replace(p, outer_step=8) for p in everyone]  # past the share's window (2G = 6 steps): no group spent
+    later = [replace(p, outer_step=8) for p in everyone]  # 7 steps later, with G = 3: no group's share is spent
     standing.observe(later, 8, 5)
     firsts = [standing.order(later, {})[0].peer_id for _ in range(300)]
     share = sum(f.startswith("sybil") for f in firsts) / len(firsts)
