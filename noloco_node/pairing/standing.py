@@ -9,7 +9,8 @@ completes first, can have every round taken by one stranger minting keys and ech
   one network group at a time: noloco_node/addresses.py; those that have answered before the others), and their
   calls in are served. A group's blends, calling
   or called, are held to its *fair share*: one blend in G outer steps (G: the partners' groups in view that this
-  node has heard from: answered a call or called), at most ``SHARE_LEAD`` blends ahead of it and banking nothing
+  node has heard from: answered a call, called, or was named as a partner by established peers of two groups), at
+  most ``SHARE_LEAD`` blends ahead of it and banking nothing
   while it is away, so that many keys of one group calling first every step take no more than the share of one
   group, and a group whose share is spent is not called. Only groups that answered count in G: records cost
   nothing, and a thousand records of keys that never answer would make every honest group's share a thousandth. A
@@ -62,7 +63,7 @@ import random
 import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from noloco_node.discovery.dht import PeerRecord
@@ -80,6 +81,8 @@ MAX_REMEMBERED = 4096  # peers remembered; past this strangers are forgotten fir
 # blended at 87% of their outer steps; a window of 0.6 G outer steps gave an always-ready group 1/0.6 of its share
 # (bench protocol, docs/benchmarks.md).
 SHARE_LEAD = 2
+# Established peers' groups whose records must name a peer before it counts as heard from without a call of its own.
+NAMED_BY_GROUPS = 2
 # How many replicas a partner without standing counts as in this node's blend (algorithm.noloco_pair_step), once the
 # node has established peers (``believable``): its pull on this node's weights is a third of the gap instead of a
 # half, so that what a stranger's step can move is bounded by the weight as well as by the stranger share.
@@ -99,9 +102,10 @@ class _Track:
     blends: int = 0  # blends with this node whose payload passed every check
     last_blend_step: int | None = None  # this node's outer step at the last of them
     last_blend_time: float | None = None  # monotonic
-    # It answered a call of this node's, called it (heard_from), or an established peer's record names it as a
-    # partner: it counts in G, and is called before the partners never heard of.
+    # It answered a call of this node's, called it (heard_from), or the records of established peers of
+    # NAMED_BY_GROUPS groups name it as a partner: it counts in G, and is called before the partners never heard of.
     heard: bool = False
+    named_by: set[str] = field(default_factory=set)  # groups of the established peers naming it, until heard
 
 
 @dataclass(frozen=True)
@@ -198,8 +202,13 @@ class Standing:
                 for named in peer.partners:
                     self._introduced.pop(named, None)
                     self._introduced[named] = peer.network_group  # the latest last
-                    if (track := self._tracks.get(named)) is not None:
-                        track.heard = True  # it blended with a peer this node trusts: it answers
+                    if (track := self._tracks.get(named)) is not None and not track.heard:
+                        # It blended with peers this node trusts: it answers. Two groups must say so: one
+                        # established peer could otherwise name free keys by the hundred into G and the order's front.
+                        track.named_by.add(peer.network_group)
+                        track.heard = len(track.named_by) >= NAMED_BY_GROUPS
+                        if track.heard:
+                            track.named_by.clear()
         for known in [named for named in self._introduced if self._partner(named, now)]:
             del self._introduced[known]
         while len(self._introduced) > MAX_INTRODUCED:
@@ -218,9 +227,9 @@ class Standing:
 
     def heard_from(self, peer_id: str) -> None:
         """``peer_id`` answered a call of this node's (busy, refused or exchanged: a gRPC answer, not a silence), or
-        called it with its id proven: its group counts in G from its record's next reading (as does a peer an
-        established peer's record names). Records alone cost nothing to publish: a thousand records of keys that never
-        answer must not make every group's share a thousandth."""
+        called it with its id proven: its group counts in G from its record's next reading (as does a peer the
+        records of established peers of two groups name). Records alone cost nothing to publish: a thousand records
+        of keys that never answer must not make every group's share a thousandth."""
         with self._lock:
             track = self._tracks.get(peer_id)
             if track is not None:

@@ -632,3 +632,22 @@ def test_records_of_keys_that_never_answer_neither_thin_the_groups_shares_nor_ar
     live = [replace(p, outer_step=61) for p in [*honest, *silent]]
     standing.observe(live, 61, 2)
     assert "silent7" in [p.peer_id for p in standing.order(live, {})][:4]
+
+
+def test_a_peer_counts_as_heard_from_when_established_peers_of_two_groups_name_it_not_one() -> None:
+    """One established peer can name any keys in its record: those neither count in G nor come first. A key the
+    records of established peers of two groups name has blended with both: it counts, and comes before the silent."""
+    clock = Clock()
+    standing, honest = established_swarm(clock)
+    named = [record(f"named{i}", f"10.2.{i}.1", 7000) for i in range(20)]
+    standing.observe([*honest, *named], 0, 2)
+    clock.now += 31.0  # partners by their record's age
+    one_namer = [replace(honest[0], partners=(k.peer_id,)) for k in named]
+    for step, namer in enumerate(one_namer, start=1):
+        standing.observe([namer, *honest[1:], *named], step, 2)
+    assert standing._share_groups == 3  # the three honest groups only
+    order = [p.peer_id for p in standing.order([*honest, *named], {})]
+    assert all(peer_id.startswith("honest") for peer_id in order[:3]), order[:4]
+    standing.observe([honest[0], replace(honest[1], partners=("named5",)), honest[2], *named], 30, 2)
+    assert standing._share_groups == 4
+    assert "named5" in [p.peer_id for p in standing.order([*honest, *named], {})][:4]
