@@ -10,7 +10,8 @@
 #   swarm: `noloco-node swarm --nodes 2` on the one GPU at H = 50 (SWARM_MODEL, default 125m; SWARM_BATCH x 1,024
 #          tokens, default 128, micro-batch SWARM_MICRO, default 32: two probes at once would each plan for the
 #          whole card; SWARM_STEPS inner steps, default 150, cut at SWARM_LIMIT seconds, default 3600): the outer
-#          step and its upkeep from the nodes' histories, and the nodes' peak host memory.
+#          step and its upkeep from the nodes' histories, and the nodes' peak host memory (the largest node's
+#          and the machine's in use); SWARM_CHECKPOINT_EVERY outer steps between checkpoints (default 1).
 #   memory: one `join` node alone (MEMORY_MODEL, default 1.3b; 16 x 1,024 tokens a step, H = 5, 15 steps, compile
 #          off) with its /proc/PID/status (VmRSS, RssAnon, RssFile, RssShmem: pinned memory) every 2 s, in MiB.
 # Usage: bash benchmarks/gpu/figures.sh [train] [outer] [solo] [check] [swarm] [memory]   (default: the first three).
@@ -58,14 +59,16 @@ print('solo run finished at inner step', replica.inner_step, 'outer step', repli
     model=${SWARM_MODEL:-125m} batch=${SWARM_BATCH:-128} micro=${SWARM_MICRO:-32} runs=${SWARM_DIR:-/tmp/swarm}
     steps=${SWARM_STEPS:-150}
     echo "== swarm --nodes 2 --model $model --batch-size $batch --micro-batch $micro --seq-len 1024 --inner-steps 50 --steps $steps"
-    (while sleep 2; do ps -C python3 -o rss=,args= | grep -- " join " | awk '{print $1}' | sort -n | tail -1; done \
-      > "$runs.rss") &
+    (while sleep 2; do ps -C python3 -o rss=,args= | grep -- " join " | awk '{print $1}' | sort -n | tail -1;
+      free -k | awk '/^Mem:/ {print $3}' >> "$runs.used"; done > "$runs.rss") &
     sampler=$!
-    timeout "${SWARM_LIMIT:-3600}" python3 -m noloco_node swarm --nodes 2 --model "$model" --batch-size "$batch" \
+    NOLOCO_NODE__CHECKPOINT_EVERY=${SWARM_CHECKPOINT_EVERY:-1} timeout "${SWARM_LIMIT:-3600}" python3 -m noloco_node swarm --nodes 2 --model "$model" --batch-size "$batch" \
       --micro-batch "$micro" --seq-len 1024 --inner-steps 50 --steps "$steps" --lr 1e-3 --out "$runs" 2>&1 \
       | tail -20 | tee "$OUT/swarm-$model.txt"
     kill $sampler
-    python3 benchmarks/gpu/outer_share.py "$runs" "$runs.rss" 2>&1 | tee -a "$OUT/swarm-$model.txt" ;;
+    python3 benchmarks/gpu/outer_share.py "$runs" "$runs.rss" 2>&1 | tee -a "$OUT/swarm-$model.txt"
+    echo "machine's peak memory in use: $(sort -n "$runs.used" | tail -1 | awk '{printf "%.1f", $1 / 2^20}') GiB" \
+      | tee -a "$OUT/swarm-$model.txt" ;;
   memory)
     model=${MEMORY_MODEL:-1.3b} dir=${MEMORY_DIR:-/tmp/memory-node}
     rm -rf "$dir"

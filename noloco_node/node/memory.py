@@ -3,12 +3,11 @@
 A node holds, per parameter (fp32 unless said): the fast weights theta, their gradients and Adam's two moments
 (16 bytes; on a GPU these live in GPU memory), the slow weights phi and outer momentum delta (8 bytes, on the host
 unless the step plan keeps them on the GPU, which the start check does not yet know: it counts them here; arXiv
-2506.10911 eq. 3-5 need both), up to three copies of the outer state (phi, delta, moments: 3 x 16
-bytes) that serve GetState and the checkpoint writer while the trainer goes on (training/checkpoints.py: the one
-being written, the newest waiting for the writer, and the one taken at the next outer step when phases are shorter
-than a write; measured on an H200 machine, a 1.3b node's pinned host memory grew to three of them), and the
-exchange's offer and receive buffers in the wire dtype (about 4 bytes). docs/data-and-models.md has the measured
-figures and what sizes fit where.
+2506.10911 eq. 3-5 need both), the snapshot of the outer state (phi, delta, moments: 16 bytes) that serves
+GetState and the checkpoint writer while the trainer goes on (training/checkpoints.py; renewed in its own buffers
+at each outer step, wire/published.py), and a second one while a reader of the last one spans an outer step (a
+download, or a checkpoint write slower than a phase), and the exchange's offer and receive buffers in the wire
+dtype (about 4 bytes). docs/data-and-models.md has the measured figures and what sizes fit where.
 
 Nothing is refused on this estimate (swap, or memory freed by other processes, may make it fit); a node that will
 not fit says so at start, with the numbers, instead of being killed at its first step (node/doctor.py, whose
@@ -22,7 +21,7 @@ from pathlib import Path
 GIB = 2**30
 DEVICE_BYTES = 16  # theta, gradients, Adam's two moments
 OUTER_BYTES = 8  # phi, delta
-SNAPSHOT_BYTES = 3 * 16  # three snapshots in flight at most
+SNAPSHOT_BYTES = 2 * 16  # the snapshot, and a second while a reader spans an outer step
 EXCHANGE_BYTES = 4  # offer and receive buffers (bf16 each way)
 
 

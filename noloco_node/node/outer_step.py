@@ -207,15 +207,20 @@ class OuterStep:
         """Copy the outer state (theta == phi here) into reused buffers; it becomes the joiner snapshot, and the
         checkpoint when one is due. Trainer thread, at an outer step (and once at start)."""
         deps, replica = self.deps, self.deps.replica
-        copy = deps.snapshots.take(replica)
-        copy.manifest = build_manifest(  # what GetState serves of it: the slow weights
-            deps.snapshots.served(copy),
-            wire_dtype="fp32",
-            run_fingerprint=deps.run_fingerprint,
-            peer_id=deps.peer_id(),
-            outer_step=replica.outer_step,
-            metadata_json=json.dumps(copy.metadata["counters"]),
-        )
+
+        def take() -> Published:
+            copy = deps.snapshots.take(replica)
+            copy.manifest = build_manifest(  # what GetState serves of it: the slow weights
+                deps.snapshots.served(copy),
+                wire_dtype="fp32",
+                run_fingerprint=deps.run_fingerprint,
+                peer_id=deps.peer_id(),
+                outer_step=replica.outer_step,
+                metadata_json=json.dumps(copy.metadata["counters"]),
+            )
+            return copy
+
+        copy = deps.snapshot.renew(take)
         # A downloaded state on probation is not checkpointed: the checkpoint is what a bad one rolls back to.
         on_probation = deps.probation is not None and deps.probation.pending
         if replica.outer_step % deps.checkpoint_every == 0 and not on_probation and copy.hold():
@@ -230,7 +235,7 @@ class OuterStep:
                 },
                 copy.release,
             )
-        deps.snapshot.replace(copy)
+            copy.metadata["checkpointed"] = True  # a stop right after this step writes nothing more (trainer.py)
 
     def __call__(self, phase: InnerPhase) -> None:
         deps, replica = self.deps, self.deps.replica

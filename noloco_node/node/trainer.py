@@ -249,13 +249,26 @@ class Trainer:
             # `finished` resolves from the thread's last `finally`, a moment before the thread itself has ended
             self.thread.join()
         assert replica is not None and not self.alive
-        # Taken into the snapshot pool's reused buffers (and theta's host copy), not cloned: the live state's copy
-        # was the peak of a node's host memory (25 GiB more at 1.3b, measured on an H200 machine).
-        copy = self.snapshots.take(replica) if self.snapshots is not None else None
-        if copy is not None:
-            state = {**replica_state_of(copy), "theta": replica.fast_weights()}  # mid-phase: theta is not phi
+        # Never a copy beside the snapshot (the live state's copy was the peak of a node's host memory: 25 GiB more
+        # at 1.3b, measured on an H200 machine). Stopped at the outer step the latest snapshot was taken at, that
+        # snapshot is the state; stopped mid-phase, the state is taken into the snapshot's own buffers (the node is
+        # leaving: no joiner downloads from it any more) and theta's host copy.
+        copy = self.snapshot.hold()
+        if copy is not None and copy.metadata["counters"]["inner_step"] == replica.inner_step:
+            if copy.metadata.get("checkpointed"):  # that step's checkpoint is this state: written once, not twice
+                copy.release()
+                self.checkpoints.flush()
+                return
+            state = replica_state_of(copy)  # theta == phi at an outer step
         else:
-            state = replica.state_dict()
+            if copy is not None:
+                copy.release()
+            if self.snapshots is None:
+                copy, state = None, replica.state_dict()
+            else:
+                self.snapshot.clear()
+                copy = self.snapshots.take(replica)
+                state = {**replica_state_of(copy), "theta": replica.fast_weights()}  # mid-phase: theta is not phi
         history = self.telemetry.history_list(KEEP_OUTER_STEPS)
         strategy = self.peering.strategy.checkpoint_state()
         self.checkpoints.submit(

@@ -126,30 +126,55 @@ class BufferPool:
 
 
 class LatestSnapshot:
-    """The latest published snapshot (training/checkpoints.py), replaced by its publisher at every outer step and
-    held by its readers: a joiner's download, the norm check, the checkpoint writer."""
+    """The latest published snapshot (training/checkpoints.py), renewed by its publisher at every outer step and
+    held by its readers: a joiner's download, the norm check, the checkpoint writer.
+
+    A node keeps one snapshot's buffers, not two: when nobody but this holds the latest copy at renewal, it goes
+    back to its pool first, so the new copy is taken into the same buffers (16 bytes per parameter: 24 GiB at
+    1.3b). Readers that ask meanwhile wait for the new copy rather than find none, since the norm check must never
+    go without a state to compare with. A reader still holding the last copy (a slow download, a checkpoint being
+    written) costs a second set for as long as it reads.
+    """
 
     def __init__(self) -> None:
-        self._lock = threading.Lock()
+        self._cond = threading.Condition()
         self._current: Published | None = None
+        self._renewing = False
 
-    def replace(self, copy: Published) -> None:
-        """Make ``copy`` (held by the caller, whose reference passes to this) the latest; release the previous."""
-        with self._lock:
-            previous, self._current = self._current, copy
+    def renew(self, take: Callable[[], Published]) -> Published:
+        """Publish ``take()``'s copy (a new reference, passed to this) as the latest and release the previous; the
+        copy is returned for the publisher to read, not to release. Publisher's thread only."""
+        with self._cond:
+            previous, self._current = self._current, None
+            self._renewing = True
+        try:
+            if previous is not None and previous.holders == 1:  # nobody reads it: its buffers are the new copy's
+                previous.release()
+                previous = None
+            copy = take()
+        except BaseException:
+            with self._cond:
+                self._current, self._renewing = previous, False
+                self._cond.notify_all()
+            raise
+        with self._cond:
+            self._current, self._renewing = copy, False
+            self._cond.notify_all()
         if previous is not None:
             previous.release()
+        return copy
 
     def hold(self) -> Published | None:
-        """The latest copy, held for the caller (who releases it), or None."""
-        with self._lock:
+        """The latest copy, held for the caller (who releases it), or None before the first one."""
+        with self._cond:
+            self._cond.wait_for(lambda: not self._renewing)
             current = self._current
             if current is not None and current.hold():
                 return current
         return None
 
     def clear(self) -> None:
-        with self._lock:
+        with self._cond:
             previous, self._current = self._current, None
         if previous is not None:
             previous.release()

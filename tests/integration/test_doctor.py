@@ -54,14 +54,14 @@ def test_a_port_held_by_another_process_and_a_model_too_large_for_this_machine_f
         holder.bind(("127.0.0.1", 0))
         holder.listen()
         port = holder.getsockname()[1]
-        # On the CPU: a GPU machine's host holds less of the model (it trains in device memory), so 76 B/param is the
+        # On the CPU: a GPU machine's host holds less of the model (it trains in device memory), so 60 B/param is the
         # CPU's estimate.
         code, checks = doctor(tmp_path, "--grpc-port", str(port), "--model", "6.8b", "--device", "cpu")
     assert code == 1
     assert checks["gRPC port"]["level"] == "fail" and f"127.0.0.1:{port}" in checks["gRPC port"]["detail"]
     assert "another --grpc-port" in checks["gRPC port"]["fix"]
     memory = checks["host memory"]
-    assert memory["level"] == "fail" and "x 76 B/param" in memory["detail"] and "GiB available" in memory["detail"]
+    assert memory["level"] == "fail" and "x 60 B/param" in memory["detail"] and "GiB available" in memory["detail"]
     assert "smaller --model" in memory["fix"]
     assert checks["bootstrap"]["level"] == "warn"  # no --bootstrap: a swarm of its own, not a failure
     assert checks["identity"]["level"] == "warn" and "new peer id" in checks["identity"]["detail"]  # a fresh dir

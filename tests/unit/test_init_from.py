@@ -155,11 +155,11 @@ def test_a_node_says_at_start_when_its_model_will_not_fit_in_memory(monkeypatch:
     from noloco_node.node import machine_checks, memory
 
     monkeypatch.setattr(machine_checks, "available_memory", lambda: 24 * 2**30)
-    assert memory.host_bytes_per_parameter(on_gpu=False) == 76 and memory.host_bytes_per_parameter(on_gpu=True) == 64
+    assert memory.host_bytes_per_parameter(on_gpu=False) == 60 and memory.host_bytes_per_parameter(on_gpu=True) == 48
     assert machine_checks.host_memory(160_000_000, on_gpu=False).level == "ok"  # 9 GiB: fits
-    short = machine_checks.host_memory(1_100_000_000, on_gpu=False)  # 78 GiB: does not
+    short = machine_checks.host_memory(1_100_000_000, on_gpu=False)  # 61 GiB: does not
     assert short.level == "fail", short
-    assert "1100.0M parameters x 76 B/param = 77.86 GiB" in short.detail and "24.00 GiB available" in short.detail
+    assert "1100.0M parameters x 60 B/param = 61.47 GiB" in short.detail and "24.00 GiB available" in short.detail
     assert "smaller --model" in short.fix
 
 
@@ -170,10 +170,10 @@ def test_a_local_swarm_says_when_its_nodes_do_not_fit_the_machine_together(
 
     monkeypatch.setattr(machine_checks, "available_memory", lambda: 125 * 2**30)
     one_3b = 1_611_761_664
-    assert machine_checks.host_memory(one_3b, on_gpu=True).level == "ok"  # one node alone fits (96 GiB)
+    assert machine_checks.host_memory(one_3b, on_gpu=True).level == "ok"  # one node alone fits (72 GiB)
     together = machine_checks.nodes_together(one_3b, True, 2, tmp_path)
     memory = [check for check in together if check.name == "host memory"]
     assert memory and memory[0].level == "fail"
-    assert "2 nodes x 96.1 GiB = 192.1 GiB of host memory together, 125.0 GiB available" in memory[0].detail
+    assert "2 nodes x 72.1 GiB = 144.1 GiB of host memory together, 125.0 GiB available" in memory[0].detail
     alone = machine_checks.nodes_together(one_3b, True, 1, tmp_path)
     assert not [check for check in alone if check.name == "host memory"]

@@ -288,14 +288,59 @@ def test_latest_hands_out_held_copies_and_releases_the_superseded_one() -> None:
     pool = BufferPool([(1,)], torch.float32)
     latest = LatestSnapshot()
     assert latest.hold() is None
-    one = pool.publish([torch.ones(1)])
-    latest.replace(one)
+    one = latest.renew(lambda: pool.publish([torch.ones(1)]))
     reader = latest.hold()
     assert reader is one and one.holders == 2
-    latest.replace(pool.publish([torch.zeros(1)]))
-    assert one.holders == 1  # only the reader keeps it alive now
+    two = latest.renew(lambda: pool.publish([torch.zeros(1)]))
+    assert one.holders == 1 and pool.allocated == 2  # the reader keeps the old copy alive, so a second set
     reader.release()
     assert one.holders == 0
+    three = latest.renew(lambda: pool.publish([torch.full((1,), 3.0)]))
+    # nobody read the latest: its own buffers took the next copy, and the pool allocated nothing
+    assert two.holders == 0 and three.tensors[0].data_ptr() == two.tensors[0].data_ptr() and pool.allocated == 2
+    assert float(latest.hold().tensors[0]) == 3.0
+
+
+def test_a_reader_waits_for_a_renewal_in_progress_rather_than_find_no_snapshot() -> None:
+    pool = BufferPool([(1,)], torch.float32)
+    latest = LatestSnapshot()
+    latest.renew(lambda: pool.publish([torch.ones(1)]))
+    taking, finish = threading.Event(), threading.Event()
+    seen: list[float] = []
+
+    def slow_take() -> Published:
+        taking.set()
+        finish.wait(10)
+        return pool.publish([torch.full((1,), 2.0)])
+
+    renewer = threading.Thread(target=latest.renew, args=(slow_take,))
+    renewer.start()
+    assert taking.wait(10)
+    reader = threading.Thread(target=lambda: seen.append(float(latest.hold().tensors[0])))
+    reader.start()
+    reader.join(0.2)
+    assert reader.is_alive() and not seen  # it waits for the copy being taken
+    finish.set()
+    renewer.join(10)
+    reader.join(10)
+    assert seen == [2.0]
+
+
+def test_a_failed_renewal_keeps_the_previous_snapshot_when_a_reader_held_it() -> None:
+    pool = BufferPool([(1,)], torch.float32)
+    latest = LatestSnapshot()
+    one = latest.renew(lambda: pool.publish([torch.ones(1)]))
+    reader = latest.hold()
+
+    def failing() -> Published:
+        raise RuntimeError("no memory")
+
+    with pytest.raises(RuntimeError):
+        latest.renew(failing)
+    held = latest.hold()
+    assert held is one and one.holders == 3
+    held.release()
+    reader.release()
 
 
 def test_receive_buffers_are_reused_after_release() -> None:
