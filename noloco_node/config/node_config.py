@@ -13,9 +13,9 @@ from pydantic import Field, model_validator
 from noloco_node.addresses import ip_literal_problem
 from noloco_node.config.models import StrictSettings
 
-# discovery/buckets.py: a read moves 16-32 records (`bench discovery`: at 32, a node among 10,000 records moved 3.9x
-# the bytes of one among 10; at 16, 2.0x)
-DEFAULT_BUCKET_RECORDS = 16
+# discovery/buckets.py: a read moves 5-13 records, about what a lookup in a swarm of 10 moves, so a node among 10,000
+# records moves no more than one among 10 (`bench discovery`; at 16 it moved 1.75-2.56x, at 32 3.9x)
+DEFAULT_BUCKET_RECORDS = 8
 
 # The NOLOCO_* variables the product reads besides settings (NOLOCO_<SECTION>__<FIELD>, settings.py); any other is
 # a typo that would otherwise be ignored in silence.

@@ -110,14 +110,17 @@ class SwarmSize:
 
     def written_levels(self) -> tuple[int, ...]:
         """Where this node writes its record: its level, and the neighbouring one its estimate leans to (none
-        while probing, or when it leans below level 0: a small swarm's members write one bucket)."""
+        while probing, or when it leans below level 0: a small swarm's members write one bucket). An odd level is
+        never written alone, even when the estimate leans nowhere (it is a multiple of 2^L records, so it can sit
+        exactly on the level): probes read even levels, and a swarm written at an odd level only would be one that
+        no joiner finds."""
         size = self.estimate
         if size is None:
             return (self.level,)
         leaning = math.log2(max(size, 1.0) / self.bucket_records) - self.level
         if leaning > 0 and self.level < MAX_LEVEL:
             return (self.level, self.level + 1)
-        if leaning < 0 and self.level > 0:
+        if (leaning < 0 or self.level % 2) and self.level > 0:
             return (self.level - 1, self.level)
         return (self.level,)
 

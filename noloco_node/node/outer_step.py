@@ -203,9 +203,11 @@ class OuterStep:
             return None
         return outer_step + 1
 
-    def publish_state(self) -> None:
+    def publish_state(self, *, checkpoint: bool = True) -> None:
         """Copy the outer state (theta == phi here) into reused buffers; it becomes the joiner snapshot, and the
-        checkpoint when one is due. Trainer thread, at an outer step (and once at start)."""
+        checkpoint when one is due. Trainer thread, at an outer step, and once at start with no checkpoint: the
+        state a node starts from is on disk already (a checkpoint, a model folder), rebuilt from the run's seed, or
+        a download on probation: writing it again would cost a 1.3b node 13 GB at every start and restore nothing."""
         deps, replica = self.deps, self.deps.replica
 
         def take() -> Published:
@@ -223,7 +225,7 @@ class OuterStep:
         copy = deps.snapshot.renew(take)
         # A downloaded state on probation is not checkpointed: the checkpoint is what a bad one rolls back to.
         on_probation = deps.probation is not None and deps.probation.pending
-        if replica.outer_step % deps.checkpoint_every == 0 and not on_probation and copy.hold():
+        if checkpoint and replica.outer_step % deps.checkpoint_every == 0 and not on_probation and copy.hold():
             history = deps.telemetry.history_list(KEEP_OUTER_STEPS)  # a copy of the list, as of this step
             strategy_state = deps.strategy.checkpoint_state()
             deps.checkpoints.submit(

@@ -160,7 +160,7 @@ class Trainer:
                 data_parallel=self.data_parallel,
             )
         )
-        await asyncio.to_thread(outer_step.publish_state)
+        await asyncio.to_thread(functools.partial(outer_step.publish_state, checkpoint=False))
         log.info(
             "node %s up: run %s, gRPC %s, mode %s, shard %d/%d",
             peer_id,

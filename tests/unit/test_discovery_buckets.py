@@ -42,6 +42,11 @@ def test_a_node_writes_at_its_level_and_the_neighbour_its_estimate_leans_to() ->
     big = settled(6000)  # log2(6000/32) = 7.55
     assert big.level in (7, 8) and big.written_levels() == (7, 8)
     assert SwarmSize(32).written_levels() == (0,)  # probing: its level only
+    # An estimate right on an odd level (32 x 2^7) leans nowhere, and still writes the even level beside it: the
+    # probes read even levels only.
+    exact = settled(32 * 2**7)
+    assert exact.level == 7 and exact.written_levels() == (6, 7)
+    assert settled(32 * 2**6).written_levels() == (6,)
 
 
 def test_the_probes_cover_every_pair_of_levels_a_writer_may_write() -> None:
@@ -61,7 +66,7 @@ def swarm_read(members: list[str], written: tuple[int, ...], bucket: Bucket) -> 
     return sum(bucket.holds(peer) for peer in members) if bucket.level in written else 0
 
 
-@pytest.mark.parametrize("members", [0, 1, 20, 300, 5000])
+@pytest.mark.parametrize("members", [0, 1, 20, 300, 4096, 5000])
 def test_a_joiner_finds_the_swarm_at_any_level_and_its_estimate_settles_there(members: int) -> None:
     """Writers settled where a bucket holds ~32 records; a new node probes, finds them, and reads at their level."""
     rng = random.Random(members)
