@@ -66,6 +66,7 @@ from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
+from noloco_node.config.node_config import DEFAULT_BUCKET_RECORDS
 from noloco_node.discovery.buckets import MAX_BUCKET_ENTRIES, Bucket, SwarmSize
 from noloco_node.discovery.dht import PeerRecord
 from noloco_node.discovery.view import RecordView
@@ -98,7 +99,7 @@ class ProtocolSettings:
     churn_per_hour: float = 0.1  # of the members, leaving (and as many joining) per hour
     straggler_share: float = 0.1
     straggler_slowdown: float = 1.3
-    bucket_records: int = 16
+    bucket_records: int = DEFAULT_BUCKET_RECORDS
     record_ttl: float = 20.0
     pair_timeout: float = 10.0
     alone_grace: float = 1.0

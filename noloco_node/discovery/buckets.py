@@ -10,8 +10,8 @@ level moves with hysteresis, so two nodes with the same estimate may sit a level
 and each still finds the other. A record found at any level a writer writes estimates the size without bias (a
 bucket at level L holds 1 / 2^L of the writers that write there). A node that has found nobody but itself (it just
 started, or the swarm moved levels while it was away) probes levels 2, 4, 6, ... in turn, with level 0 between any
-two (where a small swarm is, found at once): every writer's two adjacent levels include an even one, so a probe
-finds the swarm wherever it is. A settled node also reads one bucket in ABOVE_EVERY at a level above its own
+two (where a small swarm is, found at once): every writer writes an even level (two adjacent ones, or an even
+one alone), so a probe finds the swarm wherever it is. A settled node also reads one bucket in ABOVE_EVERY at a level above its own
 (2, 4, ... levels up, in turn), where its own swarm writes nothing: records found there are a larger swarm it is
 not part of, and it moves to their level. Without this, joiners that came up together probed level 0 first,
 found each other there and settled as a swarm of their own, apart for good from the swarm they joined (bench
@@ -36,7 +36,7 @@ from dataclasses import dataclass
 from noloco_node.config.node_config import DEFAULT_BUCKET_RECORDS
 
 MAX_LEVEL = 24  # 2^24 buckets: far past any swarm; the level is clamped here
-PROBE_STRIDE = 2  # a writer's two levels are adjacent, so probes two levels apart miss no swarm
+PROBE_STRIDE = 2  # every writer writes an even level (written_levels), so probes two levels apart miss no swarm
 HASH_BITS = 32
 MAX_BUCKET_ENTRIES = 256  # entries a DHT peer stores under one key: 256 x 4 KB stays a quarter of p2pd's cap
 ESTIMATE_READS = 16  # the size estimate is the mean of the last this many reads
