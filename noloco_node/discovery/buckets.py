@@ -12,8 +12,8 @@ bucket at level L holds 1 / 2^L of the writers that write there). A node that ha
 started, or the swarm moved levels while it was away) probes levels 2, 4, 6, ... in turn, with level 0 between any
 two (where a small swarm is, found at once): every writer writes an even level (two adjacent ones, or an even
 one alone), so a probe finds the swarm wherever it is. A settled node also reads one bucket in ABOVE_EVERY at a
-level above its own (2, 4, ... levels up, in turn), where its own swarm writes nothing: records found there are a larger swarm it is
-not part of, and it moves to their level. Without this, joiners that came up together probed level 0 first,
+level above its own (2, 4, ... levels up, in turn), where its own swarm writes nothing: records found there are
+a larger swarm it is not part of, and it moves to their level. Without this, joiners that came up together probed level 0 first,
 found each other there and settled as a swarm of their own, apart for good from the swarm they joined (bench
 protocol: 18 of 100 members, out of reach of the rest, after 3 hours of churn).
 
