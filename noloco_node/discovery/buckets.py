@@ -1,21 +1,21 @@
-"""Where a record lives in the DHT: hash buckets at a level that grows with the swarm, so that a node reads a bucket
-of about ``bucket_records`` records at each lookup, whatever the swarm's size.
+"""Where a record lives in the DHT: hash buckets at a level that grows with the swarm, so that a node reads a bucket of
+about ``bucket_records`` records at each lookup, whatever the swarm's size.
 
 A peer's bucket at level L is the first L bits of sha256(its peer id), stored under the key
 ``noloco/<fingerprint>/peers/<L>/<bits>``; level 0 is one bucket, the whole swarm, as long as the swarm is small. A
 node estimates the swarm's size from the buckets it reads (records found x 2^L) and from it the level W at which a
 bucket holds about ``bucket_records`` records (:class:`SwarmSize`); it reads at W. It writes its record at W and at
-the neighbouring level its estimate leans to (W+1 when log2(size / bucket_records) is above W, W-1 below): the
-level moves with hysteresis, so two nodes with the same estimate may sit a level apart, on the side each leans to,
-and each still finds the other. A record found at any level a writer writes estimates the size without bias (a
-bucket at level L holds 1 / 2^L of the writers that write there). A node that has found nobody but itself (it just
-started, or the swarm moved levels while it was away) probes levels 2, 4, 6, ... in turn, with level 0 between any
-two (where a small swarm is, found at once): every writer writes an even level (two adjacent ones, or an even
-one alone), so a probe finds the swarm wherever it is. A settled node also reads one bucket in ABOVE_EVERY at a
-level above its own (2, 4, ... levels up, in turn), where its own swarm writes nothing: records found there are
-a larger swarm it is not part of, and it moves to their level. Without this, joiners that came up together probed level 0 first,
-found each other there and settled as a swarm of their own, apart for good from the swarm they joined (bench
-protocol: 18 of 100 members, out of reach of the rest, after 3 hours of churn).
+the neighbouring level its estimate leans to (W+1 when log2(size / bucket_records) is above W, W-1 below): the level
+moves with hysteresis, so two nodes with the same estimate may sit a level apart, on the side each leans to, and each
+still finds the other. A record found at any level a writer writes estimates the size without bias (a bucket at level
+L holds 1 / 2^L of the writers that write there). A node that has found nobody but itself (it just started, or the
+swarm moved levels while it was away) probes levels 2, 4, 6, ... in turn, with level 0 between any two (where a small
+swarm is, found at once): every writer writes an even level (two adjacent ones, or an even one alone), so a probe
+finds the swarm wherever it is. A settled node also reads one bucket in ABOVE_EVERY at a level above its own (2, 4,
+... levels up, in turn), where its own swarm writes nothing: records found there are a larger swarm it is not part
+of, and it moves to their level. Without this, joiners that came up together probed level 0 first, found each other
+there and settled as a swarm of their own, apart for good from the swarm they joined (bench protocol: 18 of 100
+members, out of reach of the rest, after 3 hours of churn).
 
 Readers keep a record only from a bucket its owner's hash belongs to, so filling one bucket at level L with
 records takes about 2^L fresh keys per record, and every DHT peer of the run stores at most MAX_BUCKET_ENTRIES
