@@ -4,22 +4,21 @@ A peer id costs nothing (a fresh RSA key), so a node that calls never-paired ids
 completes first, can have every round taken by one stranger minting keys and echoing the node's own weights back
 (which passes every payload check by construction). Partner choice therefore rests on two things ids cannot buy:
 
-- **Standing.** A peer whose record this node has seen in the DHT for at least ``standing_seconds`` is a
-  *partner*: partners are mixed at random among themselves, as the algorithm needs (least recently paired first,
-  one network group at a time: noloco_node/addresses.py; those that have answered before the others), and their
-  calls in are served. A group's blends, calling
-  or called, are held to its *fair share*: one blend in G outer steps (G: the partners' groups in view that this
-  node has heard from: answered a call, called, or was named as a partner by established peers of two groups), at
-  most ``SHARE_LEAD`` blends ahead of it and banking nothing
-  while it is away, so that many keys of one group calling first every step take no more than the share of one
-  group, and a group whose share is spent is not called. Only groups that answered count in G: records cost
-  nothing, and a thousand records of keys that never answer would make every honest group's share a thousandth. A
-  partner this node has also blended with (a payload that passed every check) is *established*: only an
+- **Standing.** A peer whose record this node has seen in the DHT for at least ``standing_seconds`` is a *partner*:
+  partners are mixed at random among themselves, as the algorithm needs (least recently paired first, one network
+  group at a time: noloco_node/addresses.py; those that have answered before the others), and their calls in are
+  served. A group's blends, calling or called, are held to its *fair share*: one blend in G outer steps (G: the
+  partners' groups whose records this node read in the last SHARE_MEMORY_SECONDS and that it has heard from: answered
+  a call, called, or was named as a partner by established peers of two groups), at most ``SHARE_LEAD`` blends ahead
+  of it and banking nothing while it is away, so that many keys of one group calling first every step take no more
+  than the share of one group, and a group whose share is spent is not called. Only groups that answered count in G:
+  records cost nothing, and a thousand records of keys that never answer would make every honest group's share a
+  thousandth. A partner this node has also blended with (a payload that passed every check) is *established*: only an
   established peer's word counts (the swarm's front and clock, below; the full blend weight). The line is drawn at
   the record's age, not at a first blend: in a new swarm the groups that blended first were the ones whose records
-  always said ready, and once established they were called first and always answered (``bench protocol``, 100
-  members with 10% always-ready hosts: those hosts took 80% of the honest blends when a partner had to be
-  established, 24% when a partner is known by its record's age; docs/benchmarks.md).
+  always said ready, and once established they were called first and always answered (``bench protocol``, 100 members
+  with 10% always-ready hosts: those hosts took 80% of the honest blends when a partner had to be established, 24%
+  when a partner is known by its record's age; docs/benchmarks.md).
 - **A bounded share for strangers.** Every other id is a stranger. Strangers are called, and their calls served,
   only with a *stranger turn* (or on an introducer's share, below): a token bucket that earns ``stranger_share`` of
   a turn per outer step (its phase starts at random, so that nodes started together do not open the same steps) and
@@ -81,6 +80,10 @@ MAX_REMEMBERED = 4096  # peers remembered; past this strangers are forgotten fir
 # blended at 87% of their outer steps; a window of 0.6 G outer steps gave an always-ready group 1/0.6 of its share
 # (bench protocol, docs/benchmarks.md).
 SHARE_LEAD = 2
+# G counts the partner groups heard from whose records this node read within this long: a view is a sample of the
+# swarm's buckets (discovery/view.py), and G counted over the view alone shrank with the buckets, each group's share
+# of blends growing with it.
+SHARE_MEMORY_SECONDS = 300.0
 # Established peers' groups whose records must name a peer before it counts as heard from without a call of its own.
 NAMED_BY_GROUPS = 2
 # How many replicas a partner without standing counts as in this node's blend (algorithm.noloco_pair_step), once the
@@ -145,7 +148,7 @@ class Standing:
         # (node/outer_step.py), and an attacker that keeps it behind gains no more than the stranger share.
         self._partners_live = False
         self._groups_within_reach = 0  # network groups of the partners within reach
-        self._share_groups = 0  # G: the partners' groups in view this node has heard from (heard_from)
+        self._share_groups = 0  # G: the partners' groups seen lately that this node has heard from (heard_from)
         # The network group the stranger turn is for: drawn at each outer step among the groups of the strangers
         # in view (within reach), so that whoever calls in first does not decide who gets it (a key per phase
         # calling in first would take every turn). None: no turn held, or no stranger in view.
@@ -184,8 +187,13 @@ class Standing:
             self._groups_within_reach = len({p.network_group for p in within_reach if p.peer_id in partners})
             strangers = [p for p in within_reach if p.peer_id not in partners]
             self._remember_introductions(peers, established, now)
+            recent = now - SHARE_MEMORY_SECONDS
             self._share_groups = len(
-                {p.network_group for p in peers if p.peer_id in partners and self._tracks[p.peer_id].heard}
+                {
+                    track.group
+                    for peer_id, track in self._tracks.items()
+                    if track.heard and track.last_seen >= recent and self._partner(peer_id, now)
+                }
             )
             stranger_groups = sorted({p.network_group for p in strangers})
             if self._enter_step(own_step) or self._turn_group not in stranger_groups:
