@@ -187,14 +187,15 @@ class Standing:
             self._groups_within_reach = len({p.network_group for p in within_reach if p.peer_id in partners})
             strangers = [p for p in within_reach if p.peer_id not in partners]
             self._remember_introductions(peers, established, now)
-            recent = now - SHARE_MEMORY_SECONDS
-            self._share_groups = len(
-                {
-                    track.group
-                    for peer_id, track in self._tracks.items()
-                    if track.heard and track.last_seen >= recent and self._partner(peer_id, now)
-                }
-            )
+            if self._step is None or own_step > self._step:  # G is read as the share clock moves on a step
+                recent = now - SHARE_MEMORY_SECONDS
+                self._share_groups = len(
+                    {
+                        track.group
+                        for peer_id, track in self._tracks.items()
+                        if track.heard and track.last_seen >= recent and self._partner(peer_id, now)
+                    }
+                )
             stranger_groups = sorted({p.network_group for p in strangers})
             if self._enter_step(own_step) or self._turn_group not in stranger_groups:
                 self._turn_group = self._rng.choice(stranger_groups) if stranger_groups else None
