@@ -931,7 +931,8 @@ def _plot(series: dict[tuple[str, float], list[dict[str, Any]]], path: Path) -> 
                 label=f"{pairing}, hostile share (last third)",
             )
         axes[1].plot(sizes, [r["discovery_bytes_per_member_s"] / 1000 for r in results], "o-", label=label)
-        axes[2].plot(sizes, [r["found_partner_median_s"] or math.nan for r in results], "o-", label=f"median, {label}")
+        found = [math.nan if r["found_partner_median_s"] is None else r["found_partner_median_s"] for r in results]
+        axes[2].plot(sizes, found, "o-", label=f"median, {label}")  # 0.0 s (found at the step) is a point too
     axes[0].axhline(95, color="grey", linestyle=":", label="95% target")
     axes[0].axhline(10, color="red", linestyle=":", label="10%: the hostile share of hosts")
     axes[0].set_ylabel("% of honest members' outer steps")
