@@ -209,6 +209,9 @@ class OuterStep:
         state a node starts from is on disk already (a checkpoint, a model folder), rebuilt from the run's seed, or
         a download on probation: writing it again would cost a 1.3b node 13 GB at every start and restore nothing."""
         deps, replica = self.deps, self.deps.replica
+        # A downloaded state on probation is not checkpointed: the checkpoint is what a bad one rolls back to.
+        on_probation = deps.probation is not None and deps.probation.pending
+        due = checkpoint and replica.outer_step % deps.checkpoint_every == 0 and not on_probation
 
         def take() -> Published:
             copy = deps.snapshots.take(replica)
@@ -220,12 +223,12 @@ class OuterStep:
                 outer_step=replica.outer_step,
                 metadata_json=json.dumps(copy.metadata["counters"]),
             )
+            # Said before anyone reads the copy: a stop right after this step writes nothing more (trainer.py).
+            copy.metadata["checkpointed"] = due
             return copy
 
-        copy = deps.snapshot.renew(take)
-        # A downloaded state on probation is not checkpointed: the checkpoint is what a bad one rolls back to.
-        on_probation = deps.probation is not None and deps.probation.pending
-        if checkpoint and replica.outer_step % deps.checkpoint_every == 0 and not on_probation and copy.hold():
+        copy = deps.snapshot.renew(take)  # held by the latest snapshot until the next renewal: hold() succeeds
+        if due and copy.hold():
             history = deps.telemetry.history_list(KEEP_OUTER_STEPS)  # a copy of the list, as of this step
             strategy_state = deps.strategy.checkpoint_state()
             deps.checkpoints.submit(
@@ -237,7 +240,6 @@ class OuterStep:
                 },
                 copy.release,
             )
-            copy.metadata["checkpointed"] = True  # a stop right after this step writes nothing more (trainer.py)
 
     def __call__(self, phase: InnerPhase) -> None:
         deps, replica = self.deps, self.deps.replica
