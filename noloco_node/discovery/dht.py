@@ -369,6 +369,12 @@ class Discovery:
             # the far side of a healed partition out of lookups for long after (docs/threat-model.md, 8).
             "blacklist_time": DHT_SILENCE_SECONDS,
             "backoff_rate": 1.0,
+            # Every read here asks for the latest (a bucket's records change at each member's publish), so a copy
+            # kept is never the answer: hivemind's default would, after each read, also store the whole bucket at
+            # the nearest DHT peer without it, and read again every key read lately just before it expires.
+            "cache_nearest": 0,
+            "cache_refresh_before_expiry": 0,
+            "bucket_size": 8,
         }
         if announce_maddrs:
             self._dht_kwargs["announce_maddrs"] = list(announce_maddrs)
@@ -376,6 +382,7 @@ class Discovery:
         self._last_expiration = 0.0
         self._written: dict[int, float] = {}  # level -> DHT time its record there expires (a leave tombstones each)
         self._published: PeerRecord | None = None  # written again at once when the node's level moves
+        self._last_stored = -math.inf  # monotonic time the record at the node's level was last stored
         self._republish: asyncio.Task[bool] | None = None
         # Peers whose buckets every lookup reads too, while a strategy waits on them (a reserved partner)
         self._followed: list[str] = []
@@ -476,6 +483,7 @@ class Discovery:
         stored = results[own_level] if own_level in results else any(results.values())
         if stored:
             self._last_expiration = expiration
+            self._last_stored = time.monotonic()
         self._published = None if record.leaving else record
         # The start record never changes: refreshed at a third of its lifetime, not at every outer step's publish.
         if self.starts_key is not None and not record.leaving and now >= self._start_stored_at + self.record_ttl / 3:
@@ -555,6 +563,12 @@ class Discovery:
                 if record.peer_id == peer_id and (newest is None or record.updated > newest.updated):
                     newest = record
         return newest
+
+    def stored_within(self, seconds: float) -> PeerRecord | None:
+        """The record last published, if it was stored at the node's level within ``seconds``; else None."""
+        if self._published is None or time.monotonic() - self._last_stored > seconds:
+            return None
+        return self._published
 
     async def live_peers(self, *, include_self: bool = False) -> list[PeerRecord]:
         """The unexpired, well-formed, non-tombstone records of this run in the node's view, in no particular

@@ -75,6 +75,7 @@ def test_peers_of_a_run_find_each_other_and_nobody_else(bootstrap: list[str]) ->
 
             # A leaving node's tombstone hides it at once.
             assert await b.withdraw(record_b)
+            assert b.stored_within(60.0) is None  # a tombstone is never refreshed as the node's record
             assert await wait_for(lambda: _not_seen(a, b.peer_id), timeout=10)
 
         asyncio.run(scenario())
@@ -92,7 +93,10 @@ def test_a_record_that_is_not_refreshed_expires(bootstrap: list[str]) -> None:
     try:
 
         async def scenario() -> None:
-            assert await a.publish(PeerRecord(a.peer_id, "127.0.0.1:6001", "run-c"))
+            record = PeerRecord(a.peer_id, "127.0.0.1:6001", "run-c")
+            assert await a.publish(record)
+            # What the node's refresh loop reads to skip a store: the record, stored within the last second.
+            assert a.stored_within(1.0) == record and b.stored_within(1.0) is None
 
             async def b_sees_a():
                 return any(r.peer_id == a.peer_id for r in await b.live_peers())
@@ -100,6 +104,7 @@ def test_a_record_that_is_not_refreshed_expires(bootstrap: list[str]) -> None:
             await wait_for(b_sees_a)
             await asyncio.sleep(2.5)
             assert not await b_sees_a()
+            assert a.stored_within(2.0) is None  # stored longer ago: the refresh loop stores it again
 
         asyncio.run(scenario())
     finally:

@@ -78,3 +78,45 @@ def test_the_watch_lists_an_established_peer_the_dht_lost_from_its_answer_and_ne
     assert asked.count("stranger") == 1 and asked.count("far") == 3
     vouched = discovery.vouched.merged([])
     assert [replace(r, updated=0.0) for r in vouched] == [replace(_record("far", 40), inner_step=0)]
+
+
+def test_the_watch_asks_a_listed_peer_again_only_at_its_next_outer_step_and_a_silent_one_every_round(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A peer's curve gains a point only at an outer step: its Info is asked again once its record shows a later
+    step than its last answer did, and a peer whose Info failed is asked every round until it answers."""
+    discovery = Discovery("run", record_ttl=10)
+    # The DHT's listing at each round: "steady" stays at the step it answered with, then moves on; "mute" never answers.
+    rounds = [
+        [_record("steady", 40), _record("mute", 40)],
+        [_record("steady", 40), _record("mute", 40)],
+        [_record("steady", 40), _record("mute", 40)],
+        [_record("steady", 41), _record("mute", 41)],
+        [_record("steady", 41), _record("mute", 41)],
+    ]
+    telemetry = Telemetry(tokens_per_step=1, degraded_after=60, stall_after=60)
+    done_rounds: list[int] = []
+    asked: list[tuple[int, str]] = []
+
+    async def live_peers() -> list[PeerRecord]:
+        return list(rounds[min(len(done_rounds), len(rounds) - 1)])
+
+    def fetch_info(address: str, *, timeout: float, transport: object, peer_id: str) -> pb.InfoReply:
+        asked.append((len(done_rounds), peer_id))
+        if peer_id == "mute":
+            raise ConnectionError("no answer")
+        step = rounds[min(len(done_rounds), len(rounds) - 1)][0].outer_step
+        return pb.InfoReply(peer_id=peer_id, run_fingerprint="run", outer_step=step, ready_to_pair=True)
+
+    async def sleep(_seconds: float) -> None:
+        done_rounds.append(1)
+        if len(done_rounds) == len(rounds):
+            raise _EnoughError
+
+    monkeypatch.setattr(discovery, "live_peers", live_peers)
+    monkeypatch.setattr(report, "fetch_info", fetch_info)
+    monkeypatch.setattr(report.asyncio, "sleep", sleep)
+    with pytest.raises(_EnoughError):
+        asyncio.run(report.watch_peers(discovery, telemetry, "run", "name", starts_every=1e9))
+    assert [r for r, peer in asked if peer == "steady"] == [0, 3]  # its first round, then its next outer step
+    assert [r for r, peer in asked if peer == "mute"] == [0, 1, 2, 3, 4]
