@@ -223,7 +223,7 @@ class Node:
 
     async def _refresh_record(self) -> None:
         """The record stored again every third of --record-ttl, unless an outer step or a reservation stored it
-        since with the same reach: each store is a DHT search and writes at two levels, the larger part of a
+        since with the same reach: each store is a DHT search and a write at one or two levels, the larger part of a
         member's discovery work (a phase of 15 s stores the record at least twice of its own)."""
         while True:
             await asyncio.sleep(self.cfg.record_ttl / 3)
