@@ -15,9 +15,13 @@ small tensor (0.8 of a bound spent on the tiny model's smallest tensor, an atten
 its norm, moves that tensor by about 25 times the bound).
 
 The bound is ``factor`` times the largest relative movement of this node's *own* recent inner phases,
-``||theta_own - phi_own|| / ||phi_own||`` over the last ``window`` outer steps, each scaled by the learning rate
-(movement per unit of learning rate, times the largest learning rate a partner within the staleness bound may
-have trained at: in the warmup a partner two phases ahead moves more); fixed instead when configured.
+``||theta_own - phi_own|| / ||phi_own||`` over the last ``window`` outer steps: the larger of that movement as it was
+and the movement per unit of learning rate times the largest learning rate a partner within the staleness bound may
+have trained at (in the warmup a partner two phases ahead moves more); fixed instead when configured. Not the
+movement scaled down as the learning rate falls: the spread between replicas shrinks with their blends, not with
+the learning rate, so a spread built while the rate was high outlasts it (32 tiny members, 300 steps: 40 honest
+payloads refused at outer steps 10-14, 1.05-3.4 times a bound that had followed the rate down, 38 of them inside
+the window's own movement times 3).
 Why this node's own movement and not the distances of accepted payloads: a bound learnt from what peers send can
 be walked up by the peers who send it (three payloads just inside a bound of 1.0 once lifted a learnt bound to
 4.75, after which random weights were blended), while no payload moves a node's own phase. It is sound from the
@@ -185,8 +189,10 @@ class NormGuard:
         self.fixed = fixed
         self.factor = factor
         self._per_lr: deque[float] = deque(maxlen=window)  # movement per unit of learning rate, per phase
+        self._moved: deque[float] = deque(maxlen=window)  # movement, per phase
         # The same per tensor (each tensor's movement relative to its own norm): the per-tensor check of admit
         self._tensor_per_lr: deque[list[float]] = deque(maxlen=window)
+        self._tensor_moved: deque[list[float]] = deque(maxlen=window)
         self._phase_lr = 0.0
         self._partner_lr = 0.0
         self._lock = threading.Lock()
@@ -200,14 +206,17 @@ class NormGuard:
         """Trainer thread, at the end of every inner phase and before pairing: ``movement`` = ||theta - phi|| /
         ||phi|| of the phase just trained at mean learning rate ``phase_lr``; ``partner_lr``: the largest learning
         rate a partner within the staleness bound may have trained its phase at. Movement scales with the learning
-        rate, so the bound does too: during the warmup a partner two phases ahead moves more than this node did
-        (honest partners were refused at 0.00086 against a bound of 0.00062 before this scaling)."""
+        rate, so the bound rises with it: during the warmup a partner two phases ahead moves more than this node
+        did (honest partners were refused at 0.00086 against a bound of 0.00062 before this scaling). It does not
+        fall below the window's movement as it was when the rate falls (the module's docstring says why)."""
         if math.isfinite(movement) and phase_lr > 0 and math.isfinite(partner_lr):
             with self._lock:
                 self._per_lr.append(movement / phase_lr)
+                self._moved.append(movement)
                 self._phase_lr, self._partner_lr = phase_lr, partner_lr
                 if per_tensor is not None and all(math.isfinite(m) for m in per_tensor):
                     self._tensor_per_lr.append([m / phase_lr for m in per_tensor])
+                    self._tensor_moved.append(list(per_tensor))
 
     def observe_phase(
         self,
@@ -247,8 +256,8 @@ class NormGuard:
         with self._lock:
             if not self._per_lr:
                 return None
-            movement = max(self._per_lr)
-            return min(CEILING, self.factor * movement * self._partner_lr)
+            movement = max(max(self._per_lr) * self._partner_lr, max(self._moved))
+            return min(CEILING, self.factor * movement)
 
     @property
     def basis(self) -> str:
@@ -267,9 +276,14 @@ class NormGuard:
         with self._lock:
             if self.fixed is not None or not self._tensor_per_lr:
                 return None
-            movements = [max(column) for column in zip(*self._tensor_per_lr, strict=True)]
             partner_lr = self._partner_lr
-        return [TENSOR_SLACK * max(bound, self.factor * movement * partner_lr * widen) for movement in movements]
+            movements = [
+                max(max(per_lr) * partner_lr, max(moved))
+                for per_lr, moved in zip(
+                    zip(*self._tensor_per_lr, strict=True), zip(*self._tensor_moved, strict=True), strict=True
+                )
+            ]
+        return [TENSOR_SLACK * max(bound, self.factor * movement * widen) for movement in movements]
 
     def admit(
         self,

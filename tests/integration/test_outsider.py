@@ -107,11 +107,11 @@ def test_the_norm_bound_is_not_ratcheted_from_a_cold_start_nor_after_a_restart(
         return before, codes, _live(status)
 
     def own_bound(status: dict) -> float:
-        """3 x the largest movement per unit of learning rate of the last 8 phases, at the partners' largest rate."""
-        last = status["history"][-8:]
-        return min(
-            0.9, 3.0 * max(h["movement"] / h["phase_lr"] for h in last if h["movement"]) * last[-1]["partner_lr"]
-        )
+        """3 x the largest movement of the last 8 phases: as it was, or per unit of learning rate at the partners'
+        largest rate."""
+        last = [h for h in status["history"][-8:] if h["movement"]]
+        per_lr = max(h["movement"] / h["phase_lr"] for h in last) * status["history"][-1]["partner_lr"]
+        return min(0.9, 3.0 * max(per_lr, max(h["movement"] for h in last)))
 
     def live_bound_and_own(status: dict) -> tuple[float, float]:
         """The live bound and the one its own history gives. The node takes a phase's movement into its bound
