@@ -163,7 +163,7 @@ class NodeConfig(StrictSettings):
         10.0,
         gt=0,
         description="sync and stream: longest wait for the reserved partner's payload (or for a reservation in "
-        "flight) before a solo step (s).",
+        "flight) before a solo step (s); inner steps taken meanwhile (--train-while-waiting) do not count.",
     )
     alone_grace: float = Field(
         1.0,

@@ -96,6 +96,31 @@ def test_a_round_nobody_answered_closes_alone() -> None:
     assert current.close(wait_for_exchange=1) is None and current.stage is Stage.CLOSED
 
 
+def test_steps_taken_while_waiting_do_not_count_against_the_timeout_only_idling_does() -> None:
+    """A partner whose phase ran longer arrives while this node trains its next phase's steps early: however long
+    those take, the round is still open for it; once no step may be borrowed, the node idles --pair-timeout."""
+    current, late = round_at(), payload("late", 5)
+    steps: list[int] = []
+
+    def train_step() -> bool:
+        steps.append(len(steps))
+        if len(steps) == 6:  # the late partner's exchange completes during the sixth step
+            current.try_session("late", 5, max_staleness=0).complete(late)  # type: ignore[union-attr]
+        return True
+
+    current.wait(timeout=0.0, train_step=train_step)  # no idle time at all
+    assert len(steps) == 6 and current.close(wait_for_exchange=0) is late
+
+    alone, taken = round_at(), []
+
+    def borrow_three() -> bool:
+        taken.append(1)
+        return len(taken) <= 3  # the fourth is refused: half of the next phase is borrowed
+
+    alone.wait(timeout=0.01, train_step=borrow_three)
+    assert len(taken) == 4 and alone.stage is Stage.CLOSING and alone.close(wait_for_exchange=0) is None
+
+
 def test_closing_waits_for_the_exchange_in_flight_then_refuses_new_ones() -> None:
     current = round_at()
     session = current.try_session("x", 5, max_staleness=0)
