@@ -19,6 +19,7 @@ from __future__ import annotations
 import contextlib
 import enum
 import threading
+import time
 from collections.abc import Callable, Coroutine
 from concurrent.futures import Future, InvalidStateError
 from concurrent.futures import TimeoutError as FutureTimeout
@@ -101,18 +102,22 @@ class PairingRound:
             with contextlib.suppress(InvalidStateError):  # two threads may get here at once
                 self.waiting_over.set_result(None)
 
-    def wait(self, timeout: float, train_step: Callable[[], bool] | None = None) -> None:
+    def wait(self, timeout: float, train_step: Callable[[], bool] | None = None, at_least: float = 0.0) -> None:
         """Trainer thread: until the round is paired or told to stop waiting; taking inner steps meanwhile while
-        ``train_step`` allows them (at most half of the next phase), then idling ``timeout`` s at most. The steps
-        taken do not count against the timeout: they are the next phase's training, done early, so a partner whose
-        phase ran longer costs this node nothing until it idles (32 tiny members on 2 cores, phases of 40-58 s: 25
-        of 42 reserved partners that were given up on after 10 s, steps included, came 17-24 s after this side's
-        step, and both sides stepped alone)."""
+        ``train_step`` allows them (at most half of the next phase), then idling ``timeout`` s at most, plus
+        whatever of ``at_least`` s the steps did not take. The steps taken do not count against the timeout: they
+        are the next phase's training, done early, so a partner whose phase ran longer costs this node nothing until
+        it idles (32 tiny members on 2 cores, phases of 40-58 s: 25 of 42 reserved partners that were given up on
+        after 10 s, steps included, came 17-24 s after this side's step, and both sides stepped alone). ``at_least``
+        is what those steps would take where none may be taken (a run's last outer step: 5 partners given up on
+        there, 10 solo steps of the same run's 34)."""
+        started = time.monotonic()
         while train_step is not None and not self.waiting_over.done():
             if not train_step():
                 break
+        idle = timeout + max(0.0, at_least - (time.monotonic() - started))
         try:
-            self.waiting_over.result(timeout=timeout)
+            self.waiting_over.result(timeout=idle)
         except FutureTimeout:
             self.stop_waiting()
 
@@ -133,10 +138,11 @@ def run_round(
     current: PairingRound,
     seeker: Coroutine[Any, Any, None],
     train_step: Callable[[], bool] | None,
+    at_least: float = 0.0,
 ) -> Payload | None:
     """Trainer thread: one pairing round from open to close. ``seeker`` calls peers on the event loop while the
     trainer waits (taking ``train_step``s meanwhile) until the round is paired, told to stop, or --pair-timeout of
-    idling (:meth:`PairingRound.wait`);
+    idling after ``at_least`` s (:meth:`PairingRound.wait`);
     an exchange still streaming then finishes, bounded by the exchange ceiling. It streams a held copy, so the
     trainer may go on even if it did not (the partner is then dropped on both sides). Returns the partner."""
     assert ctx.loop is not None
@@ -146,7 +152,7 @@ def run_round(
     # However the search ends (settled, nobody within reach, or an error), the trainer need not wait any longer.
     seeking.add_done_callback(lambda _: current.stop_waiting())
     ctx.telemetry.beat()
-    current.wait(ctx.pair_timeout, train_step)
+    current.wait(ctx.pair_timeout, train_step, at_least)
     ctx.telemetry.beat()
     partner = current.close(wait_for_exchange=ctx.exchange_ceiling + 5)
     seeking.cancel()

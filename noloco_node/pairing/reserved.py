@@ -19,14 +19,14 @@ step's exchange carry (pairing/sync.py, pairing/stream.py).
    round on both). The round payload is made whole with the reservation's (:meth:`ReservedPairing.whole`).
 3. No reservation by the outer step: the node waits --alone-grace for a late one (--pair-timeout while one is in
    flight), and not even that when every peer is further ahead than --max-staleness (a node left behind goes on
-   to catch up). The partner gone or already past this step, no round payload within
-   --pair-timeout, or the reservation spent by an exchange that did not settle (refused, or cut before both sides
-   committed: a reservation completes one round payload): a solo step. A reserved partner that delivered nothing
-   while its record said it was still at the phase (by --pair-timeout), or that had no record in the DHT at all
-   (by PARTNER_MISSING_SECONDS), held this node's phase for nothing: it is set aside (``undelivered``, the doubling
-   avoidance of a refused payload), and no phase is reserved with it meanwhile. The wait itself stays
-   --pair-timeout: an honest partner that reserved early in its phase and late in this node's delivers up to a
-   phase later, while this node trains on.
+   to catch up). The partner gone or already past this step, no round payload within half a phase (training on
+   meanwhile, where steps may be borrowed) and then --pair-timeout of idling, or the reservation spent by an
+   exchange that did not settle (refused, or cut before both sides committed: a reservation completes one round
+   payload): a solo step. A reserved partner that delivered nothing while its record said it was still at the
+   phase, or that had no record in the DHT at all (by PARTNER_MISSING_SECONDS), held this node's phase for
+   nothing: it is set aside (``undelivered``, the doubling avoidance of a refused payload), and no phase is
+   reserved with it meanwhile. The wait itself is not shortened for it: an honest partner that reserved early in
+   its phase and late in this node's delivers up to a phase later, while this node trains on.
 
 Why reserve rather than call whoever's record says ready at the outer step: a record is seconds old when it is
 read, so in a swarm whose phases run at random offsets most ready records name rounds that have closed (`bench
@@ -349,7 +349,8 @@ class ReservedPairing(PairingStrategy):
         seeker = self._exchange_round(current, phase, reserved.peer_id, reserved.outer_step)
         ctx.discovery.follow([reserved.peer_id])  # its record, fresh at every lookup: gone, or gone on without us
         try:
-            partner = run_round(ctx, current, seeker, train_step)
+            # Half a phase, as long as the steps it may borrow meanwhile take, then --pair-timeout idling.
+            partner = run_round(ctx, current, seeker, train_step, at_least=phase_seconds / 2)
         finally:
             ctx.discovery.follow([])
         with self._guard:

@@ -120,6 +120,24 @@ def test_steps_taken_while_waiting_do_not_count_against_the_timeout_only_idling_
     alone.wait(timeout=0.01, train_step=borrow_three)
     assert len(taken) == 4 and alone.stage is Stage.CLOSING and alone.close(wait_for_exchange=0) is None
 
+    # A run's last outer step borrows nothing: it idles the time the steps would have taken (at_least), then the
+    # timeout. Its partner settles from another thread once the wait is under way.
+    last, arriving, under_way = round_at(), payload("late", 5), threading.Event()
+
+    def nothing_to_borrow() -> bool:
+        under_way.set()
+        return False
+
+    def partner_arrives() -> None:
+        under_way.wait(10)
+        last.try_session("late", 5, max_staleness=0).complete(arriving)  # type: ignore[union-attr]
+
+    arrival = threading.Thread(target=partner_arrives)
+    arrival.start()
+    last.wait(timeout=0.0, train_step=nothing_to_borrow, at_least=60.0)
+    arrival.join(10)
+    assert last.stage is Stage.PAIRED and last.close(wait_for_exchange=0) is arriving
+
 
 def test_closing_waits_for_the_exchange_in_flight_then_refuses_new_ones() -> None:
     current = round_at()
