@@ -162,8 +162,9 @@ class NodeConfig(StrictSettings):
     pair_timeout: float = Field(
         10.0,
         gt=0,
-        description="sync and stream: longest wait for the reserved partner's payload (or for a reservation in "
-        "flight) before a solo step (s); inner steps taken meanwhile (--train-while-waiting) do not count.",
+        description="sync and stream: how long a node waits for its reserved partner's payload past half a phase or "
+        "the inner steps it borrows meanwhile (--train-while-waiting), whichever take longer, before a solo step; "
+        "also the longest wait for a reservation in flight when none was made during the phase (s).",
     )
     alone_grace: float = Field(
         1.0,
