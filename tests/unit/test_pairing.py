@@ -20,7 +20,7 @@ from noloco_node.discovery.dht import PeerRecord
 from noloco_node.pairing.overlap import OfferBook, OverlapPairing
 from noloco_node.pairing.pairing_round import PairingRound, Stage
 from noloco_node.pairing.peer_policy import UNDELIVERED, PeerPolicy
-from noloco_node.pairing.reserved import MEET_WINDOW, RepeatGrace
+from noloco_node.pairing.reserved import RepeatGrace, meeting_window
 from noloco_node.pairing.strategy import OfferPublisher
 from noloco_node.pairing.stream import StreamPairing, compressed_partner
 from noloco_node.pairing.sync import SyncPairing
@@ -440,20 +440,22 @@ def meeting(peer: str, step: int, seconds_to_step: float) -> Payload:
 
 def test_sync_reserves_a_peer_whose_outer_step_is_due_within_the_meeting_window_and_blends_its_weights() -> None:
     """A sync phase is reserved by the first meeting both sides commit; the server holds the caller's due time to
-    the window (MEET_WINDOW of --pair-timeout), an unknown one on either side meets anyone; the weights at the
-    outer step come only from the reserved peer, once, of the reserved step."""
+    the window (0.7 of half a phase and --pair-timeout: what the first there waits), an unknown one on either side
+    meets anyone; the weights at the outer step come only from the reserved peer, once, of the reserved step."""
     strategy = sync_pairing(pair_timeout=10.0)
     strategy._phase_seconds = 30.0  # the last phase: this one's outer step is due in about 30 s
+    window = meeting_window(10.0, 30.0)
+    assert window == pytest.approx(0.7 * (10.0 + 15.0)) and meeting_window(10.0, None) == pytest.approx(7.0)
     strategy._begin_phase([], [], 4)
     assert strategy.ready()
     offer = strategy._phase.offer  # type: ignore[union-attr]
     assert [spec.name for spec in offer.manifest.tensors] == [MEET_DUE] and 29 < float(offer.tensors[0][0]) <= 30
     late = strategy.open_session("late", 4, "meet")
-    assert late is not None and not late.complete(meeting("late", 4, 30 + MEET_WINDOW * 10 + 1))  # due too late
+    assert late is not None and not late.complete(meeting("late", 4, 30 + window + 1))  # due too late
     late.release()
     assert strategy.ready() and strategy.open_session("any", 4, "weights") is None  # no round before the step
     near = strategy.open_session("near", 4, "meet")
-    assert near is not None and near.complete(meeting("near", 4, 30 - MEET_WINDOW * 10 + 1))
+    assert near is not None and near.complete(meeting("near", 4, 30 - window + 1))
     near.release()
     assert not strategy.ready() and strategy.open_session("other", 4, "meet") is None  # reserved
 
@@ -485,7 +487,7 @@ def test_a_sync_node_says_when_its_step_is_due_and_asks_only_peers_due_near_it()
     assert strategy.next_step_at() == 0.0  # its first phase: not measured yet
     strategy._phase_seconds = 30.0
     strategy._begin_phase([], [], 5)
-    phase, now, window = strategy._phase, get_dht_time(), MEET_WINDOW * 10.0
+    phase, now, window = strategy._phase, get_dht_time(), meeting_window(10.0, 30.0)
     assert phase is not None and now + 29 < strategy.next_step_at() <= now + 31
 
     def record(peer: str, due: float) -> PeerRecord:
