@@ -277,11 +277,11 @@ class NormGuard:
             if self.fixed is not None or not self._tensor_per_lr:
                 return None
             partner_lr = self._partner_lr
+            per_lr_by_tensor = zip(*self._tensor_per_lr, strict=True)
+            moved_by_tensor = zip(*self._tensor_moved, strict=True)
             movements = [
                 max(max(per_lr) * partner_lr, max(moved))
-                for per_lr, moved in zip(
-                    zip(*self._tensor_per_lr, strict=True), zip(*self._tensor_moved, strict=True), strict=True
-                )
+                for per_lr, moved in zip(per_lr_by_tensor, moved_by_tensor, strict=True)
             ]
         return [TENSOR_SLACK * max(bound, self.factor * movement * widen) for movement in movements]
 

@@ -135,8 +135,11 @@ def test_steps_taken_while_waiting_do_not_count_against_the_timeout_only_idling_
     arrival = threading.Thread(target=partner_arrives)
     arrival.start()
     last.wait(timeout=0.0, train_step=nothing_to_borrow, at_least=60.0)
+    # Read before the arrival is joined: a round that stopped waiting is CLOSING, and would still take the exchange
+    # completing after it (paired then), so only the stage as the wait returns tells whether it waited.
+    stage_when_the_wait_returned = last.stage
     arrival.join(10)
-    assert last.stage is Stage.PAIRED and last.close(wait_for_exchange=0) is arriving
+    assert stage_when_the_wait_returned is Stage.PAIRED and last.close(wait_for_exchange=0) is arriving
 
 
 def test_closing_waits_for_the_exchange_in_flight_then_refuses_new_ones() -> None:
