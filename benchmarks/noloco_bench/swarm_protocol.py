@@ -28,9 +28,11 @@ model: a member is its outer-step counter. What is emulated around them follows 
 - **Draw, then meet** (``pairing="reserve"``), the node's rule in sync and stream mode (pairing/reserved.py): from the
   start of its phase a member asks the candidates within reach, in ``Standing.order`` (records saying they are still
   looking first), to meet at both members' next outer steps; yes from a member that is not reserved, within reach, due
-  within ``MEET_WINDOW`` of --pair-timeout of the asker (its record's ``next_step_at`` hints at it; the ask says it),
-  not a recent partner inside the repeat grace, and let in by ``Standing.may_serve``. The two exchange when both are
-  at their steps (the first there waits, up to --pair-timeout); one still unreserved at its step keeps asking. The
+  within the node's ``meeting_window`` of the asker (0.7 of half a phase plus --pair-timeout; its record's
+  ``next_step_at`` hints at it; the ask says it), not a recent partner inside the repeat grace, and let in by
+  ``Standing.may_serve``. The two exchange when both are at their steps (the first there waits half its phase, the
+  next phase's inner steps borrowed meanwhile, then --pair-timeout); one still unreserved at its step keeps asking
+  as long. The
   node asks only records that say they are still looking, and skips those due outside the window, as here.
 - **Partners** (``partners``): the node's ``Standing`` (``known``: a record seen for --standing-seconds, a group
   held to its fair share, one blend in G outer steps), or ``EstablishedGroupsStanding`` (``established``, the node's
@@ -73,7 +75,7 @@ from noloco_node.discovery.view import RecordView
 from noloco_node.node.outer_step import BEHIND_STEPS
 from noloco_node.observability.ledger import connected_groups
 from noloco_node.pairing.peer_policy import PeerPolicy
-from noloco_node.pairing.reserved import MEET_WINDOW, RepeatGrace
+from noloco_node.pairing.reserved import RepeatGrace, meeting_window
 from noloco_node.pairing.standing import Standing
 
 ENTRY_BYTES = 1005  # per record per answering DHT peer (measured, issue 43: RSA-2048 owner subkeys, signatures)
@@ -363,12 +365,27 @@ class Member:
             self.counts.rounds += 1
         self.publish()
         number = self.round
-        clock.after(settings.pair_timeout, lambda: self._timeout(number))
+        clock.after(self._wait_seconds(), lambda: self._timeout(number))
         if self._reserving():
             if not self._meet() and self.reserved is None:
                 self._draw(self.phase)
             return
         clock.after(self.rng.uniform(0.05, 0.25), lambda: self._seek(number, clock.now + settings.alone_grace))
+
+    def _wait_seconds(self) -> float:
+        """How long an open round waits for a partner: --pair-timeout; under draw, then meet half a phase first, as
+        the node's reserved rounds do (pairing_round.py ``PairingRound.wait``: the inner steps borrowed meanwhile are
+        the next phase's, which ``next_round_at`` counts from the round's opening)."""
+        settings = self.swarm.settings
+        if self._reserving():
+            return settings.phase_seconds * self.slowdown / 2 + settings.pair_timeout
+        return settings.pair_timeout
+
+    def _window(self) -> float:
+        """How far apart two members' outer steps may be due for them to reserve each other (the node's
+        ``meeting_window``, from this member's phase)."""
+        settings = self.swarm.settings
+        return meeting_window(settings.pair_timeout, settings.phase_seconds * self.slowdown)
 
     def _timeout(self, number: int) -> None:
         if self.round == number and self.round_open and not self.busy:
@@ -498,7 +515,7 @@ class Member:
             self._close(None)
             return
         if self._order_at != (self._candidates_at, phase):  # once per lookup and phase, not once per ask
-            window = MEET_WINDOW * settings.pair_timeout
+            window = self._window()
             due = [r for r in self._near if abs(r.next_step_at - self._due()) <= window]
             # Those whose records say they are still looking first: a member reserved early in its phase stays so
             looking = self.standing.order([r for r in due if r.ready], self.last_paired)
@@ -551,15 +568,15 @@ class Member:
         clock.after(self.swarm.round_trip(self, callee), answered)
 
     def _after_draw(self, phase: int) -> None:
-        if self.round_open and self.swarm.clock.now >= self.round_opened + self.swarm.settings.pair_timeout:
+        if self.round_open and self.swarm.clock.now >= self.round_opened + self._wait_seconds():
             self._close(None)
         else:
             self._draw(phase)
 
     def takes_reservation_from(self, caller: Member) -> bool:
         """A request to meet at both members' next outer steps: taken when this member is free and unreserved, the
-        caller within reach, both due within ``MEET_WINDOW`` of --pair-timeout of each other, not a repeat inside
-        the grace, and served by standing (which then spends a stranger turn if it needs one)."""
+        caller within reach, both due within the meeting window of each other, not a repeat inside the grace, and
+        served by standing (which then spends a stranger turn if it needs one)."""
         settings = self.swarm.settings
         if not self.alive or self.busy or self.reserved is not None or caller.outer_step is None:
             return False
@@ -570,9 +587,9 @@ class Member:
         if abs(caller.outer_step - self.outer_step) > settings.max_staleness:
             return False
         due = self._due() if caller.hostile else caller._due()  # a hostile key says whatever suits
-        if abs(due - self._due()) > MEET_WINDOW * settings.pair_timeout:
+        if abs(due - self._due()) > self._window():
             return False
-        if self.round_open and self.swarm.clock.now >= self.round_opened + settings.pair_timeout:
+        if self.round_open and self.swarm.clock.now >= self.round_opened + self._wait_seconds():
             return False
         return self._lets_in(caller)
 
@@ -726,15 +743,22 @@ class Swarm:
     def measured(self, moment: float) -> bool:
         """Whether a round opened (or bytes moved) at ``moment`` counts: after the warm-up, and early enough that
         its round has settled before the end."""
+        return self.settings.warmup <= moment <= self.measured_until
+
+    @property
+    def measured_until(self) -> float:
+        """The last moment a round may open and still settle before the end: the longest wait (half the slowest
+        phase, then --pair-timeout, under draw, then meet; the same window for every pairing rule, so that their
+        counts compare), an exchange and 2 s."""
         settings = self.settings
-        return settings.warmup <= moment <= settings.seconds - settings.pair_timeout - settings.exchange_seconds - 2
+        wait = settings.phase_seconds * max(1.0, settings.straggler_slowdown) / 2 + settings.pair_timeout
+        return settings.seconds - wait - settings.exchange_seconds - 2
 
     def late(self, moment: float) -> bool:
         """Whether a round opened at ``moment`` is in the last third of the measured window: where the hostile share
         has left the first G-step windows behind."""
-        settings = self.settings
-        end = settings.seconds - settings.pair_timeout - settings.exchange_seconds - 2
-        return moment >= end - (end - settings.warmup) / 3
+        end = self.measured_until
+        return moment >= end - (end - self.settings.warmup) / 3
 
     def round_trip(self, a: Member, b: Member | None) -> float:
         return 2 * (self._latency[a.peer_id] + (self._latency[b.peer_id] if b is not None else 0.1))
@@ -798,7 +822,7 @@ class Swarm:
         late = sum(m.counts.late_blends for m in honest)
         late_hostile = sum(m.counts.late_hostile_blends for m in honest)
         found = sorted(s for m in honest for s in m.counts.found_seconds)
-        window = settings.seconds - settings.pair_timeout - settings.exchange_seconds - 2 - settings.warmup
+        window = self.measured_until - settings.warmup
         joiners = [m.counts.first_blend_after for m in honest if m.started > 0]
         rates = sorted(m.counts.blends / m.counts.rounds for m in staying if m.counts.rounds >= 5)
         levels = [m.size.level for m in staying]
