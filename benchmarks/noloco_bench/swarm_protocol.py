@@ -63,6 +63,7 @@ import math
 import random
 import statistics
 import time
+from collections import Counter
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
@@ -86,6 +87,7 @@ LOOKUP_EVERY = 1.0  # a member's lookups (pairing loop and status watch share on
 CONNECT_FAIL_SECONDS = 1.0  # a call to a member that is gone fails after this
 HOSTILE_CALL_EVERY = 0.5  # a hostile key calls one ready honest member this often
 HOSTILE_VIEW_EVERY = 4.0  # a hostile key rereads its view (the front and the ready members) this often
+CLAIM_SECONDS = 1.0  # a claim stored in the DHT is read by others this long after it was made
 FINGERPRINT = "protocol"
 
 
@@ -109,7 +111,8 @@ class ProtocolSettings:
     standing_seconds: float = 120.0
     stranger_share: float = 0.1
     avoid_seconds: float = 30.0
-    pairing: str = "reserve"  # "reserve": draw, then meet (the node's); "ready": calls to records flagged ready
+    pairing: str = "reserve"  # "reserve": draw, then meet (the node's); "ready": calls to records flagged ready;
+    # "claimed": draw, then meet, each group's outer step claimed by one partner (a candidate, Swarm.claim)
     partners: str = "known"  # "known": the node's Standing; "established": EstablishedGroupsStanding
     seed: int = 0
 
@@ -125,7 +128,7 @@ class EstablishedGroupsStanding(Standing):
 
 
 STANDINGS: dict[str, type[Standing]] = {"known": Standing, "established": EstablishedGroupsStanding}
-PAIRINGS = ("ready", "reserve")
+PAIRINGS = ("ready", "reserve", "claimed")
 
 
 class Clock:
@@ -226,6 +229,8 @@ class Member:
         self.repeat = RepeatGrace()  # recent partners wait their turn, as in the node
         self.next_round_at = 0.0  # when the next round opens (draw, then meet: a member's own estimate, told)
         self.reserved: str | None = None  # draw, then meet: the partner this member meets at its next round
+        self._claim: tuple[str, int] | None = None  # "claimed": the partner's slot this member's reservation holds
+        self._claim_settles = 0.0  # "claimed": when this member has read its claim back (no meeting before)
         self.phase = 0  # phases begun: a draw belongs to one
         self._tried: set[str] = set()  # draw, then meet: asked in this pass over the candidates, and refused
         self.counts = MemberCounts()
@@ -323,11 +328,12 @@ class Member:
         self._begin_phase()
 
     def _reserving(self) -> bool:
-        return self.swarm.settings.pairing == "reserve"
+        return self.swarm.settings.pairing in ("reserve", "claimed")
 
     def _begin_phase(self) -> None:
         self.phase += 1
         self.reserved = None
+        self._release_claim()
         self._tried.clear()
         if self._reserving():
             self.publish()  # looking again
@@ -552,12 +558,14 @@ class Member:
             self.standing.heard_from(peer.peer_id)
             if self.reserved is not None:  # reserved by a peer's ask meanwhile: this one is withdrawn
                 return
-            if self.phase == phase and callee.takes_reservation_from(self):
+            if self.phase == phase and not self.swarm.slot_taken(callee, self) and callee.takes_reservation_from(self):
                 self.standing.spend_stranger_turn(peer.peer_id)
                 self.reserved = callee.peer_id
+                self.swarm.claim(callee, self)
                 self.publish()
                 if not callee.hostile:
                     callee.reserved = self.peer_id
+                    self.swarm.claim(self, callee)
                     callee.publish()
                 if not self._meet() and callee.round_open and not callee.hostile:
                     callee._meet()
@@ -587,7 +595,7 @@ class Member:
         if abs(caller.outer_step - self.outer_step) > settings.max_staleness:
             return False
         due = self._due() if caller.hostile else caller._due()  # a hostile key says whatever suits
-        if abs(due - self._due()) > self._window():
+        if abs(due - self._due()) > self._window() or self.swarm.slot_taken(caller, self):
             return False
         if self.round_open and self.swarm.clock.now >= self.round_opened + self._wait_seconds():
             return False
@@ -601,11 +609,33 @@ class Member:
         partner = self.swarm.members.get(self.reserved)
         if partner is None or not partner.alive or (not partner.hostile and partner.reserved != self.peer_id):
             self.reserved = None
+            self._release_claim()
             return False
+        if max(self._claim_settles, partner._claim_settles) > self.swarm.clock.now:
+            return False  # a claim not read back yet: its read-back meets
         if partner.hostile or (partner.round_open and not partner.busy):
             self.swarm.exchange(self, partner, self.swarm.round_trip(self, partner))
             return True
         return False
+
+    def _release_claim(self) -> None:
+        """A reservation dropped without its exchange gives the partner's slot back ("claimed")."""
+        if self._claim is not None:
+            self.swarm.release(self._claim, self.peer_id)
+            self._claim = None
+
+    def lose_claim(self, slot: tuple[str, int]) -> None:
+        """Another member's claim on the slot this member's reservation holds won ("claimed": each read its claim
+        back): the reservation is dropped, and the member draws again."""
+        if self._claim != slot or self.reserved is None or self.busy:
+            return
+        self.reserved = None
+        self._release_claim()
+        self.publish()
+        if self.round_open:
+            self._after_draw(self.phase)
+        else:
+            self._draw(self.phase)
 
     def _may_pair_with(self, peer_id: str) -> bool:
         return self.repeat.allows(peer_id, self.swarm.clock.now)
@@ -637,9 +667,12 @@ class Member:
         self.busy = False
         if self.hostile:
             return
+        self._claim = None  # blended: the slot stays claimed
         assert self.outer_step is not None
         self.last_paired[partner.peer_id] = self.outer_step
         self.standing.blended(partner.peer_id, self.outer_step)
+        if partner.hostile:
+            self.swarm.hostile_group_blends[(partner.record().network_group, self.outer_step)] += 1
         self.policy.succeeded(partner.peer_id, seconds)
         if self.swarm.measured(self.round_opened):
             self.counts.blends += 1
@@ -683,6 +716,7 @@ class Member:
             if self._reserving():
                 if callee is not None and callee.takes_reservation_from(self):
                     callee.reserved = self.peer_id
+                    self.swarm.claim(self, callee)
                     callee.publish()
                     callee._meet()
             elif callee is not None and callee.takes_call_from(self):
@@ -708,6 +742,65 @@ class Swarm:
         self.late_pairs: list[tuple[str, str]] = []
         self._latency: dict[str, float] = {}
         self._hosts = itertools.count(1)
+        # "claimed": each (network group, outer step) slot's claims, (made at, rank, claimant)
+        self.claims: dict[tuple[str, int], list[tuple[float, float, str]]] = {}
+        # Honest members' blends with each hostile group, by the members' outer step: what "claimed" bounds to one
+        self.hostile_group_blends: Counter[tuple[str, int]] = Counter()
+
+    # ------------------------------------------------------------------------------------------- claims (a candidate)
+
+    def _slot(self, partner: Member, claimant: Member) -> tuple[str, int]:
+        """The slot a reservation with ``partner`` takes: its network group at the outer step the meeting is at (a
+        hostile key says the claimant's own, whatever suits it)."""
+        step = claimant.outer_step if partner.hostile else partner.outer_step
+        return partner.record().network_group, step or 0
+
+    def slot_taken(self, partner: Member, claimant: Member) -> bool:
+        """Whether another member's claim on ``partner``'s slot is there to read: with ``pairing="claimed"`` a
+        group meets one partner per outer step (another group's; its own members pair among themselves freely), and
+        a member reads the partner's slot before it reserves."""
+        if self.settings.pairing != "claimed" or claimant.hostile:
+            return False
+        if partner.record().network_group == claimant.record().network_group:
+            return False
+        visible = self.clock.now - CLAIM_SECONDS
+        return any(
+            made <= visible and who != claimant.peer_id
+            for made, _, who in self.claims.get(self._slot(partner, claimant), [])
+        )
+
+    def claim(self, partner: Member, claimant: Member) -> None:
+        """An honest member that reserved ``partner`` stores its claim on the partner's slot (signed by both: the
+        meeting's receipt), then reads the slot back once every claim made meanwhile is there: of claims made
+        within CLAIM_SECONDS of each other the lowest rank (a hash of the claim, which nobody chooses) keeps the
+        slot, and the others drop their reservations."""
+        if self.settings.pairing != "claimed" or claimant.hostile:
+            return
+        if partner.record().network_group == claimant.record().network_group:
+            return
+        slot = self._slot(partner, claimant)
+        mine = (self.clock.now, self.rng.random(), claimant.peer_id)
+        self.claims.setdefault(slot, []).append(mine)
+        claimant._claim = slot
+        claimant._claim_settles = self.clock.now + 2 * CLAIM_SECONDS
+
+        def read_back() -> None:
+            rivals = [
+                c for c in self.claims.get(slot, []) if c[2] != claimant.peer_id and c[0] <= mine[0] + CLAIM_SECONDS
+            ]
+            if any(rank < mine[1] for _, rank, _ in rivals):
+                claimant.lose_claim(slot)
+            elif claimant._claim == slot and claimant.round_open:
+                claimant._meet()
+
+        self.clock.after(2 * CLAIM_SECONDS, read_back)
+
+    def release(self, slot: tuple[str, int], claimant: str) -> None:
+        kept = [c for c in self.claims.get(slot, []) if c[2] != claimant]
+        if kept:
+            self.claims[slot] = kept
+        else:
+            self.claims.pop(slot, None)
 
     def _address(self) -> str:
         """A public address of a /24 of its own (addresses.network_group): 11.0.0.1, 11.0.1.1, ..."""
@@ -842,6 +935,7 @@ class Swarm:
             "lowest_member_rate": rates[0] if rates else None,
             "hostile_share_of_blends": hostile_blends / blends if blends else 0.0,
             "hostile_share_of_late_blends": late_hostile / late if late else 0.0,
+            "most_blends_of_a_hostile_group_at_one_step": max(self.hostile_group_blends.values(), default=0),
             "clock_moves": sum(m.counts.clock_moves for m in honest),
             "catch_ups": sum(m.counts.catch_ups for m in honest),
             "found_partner_median_s": statistics.median(found) if found else None,
@@ -917,7 +1011,9 @@ def _line(r: dict[str, Any]) -> str:
         f"on {r['hostile_hosts']} hosts): blends "
         f"{r['blend_rate']:.1%} of {r['rounds']} outer steps (target >= 95%; members under 90%: "
         f"{r['members_below_90_percent']}), hostile keys' share of blends {r['hostile_share_of_blends']:.1%} "
-        f"(last third {r['hostile_share_of_late_blends']:.1%}; hosts {r['hostile_host_share']:.1%}), partner found "
+        f"(last third {r['hostile_share_of_late_blends']:.1%}; hosts {r['hostile_host_share']:.1%}; a hostile group "
+        f"blended with at most {r['most_blends_of_a_hostile_group_at_one_step']} honest members at one outer step), "
+        "partner found "
         f"after {found if found is None else round(found, 2)} s "
         f"median, discovery {r['discovery_bytes_per_member_s'] / 1000:.1f} KB/s per member, level "
         f"{r['level_median']}, estimate {r['estimate_median'] and round(r['estimate_median'])}, "

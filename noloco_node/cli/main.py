@@ -8,6 +8,7 @@ bad value is reported by the pydantic model with the field's name and nothing ru
 from __future__ import annotations
 
 import argparse
+import faulthandler
 import os
 import sys
 from collections.abc import Mapping, Sequence
@@ -456,6 +457,10 @@ def _bootstrap(args: argparse.Namespace) -> int:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    # A crash in native code (torch, grpc) then leaves every thread's Python stack in the log: a member of a
+    # 32-member local swarm died of SIGSEGV on its way out, and its log said nothing.
+    if sys.__stderr__ is not None:  # the process's own stderr (a test may have replaced sys.stderr)
+        faulthandler.enable(sys.__stderr__)
     parser = build_parser()
     args = parser.parse_args(argv)
     configure_logging(args.log_level, args.log_format)

@@ -62,3 +62,16 @@ def test_the_late_blends_groups_say_whether_the_swarm_mixes_as_one() -> None:
     assert _groups(members, [("a", "b"), ("b", "c"), ("d", "e"), ("e", "d")]) == [3, 2]  # two separate swarms
     assert _groups(members, [("a", "b"), ("c", "d"), ("b", "c"), ("x", "a")]) == [4, 1]  # a gone member joins none
     assert _groups(members, [("a", "b"), ("b", "c"), ("c", "d"), ("d", "e")]) == [5]
+
+
+def test_claimed_slots_hold_an_always_ready_group_to_one_honest_partner_an_outer_step() -> None:
+    """The "claimed" candidate: a member that reserves another group's member claims that group's outer step in the
+    DHT and reads it back; a claim already there is a no. Always-ready hosts then meet one honest member an outer
+    step each, where under the node's rule they meet a dozen and take most of a short run's blends."""
+    settings = ProtocolSettings(members=60, seconds=240.0, warmup=90.0, hostile_share=0.1, churn_per_hour=0.0)
+    node_rule, claimed = run(settings), run(replace(settings, pairing="claimed"))
+    assert node_rule["most_blends_of_a_hostile_group_at_one_step"] > 5, node_rule
+    assert node_rule["hostile_share_of_blends"] > 0.5, node_rule
+    assert claimed["most_blends_of_a_hostile_group_at_one_step"] == 1, claimed
+    assert claimed["hostile_share_of_blends"] < 0.2, claimed  # hosts: 10.4%
+    assert claimed["blend_rate"] >= 0.95 and claimed["members_below_90_percent"] == 0, claimed
