@@ -152,8 +152,9 @@ def add_bench_parsers(commands: Any) -> None:
         "--pairing",
         default="reserve,ready",
         help="how members pair, a run of each, comma-separated: reserve (draw, then meet, the node's rule: a partner "
-        "asked during the phase, met at both outer steps) or ready (sync mode's rule before: calls at the outer step "
-        "to records flagged ready)",
+        "asked during the phase, met at both outer steps), ready (sync mode's rule before: calls at the outer step "
+        "to records flagged ready) or claimed (a candidate: reserve, a network group meeting one partner from outside "
+        "it per outer step, claimed in the DHT)",
     )
     protocol.add_argument(
         "--partners",

@@ -34,6 +34,11 @@ model: a member is its outer-step counter. What is emulated around them follows 
   next phase's inner steps borrowed meanwhile, then --pair-timeout); one still unreserved at its step keeps asking
   as long. The
   node asks only records that say they are still looking, and skips those due outside the window, as here.
+- **Claimed slots** (``pairing="claimed"``, a candidate, not the node's rule): draw, then meet, and a member that
+  reserves a member of another network group claims that group's slot, (group, the meeting's outer step), in the
+  DHT; a claim by another member already readable there (CLAIM_SECONDS after it was made) is a no, and each
+  claimant reads its claim back before meeting: of claims made meanwhile the lowest rank keeps the slot
+  (``Swarm.claim``). A hostile key's slot is at the outer step of the member it meets.
 - **Partners** (``partners``): the node's ``Standing`` (``known``: a record seen for --standing-seconds, a group
   held to its fair share, one blend in G outer steps), or ``EstablishedGroupsStanding`` (``established``, the node's
   line before 2026-11-29: a record seen for --standing-seconds and a blend). A call answered, and a call in, tell
