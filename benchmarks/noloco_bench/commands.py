@@ -154,7 +154,7 @@ def add_bench_parsers(commands: Any) -> None:
         help="how members pair, a run of each, comma-separated: reserve (draw, then meet, the node's rule: a partner "
         "asked during the phase, met at both outer steps), ready (sync mode's rule before: calls at the outer step "
         "to records flagged ready) or claimed (a candidate: reserve, a network group meeting one partner from outside "
-        "it per outer step, claimed in the DHT)",
+        "it per outer step, claimed in the DHT) or claimed-key (the same per key)",
     )
     protocol.add_argument(
         "--partners",

@@ -38,7 +38,9 @@ model: a member is its outer-step counter. What is emulated around them follows 
   reserves a member of another network group claims that group's slot, (group, the meeting's outer step), in the
   DHT; a claim by another member already readable there (CLAIM_SECONDS after it was made) is a no, and each
   claimant reads its claim back before meeting: of claims made meanwhile the lowest rank keeps the slot
-  (``Swarm.claim``). A hostile key's slot is at the outer step of the member it meets.
+  (``Swarm.claim``). A hostile key's slot is at the outer step of the member it meets. With
+  ``pairing="claimed-key"`` the slot is the partner's key's instead of its group's: what a node could check (a
+  claim is then a receipt the key signed itself; a group's claim rests on an address that is the claimant's word).
 - **Partners** (``partners``): the node's ``Standing`` (``known``: a record seen for --standing-seconds, a group
   held to its fair share, one blend in G outer steps), or ``EstablishedGroupsStanding`` (``established``, the node's
   line before 2026-11-29: a record seen for --standing-seconds and a blend). A call answered, and a call in, tell
@@ -117,7 +119,8 @@ class ProtocolSettings:
     stranger_share: float = 0.1
     avoid_seconds: float = 30.0
     pairing: str = "reserve"  # "reserve": draw, then meet (the node's); "ready": calls to records flagged ready;
-    # "claimed": draw, then meet, each group's outer step claimed by one partner (a candidate, Swarm.claim)
+    # "claimed": draw, then meet, each group's outer step claimed by one partner (a candidate, Swarm.claim);
+    # "claimed-key": the same, each key's outer step (what a node can check: a claim is a receipt the key signed)
     partners: str = "known"  # "known": the node's Standing; "established": EstablishedGroupsStanding
     seed: int = 0
 
@@ -133,7 +136,8 @@ class EstablishedGroupsStanding(Standing):
 
 
 STANDINGS: dict[str, type[Standing]] = {"known": Standing, "established": EstablishedGroupsStanding}
-PAIRINGS = ("ready", "reserve", "claimed")
+PAIRINGS = ("ready", "reserve", "claimed", "claimed-key")
+CLAIMING = ("claimed", "claimed-key")
 
 
 class Clock:
@@ -333,7 +337,7 @@ class Member:
         self._begin_phase()
 
     def _reserving(self) -> bool:
-        return self.swarm.settings.pairing in ("reserve", "claimed")
+        return self.swarm.settings.pairing in ("reserve", *CLAIMING)
 
     def _begin_phase(self) -> None:
         self.phase += 1
@@ -755,16 +759,17 @@ class Swarm:
     # ------------------------------------------------------------------------------------------- claims (a candidate)
 
     def _slot(self, partner: Member, claimant: Member) -> tuple[str, int]:
-        """The slot a reservation with ``partner`` takes: its network group at the outer step the meeting is at (a
-        hostile key says the claimant's own, whatever suits it)."""
+        """The slot a reservation with ``partner`` takes: its network group ("claimed"; its key with "claimed-key") at
+        the outer step the meeting is at (a hostile key says the claimant's own, whatever suits it)."""
         step = claimant.outer_step if partner.hostile else partner.outer_step
-        return partner.record().network_group, step or 0
+        owner = partner.peer_id if self.settings.pairing == "claimed-key" else partner.record().network_group
+        return owner, step or 0
 
     def slot_taken(self, partner: Member, claimant: Member) -> bool:
         """Whether another member's claim on ``partner``'s slot is there to read: with ``pairing="claimed"`` a
         group meets one partner per outer step (another group's; its own members pair among themselves freely), and
         a member reads the partner's slot before it reserves."""
-        if self.settings.pairing != "claimed" or claimant.hostile:
+        if self.settings.pairing not in CLAIMING or claimant.hostile:
             return False
         if partner.record().network_group == claimant.record().network_group:
             return False
@@ -779,7 +784,7 @@ class Swarm:
         meeting's receipt), then reads the slot back once every claim made meanwhile is there: of claims made
         within CLAIM_SECONDS of each other the lowest rank (a hash of the claim, which nobody chooses) keeps the
         slot, and the others drop their reservations."""
-        if self.settings.pairing != "claimed" or claimant.hostile:
+        if self.settings.pairing not in CLAIMING or claimant.hostile:
             return
         if partner.record().network_group == claimant.record().network_group:
             return
