@@ -56,7 +56,8 @@ model: a member is its outer-step counter. What is emulated around them follows 
 
 Measured over the rounds that open after ``warmup`` seconds, for the honest members: blends per outer step taken,
 the share of those blends with a hostile key (and in the window's last third), the seconds from a round's opening to
-its exchange, discovery bytes per member per second, the members' level and size estimate. ``run`` returns them;
+its exchange, discovery bytes per member per second, the members' level and size estimate; over the whole run, the
+most honest members one hostile group blended with at one outer step. ``run`` returns them;
 ``--members``, ``--hostile-shares``, ``--pairing`` and ``--partners`` run one swarm per combination, each with the
 same seed.
 """
