@@ -783,8 +783,8 @@ class Swarm:
     def claim(self, partner: Member, claimant: Member) -> None:
         """An honest member that reserved ``partner`` stores its claim on the partner's slot (signed by both: the
         meeting's receipt), then reads the slot back once every claim made meanwhile is there: of claims made
-        within CLAIM_SECONDS of each other the lowest rank (a hash of the claim, which nobody chooses) keeps the
-        slot, and the others drop their reservations."""
+        within CLAIM_SECONDS of each other the lowest rank (drawn here; in a node a hash of the claim, which nobody
+        chooses) keeps the slot, and the others drop their reservations."""
         if self.settings.pairing not in CLAIMING or claimant.hostile:
             return
         if partner.record().network_group == claimant.record().network_group:

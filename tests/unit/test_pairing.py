@@ -148,7 +148,7 @@ def test_closing_waits_for_the_exchange_in_flight_then_refuses_new_ones() -> Non
     assert session is not None
 
     def finish_later() -> None:
-        time.sleep(0.3)
+        current.waiting_over.result(timeout=10)  # close() has begun: it stops the waiting before it waits
         session.complete(payload("late", 5))
         session.release()
 
