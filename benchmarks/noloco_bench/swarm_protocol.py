@@ -56,8 +56,9 @@ model: a member is its outer-step counter. What is emulated around them follows 
 
 Measured over the rounds that open after ``warmup`` seconds, for the honest members: blends per outer step taken,
 the share of those blends with a hostile key (and in the window's last third), the seconds from a round's opening to
-its exchange, discovery bytes per member per second, the members' level and size estimate; over the whole run, the
-most honest members one hostile group blended with at one outer step. ``run`` returns them;
+its exchange, discovery bytes per member per second, the members' level and size estimate, the honest members still
+looking for a partner at a moment (the free partners an ask can find; a hostile key always is); over the whole run,
+the most honest members one hostile group blended with at one outer step. ``run`` returns them;
 ``--members``, ``--hostile-shares``, ``--pairing`` and ``--partners`` run one swarm per combination, each with the
 same seed.
 """
@@ -95,6 +96,7 @@ LOOKUP_EVERY = 1.0  # a member's lookups (pairing loop and status watch share on
 CONNECT_FAIL_SECONDS = 1.0  # a call to a member that is gone fails after this
 HOSTILE_CALL_EVERY = 0.5  # a hostile key calls one ready honest member this often
 HOSTILE_VIEW_EVERY = 4.0  # a hostile key rereads its view (the front and the ready members) this often
+LOOKING_SAMPLE_SECONDS = 1.0  # how often the honest members still looking are counted
 CLAIM_SECONDS = 1.0  # a claim stored in the DHT is read by others this long after it was made
 FINGERPRINT = "protocol"
 
@@ -262,11 +264,18 @@ class Member:
             address=self.address,
             run_fingerprint=FINGERPRINT,
             outer_step=self.outer_step or 0,
-            ready=(self.reserved is None and self.outer_step is not None) if self._reserving() else self.round_open,
+            ready=self.looking(),
             updated=self.swarm.clock.now,
             partners=self.standing.recent_partners(),
             next_step_at=self._advertised_due(),
         )
+
+    def looking(self) -> bool:
+        """What the record's ``ready`` says: still looking for this phase's partner (draw, then meet), or the round
+        open (ready)."""
+        if self._reserving():
+            return self.reserved is None and self.outer_step is not None
+        return self.round_open
 
     def _advertised_due(self) -> float:
         """When this member says its next outer step is due; a hostile key says what most of its view says."""
@@ -756,6 +765,9 @@ class Swarm:
         self.claims: dict[tuple[str, int], list[tuple[float, float, str]]] = {}
         # Honest members' blends with each hostile group, by the members' outer step: what "claimed" bounds to one
         self.hostile_group_blends: Counter[tuple[str, int]] = Counter()
+        # Honest members still looking, counted every LOOKING_SAMPLE_SECONDS of the measured window: the partners an
+        # ask can find free, against the hostile groups, which always are
+        self.looking_samples: list[int] = []
 
     # ------------------------------------------------------------------------------------------- claims (a candidate)
 
@@ -844,6 +856,13 @@ class Swarm:
         self.clock.after(self.rng.uniform(0, LOOKUP_EVERY), member.lookup_loop)
         self.clock.after(self.rng.uniform(0, 0.5), member.refresh_loop)
 
+    def _count_looking(self) -> None:
+        if self.measured(self.clock.now):
+            self.looking_samples.append(
+                sum(1 for m in self.members.values() if not m.hostile and m.alive and not m.busy and m.looking())
+            )
+        self.clock.after(LOOKING_SAMPLE_SECONDS, self._count_looking)
+
     def measured(self, moment: float) -> bool:
         """Whether a round opened (or bytes moved) at ``moment`` counts: after the warm-up, and early enough that
         its round has settled before the end."""
@@ -912,6 +931,7 @@ class Swarm:
         rate = settings.churn_per_hour * settings.members / 3600
         if rate > 0:
             self.clock.after(self.rng.expovariate(rate), self.churn)
+        self.clock.after(LOOKING_SAMPLE_SECONDS, self._count_looking)
         started = time.process_time()
         self.clock.run_until(settings.seconds)
         return self._report(hosts, time.process_time() - started)
@@ -947,6 +967,7 @@ class Swarm:
             "hostile_share_of_blends": hostile_blends / blends if blends else 0.0,
             "hostile_share_of_late_blends": late_hostile / late if late else 0.0,
             "most_blends_of_a_hostile_group_at_one_step": max(self.hostile_group_blends.values(), default=0),
+            "honest_looking_mean": statistics.fmean(self.looking_samples) if self.looking_samples else None,
             "clock_moves": sum(m.counts.clock_moves for m in honest),
             "catch_ups": sum(m.counts.catch_ups for m in honest),
             "found_partner_median_s": statistics.median(found) if found else None,
@@ -1023,8 +1044,8 @@ def _line(r: dict[str, Any]) -> str:
         f"{r['blend_rate']:.1%} of {r['rounds']} outer steps (target >= 95%; members under 90%: "
         f"{r['members_below_90_percent']}), hostile keys' share of blends {r['hostile_share_of_blends']:.1%} "
         f"(last third {r['hostile_share_of_late_blends']:.1%}; hosts {r['hostile_host_share']:.1%}; a hostile group "
-        f"blended with at most {r['most_blends_of_a_hostile_group_at_one_step']} honest members at one outer step), "
-        "partner found "
+        f"blended with at most {r['most_blends_of_a_hostile_group_at_one_step']} honest members at one outer step; "
+        f"honest members looking at a moment {_mean_text(r['honest_looking_mean'])}), partner found "
         f"after {found if found is None else round(found, 2)} s "
         f"median, discovery {r['discovery_bytes_per_member_s'] / 1000:.1f} KB/s per member, level "
         f"{r['level_median']}, estimate {r['estimate_median'] and round(r['estimate_median'])}, "
@@ -1033,6 +1054,10 @@ def _line(r: dict[str, Any]) -> str:
         f"{r['joiners']} joiners blended), clock moves {r['clock_moves']}, catch-ups {r['catch_ups']}, "
         f"{r['simulation_cpu_s']:.0f} s CPU"
     )
+
+
+def _mean_text(value: float | None) -> str:
+    return "-" if value is None else f"{value:.1f}"
 
 
 def _groups_text(sizes: list[int]) -> str:
