@@ -716,9 +716,10 @@ class Member:
         # What a recent lookup showed (every few seconds: hundreds of keys, always ready, need not read every one)
         if self._candidates_at < self._looked_up - HOSTILE_VIEW_EVERY:
             live = self.live()
-            steps = sorted(r.outer_step for r in live)
-            self.outer_step = steps[(len(steps) - 1) // 2] if steps else 0
             members = self.swarm.members
+            # Where the honest members of its view are (its own host's keys, which only echo, would drag it behind)
+            steps = sorted(r.outer_step for r in live if r.peer_id in members and not members[r.peer_id].hostile)
+            self.outer_step = steps[(len(steps) - 1) // 2] if steps else 0
             self._candidates = [
                 r
                 for r in live
