@@ -16,7 +16,7 @@ import threading
 import time
 import traceback
 from collections.abc import Callable, Coroutine
-from typing import Any
+from typing import Any, NoReturn
 
 from noloco_node import algorithm
 from noloco_node.config.models import DataConfig, OuterConfig, TrainConfig
@@ -35,18 +35,18 @@ log = logging.getLogger("noloco_node.node.daemon")  # the node's own lines, whic
 EXIT_GRACE_SECONDS = 10.0
 
 
-def leave_process(code: int) -> int:
-    """``code``, once every other non-daemon thread has ended; a thread still running after EXIT_GRACE_SECONDS is
-    logged with its stack and the process leaves without it (``os._exit``: nothing is left to save by then)."""
+def leave_process(code: int) -> NoReturn:
+    """Leaves with ``code`` once every other non-daemon thread has ended, or EXIT_GRACE_SECONDS have passed (a thread
+    still running then is logged with its stack). The interpreter's finalization is skipped (``os._exit``, after the
+    logs and standard streams are flushed): nothing is left to save by then, and finalizing gRPC's C core while its
+    polling threads still wake for the GIL is a known way for a process to die of SIGSEGV on its way out
+    (grpc/grpc#18456), which an orchestrator would read as a crash and restart."""
     deadline = time.monotonic() + EXIT_GRACE_SECONDS
     others = [t for t in threading.enumerate() if t is not threading.current_thread() and not t.daemon]
     for thread in others:
         thread.join(max(0.0, deadline - time.monotonic()))
-    stuck = [t for t in others if t.is_alive()]
-    if not stuck:
-        return code
     frames = sys._current_frames()
-    for thread in stuck:
+    for thread in (t for t in others if t.is_alive()):
         stack = "".join(traceback.format_stack(frames[thread.ident])) if thread.ident in frames else "(no stack)\n"
         log.warning("thread %s still running %.0f s after the node stopped; leaving without it:\n%s",
                     thread.name, EXIT_GRACE_SECONDS, stack)  # fmt: skip
@@ -93,7 +93,9 @@ def _run_node(
         data_parallel.start()
         node.trainer.data_parallel = data_parallel
     code = run_on_uvloop(node.run)
-    return code if data_parallel is not None else leave_process(code)
+    if data_parallel is None:
+        leave_process(code)
+    return code
 
 
 def with_bootstrap_expanded(node_cfg: NodeConfig) -> NodeConfig:
