@@ -717,7 +717,8 @@ class Member:
         if self._candidates_at < self._looked_up - HOSTILE_VIEW_EVERY:
             live = self.live()
             members = self.swarm.members
-            # Where the honest members of its view are (its own host's keys, which only echo, would drag it behind)
+            # Where the honest members of its view are: the hostile hosts act as one attacker and know their keys,
+            # which only echo and, counted, would drag it behind
             steps = sorted(r.outer_step for r in live if r.peer_id in members and not members[r.peer_id].hostile)
             self.outer_step = steps[(len(steps) - 1) // 2] if steps else 0
             self._candidates = [
