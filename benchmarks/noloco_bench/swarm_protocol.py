@@ -65,6 +65,7 @@ same seed.
 
 from __future__ import annotations
 
+import hashlib
 import heapq
 import itertools
 import json
@@ -73,7 +74,7 @@ import random
 import statistics
 import time
 from collections import Counter
-from collections.abc import Callable
+from collections.abc import Callable, Hashable
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
@@ -98,6 +99,10 @@ HOSTILE_CALL_EVERY = 0.5  # a hostile key calls one ready honest member this oft
 HOSTILE_VIEW_EVERY = 4.0  # a hostile key rereads its view (the front and the ready members) this often
 LOOKING_SAMPLE_SECONDS = 1.0  # how often the honest members still looking are counted
 CLAIM_SECONDS = 1.0  # a claim stored in the DHT is read by others this long after it was made
+MEETING_LEVELS_BELOW = 2  # "rendezvous": a meeting group is the hosts of 2^2 discovery buckets (~4 x bucket_records)
+MEETING_LEVEL_MAJORITY = 0.6  # "rendezvous": of the hosts in view, the share at a level that moves the meetings there
+MEETING_PASSES = 3  # "rendezvous": a member left out pairs with those left out of 2, then 4 groups around it
+MEETING_READ_AT = 0.2  # "rendezvous": of a slot, when its group is read (every member due in it has written by then)
 FINGERPRINT = "protocol"
 
 
@@ -139,7 +144,7 @@ class EstablishedGroupsStanding(Standing):
 
 
 STANDINGS: dict[str, type[Standing]] = {"known": Standing, "established": EstablishedGroupsStanding}
-PAIRINGS = ("ready", "reserve", "claimed", "claimed-key")
+PAIRINGS = ("ready", "reserve", "claimed", "claimed-key", "rendezvous")
 CLAIMING = ("claimed", "claimed-key")
 
 
@@ -165,20 +170,21 @@ class Clock:
 
 
 class EmulatedDHT:
-    """The run's buckets: each key's live entries, bounded as every DHT peer of a run bounds them."""
+    """The run's keys (discovery buckets, and "rendezvous" meeting groups): each key's live entries, bounded as every
+    DHT peer of a run bounds them."""
 
     def __init__(self, clock: Clock) -> None:
         self._clock = clock
-        self._keys: dict[Bucket, dict[str, tuple[PeerRecord, float]]] = {}
+        self._keys: dict[Hashable, dict[str, tuple[PeerRecord, float]]] = {}
 
-    def _live(self, bucket: Bucket) -> dict[str, tuple[PeerRecord, float]]:
+    def _live(self, bucket: Hashable) -> dict[str, tuple[PeerRecord, float]]:
         entries = self._keys.setdefault(bucket, {})
         now = self._clock.now
         for peer_id in [p for p, (_, expires) in entries.items() if expires < now]:
             del entries[peer_id]
         return entries
 
-    def store(self, bucket: Bucket, record: PeerRecord, expires: float) -> tuple[bool, int]:
+    def store(self, bucket: Hashable, record: PeerRecord, expires: float) -> tuple[bool, int]:
         """Whether the entry was stored, and the bytes it cost its writer."""
         entries = self._live(bucket)
         cost = self.read_bytes(len(entries)) + STORE_PEERS * (ENTRY_BYTES + REQUEST_BYTES)
@@ -187,7 +193,7 @@ class EmulatedDHT:
         entries[record.peer_id] = (record, expires)
         return True, cost
 
-    def read(self, bucket: Bucket) -> tuple[list[tuple[PeerRecord, float]], int]:
+    def read(self, bucket: Hashable) -> tuple[list[tuple[PeerRecord, float]], int]:
         """The bucket's entries (every one, whoever wrote it) and the bytes the read cost its reader."""
         entries = self._live(bucket)
         return list(entries.values()), self.read_bytes(len(entries))
@@ -195,6 +201,43 @@ class EmulatedDHT:
     @staticmethod
     def read_bytes(entries: int) -> int:
         return ANSWERING_PEERS * (REQUEST_BYTES + entries * ENTRY_BYTES)
+
+
+def _hash32(text: str) -> int:
+    return int.from_bytes(hashlib.sha256(text.encode()).digest()[:4], "big")
+
+
+MeetingKey = tuple[int, int, int]  # "rendezvous": (slot, level, index)
+
+
+def meeting_key(network_group: str, slot: int, level: int) -> MeetingKey:
+    """A host's meeting group for a slot: the first ``level`` bits of a hash of its network group and the slot, so
+    that nobody chooses its group (its address places it) and the groups mix anew at every slot."""
+    return slot, level, _hash32(f"{network_group}/{slot}") >> (32 - level) if level else 0
+
+
+def meeting_pairs(slot: int, entries: list[PeerRecord], max_staleness: int, window: float) -> dict[str, str]:
+    """Who meets whom in one meeting group at one slot, the same for every reader of the same entries: one key per
+    network group (the lowest hash of key and slot), then pairs of hosts whose outer steps are within reach and due
+    within ``window`` of each other, taken greedily in the order of a hash of the two groups and the slot (which
+    neither chooses). Each host meets at most one other: a host's keys, or its always-ready records, buy no more."""
+    hosts: dict[str, PeerRecord] = {}
+    for record in sorted(entries, key=lambda r: (_hash32(f"{r.peer_id}/{slot}"), r.peer_id)):
+        hosts.setdefault(record.network_group, record)
+    edges: list[tuple[int, str, str]] = []
+    for one, other in itertools.combinations(hosts.values(), 2):
+        if (
+            abs(one.outer_step - other.outer_step) <= max_staleness
+            and abs(one.next_step_at - other.next_step_at) <= window
+        ):
+            low, high = sorted((one.network_group, other.network_group))
+            edges.append((_hash32(f"{slot}/{low}/{high}"), one.peer_id, other.peer_id))
+    edges.sort()
+    partner: dict[str, str] = {}
+    for _, a, b in edges:
+        if a not in partner and b not in partner:
+            partner[a], partner[b] = b, a
+    return partner
 
 
 @dataclass
@@ -206,6 +249,7 @@ class MemberCounts:
     late_hostile_blends: int = 0
     clock_moves: int = 0
     catch_ups: int = 0  # states downloaded after solo steps with every peer out of reach ahead
+    unmatched: int = 0  # "rendezvous": outer steps whose meeting group gave this member nobody (or a gone partner)
     found_seconds: list[float] = field(default_factory=list)  # a round's opening to its exchange
     discovery_bytes: int = 0  # in the measured window
     first_blend_after: float | None = None  # a joiner: seconds from its start to its first blend
@@ -243,6 +287,8 @@ class Member:
         self.reserved: str | None = None  # draw, then meet: the partner this member meets at its next round
         self._claim: tuple[str, int] | None = None  # "claimed": the partner's slot this member's reservation holds
         self._claim_settles = 0.0  # "claimed": when this member has read its claim back (no meeting before)
+        self._meeting: tuple[MeetingKey, str | None] | None = None  # "rendezvous": this phase's group, and partner
+        self._meeting_level: int | None = None  # "rendezvous": the discovery level its meeting groups follow
         self.phase = 0  # phases begun: a draw belongs to one
         self._tried: set[str] = set()  # draw, then meet: asked in this pass over the candidates, and refused
         self.counts = MemberCounts()
@@ -347,17 +393,21 @@ class Member:
         self._begin_phase()
 
     def _reserving(self) -> bool:
-        return self.swarm.settings.pairing in ("reserve", *CLAIMING)
+        return self.swarm.settings.pairing in ("reserve", "rendezvous", *CLAIMING)
 
     def _begin_phase(self) -> None:
         self.phase += 1
         self.reserved = None
         self._release_claim()
         self._tried.clear()
+        self._meeting = None
         if self._reserving():
             self.publish()  # looking again
             phase = self.phase
-            self.swarm.clock.after(self.rng.uniform(0.05, 0.3), lambda: self._draw(phase))
+            if self.swarm.settings.pairing == "rendezvous":
+                self._enter_meeting(phase)
+            else:
+                self.swarm.clock.after(self.rng.uniform(0.05, 0.3), lambda: self._draw(phase))
 
     def _join_training(self) -> None:
         """A joiner that found the swarm downloads a donor's state (the lower median step in view) and trains on."""
@@ -393,7 +443,10 @@ class Member:
         clock.after(self._wait_seconds(), lambda: self._timeout(number))
         if self._reserving():
             if not self._meet() and self.reserved is None:
-                self._draw(self.phase)
+                if self._meeting is not None:  # "rendezvous": its group gave it nobody who comes
+                    self._close(None)
+                else:
+                    self._draw(self.phase)
             return
         clock.after(self.rng.uniform(0.05, 0.25), lambda: self._seek(number, clock.now + settings.alone_grace))
 
@@ -534,6 +587,8 @@ class Member:
         if self.phase != phase or self.reserved is not None or self.asking or self.busy or not self.alive:
             return
         settings, clock = self.swarm.settings, self.swarm.clock
+        if settings.pairing == "rendezvous":  # whom it meets is its meeting group's to say, nobody's ask
+            return
         self._refresh_candidates()
         alone = self._all_ahead or clock.now >= self.round_opened + settings.alone_grace
         if self.round_open and not self._within_reach and alone:
@@ -600,6 +655,105 @@ class Member:
         else:
             self._draw(phase)
 
+    def _enter_meeting(self, phase: int) -> None:
+        """Under rendezvous: writes this phase's entry (its step, and when it is due) to its meeting group of the
+        slot its step is due in, and reads the group once every member due in that slot has written (MEETING_READ_AT
+        of the slot, and the DHT's CLAIM_SECONDS). A step due after its slot's group was read (a phase begun late,
+        after a long wait) goes to the next slot's group, where those due within the window of it may meet it."""
+        clock, slot_seconds = self.swarm.clock, self.swarm.settings.phase_seconds
+        due = self._due()
+        slot = math.floor(due / slot_seconds)
+        if (slot + MEETING_READ_AT) * slot_seconds + CLAIM_SECONDS < clock.now:
+            slot += 1
+        read_at = (slot + MEETING_READ_AT) * slot_seconds + CLAIM_SECONDS
+        entry = replace(self.record(), next_step_at=due)
+        key = meeting_key(entry.network_group, slot, max(0, self._swarm_level() - MEETING_LEVELS_BELOW))
+        _, cost = self.swarm.dht.store(key, entry, (slot + 2) * slot_seconds)
+        self._count_bytes(cost)
+        clock.after(read_at - clock.now, lambda: self._read_meeting(phase, key))
+
+    def _read_meeting(self, phase: int, key: MeetingKey) -> None:
+        """Under rendezvous: the group's pairing (``meeting_pairs``, what every reader of it computes); a member it
+        leaves out reads the sibling group too, and the hosts both groups left out are paired the same way (under
+        their parent key). The partner named is reserved if standing serves it (the node's ask to it would be its
+        confirmation) and met at both members' steps; a member named with nobody goes alone at its step."""
+        if self.phase != phase or not self.alive:
+            return
+        slot, level, index = key
+        read: dict[MeetingKey, list[PeerRecord]] = {}
+        partner_id = None
+        for height in range(min(MEETING_PASSES, level + 1)):
+            pairs, _ = self._subtree(slot, level, index >> height, height, read)
+            partner_id = pairs.get(self.peer_id)
+            if partner_id is not None:
+                key = (slot, level - height, index >> height)
+                break
+        partner = self.swarm.members.get(partner_id) if partner_id is not None else None
+        if partner is not None and partner.alive:
+            self.standing.heard_from(partner.peer_id)
+            if self.policy.quarantined(partner.peer_id) or not self.standing.may_serve(partner.peer_id):
+                partner = None
+            else:
+                self.standing.spend_stranger_turn(partner.peer_id)
+        else:
+            partner = None
+        self._meeting = (key, partner.peer_id if partner is not None else None)
+        if partner is None:
+            if self.swarm.measured(self._due()):
+                self.counts.unmatched += 1
+            if self.round_open and not self.busy:
+                self._close(None)
+            return
+        self.reserved = partner.peer_id
+        if self.round_open and not self._meet() and self.reserved is None and not self.busy:
+            self._close(None)
+
+    def _swarm_level(self) -> int:
+        """Under rendezvous: the discovery level most hosts of its view are at (a record would say its writer's
+        level; here the bench reads it off the member), kept until another level has MEETING_LEVEL_MAJORITY of them:
+        members a level apart (an estimate near a level's edge) would otherwise meet in different groups, and a
+        host that writes at every level would meet one member at each."""
+        levels: dict[str, int] = {}
+        for record in self.live():
+            member = self.swarm.members.get(record.peer_id)
+            if member is not None and record.network_group not in levels:
+                levels[record.network_group] = member.size.level
+        counts = Counter(levels.values())
+        if counts:
+            level, most = counts.most_common(1)[0]
+            if self._meeting_level is None or most > MEETING_LEVEL_MAJORITY * len(levels):
+                self._meeting_level = level
+        return self._meeting_level if self._meeting_level is not None else self.size.level
+
+    def _subtree(
+        self, slot: int, level: int, root: int, height: int, read: dict[MeetingKey, list[PeerRecord]]
+    ) -> tuple[dict[str, str], list[PeerRecord]]:
+        """Under rendezvous: the pairs of the meeting groups at ``level`` under ``root`` (a prefix ``height`` bits
+        shorter), and the hosts they leave out: each group paired alone, then the two halves' left-out hosts paired
+        together under their parent key, up to ``root``. What every member whose group is there computes."""
+        if height == 0:
+            key = (slot, level, root)
+            if key not in read:
+                read[key] = self._read_group(key)
+            entries, pairs = read[key], self.swarm.meeting_pairs(key, read[key])
+        else:
+            low_pairs, low = self._subtree(slot, level, 2 * root, height - 1, read)
+            high_pairs, high = self._subtree(slot, level, 2 * root + 1, height - 1, read)
+            entries = low + high
+            pairs = {**low_pairs, **high_pairs, **self.swarm.meeting_pairs((slot, level - height, root), entries, True)}
+        matched = {r.network_group for r in entries if r.peer_id in pairs}
+        return pairs, [r for r in entries if r.network_group not in matched]
+
+    def _read_group(self, key: MeetingKey) -> list[PeerRecord]:
+        """A meeting group's entries: those whose network group places them there (the key is anybody's to write),
+        and whose member answers (the reader's call to each: a record for an address nobody holds is no host)."""
+        entries, cost = self.swarm.dht.read(key)
+        slot, level, _ = key
+        group = [r for r, _ in entries if not r.leaving and meeting_key(r.network_group, slot, level) == key]
+        self._count_bytes(cost + len(group) * 2 * REQUEST_BYTES)
+        members = self.swarm.members
+        return [r for r in group if r.peer_id in members and members[r.peer_id].alive]
+
     def takes_reservation_from(self, caller: Member) -> bool:
         """A request to meet at both members' next outer steps: taken when this member is free and unreserved, the
         caller within reach, both due within the meeting window of each other, not a repeat inside the grace, and
@@ -607,7 +761,7 @@ class Member:
         settings = self.swarm.settings
         if not self.alive or self.busy or self.reserved is not None or caller.outer_step is None:
             return False
-        if self.outer_step is None or self.outer_step < 0:
+        if self.outer_step is None or self.outer_step < 0 or self.swarm.settings.pairing == "rendezvous":
             return False
         if self.hostile:  # always there, at any step
             return True
@@ -626,7 +780,14 @@ class Member:
         if self.reserved is None or not self.round_open or self.busy:
             return False
         partner = self.swarm.members.get(self.reserved)
-        if partner is None or not partner.alive or (not partner.hostile and partner.reserved != self.peer_id):
+        if self._meeting is not None and partner is not None and partner.alive and not partner.hostile:
+            theirs = partner._meeting
+            if theirs is None:  # "rendezvous": the partner has not read the group yet; its read meets
+                return False
+            if theirs != (self._meeting[0], self.peer_id):  # it read another pairing (or moved on)
+                self.reserved = None
+                return False
+        elif partner is None or not partner.alive or (not partner.hostile and partner.reserved != self.peer_id):
             self.reserved = None
             self._release_claim()
             return False
@@ -732,7 +893,7 @@ class Member:
             self._candidates_at = self._looked_up
             self._near = self._candidates
         self.round_open = True
-        if not self.busy and self._candidates:
+        if not self.busy and self._candidates and self.swarm.settings.pairing != "rendezvous":
             callee = self.swarm.members.get(self.rng.choice(self._candidates).peer_id)
             if self._reserving():
                 if callee is not None and callee.takes_reservation_from(self):
@@ -770,6 +931,9 @@ class Swarm:
         # Honest members still looking, counted every LOOKING_SAMPLE_SECONDS of the measured window: the partners an
         # ask can find free, against the hostile groups, which always are
         self.looking_samples: list[int] = []
+        self.hostile_hosts: list[list[Member]] = []
+        # "rendezvous": each meeting group's last pairing, by the entries it was computed from
+        self._pairings: dict[tuple[MeetingKey, bool], tuple[frozenset[tuple[str, int, float]], dict[str, str]]] = {}
 
     # ------------------------------------------------------------------------------------------- claims (a candidate)
 
@@ -827,6 +991,34 @@ class Swarm:
         else:
             self.claims.pop(slot, None)
 
+    # ------------------------------------------------------------------------------------------- meetings (a candidate)
+
+    def meeting_pairs(self, key: MeetingKey, entries: list[PeerRecord], left_out: bool = False) -> dict[str, str]:
+        """``meeting_pairs`` of a group's entries (or of two sibling groups' left-out hosts, under their parent key),
+        computed once for every reader that reads the same ones."""
+        seen = frozenset((r.peer_id, r.outer_step, r.next_step_at) for r in entries)
+        cached = self._pairings.get((key, left_out))
+        if cached is None or cached[0] != seen:
+            settings = self.settings
+            window = meeting_window(settings.pair_timeout, settings.phase_seconds)
+            cached = (seen, meeting_pairs(key[0], entries, settings.max_staleness, window))
+            self._pairings[(key, left_out)] = cached
+        return cached[1]
+
+    def hostile_meetings(self, slot: int) -> None:
+        """Under rendezvous: each hostile host writes an entry to its meeting group of ``slot`` at its level and the
+        levels beside it (wherever members may read), one of its keys in turn, its step what most of its view is at,
+        due mid-slot (within the window of most members due in it)."""
+        slot_seconds = self.settings.phase_seconds
+        for keys in self.hostile_hosts:
+            key = keys[slot % len(keys)]
+            entry = replace(key.record(), next_step_at=(slot + 0.5) * slot_seconds)
+            for level in {max(0, key.size.level - MEETING_LEVELS_BELOW + d) for d in (-1, 0, 1)}:
+                self.dht.store(meeting_key(entry.network_group, slot, level), entry, (slot + 2) * slot_seconds)
+        for old in [k for k in self._pairings if k[0][0] < slot - 2]:
+            del self._pairings[old]
+        self.clock.after(slot_seconds, lambda: self.hostile_meetings(slot + 1))
+
     def _address(self) -> str:
         """A public address of a /24 of its own (addresses.network_group): 11.0.0.1, 11.0.1.1, ..."""
         host = next(self._hosts)
@@ -846,11 +1038,14 @@ class Swarm:
 
     def add_hostile_host(self) -> None:
         address = self._address()
+        keys = []
         for _ in range(self.settings.keys_per_hostile):
             member = Member(self, self._peer_id(), address, hostile=True, slowdown=1.0)
             member.outer_step = 0
+            keys.append(member)
             self._enter(member)
             self.clock.after(self.rng.uniform(0, HOSTILE_CALL_EVERY), member.hostile_loop)
+        self.hostile_hosts.append(keys)
 
     def _enter(self, member: Member) -> None:
         self.members[member.peer_id] = member
@@ -934,6 +1129,8 @@ class Swarm:
         if rate > 0:
             self.clock.after(self.rng.expovariate(rate), self.churn)
         self.clock.after(LOOKING_SAMPLE_SECONDS, self._count_looking)
+        if settings.pairing == "rendezvous" and self.hostile_hosts:
+            self.clock.after(settings.phase_seconds / 2, lambda: self.hostile_meetings(1))
         started = time.process_time()
         self.clock.run_until(settings.seconds)
         return self._report(hosts, time.process_time() - started)
@@ -972,6 +1169,7 @@ class Swarm:
             "honest_looking_mean": statistics.fmean(self.looking_samples) if self.looking_samples else None,
             "clock_moves": sum(m.counts.clock_moves for m in honest),
             "catch_ups": sum(m.counts.catch_ups for m in honest),
+            "unmatched_share": sum(m.counts.unmatched for m in honest) / rounds if rounds else 0.0,
             "found_partner_median_s": statistics.median(found) if found else None,
             "found_partner_p90_s": found[int(0.9 * (len(found) - 1))] if found else None,
             "joiners": len(joiners),
@@ -1044,7 +1242,8 @@ def _line(r: dict[str, Any]) -> str:
         f"{r['pairing']:>7}, {r['partners']:>11}: {r['members']:>6} members (+{r['hostile_keys']} hostile keys "
         f"on {r['hostile_hosts']} hosts): blends "
         f"{r['blend_rate']:.1%} of {r['rounds']} outer steps (target >= 95%; members under 90%: "
-        f"{r['members_below_90_percent']}), hostile keys' share of blends {r['hostile_share_of_blends']:.1%} "
+        f"{r['members_below_90_percent']}; met nobody {r['unmatched_share']:.1%}), hostile keys' share of blends "
+        f"{r['hostile_share_of_blends']:.1%} "
         f"(last third {r['hostile_share_of_late_blends']:.1%}; hosts {r['hostile_host_share']:.1%}; a hostile group "
         f"blended with at most {r['most_blends_of_a_hostile_group_at_one_step']} honest members at one outer step; "
         f"honest members looking at a moment {_mean_text(r['honest_looking_mean'])}), partner found "

@@ -12,6 +12,8 @@ from noloco_bench.swarm_protocol import (
     EmulatedDHT,
     ProtocolSettings,
     _groups,
+    meeting_key,
+    meeting_pairs,
     run,
 )
 from noloco_node.discovery.buckets import MAX_BUCKET_ENTRIES, Bucket
@@ -87,3 +89,44 @@ def test_a_hostile_host_with_many_keys_stays_at_the_honest_members_outer_step() 
         members=60, seconds=240.0, warmup=90.0, hostile_share=0.1, churn_per_hour=0.0, keys_per_hostile=16
     )
     assert run(settings)["hostile_share_of_blends"] > 0.5
+
+
+def _entry(peer_id: str, group: int, outer_step: int = 5, due: float = 100.0) -> PeerRecord:
+    return PeerRecord(peer_id, f"11.0.{group}.1:7000", "fp", outer_step=outer_step, next_step_at=due)
+
+
+def test_a_meeting_group_pairs_each_host_once_and_every_reader_pairs_it_alike() -> None:
+    """Under rendezvous whom a member meets is a function of its group's entries: a host with many keys is one host,
+    hosts out of reach or due too far apart are not paired, and no two hosts that could meet are both left out."""
+    hostile = [_entry(f"h{i}", 99) for i in range(8)]  # one host's eight keys
+    honest = [_entry(f"m{i}", i, due=100.0 + i) for i in range(9)]
+    behind = _entry("late", 50, outer_step=1)  # beyond --max-staleness of everyone
+    far = _entry("far", 51, due=160.0)  # due 60 s after everyone
+    entries = [*hostile, *honest, behind, far]
+    pairs = meeting_pairs(7, entries, max_staleness=2, window=20.0)
+    assert pairs == meeting_pairs(7, list(reversed(entries)), max_staleness=2, window=20.0)
+    assert all(pairs[pairs[a]] == a for a in pairs)
+    assert sum(p.startswith("h") for p in pairs) == 1  # eight keys, one partner
+    assert "late" not in pairs and "far" not in pairs
+    hosts = {e.network_group for e in entries if e.peer_id not in ("late", "far")}
+    assert len(pairs) == 2 * (len(hosts) // 2)  # 10 hosts within reach of each other: all paired
+    assert meeting_pairs(8, entries, max_staleness=2, window=20.0) != pairs  # each slot mixes anew
+
+
+def test_a_host_is_placed_in_its_meeting_group_by_its_address_and_the_slot() -> None:
+    placed = {meeting_key(f"11.0.{i}.0/24", 40, 3) for i in range(64)}
+    assert {key[2] for key in placed} == set(range(8))  # 64 hosts spread over the 8 groups of level 3
+    moved = sum(meeting_key(f"11.0.{i}.0/24", 41, 3) != meeting_key(f"11.0.{i}.0/24", 40, 3) for i in range(64))
+    assert moved > 40  # the next slot's groups are drawn anew (7 in 8 hosts move)
+
+
+def test_rendezvous_holds_always_ready_hosts_to_one_partner_a_slot_whatever_their_keys() -> None:
+    """The "rendezvous" candidate: members meet whom their meeting group's pairing names, one partner a host a
+    slot. Always-ready hosts then take about their share of the hosts, with 4 keys or 16, where the node's rule
+    gives them most blends; and honest members still blend at nearly every outer step."""
+    settings = ProtocolSettings(members=60, seconds=300.0, warmup=90.0, hostile_share=0.1, churn_per_hour=0.0)
+    for keys in (4, 16):
+        result = run(replace(settings, pairing="rendezvous", keys_per_hostile=keys))
+        assert result["most_blends_of_a_hostile_group_at_one_step"] <= 2, result  # a slot is not an outer step
+        assert result["hostile_share_of_blends"] < 1.3 * result["hostile_host_share"], result
+        assert result["blend_rate"] >= 0.95, result
