@@ -154,7 +154,9 @@ def add_bench_parsers(commands: Any) -> None:
         help="how members pair, a run of each, comma-separated: reserve (draw, then meet, the node's rule: a partner "
         "asked during the phase, met at both outer steps), ready (sync mode's rule before: calls at the outer step "
         "to records flagged ready) or claimed (a candidate: reserve, a network group meeting one partner from outside "
-        "it per outer step, claimed in the DHT) or claimed-key (the same per key)",
+        "it per outer step, claimed in the DHT), claimed-key (the same per key) or rendezvous (a candidate: meeting "
+        "groups placed by a hash of each host's network group and the slot, each group paired by a rule every reader "
+        "computes alike, one partner a host a slot)",
     )
     protocol.add_argument(
         "--partners",

@@ -41,6 +41,21 @@ model: a member is its outer-step counter. What is emulated around them follows 
   (``Swarm.claim``). A hostile key's slot is at the outer step of the member it meets. With
   ``pairing="claimed-key"`` the slot is the partner's key's instead of its group's: what a node could check (a
   claim is then a receipt the key signed itself; a group's claim rests on an address that is the claimant's word).
+- **Meeting groups** (``pairing="rendezvous"``, a candidate, not the node's rule): nobody asks anybody. Time is cut
+  into slots of ``phase_seconds``; at the start of its phase a member writes an entry (its outer step, when it is
+  due) to its meeting group of the slot its step is due in, a DHT key placed by a hash of its network group and the
+  slot (``meeting_key``) at the level two below the discovery level most hosts of its view are at. Once every member
+  due in the slot has written (MEETING_READ_AT of the slot, plus a store's delay), each reads its group, calls each
+  entry's address (an entry whose member does not answer is no host), and computes the group's pairing
+  (``meeting_pairs``: one key per network group, pairs within reach and within the meeting window taken in the
+  order of a hash of the two groups and the slot); one it leaves out reads the sibling group and pairs with those
+  left out there, then with those of the 4 groups around it (MEETING_PASSES). Every reader of the same entries
+  computes the same pairs, so the two named meet at their steps as reserved partners do, standing permitting, and
+  a member named with nobody steps alone. A hostile host writes one entry a slot (a key of its in turn), at its
+  level and the levels beside it, due mid-slot and at the honest members' step: compatible with nearly everyone,
+  and still one host to every pairing. What a node would add and the bench does not emulate: fake entries (an
+  address nobody holds costs its partner a step, not a blend: the meeting is a call to or from that address),
+  members of one network group (one partner outside it a slot), relayed members.
 - **Partners** (``partners``): the node's ``Standing`` (``known``: a record seen for --standing-seconds, a group
   held to its fair share, one blend in G outer steps), or ``EstablishedGroupsStanding`` (``established``, the node's
   line before 2026-11-29: a record seen for --standing-seconds and a blend). A call answered, and a call in, tell
