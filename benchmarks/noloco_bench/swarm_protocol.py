@@ -727,7 +727,8 @@ class Member:
         """Under rendezvous: the discovery level most hosts of its view are at (a record would say its writer's
         level; here the bench reads it off the member), kept until another level has MEETING_LEVEL_MAJORITY of them:
         members a level apart (an estimate near a level's edge) would otherwise meet in different groups, and a
-        host that writes at every level would meet one member at each."""
+        host that writes at every level would meet one member at each. Every host of the view counts here; a node
+        must count only hosts it has heard from, or records that name free addresses choose its level."""
         levels: dict[str, int] = {}
         for record in self.live():
             member = self.swarm.members.get(record.peer_id)
